@@ -1,0 +1,8 @@
+"""streamplan: long-sequence transformer inference in bounded activation memory, with the model's own math."""
+from .api import StreamHandle, apply
+from .budget import parse_budget
+from .meter import measure_peak
+from .planner import BudgetError
+
+__all__ = ["apply", "StreamHandle", "measure_peak", "parse_budget", "BudgetError"]
+__version__ = "0.1.0"

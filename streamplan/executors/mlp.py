@@ -1,0 +1,57 @@
+"""Streamed MLP execution: row chunks into one preallocated output, optionally feature-sliced."""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ..ir import MLPSpec
+from ..planner import MLPPlan
+
+
+def run_row_chunked(stock: Callable[[torch.Tensor], torch.Tensor], x2: torch.Tensor, chunk: int) -> torch.Tensor:
+    """The module's own forward on row chunks, each result copied into its rows of the output."""
+    rows = x2.shape[0]
+    out = None
+    for a in range(0, rows, chunk):
+        y = stock(x2[a:a + chunk])
+        if out is None:
+            out = y.new_empty((rows, y.shape[-1]))
+        out[a:a + chunk].copy_(y)
+        del y
+    return out
+
+
+def run_feature_sliced(spec: MLPSpec, x2: torch.Tensor, chunk: int, ffn_slice: int) -> torch.Tensor:
+    """out[rows] = sum over hidden slices of hidden_slice @ W_out[:, slice]^T (+ bias once)."""
+    rows = x2.shape[0]
+    w_out, b_out = spec.out_proj.weight, spec.out_proj.bias
+    out = None
+    for a in range(0, rows, chunk):
+        xc = x2[a:a + chunk]
+        for s in range(0, spec.ffn, ffn_slice):
+            e = min(s + ffn_slice, spec.ffn)
+            h = spec.hidden(xc, s, e)
+            if out is None:
+                out = h.new_empty((rows, spec.dim_out))
+            oc = out[a:a + chunk]
+            w = w_out[:, s:e].t()
+            if s == 0:
+                if b_out is not None:
+                    torch.addmm(b_out, h, w, out=oc)
+                else:
+                    torch.mm(h, w, out=oc)
+            else:
+                oc.addmm_(h, w)
+            del h
+    return out
+
+
+def run_mlp(spec: MLPSpec, plan: MLPPlan, stock: Callable[[torch.Tensor], torch.Tensor],
+            x: torch.Tensor) -> torch.Tensor:
+    x2 = x.reshape(-1, x.shape[-1])
+    if plan.tier == "L2" and not torch.is_autocast_enabled():
+        out = run_feature_sliced(spec, x2, plan.chunk, plan.ffn_slice)
+    else:
+        out = run_row_chunked(stock, x2, plan.chunk)
+    return out.view(*x.shape[:-1], out.shape[-1])

@@ -1,0 +1,80 @@
+"""Specs: plain descriptions of a structure in row-local pieces, produced by recognizers."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+Activation = Callable[[torch.Tensor], torch.Tensor]
+MLPLayout = Literal["plain", "gated-fused", "gated-separate"]
+
+
+@dataclass(eq=False)
+class MLPSpec:
+    """``out_proj(hidden(x))`` where every hidden feature depends only on its own projection rows.
+
+    plain:          hidden = act(in_proj(x))
+    gated-fused:    in_proj gives [up | gate] (or [gate | up]); hidden = up * act(gate)
+    gated-separate: hidden = act(gate_proj(x)) * in_proj(x)
+    ``act`` is elementwise, so it may be applied to any slice of features.
+    """
+
+    module: nn.Module
+    label: str
+    layout: MLPLayout
+    in_proj: nn.Linear
+    out_proj: nn.Linear
+    act: Activation
+    ffn: int
+    gate_proj: nn.Linear | None = None
+    gate_first: bool = False  # gated-fused only: the gate is the first half
+
+    @property
+    def dim_in(self) -> int:
+        return self.in_proj.in_features
+
+    @property
+    def dim_out(self) -> int:
+        return self.out_proj.out_features
+
+    @property
+    def proj_width(self) -> int:
+        """Features produced by the input projection(s) before the activation, per row."""
+        return self.ffn if self.layout == "plain" else 2 * self.ffn
+
+    def hidden(self, x: torch.Tensor, a: int, b: int) -> torch.Tensor:
+        """Activated hidden features [a:b) for rows x; never builds the other features."""
+        w, bias = self.in_proj.weight, self.in_proj.bias
+        if self.layout == "plain":
+            return self.act(F.linear(x, w[a:b], None if bias is None else bias[a:b]))
+        if self.layout == "gated-separate":
+            g = self.gate_proj
+            gate = F.linear(x, g.weight[a:b], None if g.bias is None else g.bias[a:b])
+            up = F.linear(x, w[a:b], None if bias is None else bias[a:b])
+            return self.act(gate) * up
+        off_gate, off_up = (0, self.ffn) if self.gate_first else (self.ffn, 0)
+        up = F.linear(x, w[off_up + a:off_up + b], None if bias is None else bias[off_up + a:off_up + b])
+        gate = F.linear(x, w[off_gate + a:off_gate + b], None if bias is None else bias[off_gate + a:off_gate + b])
+        return up * self.act(gate)
+
+    def projections(self) -> list[nn.Module]:
+        return [m for m in (self.in_proj, self.gate_proj, self.out_proj) if m is not None]
+
+
+@dataclass
+class Skip:
+    """A module left stock, and why (shown by ``handle.report()``)."""
+
+    name: str
+    cls: str
+    reason: str
+
+
+@dataclass
+class Recognized:
+    name: str
+    spec: MLPSpec
+    notes: list[str] = field(default_factory=list)

@@ -1,0 +1,119 @@
+"""Choosing a tier and chunk sizes per operation from its spec, its runtime shape and a budget."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from .budget import fmt_bytes
+from .ir import MLPSpec
+from .weights import can_slice_in, can_slice_out, slice_align
+
+DEFAULT_CHUNK_TOKENS = 4096   # used when neither a budget nor a chunk is given
+ROW_ALIGN = 256               # budget-chosen chunks are multiples of this (GEMM-friendly)
+MIN_CHUNK_TOKENS = 256        # smallest row chunk the planner will choose on its own
+MIN_FFN_SLICE = 256
+
+
+class BudgetError(ValueError):
+    """Nothing the planner can build fits the budget; raised before any work runs."""
+
+
+@dataclass
+class MLPPlan:
+    tier: str            # "L0" stock, "L1" row-streamed, "L2" row-streamed + feature-sliced
+    rows: int
+    chunk: int           # rows per chunk (== rows for L0)
+    ffn_slice: int       # hidden features per slice (== ffn unless L2)
+    predicted_peak: int  # bytes above the input, output included
+    stock_peak: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def describe(self) -> str:
+        if self.tier == "L0":
+            return f"L0 stock  rows={self.rows}  peak~{fmt_bytes(self.predicted_peak)}"
+        sl = f"  ffn_slice={self.ffn_slice}" if self.tier == "L2" else ""
+        return (f"{self.tier} rows={self.rows} chunk={self.chunk}{sl}  peak~{fmt_bytes(self.predicted_peak)}"
+                f" (stock {fmt_bytes(self.stock_peak)})")
+
+
+def mlp_row_elems(spec: MLPSpec, width: int) -> int:
+    """Elements per row alive at the worst moment when ``width`` hidden features are built at once."""
+    if spec.layout == "plain":            # proj, act(proj)
+        build = 2 * width
+    elif spec.layout == "gated-fused":    # [up|gate], act(gate), up*act
+        build = 4 * width
+    else:                                 # act(gate) while up and the product exist
+        build = 3 * width
+    return max(build, width + spec.dim_out)
+
+
+def mlp_peak(spec: MLPSpec, rows: int, elem: int, tier: str, chunk: int, ffn_slice: int) -> int:
+    if tier == "L0":
+        return rows * mlp_row_elems(spec, spec.ffn) * elem
+    out = rows * spec.dim_out * elem
+    if tier == "L1":   # the stock forward on one chunk, its result copied into the output
+        return out + min(chunk, rows) * mlp_row_elems(spec, spec.ffn) * elem
+    return out + min(chunk, rows) * (mlp_row_elems(spec, ffn_slice) - spec.dim_out) * elem
+
+
+def can_feature_slice(spec: MLPSpec) -> bool:
+    return can_slice_out(spec.in_proj, *( [spec.gate_proj] if spec.gate_proj is not None else [])) and \
+        can_slice_in(spec.out_proj)
+
+
+def plan_mlp(spec: MLPSpec, rows: int, elem: int, *, chunk_tokens: int | None = None,
+             ffn_slice: int | None = None, budget: int | None = None) -> MLPPlan:
+    stock = mlp_peak(spec, rows, elem, "L0", rows, spec.ffn)
+
+    def make(tier: str, chunk: int, sl: int) -> MLPPlan:
+        chunk = min(chunk, rows)
+        return MLPPlan(tier, rows, chunk, sl, mlp_peak(spec, rows, elem, tier, chunk, sl), stock)
+
+    if ffn_slice is not None and can_feature_slice(spec):
+        sl = _align_slice(min(ffn_slice, spec.ffn), spec)
+        return make("L2", chunk_tokens or rows, sl)
+    if chunk_tokens is not None or budget is None:
+        chunk = chunk_tokens or DEFAULT_CHUNK_TOKENS
+        return make("L1", chunk, spec.ffn) if rows > chunk else make("L0", rows, spec.ffn)
+    if stock <= budget:
+        return make("L0", rows, spec.ffn)
+    chunk = _largest_chunk(lambda c: mlp_peak(spec, rows, elem, "L1", c, spec.ffn), rows, budget)
+    if chunk is not None:
+        return make("L1", chunk, spec.ffn)
+    if can_feature_slice(spec):
+        for sl in _slice_candidates(spec):
+            chunk = _largest_chunk(lambda c: mlp_peak(spec, rows, elem, "L2", c, sl), rows, budget)
+            if chunk is not None:
+                return make("L2", chunk, sl)
+    floor = mlp_peak(spec, rows, elem, "L2" if can_feature_slice(spec) else "L1", MIN_CHUNK_TOKENS,
+                     MIN_FFN_SLICE if can_feature_slice(spec) else spec.ffn)
+    raise BudgetError(f"{spec.label}: budget {fmt_bytes(budget)} is below the smallest peak streamplan can reach "
+                      f"for {rows} rows ({fmt_bytes(floor)}, dominated by the {rows}x{spec.dim_out} output)")
+
+
+def _largest_chunk(peak_of, rows: int, budget: int) -> int | None:
+    if peak_of(rows) <= budget:
+        return rows
+    lo, hi = MIN_CHUNK_TOKENS, rows
+    if peak_of(lo) > budget:
+        return None
+    while hi - lo > ROW_ALIGN:
+        mid = (lo + hi) // 2 // ROW_ALIGN * ROW_ALIGN
+        if mid <= lo:
+            break
+        lo, hi = (mid, hi) if peak_of(mid) <= budget else (lo, mid)
+    return lo
+
+
+def _align_slice(sl: int, spec: MLPSpec) -> int:
+    align = slice_align(*spec.projections())
+    return max(align, sl // align * align)
+
+
+def _slice_candidates(spec: MLPSpec) -> list[int]:
+    out, sl = [], spec.ffn // 2
+    while sl >= MIN_FFN_SLICE:
+        out.append(_align_slice(sl, spec))
+        sl //= 2
+    return out

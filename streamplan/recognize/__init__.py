@@ -1,0 +1,35 @@
+"""Recognizers: known modules in, specs out; anything claimed but not safe comes back as a ``Skip``."""
+from __future__ import annotations
+
+from typing import Callable
+
+from torch import nn
+
+from ..ir import MLPSpec, Skip
+from .diffusers_mlp import recognize_feedforward
+from .transformers_mlp import recognize_gated_mlp
+
+Recognizer = Callable[[str, nn.Module], "MLPSpec | Skip | None"]
+
+RECOGNIZERS: list[Recognizer] = [recognize_feedforward, recognize_gated_mlp]
+
+
+def recognize(root: nn.Module) -> tuple[dict[str, MLPSpec], list[Skip]]:
+    """Walk ``root`` top-down; a recognised module's children are not visited again."""
+    specs: dict[str, MLPSpec] = {}
+    skipped: list[Skip] = []
+    claimed: list[str] = []
+    for name, module in root.named_modules():
+        if any(name == c or name.startswith(c + ".") for c in claimed if c) or "" in claimed:
+            continue
+        for rec in RECOGNIZERS:
+            found = rec(name, module)
+            if found is None:
+                continue
+            if isinstance(found, Skip):
+                skipped.append(found)
+            else:
+                specs[name] = found
+            claimed.append(name)
+            break
+    return specs, skipped

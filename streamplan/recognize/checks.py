@@ -1,0 +1,92 @@
+"""Shared fail-closed checks: is this module running the forward we know, untouched?"""
+from __future__ import annotations
+
+import types
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.nn.modules import module as _module_globals
+
+from ..ir import Activation
+
+STREAMED_MARK = "__streamplan_streamed__"
+
+
+def same_code(f: Callable, g: Callable) -> bool:
+    """Two functions with the same bytecode, names and constants (the "Copied from" family of a library)."""
+    f = getattr(f, "__func__", f)
+    g = getattr(g, "__func__", g)
+    cf, cg = getattr(f, "__code__", None), getattr(g, "__code__", None)
+    if cf is None or cg is None:
+        return False
+    return cf.co_code == cg.co_code and cf.co_names == cg.co_names and cf.co_consts == cg.co_consts
+
+
+def _hooks(m: nn.Module) -> list[str]:
+    found = []
+    for attr in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks"):
+        if getattr(m, attr, None):
+            found.append(attr.strip("_").replace("_", " "))
+    return found
+
+
+def global_hook_problem() -> str | None:
+    for attr in ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_module_registration_hooks"):
+        if attr != "_global_module_registration_hooks" and getattr(_module_globals, attr, None):
+            return f"a global module {attr.strip('_').replace('_', ' ')} is registered"
+    return None
+
+
+def stock_problem(module: nn.Module, expected_forward: Callable | None = None) -> str | None:
+    """Why ``module`` cannot be streamed safely as a known structure, or None."""
+    if module.training:
+        return "in training mode (streamplan is for inference: call .eval())"
+    if expected_forward is not None and not (type(module).forward is expected_forward
+                                             or same_code(type(module).forward, expected_forward)):
+        return f"{type(module).__name__}.forward is not the forward streamplan knows"
+    problem = global_hook_problem()
+    if problem:
+        return problem
+    for name, m in module.named_modules():
+        where = name or "the module"
+        fwd = m.__dict__.get("forward")
+        if fwd is not None:
+            if getattr(fwd, STREAMED_MARK, False) and m is module:
+                return "already streamed by another streamplan handle"
+            if getattr(m, "_hf_hook", None) is not None:
+                return f"forward of {where} is wrapped by an accelerate hook ({type(m._hf_hook).__name__})"
+            return f"forward of {where} is patched"
+        hooks = _hooks(m)
+        if hooks:
+            return f"{where} has {', '.join(hooks)} streamplan does not know"
+    return None
+
+
+def _elementwise_classes() -> tuple[type, ...]:
+    classes: list[type] = [nn.SiLU, nn.GELU, nn.ReLU, nn.Tanh, nn.Sigmoid, nn.Mish, nn.Hardswish, nn.ReLU6,
+                           nn.LeakyReLU, nn.ELU, nn.Identity]
+    try:
+        from transformers import activations as ta
+    except Exception:  # transformers missing or broken: its classes simply are not known
+        return tuple(classes)
+    for name in ("SiLUActivation", "GELUActivation", "GELUTanh", "PytorchGELUTanh", "NewGELUActivation",
+                 "FastGELUActivation", "QuickGELUActivation", "AccurateGELUActivation", "ReLUSquaredActivation",
+                 "ClippedGELUActivation", "LaplaceActivation", "MishActivation", "LinearActivation"):
+        cls = getattr(ta, name, None)
+        if isinstance(cls, type):
+            classes.append(cls)
+    return tuple(classes)
+
+
+def elementwise(act: object) -> Activation | None:
+    """The activation as a callable if it is known to act on each element alone, else None."""
+    if isinstance(act, nn.Module):
+        if type(act) in _elementwise_classes() and "forward" not in act.__dict__ and not _hooks(act):
+            return act
+        return None
+    if isinstance(act, (types.FunctionType, types.BuiltinFunctionType)) and act in (
+            torch.nn.functional.silu, torch.nn.functional.gelu, torch.nn.functional.relu, torch.tanh,
+            torch.sigmoid):
+        return act
+    return None
