@@ -11,9 +11,11 @@ import torch
 from torch import nn
 
 from .budget import parse_budget
+from .consumers import consumer_for, unsupported
+from .executors.attention import run_attention
 from .executors.mlp import run_mlp
-from .ir import MLPSpec, Skip
-from .planner import MLPPlan, plan_mlp
+from .ir import AttentionCall, AttentionSpec, MLPSpec, Skip
+from .planner import AttentionDims, Plan, plan_attention, plan_mlp
 from .recognize import recognize
 from .recognize.checks import STREAMED_MARK
 
@@ -33,10 +35,10 @@ class StreamOptions:
 class Installed:
     name: str
     module: nn.Module
-    spec: MLPSpec
+    spec: MLPSpec | AttentionSpec
     stock: Callable[..., Any]
     previous: Any  # what module.__dict__["forward"] held before, or _MISSING
-    plans: dict[tuple, MLPPlan] = field(default_factory=dict)
+    plans: dict[tuple, Plan] = field(default_factory=dict)
     runtime_notes: list[str] = field(default_factory=list)
 
 
@@ -46,6 +48,26 @@ def _positive_int(value: Any, arg: str) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{arg} must be a positive int (rows or features per chunk), got {value!r}")
     return value
+
+
+def _shapes(args: tuple, kwargs: dict) -> tuple:
+    """The shape signature plans are cached by (tensors only, nested one level for tuples)."""
+    def sig(v):
+        if isinstance(v, torch.Tensor):
+            return tuple(v.shape)
+        if isinstance(v, (tuple, list)):
+            return tuple(sig(x) for x in v)
+        return None
+    return tuple(sig(a) for a in args) + tuple((k, sig(v)) for k, v in sorted(kwargs.items()))
+
+
+def _attention_dims(spec: AttentionSpec, call: AttentionCall) -> AttentionDims:
+    kv_rows = call.rows
+    if call.kv_whole is not None:
+        kv_rows = 0  # short cross-attention K/V: built whole, small; counted in the chunk transient
+    return AttentionDims(call.batch, call.rows, kv_rows, call.heads, call.kv_heads, call.head_dim, spec.dim_out,
+                         torch.empty((), dtype=call.dtype).element_size(),
+                         masked=call.mask is not None or call.causal)
 
 
 def _needs_grad(module: nn.Module, x: torch.Tensor) -> bool:
@@ -65,7 +87,7 @@ class StreamHandle:
         self.removed = False
 
     # -- installation -------------------------------------------------------------------------------
-    def _install(self, name: str, spec: MLPSpec) -> None:
+    def _install(self, name: str, spec: MLPSpec | AttentionSpec) -> None:
         module = spec.module
         previous = module.__dict__.get("forward", _MISSING)
         stock = module.forward
@@ -80,25 +102,60 @@ class StreamHandle:
         self.installed[name] = entry
 
     def _run(self, entry: Installed, args: tuple, kwargs: dict) -> Any:
+        if isinstance(entry.spec, AttentionSpec):
+            return self._run_attention(entry, args, kwargs)
+        return self._run_mlp(entry, args, kwargs)
+
+    def _plan(self, entry: Installed, sig: tuple, make: Callable[[], Plan]) -> Plan:
+        plan = entry.plans.get(sig)
+        if plan is None:
+            plan = entry.plans[sig] = make()
+            log.info("streamplan: %s planned for %s: %s", entry.name or type(entry.module).__name__, sig[0],
+                     plan.describe())
+        return plan
+
+    def _run_mlp(self, entry: Installed, args: tuple, kwargs: dict) -> Any:
         if len(args) != 1 or kwargs or not isinstance(args[0], torch.Tensor) or args[0].dim() < 2:
             return entry.stock(*args, **kwargs)
         x = args[0]
         if _needs_grad(entry.module, x):
             self._note(entry, "autograd is recording: ran stock (streamed executors are for inference)")
             return entry.stock(x)
+        o = self.options
         rows = x.numel() // x.shape[-1]
-        sig = (tuple(x.shape), x.dtype, x.device.type)
-        plan = entry.plans.get(sig)
-        if plan is None:
-            o = self.options
-            plan = plan_mlp(entry.spec, rows, x.element_size(), chunk_tokens=o.chunk_tokens,
-                            ffn_slice=o.ffn_slice, budget=o.budget)
-            entry.plans[sig] = plan
-            log.info("streamplan: %s planned for %s: %s", entry.name or type(entry.module).__name__,
-                     tuple(x.shape), plan.describe())
+        plan = self._plan(entry, (tuple(x.shape), x.dtype, x.device.type), lambda: plan_mlp(
+            entry.spec, rows, x.element_size(), chunk_tokens=o.chunk_tokens, ffn_slice=o.ffn_slice, budget=o.budget))
         if plan.tier == "L0":
             return entry.stock(x)
         return run_mlp(entry.spec, plan, entry.stock, x)
+
+    def _run_attention(self, entry: Installed, args: tuple, kwargs: dict) -> Any:
+        spec: AttentionSpec = entry.spec
+        consumer = consumer_for(spec.backend())
+        if consumer is None:
+            self._note(entry, f"attention backend {spec.backend()!r} has no streamplan consumer: ran stock")
+            return entry.stock(*args, **kwargs)
+        tensors = [t for t in list(args) + list(kwargs.values()) if isinstance(t, torch.Tensor)]
+        if tensors and _needs_grad(entry.module, tensors[0]):
+            self._note(entry, "autograd is recording: ran stock (streamed executors are for inference)")
+            return entry.stock(*args, **kwargs)
+        call = spec.bind(args, kwargs)
+        if isinstance(call, str):
+            self._note(entry, f"ran stock: {call}")
+            return entry.stock(*args, **kwargs)
+        why = unsupported(consumer, heads=call.heads, kv_heads=call.kv_heads, head_dim=call.head_dim,
+                          causal=call.causal, mask=call.mask, dtype=call.dtype)
+        if why:
+            self._note(entry, f"ran stock: {why}")
+            return entry.stock(*args, **kwargs)
+        o = self.options
+        dims = _attention_dims(spec, call)
+        sig = (_shapes(args, kwargs), call.dtype, tensors[0].device.type if tensors else "cpu")
+        plan = self._plan(entry, sig, lambda: plan_attention(dims, chunk_tokens=o.chunk_tokens, budget=o.budget,
+                                                             q_align=consumer.caps.q_align))
+        if plan.tier == "L0":
+            return entry.stock(*args, **kwargs)
+        return run_attention(call, consumer, plan.chunk)
 
     @staticmethod
     def _note(entry: Installed, note: str) -> None:
@@ -108,7 +165,7 @@ class StreamHandle:
 
     # -- public -------------------------------------------------------------------------------------
     @property
-    def plans(self) -> dict[str, list[MLPPlan]]:
+    def plans(self) -> dict[str, list[Plan]]:
         return {name: list(e.plans.values()) for name, e in self.installed.items()}
 
     def remove(self) -> None:
@@ -124,7 +181,7 @@ class StreamHandle:
     def to_json(self) -> str:
         return json.dumps({
             "streamed": {n: {"class": type(e.module).__name__, "recognized_as": e.spec.label,
-                             "plans": [{"shape": list(s[0]), "dtype": str(s[1]), **p.to_dict()}
+                             "plans": [{"shape": repr(s[0]), "dtype": str(s[1]), **p.to_dict()}
                                        for s, p in e.plans.items()]}
                          for n, e in self.installed.items()},
             "stock": [{"name": s.name, "class": s.cls, "reason": s.reason} for s in self.skipped],
@@ -142,7 +199,8 @@ class StreamHandle:
             if not e.plans:
                 lines.append("      not called yet: planned at the first call per input shape")
             for sig, plan in e.plans.items():
-                lines.append(f"      input {list(sig[0])} {str(sig[1]).replace('torch.', '')}: {plan.describe()}")
+                shape = list(sig[0]) if isinstance(sig[0][0], int) else [s for s in sig[0] if s]
+                lines.append(f"      input {shape} {str(sig[1]).replace('torch.', '')}: {plan.describe()}")
             for note in e.runtime_notes:
                 lines.append(f"      note: {note}")
         for s in self.skipped:
@@ -167,6 +225,11 @@ def apply(module: nn.Module, budget: int | str | None = None, chunk_tokens: int 
     device = next((p.device for p in module.parameters()), None)
     options = StreamOptions(parse_budget(budget, device), chunk_tokens, ffn_slice)
     specs, skipped = recognize(module)
+    for name, spec in list(specs.items()):
+        if isinstance(spec, AttentionSpec) and consumer_for(spec.backend()) is None:
+            del specs[name]
+            skipped.append(Skip(name, type(spec.module).__name__,
+                                f"attention backend {spec.backend()!r} registered no streamplan consumer"))
     handle = StreamHandle(module, options, skipped)
     try:
         for name, spec in specs.items():

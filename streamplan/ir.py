@@ -78,3 +78,64 @@ class Recognized:
     name: str
     spec: MLPSpec
     notes: list[str] = field(default_factory=list)
+
+
+RowFn = Callable[[int, int], torch.Tensor]
+
+
+@dataclass(eq=False)
+class Segment:
+    """A run of rows of the attention's (joint) sequence with its own row-local pieces.
+
+    q(a, b) -> [B, b-a, H, D]; kv(a, b) -> two [B, b-a, Hkv, D]; out(o, a, b) maps the attention output rows
+    [B, b-a, H, D] to this segment's module output rows [B, b-a, dout]. Rows are local to the segment.
+    """
+
+    rows: int
+    q: RowFn
+    kv: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]] | None
+    out: Callable[[torch.Tensor, int, int], torch.Tensor]
+
+
+@dataclass(eq=False)
+class AttentionCall:
+    """One call of a recognised attention module, taken apart into row-local pieces."""
+
+    batch: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    segments: list[Segment]
+    finish: Callable[[list[torch.Tensor]], object]  # per-segment outputs -> the module's return value
+    dtype: torch.dtype
+    causal: bool = False
+    scale: float | None = None
+    mask: torch.Tensor | None = None                # [B|1, H|1, Nq|1, Nk], rows = joint query rows
+    kv_whole: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None  # cross-attention: [B, S, Hkv, D]
+    cache_update: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    @property
+    def rows(self) -> int:
+        return sum(s.rows for s in self.segments)
+
+
+Binder = Callable[[tuple, dict], "AttentionCall | str"]
+
+
+@dataclass(eq=False)
+class AttentionSpec:
+    """An attention module streamplan can run as phase KV then phase Q (DESIGN.md section 1).
+
+    ``bind(args, kwargs)`` takes one call apart (or returns why this call must run stock); ``backend`` names
+    the attention implementation the module uses, which selects the consumer.
+    """
+
+    module: nn.Module
+    label: str
+    heads: int
+    kv_heads: int
+    head_dim: int
+    dim_out: int
+    cross: bool
+    bind: Binder
+    backend: Callable[[], str]

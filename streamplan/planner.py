@@ -18,12 +18,14 @@ class BudgetError(ValueError):
 
 
 @dataclass
-class MLPPlan:
-    tier: str            # "L0" stock, "L1" row-streamed, "L2" row-streamed + feature-sliced
+class Plan:
+    """One operation's schedule for one input signature: data, printable, serialisable."""
+
+    tier: str            # "L0" stock, "L1" row-streamed, "L2" row-streamed + feature-sliced MLP
     rows: int
     chunk: int           # rows per chunk (== rows for L0)
-    ffn_slice: int       # hidden features per slice (== ffn unless L2)
-    predicted_peak: int  # bytes above the input, output included
+    ffn_slice: int       # MLP hidden features per slice (== ffn unless L2; 0 for attention)
+    predicted_peak: int  # bytes above the inputs, outputs included
     stock_peak: int
 
     def to_dict(self) -> dict:
@@ -63,12 +65,12 @@ def can_feature_slice(spec: MLPSpec) -> bool:
 
 
 def plan_mlp(spec: MLPSpec, rows: int, elem: int, *, chunk_tokens: int | None = None,
-             ffn_slice: int | None = None, budget: int | None = None) -> MLPPlan:
+             ffn_slice: int | None = None, budget: int | None = None) -> Plan:
     stock = mlp_peak(spec, rows, elem, "L0", rows, spec.ffn)
 
-    def make(tier: str, chunk: int, sl: int) -> MLPPlan:
+    def make(tier: str, chunk: int, sl: int) -> Plan:
         chunk = min(chunk, rows)
-        return MLPPlan(tier, rows, chunk, sl, mlp_peak(spec, rows, elem, tier, chunk, sl), stock)
+        return Plan(tier, rows, chunk, sl, mlp_peak(spec, rows, elem, tier, chunk, sl), stock)
 
     if ffn_slice is not None and can_feature_slice(spec):
         sl = _align_slice(min(ffn_slice, spec.ffn), spec)
@@ -117,3 +119,52 @@ def _slice_candidates(spec: MLPSpec) -> list[int]:
         out.append(_align_slice(sl, spec))
         sl //= 2
     return out
+
+
+@dataclass(frozen=True)
+class AttentionDims:
+    batch: int
+    rows: int        # query rows (all segments)
+    kv_rows: int     # key rows (== rows for self-attention)
+    heads: int
+    kv_heads: int
+    head_dim: int
+    dim_out: int
+    elem: int
+    masked: bool     # an explicit or causal mask is materialised per chunk
+
+
+def attention_peak(d: AttentionDims, tier: str, chunk: int) -> int:
+    e, B, c = d.elem, d.batch, min(chunk, d.rows) if tier != "L0" else d.rows
+    q_row, kv_row = d.heads * d.head_dim, d.kv_heads * d.head_dim
+    kv = 2 * B * d.kv_rows * kv_row * e
+    mask = c * d.kv_rows if d.masked else 0
+    if tier == "L0":  # q, k, v, the attention output and its reshaped copy, then the projection
+        return kv + B * d.rows * (q_row * 3 + d.dim_out) * e + mask
+    out = B * d.rows * d.dim_out * e
+    phase_kv = B * c * kv_row * 4 * e                               # k, v of a chunk and their norm/rotary copies
+    phase_q = B * c * (q_row * 3 + d.dim_out) * e + mask            # q (+rotary), o, o reshaped, y
+    return kv + out + max(phase_kv, phase_q)
+
+
+def plan_attention(d: AttentionDims, *, chunk_tokens: int | None = None, budget: int | None = None,
+                   q_align: int = 1) -> Plan:
+    stock = attention_peak(d, "L0", d.rows)
+
+    def make(tier: str, chunk: int) -> Plan:
+        chunk = min(chunk, d.rows)
+        return Plan(tier, d.rows, chunk, 0, attention_peak(d, tier, chunk), stock)
+
+    if chunk_tokens is not None or budget is None:
+        chunk = chunk_tokens or DEFAULT_CHUNK_TOKENS
+        chunk = max(q_align, chunk // q_align * q_align)
+        return make("L1", chunk) if d.rows > chunk else make("L0", d.rows)
+    if stock <= budget:
+        return make("L0", d.rows)
+    chunk = _largest_chunk(lambda c: attention_peak(d, "L1", c), d.rows, budget)
+    if chunk is None:
+        floor = attention_peak(d, "L1", MIN_CHUNK_TOKENS)
+        raise BudgetError(f"attention over {d.rows} rows: budget {fmt_bytes(budget)} is below the smallest peak "
+                          f"streamplan can reach ({fmt_bytes(floor)}, dominated by the global K and V: "
+                          f"{fmt_bytes(2 * d.batch * d.kv_rows * d.kv_heads * d.head_dim * d.elem)})")
+    return make("L1", max(q_align, chunk // q_align * q_align))

@@ -6,7 +6,7 @@ from typing import Callable
 import torch
 
 from ..ir import MLPSpec
-from ..planner import MLPPlan
+from ..planner import Plan
 
 
 def run_row_chunked(stock: Callable[[torch.Tensor], torch.Tensor], x2: torch.Tensor, chunk: int) -> torch.Tensor:
@@ -47,7 +47,7 @@ def run_feature_sliced(spec: MLPSpec, x2: torch.Tensor, chunk: int, ffn_slice: i
     return out
 
 
-def run_mlp(spec: MLPSpec, plan: MLPPlan, stock: Callable[[torch.Tensor], torch.Tensor],
+def run_mlp(spec: MLPSpec, plan: Plan, stock: Callable[[torch.Tensor], torch.Tensor],
             x: torch.Tensor) -> torch.Tensor:
     x2 = x.reshape(-1, x.shape[-1])
     if plan.tier == "L2" and not torch.is_autocast_enabled():

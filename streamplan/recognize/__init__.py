@@ -5,18 +5,20 @@ from typing import Callable
 
 from torch import nn
 
-from ..ir import MLPSpec, Skip
+from ..ir import AttentionSpec, MLPSpec, Skip
+from .diffusers_attention import recognize_attention, recognize_flux_attention, recognize_wan_attention
 from .diffusers_mlp import recognize_feedforward
 from .transformers_mlp import recognize_gated_mlp
 
-Recognizer = Callable[[str, nn.Module], "MLPSpec | Skip | None"]
+Recognizer = Callable[[str, nn.Module], "MLPSpec | AttentionSpec | Skip | None"]
 
-RECOGNIZERS: list[Recognizer] = [recognize_feedforward, recognize_gated_mlp]
+RECOGNIZERS: list[Recognizer] = [recognize_feedforward, recognize_gated_mlp, recognize_attention,
+                                  recognize_wan_attention, recognize_flux_attention]
 
 
-def recognize(root: nn.Module) -> tuple[dict[str, MLPSpec], list[Skip]]:
+def recognize(root: nn.Module) -> tuple[dict[str, MLPSpec | AttentionSpec], list[Skip]]:
     """Walk ``root`` top-down; a recognised module's children are not visited again."""
-    specs: dict[str, MLPSpec] = {}
+    specs: dict[str, MLPSpec | AttentionSpec] = {}
     skipped: list[Skip] = []
     claimed: list[str] = []
     for name, module in root.named_modules():

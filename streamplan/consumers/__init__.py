@@ -1,0 +1,85 @@
+"""Attention consumers: backends declare what they can consume; the planner and executors never name one.
+
+A consumer is looked up by the backend name the model is using (transformers' ``config._attn_implementation``,
+diffusers' active attention backend). A backend with no registered consumer gets the stock full-Q call.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from .sdpa import SDPAConsumer
+
+
+@dataclass(frozen=True)
+class ConsumerCaps:
+    bounded_q: bool = True                 # accepts a chunk of Q rows against global K/V
+    q_offset: bool = True                  # handles causal masks for a chunk that starts at row q_offset
+    gqa: bool = True                       # K/V with fewer heads than Q
+    masks: frozenset[str] = frozenset({"bool", "additive"})  # mask forms, given sliced to the chunk's rows
+    kv_blocks_lse: bool = False            # can attend K/V in blocks and return log-sum-exp
+    dtypes: frozenset[torch.dtype] = frozenset({torch.float32, torch.float16, torch.bfloat16})
+    max_head_dim: int | None = None
+    q_align: int = 1                       # chunk starts must be multiples of this
+
+
+class AttentionConsumer(Protocol):
+    """``attend(q, k, v, ...)``: q [B, H, c, D] (rows q_offset..q_offset+c), k/v [B, Hkv, Nk, D] -> [B, H, c, D]."""
+
+    name: str
+    caps: ConsumerCaps
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_offset: int, causal: bool,
+               mask: torch.Tensor | None, scale: float | None) -> torch.Tensor: ...
+
+
+@dataclass
+class _Registry:
+    by_backend: dict[str, AttentionConsumer] = field(default_factory=dict)
+
+
+_REGISTRY = _Registry()
+
+
+def register_consumer(backend: str, consumer: AttentionConsumer) -> None:
+    """Declare that ``consumer`` serves attention for models whose backend is named ``backend``."""
+    if not hasattr(consumer, "attend") or not isinstance(getattr(consumer, "caps", None), ConsumerCaps):
+        raise ValueError("consumer must have an attend(...) method and a ConsumerCaps in .caps")
+    _REGISTRY.by_backend[backend] = consumer
+
+
+def unregister_consumer(backend: str) -> None:
+    _REGISTRY.by_backend.pop(backend, None)
+
+
+def consumer_for(backend: str) -> AttentionConsumer | None:
+    return _REGISTRY.by_backend.get(backend)
+
+
+def unsupported(consumer: AttentionConsumer, *, heads: int, kv_heads: int, head_dim: int, causal: bool,
+                mask: torch.Tensor | None, dtype: torch.dtype) -> str | None:
+    """Why this consumer cannot take this call in bounded Q chunks, or None."""
+    caps = consumer.caps
+    if not caps.bounded_q:
+        return f"attention backend {consumer.name} needs the whole Q"
+    if heads != kv_heads and not caps.gqa:
+        return f"attention backend {consumer.name} does not take grouped K/V heads"
+    if causal and not caps.q_offset:
+        return f"attention backend {consumer.name} cannot offset a causal mask"
+    if mask is not None and ("bool" if mask.dtype == torch.bool else "additive") not in caps.masks:
+        return f"attention backend {consumer.name} does not take this mask form"
+    if dtype not in caps.dtypes:
+        return f"attention backend {consumer.name} does not take {dtype}"
+    if caps.max_head_dim is not None and head_dim > caps.max_head_dim:
+        return f"attention backend {consumer.name} does not take head_dim {head_dim}"
+    return None
+
+
+SDPA = SDPAConsumer(ConsumerCaps())
+for _name in ("sdpa", "eager", "native"):   # eager attention is the same math as SDPA's
+    register_consumer(_name, SDPA)
+
+__all__ = ["ConsumerCaps", "AttentionConsumer", "register_consumer", "unregister_consumer", "consumer_for",
+           "unsupported", "SDPA"]

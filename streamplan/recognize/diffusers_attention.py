@@ -1,0 +1,327 @@
+"""diffusers attention: ``Attention`` + ``AttnProcessor2_0``, ``WanAttention`` + ``WanAttnProcessor``,
+``FluxAttention`` + ``FluxAttnProcessor`` (joint text+image and single-stream), fused projections included."""
+from __future__ import annotations
+
+import sys
+
+import torch
+from torch import nn
+
+from ..ir import AttentionCall, AttentionSpec, Segment, Skip
+from .checks import stock_problem
+from .rows import fused_parts, rows_of
+
+
+def _active_backend(processor) -> str:
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+    backend = getattr(processor, "_attention_backend", None)
+    if backend is None:
+        backend = _AttentionBackendRegistry.get_active_backend()[0]
+    return getattr(backend, "value", str(backend))
+
+
+def _head_norm_ok(norm, head_dim: int) -> bool:
+    """Norms applied per head over head_dim (row-local); anything else is not known."""
+    if norm is None:
+        return True
+    shape = getattr(norm, "normalized_shape", None)
+    if shape is None:
+        shape = getattr(norm, "dim", None)
+    if isinstance(shape, int):
+        shape = (shape,)
+    return shape is not None and tuple(shape) == (head_dim,) and type(norm).__name__ in (
+        "LayerNorm", "FP32LayerNorm", "RMSNorm")
+
+
+def _norm(norm):
+    return (lambda t: t) if norm is None else norm
+
+
+# ---------------------------------------------------------------------------------------------------------
+# generic Attention with AttnProcessor2_0
+# ---------------------------------------------------------------------------------------------------------
+def _bind_attention(attn, args: tuple, kwargs: dict) -> AttentionCall | str:
+    from diffusers.models.attention_processor import AttnProcessor2_0
+    if type(attn.processor) is not AttnProcessor2_0:
+        return f"processor {type(attn.processor).__name__} is not one streamplan knows"
+    names = ("hidden_states", "encoder_hidden_states", "attention_mask")
+    call = dict(zip(names, args))
+    for k, v in kwargs.items():
+        if k in call:
+            return "argument given twice"
+        call[k] = v
+    extra = set(call) - set(names) - {"temb"}
+    if extra:
+        return f"unexpected arguments {sorted(extra)}"
+    x = call["hidden_states"]
+    enc = call.get("encoder_hidden_states")
+    mask = call.get("attention_mask")
+    if not isinstance(x, torch.Tensor) or x.dim() != 3:
+        return "hidden_states is not [batch, tokens, dim]"
+    B, N, _ = x.shape
+    H = attn.heads
+    inner = attn.to_q.out_features
+    D = inner // H
+    norm_q, norm_k = _norm(attn.norm_q), _norm(attn.norm_k)
+    S = N if enc is None else enc.shape[1]
+    if mask is not None:
+        mask = attn.prepare_attention_mask(mask, S, B)
+        mask = mask.view(B, H, -1, mask.shape[-1])
+
+    def q(a, b):  # per-head norms act on head_dim alone, so the [B, rows, H, D] layout is fine
+        return norm_q(attn.to_q(x[:, a:b]).view(B, b - a, H, D))
+
+    def kv_of(src):
+        k = attn.to_k(src).view(B, src.shape[1], H, D)
+        return norm_k(k), attn.to_v(src).view(B, src.shape[1], H, D)
+
+    def out(o, a, b):
+        y = o.reshape(B, b - a, H * D).to(x.dtype)
+        y = attn.to_out[1](attn.to_out[0](y))
+        if attn.residual_connection:
+            y = y + x[:, a:b]
+        return y / attn.rescale_output_factor
+
+    kv_whole = None
+    if enc is not None:
+        src = attn.norm_encoder_hidden_states(enc) if attn.norm_cross else enc
+        kv_whole = lambda: kv_of(src)  # noqa: E731
+    seg = Segment(N, q, None if enc is not None else (lambda a, b: kv_of(x[:, a:b])), out)
+    return AttentionCall(batch=B, heads=H, kv_heads=H, head_dim=D, segments=[seg], finish=lambda outs: outs[0],
+                         dtype=x.dtype, mask=mask, kv_whole=kv_whole)
+
+
+def recognize_attention(name: str, module: nn.Module) -> AttentionSpec | Skip | None:
+    if "diffusers" not in sys.modules:
+        return None
+    from diffusers.models.attention_processor import Attention
+    if type(module) is not Attention:
+        return None
+    from diffusers.models.attention_processor import AttnProcessor2_0
+    skip = lambda why: Skip(name, type(module).__name__, why)  # noqa: E731
+    problem = stock_problem(module, Attention.forward)
+    if problem:
+        return skip(problem)
+    if type(module.processor) is not AttnProcessor2_0:
+        return skip(f"processor {type(module.processor).__name__} is not one streamplan knows")
+    if module.spatial_norm is not None or module.group_norm is not None:
+        return skip("spatial/group norm mixes rows")
+    heads = module.heads
+    inner = module.to_q.out_features
+    if module.to_k.out_features != inner or inner % heads:
+        return skip("K width differs from Q width")
+    D = inner // heads
+    if not (_head_norm_ok(module.norm_q, D) and _head_norm_ok(module.norm_k, D)):
+        return skip("Q/K norm is not a per-head norm streamplan knows")
+    if not isinstance(module.to_out[1], nn.Dropout):
+        return skip("to_out[1] is not dropout")
+    return AttentionSpec(module=module, label="diffusers.Attention[AttnProcessor2_0]", heads=heads, kv_heads=heads,
+                         head_dim=D, dim_out=module.to_out[0].out_features, cross=module.is_cross_attention,
+                         bind=lambda args, kwargs: _bind_attention(module, args, kwargs),
+                         backend=lambda: "native")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Wan
+# ---------------------------------------------------------------------------------------------------------
+def _wan_rotary(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # the rotation WanAttnProcessor applies (interleaved pairs), on [B, rows, H, D] with cos/sin [1, rows, 1, D]
+    x1, x2 = t.unflatten(-1, (-1, 2)).unbind(-1)
+    cos, sin = cos[..., 0::2], sin[..., 1::2]
+    out = torch.empty_like(t)
+    out[..., 0::2] = x1 * cos - x2 * sin
+    out[..., 1::2] = x1 * sin + x2 * cos
+    return out.type_as(t)
+
+
+def _call_args(names: tuple[str, ...], args: tuple, kwargs: dict) -> dict | str:
+    call = dict(zip(names, args))
+    if len(args) > len(names):
+        return "more positional arguments than the forward takes"
+    for k, v in kwargs.items():
+        if k in call:
+            return f"argument {k} given twice"
+        call[k] = v
+    extra = set(call) - set(names)
+    if extra:
+        return f"unexpected arguments {sorted(extra)}"
+    return call
+
+
+def _bind_wan(attn, args: tuple, kwargs: dict) -> AttentionCall | str:
+    from diffusers.models.transformers.transformer_wan import WanAttnProcessor
+    if type(attn.processor) is not WanAttnProcessor:
+        return f"processor {type(attn.processor).__name__} is not one streamplan knows"
+    if getattr(attn.processor, "_parallel_config", None) is not None:
+        return "context parallelism is configured"
+    call = _call_args(("hidden_states", "encoder_hidden_states", "attention_mask", "rotary_emb"), args, kwargs)
+    if isinstance(call, str):
+        return call
+    x, enc, mask, rotary = (call.get(k) for k in ("hidden_states", "encoder_hidden_states", "attention_mask",
+                                                  "rotary_emb"))
+    if attn.add_k_proj is not None:
+        return "image-context (I2V) cross-attention is not handled yet"
+    if not isinstance(x, torch.Tensor) or x.dim() != 3:
+        return "hidden_states is not [batch, tokens, dim]"
+    if mask is not None and mask.dim() != 4:
+        return "attention_mask is not 4-D"
+    B, N, _ = x.shape
+    H = attn.heads
+    inner = attn.inner_dim
+    D = inner // H
+    cross = enc is not None
+    if cross and rotary is not None:
+        return "rotary embedding on cross-attention"
+    if attn.fused_projections:
+        if cross:
+            q_proj = attn.to_q
+            kv_parts = fused_parts(attn.to_kv, 2)
+            if kv_parts is None:
+                return "fused to_kv weight cannot be sliced"
+        else:
+            parts = fused_parts(attn.to_qkv, 3)
+            if parts is None:
+                return "fused to_qkv weight cannot be sliced"
+            q_proj, kv_parts = parts[0], parts[1:]
+    else:
+        q_proj, kv_parts = attn.to_q, [attn.to_k, attn.to_v]
+    k_proj, v_proj = kv_parts
+
+    def rope(t, a, b):
+        if rotary is None:
+            return t
+        return _wan_rotary(t, rows_of(rotary[0], a, b, 1), rows_of(rotary[1], a, b, 1))
+
+    def q(a, b):
+        return rope(attn.norm_q(q_proj(x[:, a:b])).unflatten(2, (H, -1)), a, b)
+
+    def kv_of(src, a, b):
+        k = rope(attn.norm_k(k_proj(src)).unflatten(2, (H, -1)), a, b)
+        return k, v_proj(src).unflatten(2, (H, -1))
+
+    def out(o, a, b):
+        y = o.flatten(2, 3).to(x.dtype)
+        return attn.to_out[1](attn.to_out[0](y))
+
+    seg = Segment(N, q, None if cross else (lambda a, b: kv_of(x[:, a:b], a, b)), out)
+    return AttentionCall(batch=B, heads=H, kv_heads=H, head_dim=D, segments=[seg], finish=lambda outs: outs[0],
+                         dtype=x.dtype, mask=mask,
+                         kv_whole=(lambda: kv_of(enc, 0, enc.shape[1])) if cross else None)
+
+
+def recognize_wan_attention(name: str, module: nn.Module) -> AttentionSpec | Skip | None:
+    if "diffusers" not in sys.modules:
+        return None
+    mod = sys.modules.get("diffusers.models.transformers.transformer_wan")
+    if mod is None or type(module) is not getattr(mod, "WanAttention", None):
+        return None
+    skip = lambda why: Skip(name, type(module).__name__, why)  # noqa: E731
+    problem = stock_problem(module, mod.WanAttention.forward)
+    if problem:
+        return skip(problem)
+    if type(module.processor) is not mod.WanAttnProcessor:
+        return skip(f"processor {type(module.processor).__name__} is not one streamplan knows")
+    if module.add_k_proj is not None:
+        return skip("image-context (I2V) cross-attention is not handled yet")
+    H = module.heads
+    return AttentionSpec(module=module, label="diffusers.WanAttention[WanAttnProcessor]", heads=H, kv_heads=H,
+                         head_dim=module.inner_dim // H, dim_out=module.to_out[0].out_features,
+                         cross=module.is_cross_attention,
+                         bind=lambda args, kwargs: _bind_wan(module, args, kwargs),
+                         backend=lambda: _active_backend(module.processor))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Flux
+# ---------------------------------------------------------------------------------------------------------
+def _bind_flux(attn, args: tuple, kwargs: dict) -> AttentionCall | str:
+    from diffusers.models.embeddings import apply_rotary_emb
+    from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
+    if type(attn.processor) is not FluxAttnProcessor:
+        return f"processor {type(attn.processor).__name__} is not one streamplan knows"
+    if getattr(attn.processor, "_parallel_config", None) is not None:
+        return "context parallelism is configured"
+    call = _call_args(("hidden_states", "encoder_hidden_states", "attention_mask", "image_rotary_emb"), args,
+                      kwargs)
+    if isinstance(call, str):
+        return call
+    x, enc, mask, rotary = (call.get(k) for k in ("hidden_states", "encoder_hidden_states", "attention_mask",
+                                                  "image_rotary_emb"))
+    if not isinstance(x, torch.Tensor) or x.dim() != 3:
+        return "hidden_states is not [batch, tokens, dim]"
+    if mask is not None and mask.dim() != 4:
+        return "attention_mask is not 4-D"
+    if enc is not None and attn.added_kv_proj_dim is None:
+        return "encoder_hidden_states without added projections"
+    if rotary is not None and not (isinstance(rotary, (tuple, list)) and len(rotary) == 2):
+        return "rotary embedding is not a (cos, sin) pair"
+    B, N, _ = x.shape
+    D = attn.head_dim
+    H = attn.to_q.out_features // D if not attn.fused_projections else attn.to_qkv.out_features // (3 * D)
+
+    def projections(fused_name: str, names: tuple[str, str, str]):
+        if attn.fused_projections:
+            return fused_parts(getattr(attn, fused_name), 3)
+        return [getattr(attn, n) for n in names]
+
+    img = projections("to_qkv", ("to_q", "to_k", "to_v"))
+    if img is None:
+        return "fused to_qkv weight cannot be sliced"
+    T = 0
+    if enc is not None:
+        txt = projections("to_added_qkv", ("add_q_proj", "add_k_proj", "add_v_proj"))
+        if txt is None:
+            return "fused to_added_qkv weight cannot be sliced"
+        T = enc.shape[1]
+
+    def rope(t, a, b):  # a, b: joint rows
+        if rotary is None:
+            return t
+        return apply_rotary_emb(t, (rotary[0][a:b], rotary[1][a:b]), sequence_dim=1)
+
+    def segment(src, projs, norm_q, norm_k, offset, out):
+        qp, kp, vp = projs
+
+        def q(a, b):
+            return rope(norm_q(qp(src[:, a:b]).unflatten(-1, (-1, D))), offset + a, offset + b)
+
+        def kv(a, b):
+            s = src[:, a:b]
+            k = rope(norm_k(kp(s).unflatten(-1, (-1, D))), offset + a, offset + b)
+            return k, vp(s).unflatten(-1, (-1, D))
+
+        return Segment(src.shape[1], q, kv, out)
+
+    def img_out(o, a, b):
+        y = o.flatten(2, 3).to(x.dtype)
+        if enc is None:
+            return y
+        return attn.to_out[1](attn.to_out[0](y))
+
+    segments = []
+    if enc is not None:
+        segments.append(segment(enc, txt, attn.norm_added_q, attn.norm_added_k, 0,
+                                lambda o, a, b: attn.to_add_out(o.flatten(2, 3).to(x.dtype))))
+    segments.append(segment(x, img, attn.norm_q, attn.norm_k, T, img_out))
+    finish = (lambda outs: outs[0]) if enc is None else (lambda outs: (outs[1], outs[0]))
+    return AttentionCall(batch=B, heads=H, kv_heads=H, head_dim=D, segments=segments, finish=finish,
+                         dtype=x.dtype, mask=mask)
+
+
+def recognize_flux_attention(name: str, module: nn.Module) -> AttentionSpec | Skip | None:
+    if "diffusers" not in sys.modules:
+        return None
+    mod = sys.modules.get("diffusers.models.transformers.transformer_flux")
+    if mod is None or type(module) is not getattr(mod, "FluxAttention", None):
+        return None
+    skip = lambda why: Skip(name, type(module).__name__, why)  # noqa: E731
+    problem = stock_problem(module, mod.FluxAttention.forward)
+    if problem:
+        return skip(problem)
+    if type(module.processor) is not mod.FluxAttnProcessor:
+        return skip(f"processor {type(module.processor).__name__} is not one streamplan knows")
+    D = module.head_dim
+    return AttentionSpec(module=module, label="diffusers.FluxAttention[FluxAttnProcessor]", heads=module.heads,
+                         kv_heads=module.heads, head_dim=D, dim_out=module.out_dim, cross=False,
+                         bind=lambda args, kwargs: _bind_flux(module, args, kwargs),
+                         backend=lambda: _active_backend(module.processor))
