@@ -8,12 +8,13 @@ from torch import nn
 from ..ir import AttentionSpec, MLPSpec, Skip
 from .diffusers_attention import recognize_attention, recognize_flux_attention, recognize_wan_attention
 from .diffusers_mlp import recognize_feedforward
+from .transformers_attention import recognize_llama_attention
 from .transformers_mlp import recognize_gated_mlp
 
 Recognizer = Callable[[str, nn.Module], "MLPSpec | AttentionSpec | Skip | None"]
 
 RECOGNIZERS: list[Recognizer] = [recognize_feedforward, recognize_gated_mlp, recognize_attention,
-                                  recognize_wan_attention, recognize_flux_attention]
+                                  recognize_wan_attention, recognize_flux_attention, recognize_llama_attention]
 
 
 def recognize(root: nn.Module) -> tuple[dict[str, MLPSpec | AttentionSpec], list[Skip]]:

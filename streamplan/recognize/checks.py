@@ -1,6 +1,7 @@
 """Shared fail-closed checks: is this module running the forward we know, untouched?"""
 from __future__ import annotations
 
+import inspect
 import types
 from typing import Callable
 
@@ -15,8 +16,8 @@ STREAMED_MARK = "__streamplan_streamed__"
 
 def same_code(f: Callable, g: Callable) -> bool:
     """Two functions with the same bytecode, names and constants (the "Copied from" family of a library)."""
-    f = getattr(f, "__func__", f)
-    g = getattr(g, "__func__", g)
+    f = inspect.unwrap(getattr(f, "__func__", f))
+    g = inspect.unwrap(getattr(g, "__func__", g))
     cf, cg = getattr(f, "__code__", None), getattr(g, "__code__", None)
     if cf is None or cg is None:
         return False

@@ -1,0 +1,155 @@
+"""Streamed Llama-family attention against transformers' own modules: sdpa and eager, GQA, causal, padding, cache."""
+import pytest
+import torch
+from transformers import AttentionInterface, DynamicCache, LlamaConfig, LlamaModel, MistralConfig, MistralModel
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+import streamplan
+from conftest import rel_err
+
+
+def _llama(impl: str, heads=4, kv_heads=2, layers=2, cls=(LlamaConfig, LlamaModel), **kw):
+    cfg_cls, model_cls = cls
+    cfg = cfg_cls(hidden_size=64, intermediate_size=128, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                  num_hidden_layers=layers, vocab_size=100, attn_implementation=impl, **kw)
+    return model_cls(cfg).eval()
+
+
+def _attn_entries(handle):
+    return {n: e for n, e in handle.installed.items() if n.endswith("self_attn")}
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (4, 2), (4, 1)], ids=["mha", "gqa", "mqa"])
+@pytest.mark.parametrize("batch, tokens, chunk", [(1, 70, 16), (3, 33, 64), (2, 100, 7)])
+@torch.no_grad()
+def test_causal_prefill_matches(impl, heads, kv_heads, batch, tokens, chunk):
+    model = _llama(impl, heads, kv_heads)
+    ids = torch.randint(0, 100, (batch, tokens))
+    ref = model(ids).last_hidden_state
+    handle = streamplan.apply(model, chunk_tokens=chunk)
+    assert len(_attn_entries(handle)) == 2, handle.report()
+    out = model(ids).last_hidden_state
+    assert rel_err(out, ref) <= 1e-5
+    for e in _attn_entries(handle).values():
+        assert not e.runtime_notes, e.runtime_notes
+        (plan,) = e.plans.values()
+        assert plan.tier == ("L1" if tokens > chunk else "L0")
+    handle.remove()
+    assert torch.equal(model(ids).last_hidden_state, ref)
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+@torch.no_grad()
+def test_padded_batch_with_attention_mask(impl):
+    model = _llama(impl)
+    ids = torch.randint(0, 100, (3, 61))
+    mask = torch.ones(3, 61, dtype=torch.long)
+    mask[1, :9] = 0      # left padding
+    mask[2, 50:] = 0     # right padding
+    ref = model(ids, attention_mask=mask).last_hidden_state
+    handle = streamplan.apply(model, chunk_tokens=16)
+    out = model(ids, attention_mask=mask).last_hidden_state
+    keep = mask.bool()
+    assert rel_err(out[keep], ref[keep]) <= 1e-5
+    assert all(not e.runtime_notes and e.plans for e in _attn_entries(handle).values())
+
+
+@torch.no_grad()
+def test_prefill_fills_the_cache_like_stock():
+    model = _llama("sdpa")
+    ids = torch.randint(0, 100, (2, 50))
+    ref = model(ids, use_cache=True)
+    handle = streamplan.apply(model, chunk_tokens=16)
+    out = model(ids, use_cache=True)
+    assert rel_err(out.last_hidden_state, ref.last_hidden_state) <= 1e-5
+    for layer in range(2):
+        k_ref, v_ref = ref.past_key_values.layers[layer].keys, ref.past_key_values.layers[layer].values
+        k, v = out.past_key_values.layers[layer].keys, out.past_key_values.layers[layer].values
+        assert rel_err(k, k_ref) <= 1e-5 and rel_err(v, v_ref) <= 1e-5
+    # decoding one more token against the streamed cache: the cache now holds tokens, so this call runs stock
+    nxt = torch.randint(0, 100, (2, 1))
+    step = model(nxt, past_key_values=out.past_key_values, use_cache=True).last_hidden_state
+    step_ref = model.__class__.forward(model, nxt, past_key_values=ref.past_key_values, use_cache=True)
+    assert rel_err(step, step_ref.last_hidden_state) <= 1e-5
+    assert any("cache that already holds tokens" in n for e in _attn_entries(handle).values() for n in e.runtime_notes)
+
+
+@torch.no_grad()
+def test_mistral_attention_with_its_own_forward_stays_stock_and_says_why():
+    # MistralAttention's forward passes sliding_window to the backend: not the Llama forward, so not streamed
+    model = _llama("sdpa", cls=(MistralConfig, MistralModel), sliding_window=None)
+    ids = torch.randint(0, 100, (2, 40))
+    ref = model(ids).last_hidden_state
+    handle = streamplan.apply(model, chunk_tokens=16)
+    assert not _attn_entries(handle) and len(handle.installed) == 2  # the MLPs still stream
+    assert "not the Llama-family forward" in handle.report()
+    assert rel_err(model(ids).last_hidden_state, ref) <= 1e-5
+
+
+def test_training_mode_and_attention_dropout_stay_stock():
+    model = _llama("sdpa", attention_dropout=0.1).train()
+    handle = streamplan.apply(model)
+    assert not _attn_entries(handle)
+    assert "training mode" in handle.report()
+
+
+class RecordingConsumer:
+    """A third-party backend: records what it is given and answers with SDPA on the same inputs."""
+
+    name = "recording"
+
+    def __init__(self):
+        self.caps = streamplan.ConsumerCaps()
+        self.calls = []
+
+    def attend(self, q, k, v, *, q_offset, causal, mask, scale):
+        self.calls.append((q.shape[-2], q_offset, k.shape[-2], causal))
+        return streamplan.consumers.SDPA.attend(q, k, v, q_offset=q_offset, causal=causal, mask=mask, scale=scale)
+
+
+@pytest.fixture
+def custom_attention():
+    AttentionInterface.register("my_attention", sdpa_attention_forward)
+    yield "my_attention"
+    streamplan.unregister_consumer("my_attention")
+
+
+@torch.no_grad()
+def test_a_registered_consumer_gets_bounded_q_with_offsets(custom_attention):
+    consumer = RecordingConsumer()
+    streamplan.register_consumer(custom_attention, consumer)
+    model = _llama(custom_attention, layers=1)
+    ids = torch.randint(0, 100, (2, 50))
+    ref = model(ids).last_hidden_state
+    handle = streamplan.apply(model, chunk_tokens=16)
+    out = model(ids).last_hidden_state
+    assert rel_err(out, ref) <= 1e-5
+    assert [(rows, off) for rows, off, _, _ in consumer.calls] == [(16, 0), (16, 16), (16, 32), (2, 48)]
+    assert all(keys == 50 and causal for _, _, keys, causal in consumer.calls)
+    handle.remove()
+
+
+@torch.no_grad()
+def test_an_unregistered_override_stays_stock(custom_attention):
+    model = _llama(custom_attention, layers=1)
+    ids = torch.randint(0, 100, (2, 50))
+    ref = model(ids).last_hidden_state
+    handle = streamplan.apply(model, chunk_tokens=16)
+    assert not _attn_entries(handle)
+    assert "my_attention" in handle.report() and "no streamplan consumer" in handle.report()
+    assert torch.equal(model(ids).last_hidden_state, ref)
+
+
+@torch.no_grad()
+def test_a_consumer_without_offsets_gets_the_stock_call(custom_attention):
+    consumer = RecordingConsumer()
+    consumer.caps = streamplan.ConsumerCaps(q_offset=False)
+    streamplan.register_consumer(custom_attention, consumer)
+    model = _llama(custom_attention, layers=1)
+    ids = torch.randint(0, 100, (2, 50))
+    ref = model(ids).last_hidden_state
+    handle = streamplan.apply(model, chunk_tokens=16)
+    assert torch.equal(model(ids).last_hidden_state, ref)
+    assert consumer.calls == []
+    assert "cannot offset a causal mask" in handle.report()
