@@ -37,13 +37,18 @@ def _quiet_stderr():
         os.close(fd)
 
 
-def _cpu_peak(fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[Any, int]:
+def profiler_peak(fn: Callable[..., Any], args: tuple, kwargs: dict, device_type: str = "cpu") -> tuple[Any, int]:
+    """Peak from the profiler's allocation events on ``device_type`` (how CPU peaks are measured; on CUDA it is
+    checked against the allocator's own counters by ``benchmarks/gpu_attention.py``)."""
     from torch.profiler import ProfilerActivity, profile
 
-    with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device_type == "cuda" else [])
+    with _quiet_stderr(), profile(activities=activities, profile_memory=True) as prof:
         result = fn(*args, **kwargs)
+        if device_type == "cuda":
+            torch.cuda.synchronize()
     events = [e for e in prof.profiler.kineto_results.events()
-              if e.name() == "[memory]" and str(e.device_type()).endswith("CPU")]
+              if e.name() == "[memory]" and str(e.device_type()).lower().endswith(device_type)]
     events.sort(key=lambda e: e.start_ns())
     live = peak = 0
     for e in events:
@@ -75,5 +80,5 @@ def measure_peak(fn: Callable[..., Any], *args: Any, device: torch.device | str 
     if dev.type == "cuda":
         return _cuda_peak(fn, args, kwargs, dev)
     if dev.type == "cpu":
-        return _cpu_peak(fn, args, kwargs)
+        return profiler_peak(fn, args, kwargs, "cpu")
     raise ValueError(f"measure_peak: device {dev} is not supported (use cpu or cuda)")
