@@ -80,21 +80,24 @@ class Recognized:
     notes: list[str] = field(default_factory=list)
 
 
-RowFn = Callable[[int, int], torch.Tensor]
-
-
 @dataclass(eq=False)
 class Segment:
     """A run of rows of the attention's (joint) sequence with its own row-local pieces.
 
-    q(a, b) -> [B, b-a, H, D]; kv(a, b) -> two [B, b-a, Hkv, D]; out(o, a, b) maps the attention output rows
-    [B, b-a, H, D] to this segment's module output rows [B, b-a, dout]. Rows are local to the segment.
+    ``source`` is the segment's input sequence [B, rows, dim]. q(h, a, b) -> [B, b-a, H, D] and
+    kv(h, a, b) -> two [B, b-a, Hkv, D] take the input rows h = source[:, a:b] (or, inside a streamed block, the
+    block's prefix of those rows); out(o, a, b) maps attention output rows [B, b-a, H, D] to output rows
+    [B, b-a, dout]. Rows a, b are local to the segment.
     """
 
-    rows: int
-    q: RowFn
-    kv: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]] | None
+    source: torch.Tensor
+    q: Callable[[torch.Tensor, int, int], torch.Tensor]
+    kv: Callable[[torch.Tensor, int, int], tuple[torch.Tensor, torch.Tensor]] | None
     out: Callable[[torch.Tensor, int, int], torch.Tensor]
+
+    @property
+    def rows(self) -> int:
+        return self.source.shape[1]
 
 
 @dataclass(eq=False)

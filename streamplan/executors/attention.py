@@ -11,15 +11,22 @@ def _chunks(rows: int, chunk: int):
         yield a, min(a + chunk, rows)
 
 
-def build_kv(call: AttentionCall, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V as [B, Nk, Hkv, D], written chunk by chunk into whole-sequence buffers."""
+def _source_rows(i: int, seg, a: int, b: int) -> torch.Tensor:
+    return seg.source[:, a:b]
+
+
+def build_kv(call: AttentionCall, chunk: int, rows_of=_source_rows) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V as [B, Nk, Hkv, D], written chunk by chunk into whole-sequence buffers.
+
+    ``rows_of(i, segment, a, b)`` gives the attention input rows of segment i (a streamed block passes its prefix).
+    """
     if call.kv_whole is not None:
         return call.kv_whole()
     k_all = v_all = None
     start = 0
-    for seg in call.segments:
+    for i, seg in enumerate(call.segments):
         for a, b in _chunks(seg.rows, chunk):
-            k, v = seg.kv(a, b)
+            k, v = seg.kv(rows_of(i, seg, a, b), a, b)
             if k_all is None:
                 shape = (call.batch, call.rows, call.kv_heads, call.head_dim)
                 k_all, v_all = k.new_empty(shape), v.new_empty(shape)
@@ -30,26 +37,34 @@ def build_kv(call: AttentionCall, chunk: int) -> tuple[torch.Tensor, torch.Tenso
     return k_all, v_all
 
 
-def run_attention(call: AttentionCall, consumer, chunk: int):
-    k_all, v_all = build_kv(call, chunk)
-    k, v = k_all.transpose(1, 2), v_all.transpose(1, 2)       # [B, Hkv, Nk, D] views
-    del k_all, v_all
+def global_kv(call: AttentionCall, chunk: int, rows_of=_source_rows) -> tuple[torch.Tensor, torch.Tensor]:
+    """Phase KV: K and V for every row as [B, Hkv, Nk, D] (views), through the cache when the call has one."""
+    k_all, v_all = build_kv(call, chunk, rows_of)
+    k, v = k_all.transpose(1, 2), v_all.transpose(1, 2)
     if call.cache_update is not None:
         k, v = call.cache_update(k, v)
-    mask = call.mask
+    return k, v
+
+
+def attend_rows(call: AttentionCall, consumer, k, v, seg, h: torch.Tensor, start: int, a: int, b: int):
+    """Phase Q for rows [a:b) of one segment (starting at joint row ``start``): Q, attention, output projection."""
+    q = seg.q(h, a, b).transpose(1, 2)                          # [B, H, c, D]
+    m = call.mask
+    if m is not None and m.shape[-2] != 1:
+        m = m[..., start + a:start + b, :]
+    o = consumer.attend(q, k, v, q_offset=start + a, causal=call.causal, mask=m, scale=call.scale)
+    del q
+    return seg.out(o.transpose(1, 2), a, b)
+
+
+def run_attention(call: AttentionCall, consumer, chunk: int):
+    k, v = global_kv(call, chunk)
     outputs = []
     start = 0
     for seg in call.segments:
         buf = None
         for a, b in _chunks(seg.rows, chunk):
-            q = seg.q(a, b).transpose(1, 2)                     # [B, H, c, D]
-            m = None
-            if mask is not None:
-                m = mask if mask.shape[-2] == 1 else mask[..., start + a:start + b, :]
-            o = consumer.attend(q, k, v, q_offset=start + a, causal=call.causal, mask=m, scale=call.scale)
-            del q
-            y = seg.out(o.transpose(1, 2), a, b)
-            del o
+            y = attend_rows(call, consumer, k, v, seg, seg.source[:, a:b], start, a, b)
             if buf is None:
                 buf = y.new_empty((call.batch, seg.rows, y.shape[-1]))
             buf[:, a:b] = y

@@ -68,8 +68,8 @@ def _bind_attention(attn, args: tuple, kwargs: dict) -> AttentionCall | str:
         mask = attn.prepare_attention_mask(mask, S, B)
         mask = mask.view(B, H, -1, mask.shape[-1])
 
-    def q(a, b):  # per-head norms act on head_dim alone, so the [B, rows, H, D] layout is fine
-        return norm_q(attn.to_q(x[:, a:b]).view(B, b - a, H, D))
+    def q(h, a, b):  # per-head norms act on head_dim alone, so the [B, rows, H, D] layout is fine
+        return norm_q(attn.to_q(h).view(B, b - a, H, D))
 
     def kv_of(src):
         k = attn.to_k(src).view(B, src.shape[1], H, D)
@@ -86,7 +86,7 @@ def _bind_attention(attn, args: tuple, kwargs: dict) -> AttentionCall | str:
     if enc is not None:
         src = attn.norm_encoder_hidden_states(enc) if attn.norm_cross else enc
         kv_whole = lambda: kv_of(src)  # noqa: E731
-    seg = Segment(N, q, None if enc is not None else (lambda a, b: kv_of(x[:, a:b])), out)
+    seg = Segment(x, q, None if enc is not None else (lambda h, a, b: kv_of(h)), out)
     return AttentionCall(batch=B, heads=H, kv_heads=H, head_dim=D, segments=[seg], finish=lambda outs: outs[0],
                          dtype=x.dtype, mask=mask, kv_whole=kv_whole)
 
@@ -192,8 +192,8 @@ def _bind_wan(attn, args: tuple, kwargs: dict) -> AttentionCall | str:
             return t
         return _wan_rotary(t, rows_of(rotary[0], a, b, 1), rows_of(rotary[1], a, b, 1))
 
-    def q(a, b):
-        return rope(attn.norm_q(q_proj(x[:, a:b])).unflatten(2, (H, -1)), a, b)
+    def q(h, a, b):
+        return rope(attn.norm_q(q_proj(h)).unflatten(2, (H, -1)), a, b)
 
     def kv_of(src, a, b):
         k = rope(attn.norm_k(k_proj(src)).unflatten(2, (H, -1)), a, b)
@@ -203,7 +203,7 @@ def _bind_wan(attn, args: tuple, kwargs: dict) -> AttentionCall | str:
         y = o.flatten(2, 3).to(x.dtype)
         return attn.to_out[1](attn.to_out[0](y))
 
-    seg = Segment(N, q, None if cross else (lambda a, b: kv_of(x[:, a:b], a, b)), out)
+    seg = Segment(x, q, None if cross else kv_of, out)
     return AttentionCall(batch=B, heads=H, kv_heads=H, head_dim=D, segments=[seg], finish=lambda outs: outs[0],
                          dtype=x.dtype, mask=mask,
                          kv_whole=(lambda: kv_of(enc, 0, enc.shape[1])) if cross else None)
@@ -282,15 +282,14 @@ def _bind_flux(attn, args: tuple, kwargs: dict) -> AttentionCall | str:
     def segment(src, projs, norm_q, norm_k, offset, out):
         qp, kp, vp = projs
 
-        def q(a, b):
-            return rope(norm_q(qp(src[:, a:b]).unflatten(-1, (-1, D))), offset + a, offset + b)
+        def q(h, a, b):
+            return rope(norm_q(qp(h).unflatten(-1, (-1, D))), offset + a, offset + b)
 
-        def kv(a, b):
-            s = src[:, a:b]
-            k = rope(norm_k(kp(s).unflatten(-1, (-1, D))), offset + a, offset + b)
-            return k, vp(s).unflatten(-1, (-1, D))
+        def kv(h, a, b):
+            k = rope(norm_k(kp(h).unflatten(-1, (-1, D))), offset + a, offset + b)
+            return k, vp(h).unflatten(-1, (-1, D))
 
-        return Segment(src.shape[1], q, kv, out)
+        return Segment(src, q, kv, out)
 
     def img_out(o, a, b):
         y = o.flatten(2, 3).to(x.dtype)

@@ -63,19 +63,18 @@ def _bind_llama(attn, args: tuple, kwargs: dict) -> AttentionCall | str:
         c, s = cos[:, a:b] if cos.shape[1] != 1 else cos, sin[:, a:b] if sin.shape[1] != 1 else sin
         return rope(t, t, c, s)[0].transpose(1, 2)
 
-    def q(a, b):
-        return rotate(attn.q_proj(x[:, a:b]).view(B, b - a, H, D), a, b)
+    def q(h, a, b):
+        return rotate(attn.q_proj(h).view(B, b - a, H, D), a, b)
 
-    def kv(a, b):
-        xc = x[:, a:b]
-        return rotate(attn.k_proj(xc).view(B, b - a, Hkv, D), a, b), attn.v_proj(xc).view(B, b - a, Hkv, D)
+    def kv(h, a, b):
+        return rotate(attn.k_proj(h).view(B, b - a, Hkv, D), a, b), attn.v_proj(h).view(B, b - a, Hkv, D)
 
     def out(o, a, b):
         return attn.o_proj(o.reshape(B, b - a, H * D))
 
     # transformers' convention: a backend given no mask attends causally (eager alone applies only the mask it gets)
     causal = impl != "eager" and N > 1 and mask is None and getattr(attn, "is_causal", True)
-    return AttentionCall(batch=B, heads=H, kv_heads=Hkv, head_dim=D, segments=[Segment(N, q, kv, out)],
+    return AttentionCall(batch=B, heads=H, kv_heads=Hkv, head_dim=D, segments=[Segment(x, q, kv, out)],
                          finish=lambda outs: (outs[0], None), dtype=x.dtype, causal=causal, scale=attn.scaling,
                          mask=mask, cache_update=cache_update)
 
