@@ -4,7 +4,8 @@ from .budget import parse_budget
 from .consumers import AttentionConsumer, ConsumerCaps, register_consumer, unregister_consumer
 from .meter import measure_peak
 from .planner import BudgetError
+from .verify import verify
 
-__all__ = ["apply", "StreamHandle", "measure_peak", "parse_budget", "BudgetError", "register_consumer",
+__all__ = ["apply", "verify", "StreamHandle", "measure_peak", "parse_budget", "BudgetError", "register_consumer",
            "unregister_consumer", "ConsumerCaps", "AttentionConsumer"]
 __version__ = "0.1.0"

@@ -1,9 +1,11 @@
 """``apply`` and the reversible ``StreamHandle`` (in the manner of accelerate's hooks)."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -13,9 +15,11 @@ from torch import nn
 from .budget import parse_budget
 from .consumers import consumer_for, unsupported
 from .executors.attention import run_attention
+from .executors.block import run_block
 from .executors.mlp import run_mlp
-from .ir import AttentionCall, AttentionSpec, MLPSpec, Skip
-from .planner import AttentionDims, Plan, plan_attention, plan_mlp
+from .ir import AttentionCall, AttentionSpec, BlockCall, BlockSpec, MLPSpec, Skip
+from .planner import AttentionDims, Plan, mlp_row_elems, plan_attention, plan_block, plan_mlp
+from .verify import compare_outputs
 from .recognize import recognize
 from .recognize.checks import STREAMED_MARK
 
@@ -29,13 +33,14 @@ class StreamOptions:
     budget: int | None = None
     chunk_tokens: int | None = None
     ffn_slice: int | None = None
+    self_check: bool = False
 
 
 @dataclass(eq=False)
 class Installed:
     name: str
     module: nn.Module
-    spec: MLPSpec | AttentionSpec
+    spec: MLPSpec | AttentionSpec | BlockSpec
     stock: Callable[..., Any]
     previous: Any  # what module.__dict__["forward"] held before, or _MISSING
     plans: dict[tuple, Plan] = field(default_factory=dict)
@@ -70,6 +75,32 @@ def _attention_dims(spec: AttentionSpec, call: AttentionCall) -> AttentionDims:
                          masked=call.mask is not None or call.causal)
 
 
+def _block_row_extra(spec: BlockSpec, call: BlockCall):
+    """Elements per row of a block's suffix transients (fp32 residual math, the MLP), whole and feature-sliced."""
+    dim = call.streams[0].x.shape[-1]
+    if call.mlp_rows_elems:
+        return call.mlp_rows_elems + 4 * dim, lambda s: call.mlp_rows_elems + 4 * dim
+    whole = max((mlp_row_elems(m, m.ffn) for m in spec.mlps), default=0) + 4 * dim
+    return whole, lambda s: max((mlp_row_elems(m, min(s, m.ffn)) for m in spec.mlps), default=0) + 4 * dim
+
+
+class _Bypass(threading.local):
+    active = False
+
+
+_BYPASS = _Bypass()
+
+
+@contextlib.contextmanager
+def bypass():
+    """Within this context every streamed module runs its stock forward (``verify`` and ``self_check`` use it)."""
+    previous, _BYPASS.active = _BYPASS.active, True
+    try:
+        yield
+    finally:
+        _BYPASS.active = previous
+
+
 def _needs_grad(module: nn.Module, x: torch.Tensor) -> bool:
     if not torch.is_grad_enabled():
         return False
@@ -85,9 +116,10 @@ class StreamHandle:
         self.skipped = skipped
         self.installed: dict[str, Installed] = {}
         self.removed = False
+        self.self_checked = False
 
     # -- installation -------------------------------------------------------------------------------
-    def _install(self, name: str, spec: MLPSpec | AttentionSpec) -> None:
+    def _install(self, name: str, spec: MLPSpec | AttentionSpec | BlockSpec) -> None:
         module = spec.module
         previous = module.__dict__.get("forward", _MISSING)
         stock = module.forward
@@ -95,6 +127,8 @@ class StreamHandle:
 
         @functools.wraps(type(module).forward)
         def streamed_forward(*args: Any, **kwargs: Any) -> Any:
+            if _BYPASS.active:
+                return entry.stock(*args, **kwargs)
             return self._run(entry, args, kwargs)
 
         setattr(streamed_forward, STREAMED_MARK, True)
@@ -102,9 +136,71 @@ class StreamHandle:
         self.installed[name] = entry
 
     def _run(self, entry: Installed, args: tuple, kwargs: dict) -> Any:
-        if isinstance(entry.spec, AttentionSpec):
-            return self._run_attention(entry, args, kwargs)
-        return self._run_mlp(entry, args, kwargs)
+        if isinstance(entry.spec, BlockSpec):
+            out = self._run_block(entry, args, kwargs)
+        elif isinstance(entry.spec, AttentionSpec):
+            out = self._run_attention(entry, args, kwargs)
+        else:
+            out = self._run_mlp(entry, args, kwargs)
+        if self.options.self_check and not self.self_checked and entry.plans:
+            self._self_check(entry, args, kwargs, out)
+        return out
+
+    def _self_check(self, entry: Installed, args: tuple, kwargs: dict, out: Any) -> None:
+        """Once per handle: the first streamed call is run stock too, and the difference is logged and kept."""
+        self.self_checked = True
+        with bypass():
+            ref = entry.stock(*args, **kwargs)
+        diffs = compare_outputs(out, ref)
+        worst = max((d["rel"] for d in diffs.values()), default=0.0)
+        note = f"self-check against stock on the first call: max relative difference {worst:.2e}"
+        self._note(entry, note)
+        (log.warning if worst > 1e-2 else log.info)("streamplan: %s: %s", entry.name, note)
+
+    def _attention_ready(self, entry: Installed, attn: AttentionSpec, args: tuple, kwargs: dict):
+        """The consumer for this call, or None after noting why the call runs stock."""
+        consumer = consumer_for(attn.backend())
+        if consumer is None:
+            self._note(entry, f"attention backend {attn.backend()!r} has no streamplan consumer: ran stock")
+            return None
+        tensors = [t for t in list(args) + list(kwargs.values()) if isinstance(t, torch.Tensor)]
+        if tensors and _needs_grad(entry.module, tensors[0]):
+            self._note(entry, "autograd is recording: ran stock (streamed executors are for inference)")
+            return None
+        return consumer
+
+    def _unsupported(self, entry: Installed, consumer, call: AttentionCall) -> bool:
+        why = unsupported(consumer, heads=call.heads, kv_heads=call.kv_heads, head_dim=call.head_dim,
+                          causal=call.causal, mask=call.mask, dtype=call.dtype)
+        if why:
+            self._note(entry, f"ran stock: {why}")
+        return bool(why)
+
+    def _run_block(self, entry: Installed, args: tuple, kwargs: dict) -> Any:
+        spec: BlockSpec = entry.spec
+        consumer = self._attention_ready(entry, spec.attention, args, kwargs)
+        if consumer is None:
+            return entry.stock(*args, **kwargs)
+        call = spec.bind(args, kwargs)
+        if isinstance(call, str):
+            self._note(entry, f"ran stock: {call}")
+            return entry.stock(*args, **kwargs)
+        att = call.attention
+        if self._unsupported(entry, consumer, att):
+            return entry.stock(*args, **kwargs)
+        o = self.options
+        dims = _attention_dims(spec.attention, att)
+        stream_elems = sum(s.x.numel() for s in call.streams)
+        extra, extra_sliced = _block_row_extra(spec, call)
+        sig = (_shapes(args, kwargs), att.dtype, call.streams[0].x.device.type)
+        plan = self._plan(entry, sig, lambda: plan_block(
+            dims, stream_elems, extra, extra_sliced, chunk_tokens=o.chunk_tokens,
+            ffn_slice=o.ffn_slice if spec.mlps else None, budget=o.budget, q_align=consumer.caps.q_align))
+        if plan.tier == "L0":
+            return entry.stock(*args, **kwargs)
+        for runner in spec.runners:
+            runner.ffn_slice = plan.ffn_slice if plan.tier == "L2" else 0
+        return run_block(call, consumer, plan.chunk)
 
     def _plan(self, entry: Installed, sig: tuple, make: Callable[[], Plan]) -> Plan:
         plan = entry.plans.get(sig)
@@ -131,26 +227,18 @@ class StreamHandle:
 
     def _run_attention(self, entry: Installed, args: tuple, kwargs: dict) -> Any:
         spec: AttentionSpec = entry.spec
-        consumer = consumer_for(spec.backend())
+        consumer = self._attention_ready(entry, spec, args, kwargs)
         if consumer is None:
-            self._note(entry, f"attention backend {spec.backend()!r} has no streamplan consumer: ran stock")
-            return entry.stock(*args, **kwargs)
-        tensors = [t for t in list(args) + list(kwargs.values()) if isinstance(t, torch.Tensor)]
-        if tensors and _needs_grad(entry.module, tensors[0]):
-            self._note(entry, "autograd is recording: ran stock (streamed executors are for inference)")
             return entry.stock(*args, **kwargs)
         call = spec.bind(args, kwargs)
         if isinstance(call, str):
             self._note(entry, f"ran stock: {call}")
             return entry.stock(*args, **kwargs)
-        why = unsupported(consumer, heads=call.heads, kv_heads=call.kv_heads, head_dim=call.head_dim,
-                          causal=call.causal, mask=call.mask, dtype=call.dtype)
-        if why:
-            self._note(entry, f"ran stock: {why}")
+        if self._unsupported(entry, consumer, call):
             return entry.stock(*args, **kwargs)
         o = self.options
         dims = _attention_dims(spec, call)
-        sig = (_shapes(args, kwargs), call.dtype, tensors[0].device.type if tensors else "cpu")
+        sig = (_shapes(args, kwargs), call.dtype, call.segments[0].source.device.type)
         plan = self._plan(entry, sig, lambda: plan_attention(dims, chunk_tokens=o.chunk_tokens, budget=o.budget,
                                                              q_align=consumer.caps.q_align))
         if plan.tier == "L0":
@@ -212,18 +300,19 @@ class StreamHandle:
 
 
 def apply(module: nn.Module, budget: int | str | None = None, chunk_tokens: int | None = None, *,
-          ffn_slice: int | None = None) -> StreamHandle:
+          ffn_slice: int | None = None, self_check: bool = False) -> StreamHandle:
     """Stream every recognised structure inside ``module`` in place; returns a handle to report and undo.
 
     ``budget`` (bytes, ``"12GiB"``, ``"auto"``) lets the planner pick tiers and chunks; ``chunk_tokens`` forces
     row streaming at that chunk; ``ffn_slice`` forces feature-sliced MLPs with that many hidden features per slice.
+    ``self_check`` runs the first streamed call stock as well and logs (and reports) the difference.
     """
     if not isinstance(module, nn.Module):
         raise ValueError(f"module must be a torch.nn.Module, got {type(module).__name__}")
     chunk_tokens = _positive_int(chunk_tokens, "chunk_tokens")
     ffn_slice = _positive_int(ffn_slice, "ffn_slice")
     device = next((p.device for p in module.parameters()), None)
-    options = StreamOptions(parse_budget(budget, device), chunk_tokens, ffn_slice)
+    options = StreamOptions(parse_budget(budget, device), chunk_tokens, ffn_slice, bool(self_check))
     specs, skipped = recognize(module)
     for name, spec in list(specs.items()):
         if isinstance(spec, AttentionSpec) and consumer_for(spec.backend()) is None:

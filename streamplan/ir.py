@@ -142,3 +142,37 @@ class AttentionSpec:
     cross: bool
     bind: Binder
     backend: Callable[[], str]
+
+
+@dataclass(eq=False)
+class Stream:
+    """One residual stream of a block (Wan: the video tokens; Flux: text and image).
+
+    prefix(x_rows, a, b) -> the attention input rows (norm, modulation); suffix(x_rows, h_rows, attn_rows, a, b)
+    -> the new residual rows after the attention output (gate, residual, and everything row-local after it:
+    cross-attention to a short sequence, the MLP with its own norm and gate).
+    """
+
+    x: torch.Tensor
+    prefix: Callable[[torch.Tensor, int, int], torch.Tensor]
+    suffix: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, int], torch.Tensor]
+
+
+@dataclass(eq=False)
+class BlockCall:
+    streams: list[Stream]            # stream i feeds attention segment i
+    attention: AttentionCall
+    finish: Callable[[list[torch.Tensor]], object]
+    mlp_rows_elems: int = 0          # elements per row of the chunk's MLP/cross-attention transients (for the plan)
+
+
+@dataclass(eq=False)
+class BlockSpec:
+    """A transformer block streamplan runs as phase KV, then one fused row-local pass per chunk."""
+
+    module: nn.Module
+    label: str
+    attention: AttentionSpec
+    mlps: list[MLPSpec]
+    bind: Callable[[tuple, dict], "BlockCall | str"]
+    runners: list = field(default_factory=list)  # the MLPRunners the binder's closures use (tier set per plan)

@@ -168,3 +168,49 @@ def plan_attention(d: AttentionDims, *, chunk_tokens: int | None = None, budget:
                           f"streamplan can reach ({fmt_bytes(floor)}, dominated by the global K and V: "
                           f"{fmt_bytes(2 * d.batch * d.kv_rows * d.kv_heads * d.head_dim * d.elem)})")
     return make("L1", max(q_align, chunk // q_align * q_align))
+
+
+def block_peak(d: AttentionDims, stream_elems: int, row_extra: int, tier: str, chunk: int) -> int:
+    """A streamed block: residual copies + global K/V + one chunk's attention and suffix transients.
+
+    ``stream_elems`` counts the residual streams' elements (they are copied once); ``row_extra`` the elements per
+    row of the suffix's transients (fp32 residual math, cross-attention, the MLP hidden).
+    """
+    c = min(chunk, d.rows)
+    kv = 2 * d.batch * d.kv_rows * d.kv_heads * d.head_dim * d.elem
+    mask = c * d.kv_rows if d.masked else 0
+    q_row = d.heads * d.head_dim
+    phase_kv = d.batch * c * (d.dim_out + d.kv_heads * d.head_dim * 4) * d.elem
+    phase_q = d.batch * c * (q_row * 3 + d.dim_out * 2 + row_extra) * d.elem + mask
+    return stream_elems * d.elem + kv + max(phase_kv, phase_q)
+
+
+def plan_block(d: AttentionDims, stream_elems: int, row_extra: int, row_extra_sliced, *,
+               chunk_tokens: int | None = None, ffn_slice: int | None = None, budget: int | None = None,
+               q_align: int = 1, stock_peak: int | None = None) -> Plan:
+    """Tier for a whole block: L0 stock, L1 row-streamed, L2 with feature-sliced MLPs (``row_extra_sliced(s)``)."""
+    stock = stock_peak if stock_peak is not None else block_peak(d, stream_elems, row_extra, "L1", d.rows) + \
+        stream_elems * d.elem
+
+    def make(tier: str, chunk: int, sl: int = 0) -> Plan:
+        chunk = max(q_align, min(chunk, d.rows) // q_align * q_align) if chunk < d.rows else d.rows
+        extra = row_extra_sliced(sl) if tier == "L2" else row_extra
+        return Plan(tier, d.rows, chunk, sl, block_peak(d, stream_elems, extra, tier, chunk), stock)
+
+    if ffn_slice is not None:
+        return make("L2", chunk_tokens or DEFAULT_CHUNK_TOKENS, ffn_slice)
+    if chunk_tokens is not None or budget is None:
+        chunk = chunk_tokens or DEFAULT_CHUNK_TOKENS
+        return make("L1", chunk) if d.rows > chunk else make("L0", d.rows)
+    if stock <= budget:
+        return make("L0", d.rows)
+    chunk = _largest_chunk(lambda c: block_peak(d, stream_elems, row_extra, "L1", c), d.rows, budget)
+    if chunk is not None:
+        return make("L1", chunk)
+    for sl in (4096, 2048, 1024, 512, 256):
+        chunk = _largest_chunk(lambda c: block_peak(d, stream_elems, row_extra_sliced(sl), "L2", c), d.rows, budget)
+        if chunk is not None:
+            return make("L2", chunk, sl)
+    floor = block_peak(d, stream_elems, row_extra_sliced(256), "L2", MIN_CHUNK_TOKENS)
+    raise BudgetError(f"block over {d.rows} rows: budget {fmt_bytes(budget)} is below the smallest peak streamplan "
+                      f"can reach ({fmt_bytes(floor)}, dominated by the residual and the global K and V)")

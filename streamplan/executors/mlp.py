@@ -55,3 +55,18 @@ def run_mlp(spec: MLPSpec, plan: Plan, stock: Callable[[torch.Tensor], torch.Ten
     else:
         out = run_row_chunked(stock, x2, plan.chunk)
     return out.view(*x.shape[:-1], out.shape[-1])
+
+
+class MLPRunner:
+    """An MLP inside a streamed block: its own forward on the chunk, or feature-sliced when planned (L2)."""
+
+    def __init__(self, spec: MLPSpec):
+        self.spec = spec
+        self.ffn_slice = 0
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        if not self.ffn_slice or torch.is_autocast_enabled():
+            return self.spec.module(h)
+        x2 = h.reshape(-1, h.shape[-1])
+        out = run_feature_sliced(self.spec, x2, x2.shape[0], self.ffn_slice)
+        return out.view(*h.shape[:-1], out.shape[-1])

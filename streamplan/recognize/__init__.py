@@ -5,21 +5,25 @@ from typing import Callable
 
 from torch import nn
 
-from ..ir import AttentionSpec, MLPSpec, Skip
+from ..ir import AttentionSpec, BlockSpec, MLPSpec, Skip
 from .diffusers_attention import recognize_attention, recognize_flux_attention, recognize_wan_attention
+from .diffusers_blocks import recognize_flux_block, recognize_wan_block
 from .diffusers_mlp import recognize_feedforward
 from .transformers_attention import recognize_llama_attention
+from .transformers_blocks import recognize_llama_layer
 from .transformers_mlp import recognize_gated_mlp
 
-Recognizer = Callable[[str, nn.Module], "MLPSpec | AttentionSpec | Skip | None"]
+Recognizer = Callable[[str, nn.Module], "MLPSpec | AttentionSpec | BlockSpec | Skip | None"]
 
-RECOGNIZERS: list[Recognizer] = [recognize_feedforward, recognize_gated_mlp, recognize_attention,
+# blocks first: a recognised block claims its attention and MLP; a block left stock leaves them to their own
+BLOCK_RECOGNIZERS: list[Recognizer] = [recognize_wan_block, recognize_flux_block, recognize_llama_layer]
+RECOGNIZERS: list[Recognizer] = BLOCK_RECOGNIZERS + [recognize_feedforward, recognize_gated_mlp, recognize_attention,
                                   recognize_wan_attention, recognize_flux_attention, recognize_llama_attention]
 
 
-def recognize(root: nn.Module) -> tuple[dict[str, MLPSpec | AttentionSpec], list[Skip]]:
+def recognize(root: nn.Module) -> tuple[dict[str, MLPSpec | AttentionSpec | BlockSpec], list[Skip]]:
     """Walk ``root`` top-down; a recognised module's children are not visited again."""
-    specs: dict[str, MLPSpec | AttentionSpec] = {}
+    specs: dict[str, MLPSpec | AttentionSpec | BlockSpec] = {}
     skipped: list[Skip] = []
     claimed: list[str] = []
     for name, module in root.named_modules():
@@ -31,6 +35,8 @@ def recognize(root: nn.Module) -> tuple[dict[str, MLPSpec | AttentionSpec], list
                 continue
             if isinstance(found, Skip):
                 skipped.append(found)
+                if rec in BLOCK_RECOGNIZERS:
+                    break  # its attention and MLP are still considered on their own
             else:
                 specs[name] = found
             claimed.append(name)

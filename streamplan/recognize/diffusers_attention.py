@@ -234,45 +234,21 @@ def recognize_wan_attention(name: str, module: nn.Module) -> AttentionSpec | Ski
 # ---------------------------------------------------------------------------------------------------------
 # Flux
 # ---------------------------------------------------------------------------------------------------------
-def _bind_flux(attn, args: tuple, kwargs: dict) -> AttentionCall | str:
+def flux_attention_call(attn, sources: list[tuple[torch.Tensor, str]], rotary, mask, project_out: bool,
+                        dtype: torch.dtype) -> AttentionCall | str:
+    """Segments over the joint sequence of ``sources`` in order: "txt" rows use the added projections, norms and
+    ``to_add_out``; "img" rows the main ones and ``to_out`` (or the raw attention output when not projected)."""
     from diffusers.models.embeddings import apply_rotary_emb
-    from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
-    if type(attn.processor) is not FluxAttnProcessor:
-        return f"processor {type(attn.processor).__name__} is not one streamplan knows"
-    if getattr(attn.processor, "_parallel_config", None) is not None:
-        return "context parallelism is configured"
-    call = _call_args(("hidden_states", "encoder_hidden_states", "attention_mask", "image_rotary_emb"), args,
-                      kwargs)
-    if isinstance(call, str):
-        return call
-    x, enc, mask, rotary = (call.get(k) for k in ("hidden_states", "encoder_hidden_states", "attention_mask",
-                                                  "image_rotary_emb"))
-    if not isinstance(x, torch.Tensor) or x.dim() != 3:
-        return "hidden_states is not [batch, tokens, dim]"
-    if mask is not None and mask.dim() != 4:
-        return "attention_mask is not 4-D"
-    if enc is not None and attn.added_kv_proj_dim is None:
-        return "encoder_hidden_states without added projections"
+    D = attn.head_dim
     if rotary is not None and not (isinstance(rotary, (tuple, list)) and len(rotary) == 2):
         return "rotary embedding is not a (cos, sin) pair"
-    B, N, _ = x.shape
-    D = attn.head_dim
-    H = attn.to_q.out_features // D if not attn.fused_projections else attn.to_qkv.out_features // (3 * D)
+    if mask is not None and mask.dim() != 4:
+        return "attention_mask is not 4-D"
 
     def projections(fused_name: str, names: tuple[str, str, str]):
         if attn.fused_projections:
             return fused_parts(getattr(attn, fused_name), 3)
         return [getattr(attn, n) for n in names]
-
-    img = projections("to_qkv", ("to_q", "to_k", "to_v"))
-    if img is None:
-        return "fused to_qkv weight cannot be sliced"
-    T = 0
-    if enc is not None:
-        txt = projections("to_added_qkv", ("add_q_proj", "add_k_proj", "add_v_proj"))
-        if txt is None:
-            return "fused to_added_qkv weight cannot be sliced"
-        T = enc.shape[1]
 
     def rope(t, a, b):  # a, b: joint rows
         if rotary is None:
@@ -292,19 +268,64 @@ def _bind_flux(attn, args: tuple, kwargs: dict) -> AttentionCall | str:
         return Segment(src, q, kv, out)
 
     def img_out(o, a, b):
-        y = o.flatten(2, 3).to(x.dtype)
-        if enc is None:
-            return y
-        return attn.to_out[1](attn.to_out[0](y))
+        y = o.flatten(2, 3).to(dtype)
+        return attn.to_out[1](attn.to_out[0](y)) if project_out else y
 
-    segments = []
-    if enc is not None:
-        segments.append(segment(enc, txt, attn.norm_added_q, attn.norm_added_k, 0,
-                                lambda o, a, b: attn.to_add_out(o.flatten(2, 3).to(x.dtype))))
-    segments.append(segment(x, img, attn.norm_q, attn.norm_k, T, img_out))
-    finish = (lambda outs: outs[0]) if enc is None else (lambda outs: (outs[1], outs[0]))
-    return AttentionCall(batch=B, heads=H, kv_heads=H, head_dim=D, segments=segments, finish=finish,
-                         dtype=x.dtype, mask=mask)
+    def txt_out(o, a, b):
+        return attn.to_add_out(o.flatten(2, 3).to(dtype))
+
+    segments, offset = [], 0
+    for src, kind in sources:
+        if kind == "txt":
+            projs = projections("to_added_qkv", ("add_q_proj", "add_k_proj", "add_v_proj"))
+            if projs is None:
+                return "fused to_added_qkv weight cannot be sliced"
+            segments.append(segment(src, projs, attn.norm_added_q, attn.norm_added_k, offset, txt_out))
+        else:
+            projs = projections("to_qkv", ("to_q", "to_k", "to_v"))
+            if projs is None:
+                return "fused to_qkv weight cannot be sliced"
+            segments.append(segment(src, projs, attn.norm_q, attn.norm_k, offset, img_out))
+        offset += src.shape[1]
+    first = sources[0][0]
+    H = _flux_heads(attn)
+    return AttentionCall(batch=first.shape[0], heads=H, kv_heads=H, head_dim=D, segments=segments,
+                         finish=lambda outs: outs[0], dtype=dtype, mask=mask)
+
+
+def _flux_heads(attn) -> int:
+    width = attn.to_qkv.out_features // 3 if attn.fused_projections else attn.to_q.out_features
+    return width // attn.head_dim
+
+
+def flux_processor_problem(attn) -> str | None:
+    from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
+    if type(attn.processor) is not FluxAttnProcessor:
+        return f"processor {type(attn.processor).__name__} is not one streamplan knows"
+    if getattr(attn.processor, "_parallel_config", None) is not None:
+        return "context parallelism is configured"
+    return None
+
+
+def _bind_flux(attn, args: tuple, kwargs: dict) -> AttentionCall | str:
+    problem = flux_processor_problem(attn)
+    if problem:
+        return problem
+    call = _call_args(("hidden_states", "encoder_hidden_states", "attention_mask", "image_rotary_emb"), args,
+                      kwargs)
+    if isinstance(call, str):
+        return call
+    x, enc, mask, rotary = (call.get(k) for k in ("hidden_states", "encoder_hidden_states", "attention_mask",
+                                                  "image_rotary_emb"))
+    if not isinstance(x, torch.Tensor) or x.dim() != 3:
+        return "hidden_states is not [batch, tokens, dim]"
+    if enc is not None and attn.added_kv_proj_dim is None:
+        return "encoder_hidden_states without added projections"
+    sources = [(enc, "txt"), (x, "img")] if enc is not None else [(x, "img")]
+    result = flux_attention_call(attn, sources, rotary, mask, project_out=enc is not None, dtype=x.dtype)
+    if isinstance(result, AttentionCall) and enc is not None:
+        result.finish = lambda outs: (outs[1], outs[0])
+    return result
 
 
 def recognize_flux_attention(name: str, module: nn.Module) -> AttentionSpec | Skip | None:

@@ -1,0 +1,30 @@
+"""Streamed blocks: phase KV over prefixed rows, then per chunk: Q, attention, and the rest of the block."""
+from __future__ import annotations
+
+import torch
+
+from ..ir import BlockCall
+from .attention import _chunks, attend_rows, global_kv
+
+
+def run_block(call: BlockCall, consumer, chunk: int):
+    """Peak: residual copies + global K/V + one chunk's transients.
+
+    The residual is updated in a copy made once (the caller may still hold its input); the copy becomes the
+    output, so no other whole-sequence tensor exists.
+    """
+    att = call.attention
+    xs = [s.x.clone() for s in call.streams]
+    k, v = global_kv(att, chunk, lambda i, seg, a, b: call.streams[i].prefix(xs[i][:, a:b], a, b))
+    start = 0
+    for i, (stream, seg) in enumerate(zip(call.streams, att.segments)):
+        x = xs[i]
+        for a, b in _chunks(x.shape[1], chunk):
+            rows = x[:, a:b]
+            h = stream.prefix(rows, a, b)
+            y = attend_rows(att, consumer, k, v, seg, h, start, a, b)
+            rows.copy_(stream.suffix(rows, h, y, a, b))
+            del h, y
+        start += x.shape[1]
+    del k, v
+    return call.finish(xs)
