@@ -17,8 +17,9 @@ from .consumers import consumer_for, unsupported
 from .executors.attention import run_attention
 from .executors.block import run_block
 from .executors.mlp import run_mlp
-from .ir import AttentionCall, AttentionSpec, BlockCall, BlockSpec, MLPSpec, Skip
-from .planner import AttentionDims, Plan, mlp_row_elems, plan_attention, plan_block, plan_mlp
+from .ir import AttentionCall, AttentionSpec, BlockCall, BlockSpec, MLPSpec, ModelSpec, Skip
+from .planner import (DEFAULT_CHUNK_TOKENS, AttentionDims, Plan, mlp_row_elems, plan_attention, plan_block,
+                      plan_mlp)
 from .verify import compare_outputs
 from .recognize import recognize
 from .recognize.checks import STREAMED_MARK
@@ -136,21 +137,39 @@ class StreamHandle:
         self.installed[name] = entry
 
     def _run(self, entry: Installed, args: tuple, kwargs: dict) -> Any:
-        if isinstance(entry.spec, BlockSpec):
+        checking = self.options.self_check and not self.self_checked and not isinstance(entry.spec, ModelSpec)
+        if checking:  # stock first: a streamed block may update a donated input in place
+            with bypass():
+                ref = entry.stock(*args, **kwargs)
+        if isinstance(entry.spec, ModelSpec):
+            out = self._run_model(entry, args, kwargs)
+        elif isinstance(entry.spec, BlockSpec):
             out = self._run_block(entry, args, kwargs)
         elif isinstance(entry.spec, AttentionSpec):
             out = self._run_attention(entry, args, kwargs)
         else:
             out = self._run_mlp(entry, args, kwargs)
-        if self.options.self_check and not self.self_checked and entry.plans:
-            self._self_check(entry, args, kwargs, out)
+        if checking and any(p.tier != "L0" for p in entry.plans.values()):
+            self._self_check(entry, out, ref)
         return out
 
-    def _self_check(self, entry: Installed, args: tuple, kwargs: dict, out: Any) -> None:
-        """Once per handle: the first streamed call is run stock too, and the difference is logged and kept."""
+    def _run_model(self, entry: Installed, args: tuple, kwargs: dict) -> Any:
+        spec: ModelSpec = entry.spec
+        tensors = [t for t in list(args) + list(kwargs.values()) if isinstance(t, torch.Tensor)]
+        why = spec.can_stream(args, kwargs)
+        if why is None and tensors and _needs_grad(entry.module, tensors[0]):
+            why = "autograd is recording"
+        if why:
+            self._note(entry, f"model forward ran stock: {why}")
+            return entry.stock(*args, **kwargs)
+        chunk = self.options.chunk_tokens or DEFAULT_CHUNK_TOKENS
+        self._plan(entry, (_shapes(args, kwargs), tensors[0].dtype if tensors else None, "model"), lambda: Plan(
+            "L1", 0, chunk, 0, 0, 0, note=f"model forward: block inputs donated, output head in {chunk}-row chunks"))
+        return spec.run(args, kwargs, chunk)
+
+    def _self_check(self, entry: Installed, out: Any, ref: Any) -> None:
+        """Once per handle: the first streamed call is also run stock, and the difference is logged and kept."""
         self.self_checked = True
-        with bypass():
-            ref = entry.stock(*args, **kwargs)
         diffs = compare_outputs(out, ref)
         worst = max((d["rel"] for d in diffs.values()), default=0.0)
         note = f"self-check against stock on the first call: max relative difference {worst:.2e}"

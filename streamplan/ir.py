@@ -176,3 +176,14 @@ class BlockSpec:
     mlps: list[MLPSpec]
     bind: Callable[[tuple, dict], "BlockCall | str"]
     runners: list = field(default_factory=list)  # the MLPRunners the binder's closures use (tier set per plan)
+
+
+@dataclass(eq=False)
+class ModelSpec:
+    """A whole model whose forward streamplan runs itself (with the model's own submodules): blocks may update
+    the hidden states in place, and the output head runs in row chunks. Its blocks are recognised on their own."""
+
+    module: nn.Module
+    label: str
+    run: Callable[[tuple, dict, int], object]   # (args, kwargs, chunk) -> the model's output, or raises
+    can_stream: Callable[[tuple, dict], "str | None"]  # why this call must run the stock forward, or None

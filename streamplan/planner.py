@@ -27,11 +27,14 @@ class Plan:
     ffn_slice: int       # MLP hidden features per slice (== ffn unless L2; 0 for attention)
     predicted_peak: int  # bytes above the inputs, outputs included
     stock_peak: int
+    note: str = ""       # what a model-level plan does (its blocks carry their own plans)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     def describe(self) -> str:
+        if self.note:
+            return f"{self.tier} {self.note}"
         if self.tier == "L0":
             return f"L0 stock  rows={self.rows}  peak~{fmt_bytes(self.predicted_peak)}"
         sl = f"  ffn_slice={self.ffn_slice}" if self.tier == "L2" else ""

@@ -1,20 +1,45 @@
 """Streamed blocks: phase KV over prefixed rows, then per chunk: Q, attention, and the rest of the block."""
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import torch
 
 from ..ir import BlockCall
 from .attention import _chunks, attend_rows, global_kv
 
 
-def run_block(call: BlockCall, consumer, chunk: int):
-    """Peak: residual copies + global K/V + one chunk's transients.
+class _Donated(threading.local):
+    tensors: tuple = ()
 
-    The residual is updated in a copy made once (the caller may still hold its input); the copy becomes the
-    output, so no other whole-sequence tensor exists.
+
+_DONATED = _Donated()
+
+
+@contextlib.contextmanager
+def donate(*tensors: torch.Tensor):
+    """Within this context a streamed block may update these inputs in place (a model forward that rebinds its
+    hidden states to each block's output, and keeps no other reference, says so)."""
+    previous, _DONATED.tensors = _DONATED.tensors, tensors
+    try:
+        yield
+    finally:
+        _DONATED.tensors = previous
+
+
+def _donated(x: torch.Tensor) -> bool:
+    return any(x is t for t in _DONATED.tensors)
+
+
+def run_block(call: BlockCall, consumer, chunk: int):
+    """Peak: residual + global K/V + one chunk's transients.
+
+    The residual is updated in place when its tensor was donated, else in a copy made once (the caller may still
+    hold its input); either way it becomes the output, so no other whole-sequence tensor exists.
     """
     att = call.attention
-    xs = [s.x.clone() for s in call.streams]
+    xs = [s.x if _donated(s.x) else s.x.clone() for s in call.streams]
     k, v = global_kv(att, chunk, lambda i, seg, a, b: call.streams[i].prefix(xs[i][:, a:b], a, b))
     start = 0
     for i, (stream, seg) in enumerate(zip(call.streams, att.segments)):

@@ -5,29 +5,36 @@ from typing import Callable
 
 from torch import nn
 
-from ..ir import AttentionSpec, BlockSpec, MLPSpec, Skip
+from ..ir import AttentionSpec, BlockSpec, MLPSpec, ModelSpec, Skip
 from .diffusers_attention import recognize_attention, recognize_flux_attention, recognize_wan_attention
 from .diffusers_blocks import recognize_flux_block, recognize_wan_block
 from .diffusers_mlp import recognize_feedforward
+from .diffusers_models import recognize_wan_model
 from .transformers_attention import recognize_llama_attention
 from .transformers_blocks import recognize_llama_layer
 from .transformers_mlp import recognize_gated_mlp
 
-Recognizer = Callable[[str, nn.Module], "MLPSpec | AttentionSpec | BlockSpec | Skip | None"]
+Recognizer = Callable[[str, nn.Module], "MLPSpec | AttentionSpec | BlockSpec | ModelSpec | Skip | None"]
 
+# whole models: their forward is replaced, and their blocks are still recognised on their own
+MODEL_RECOGNIZERS: list[Recognizer] = [recognize_wan_model]
 # blocks first: a recognised block claims its attention and MLP; a block left stock leaves them to their own
 BLOCK_RECOGNIZERS: list[Recognizer] = [recognize_wan_block, recognize_flux_block, recognize_llama_layer]
 RECOGNIZERS: list[Recognizer] = BLOCK_RECOGNIZERS + [recognize_feedforward, recognize_gated_mlp, recognize_attention,
                                   recognize_wan_attention, recognize_flux_attention, recognize_llama_attention]
 
 
-def recognize(root: nn.Module) -> tuple[dict[str, MLPSpec | AttentionSpec | BlockSpec], list[Skip]]:
+def recognize(root: nn.Module) -> tuple[dict[str, MLPSpec | AttentionSpec | BlockSpec | ModelSpec], list[Skip]]:
     """Walk ``root`` top-down; a recognised module's children are not visited again."""
-    specs: dict[str, MLPSpec | AttentionSpec | BlockSpec] = {}
+    specs: dict[str, MLPSpec | AttentionSpec | BlockSpec | ModelSpec] = {}
     skipped: list[Skip] = []
     claimed: list[str] = []
     for name, module in root.named_modules():
         if any(name == c or name.startswith(c + ".") for c in claimed if c) or "" in claimed:
+            continue
+        model = next((m for m in (rec(name, module) for rec in MODEL_RECOGNIZERS) if m is not None), None)
+        if model is not None:
+            (skipped.append if isinstance(model, Skip) else lambda s: specs.__setitem__(name, s))(model)
             continue
         for rec in RECOGNIZERS:
             found = rec(name, module)
