@@ -72,8 +72,18 @@ def _attention_dims(spec: AttentionSpec, call: AttentionCall) -> AttentionDims:
     if call.kv_whole is not None:
         kv_rows = 0  # short cross-attention K/V: built whole, small; counted in the chunk transient
     return AttentionDims(call.batch, call.rows, kv_rows, call.heads, call.kv_heads, call.head_dim, spec.dim_out,
-                         torch.empty((), dtype=call.dtype).element_size(),
-                         masked=call.mask is not None or call.causal)
+                         torch.empty((), dtype=call.dtype).element_size(), _mask_row_bytes(call))
+
+
+def _mask_row_bytes(call: AttentionCall) -> int:
+    """Mask bytes a chunk builds per query row: a prepared mask's rows, or the causal mask on CPU."""
+    m = call.mask
+    keys = call.rows if call.kv_whole is None else 0
+    if call.mask_rows is not None and m is not None:
+        return 0 if m.shape[-2] == 1 else m.numel() // m.shape[-2] * m.element_size()
+    if call.causal and call.segments[0].source.device.type != "cuda":
+        return keys * (1 + (m.element_size() * m.shape[0] * m.shape[1] if m is not None else 0))
+    return 0
 
 
 def _block_row_extra(spec: BlockSpec, call: BlockCall):

@@ -114,6 +114,7 @@ class AttentionCall:
     causal: bool = False
     scale: float | None = None
     mask: torch.Tensor | None = None                # [B|1, H|1, Nq|1, Nk], rows = joint query rows
+    mask_rows: Callable[[int, int], torch.Tensor] | None = None  # builds the mask of joint rows [a:b) on demand
     kv_whole: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None  # cross-attention: [B, S, Hkv, D]
     cache_update: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
 

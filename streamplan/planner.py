@@ -134,14 +134,14 @@ class AttentionDims:
     head_dim: int
     dim_out: int
     elem: int
-    masked: bool     # an explicit or causal mask is materialised per chunk
+    mask_row_bytes: int = 0  # bytes of mask built per query row of a chunk (causal or prepared masks)
 
 
 def attention_peak(d: AttentionDims, tier: str, chunk: int) -> int:
     e, B, c = d.elem, d.batch, min(chunk, d.rows) if tier != "L0" else d.rows
     q_row, kv_row = d.heads * d.head_dim, d.kv_heads * d.head_dim
     kv = 2 * B * d.kv_rows * kv_row * e
-    mask = c * d.kv_rows if d.masked else 0
+    mask = c * d.mask_row_bytes
     if tier == "L0":  # q, k, v, the attention output and its reshaped copy, then the projection
         return kv + B * d.rows * (q_row * 3 + d.dim_out) * e + mask
     out = B * d.rows * d.dim_out * e
@@ -181,7 +181,7 @@ def block_peak(d: AttentionDims, stream_elems: int, row_extra: int, tier: str, c
     """
     c = min(chunk, d.rows)
     kv = 2 * d.batch * d.kv_rows * d.kv_heads * d.head_dim * d.elem
-    mask = c * d.kv_rows if d.masked else 0
+    mask = c * d.mask_row_bytes
     q_row = d.heads * d.head_dim
     phase_kv = d.batch * c * (d.dim_out + d.kv_heads * d.head_dim * 4) * d.elem
     phase_q = d.batch * c * (q_row * 3 + d.dim_out * 2 + row_extra) * d.elem + mask

@@ -234,9 +234,9 @@ WAN_FUSED_BUG = pytest.mark.xfail(strict=True, raises=AttributeError, reason=(
     "instead of matching stock or running stock"))
 
 
-@pytest.mark.parametrize("cross_module", [pytest.param(False, id="self-module-given-encoder", marks=WAN_FUSED_BUG),
+@pytest.mark.parametrize("cross_module", [pytest.param(False, id="self-module-given-encoder"),
                                           pytest.param(True, id="cross-module-given-no-encoder",
-                                                       marks=WAN_FUSED_BUG)])
+                                                       )])
 @torch.no_grad()
 def test_wan_fused_called_against_its_cross_flag(cross_module):
     wan = _fused(_wan(is_cross_attention=cross_module))
@@ -596,7 +596,7 @@ PER_QUERY_MASK_BUG = pytest.mark.xfail(strict=True, reason=(
 
 
 @pytest.mark.parametrize("case", ["attention-self", "attention-cross", "attention-padding-mask",
-                                  pytest.param("attention-per-query-mask", marks=PER_QUERY_MASK_BUG),
+                                  "attention-per-query-mask",
                                   "wan-self-fused-rotary", "wan-cross", "flux-double", "flux-single"])
 @torch.no_grad()
 def test_predicted_peak_matches_the_meter(case):

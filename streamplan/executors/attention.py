@@ -49,9 +49,12 @@ def global_kv(call: AttentionCall, chunk: int, rows_of=_source_rows) -> tuple[to
 def attend_rows(call: AttentionCall, consumer, k, v, seg, h: torch.Tensor, start: int, a: int, b: int):
     """Phase Q for rows [a:b) of one segment (starting at joint row ``start``): Q, attention, output projection."""
     q = seg.q(h, a, b).transpose(1, 2)                          # [B, H, c, D]
-    m = call.mask
-    if m is not None and m.shape[-2] != 1:
-        m = m[..., start + a:start + b, :]
+    if call.mask_rows is not None:
+        m = call.mask_rows(start + a, start + b)
+    else:
+        m = call.mask
+        if m is not None and m.shape[-2] != 1:
+            m = m[..., start + a:start + b, :]
     o = consumer.attend(q, k, v, q_offset=start + a, causal=call.causal, mask=m, scale=call.scale)
     del q
     return seg.out(o.transpose(1, 2), a, b)

@@ -64,9 +64,18 @@ def _bind_attention(attn, args: tuple, kwargs: dict) -> AttentionCall | str:
     D = inner // H
     norm_q, norm_k = _norm(attn.norm_q), _norm(attn.norm_k)
     S = N if enc is None else enc.shape[1]
+    mask_rows = None
     if mask is not None:
-        mask = attn.prepare_attention_mask(mask, S, B)
-        mask = mask.view(B, H, -1, mask.shape[-1])
+        # prepared per chunk: diffusers expands the mask over heads, which for a per-query mask would be
+        # a [B*H, N, S] copy of the whole sequence
+        raw = mask
+
+        def mask_rows(a, b):
+            rows = raw[:, a:b] if raw.dim() == 3 and raw.shape[1] == N else raw
+            m = attn.prepare_attention_mask(rows, S, B)
+            return m.view(B, H, -1, m.shape[-1])
+
+        mask = mask_rows(0, min(2, N))  # a sample chunk: form, dtype and per-row size for the plan and consumer
 
     def q(h, a, b):  # per-head norms act on head_dim alone, so the [B, rows, H, D] layout is fine
         return norm_q(attn.to_q(h).view(B, b - a, H, D))
@@ -88,7 +97,7 @@ def _bind_attention(attn, args: tuple, kwargs: dict) -> AttentionCall | str:
         kv_whole = lambda: kv_of(src)  # noqa: E731
     seg = Segment(x, q, None if enc is not None else (lambda h, a, b: kv_of(h)), out)
     return AttentionCall(batch=B, heads=H, kv_heads=H, head_dim=D, segments=[seg], finish=lambda outs: outs[0],
-                         dtype=x.dtype, mask=mask, kv_whole=kv_whole)
+                         dtype=x.dtype, mask=mask, mask_rows=mask_rows, kv_whole=kv_whole)
 
 
 def recognize_attention(name: str, module: nn.Module) -> AttentionSpec | Skip | None:
@@ -113,8 +122,8 @@ def recognize_attention(name: str, module: nn.Module) -> AttentionSpec | Skip | 
     D = inner // heads
     if not (_head_norm_ok(module.norm_q, D) and _head_norm_ok(module.norm_k, D)):
         return skip("Q/K norm is not a per-head norm streamplan knows")
-    if not isinstance(module.to_out[1], nn.Dropout):
-        return skip("to_out[1] is not dropout")
+    if module.to_out is None or len(module.to_out) < 2 or not isinstance(module.to_out[1], nn.Dropout):
+        return skip("to_out is not [linear, dropout]")
     return AttentionSpec(module=module, label="diffusers.Attention[AttnProcessor2_0]", heads=heads, kv_heads=heads,
                          head_dim=D, dim_out=module.to_out[0].out_features, cross=module.is_cross_attention,
                          bind=lambda args, kwargs: _bind_attention(module, args, kwargs),
@@ -170,6 +179,8 @@ def _bind_wan(attn, args: tuple, kwargs: dict) -> AttentionCall | str:
     inner = attn.inner_dim
     D = inner // H
     cross = enc is not None
+    if attn.fused_projections and cross != bool(attn.is_cross_attention):
+        return "fused projections called against the module's cross-attention flag"
     if cross and rotary is not None:
         return "rotary embedding on cross-attention"
     if attn.fused_projections:
