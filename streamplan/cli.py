@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-v", "--verbose", action="store_true", help="log planning decisions")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="run the embedded default model stock and streamed, and compare")
-    demo.add_argument("--case", default="wan-ffn")
+    demo.add_argument("--case", default="wan-block")
     demo.add_argument("--tokens", type=int, default=None)
     demo.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     demo.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
