@@ -16,10 +16,10 @@ from .budget import parse_budget
 from .consumers import consumer_for, unsupported
 from .executors.attention import run_attention
 from .executors.block import run_block
-from .executors.mlp import run_mlp
-from .ir import AttentionCall, AttentionSpec, BlockCall, BlockSpec, MLPSpec, ModelSpec, Skip
+from .executors.mlp import run_mlp, run_seq_chunked
+from .ir import AttentionCall, AttentionSpec, BlockCall, BlockSpec, MLPSpec, ModelSpec, RowLocalSpec, Skip
 from .planner import (DEFAULT_CHUNK_TOKENS, AttentionDims, Plan, mlp_row_elems, plan_attention, plan_block,
-                      plan_mlp)
+                      plan_mlp, plan_rows)
 from .verify import compare_outputs
 from .recognize import recognize
 from .recognize.checks import STREAMED_MARK
@@ -157,6 +157,8 @@ class StreamHandle:
             out = self._run_block(entry, args, kwargs)
         elif isinstance(entry.spec, AttentionSpec):
             out = self._run_attention(entry, args, kwargs)
+        elif isinstance(entry.spec, RowLocalSpec):
+            out = self._run_row_local(entry, args, kwargs)
         else:
             out = self._run_mlp(entry, args, kwargs)
         if checking and any(p.tier != "L0" for p in entry.plans.values()):
@@ -238,6 +240,18 @@ class StreamHandle:
             log.info("streamplan: %s planned for %s: %s", entry.name or type(entry.module).__name__, sig[0],
                      plan.describe())
         return plan
+
+    def _run_row_local(self, entry: Installed, args: tuple, kwargs: dict) -> Any:
+        x = args[0] if args else None
+        if not isinstance(x, torch.Tensor) or x.dim() < 3 or _needs_grad(entry.module, x):
+            return entry.stock(*args, **kwargs)
+        o = self.options
+        row_bytes = x.numel() // x.shape[1] * x.element_size()
+        plan = self._plan(entry, (_shapes(args, kwargs), x.dtype, x.device.type), lambda: plan_rows(
+            x.shape[1], row_bytes, entry.spec.transient_per_elem, chunk_tokens=o.chunk_tokens, budget=o.budget))
+        if plan.tier == "L0":
+            return entry.stock(*args, **kwargs)
+        return run_seq_chunked(entry.stock, x, plan.chunk, args[1:], kwargs)
 
     def _run_mlp(self, entry: Installed, args: tuple, kwargs: dict) -> Any:
         if len(args) != 1 or kwargs or not isinstance(args[0], torch.Tensor) or args[0].dim() < 2:

@@ -188,3 +188,13 @@ class ModelSpec:
     label: str
     run: Callable[[tuple, dict, int], object]   # (args, kwargs, chunk) -> the model's output, or raises
     can_stream: Callable[[tuple, dict], "str | None"]  # why this call must run the stock forward, or None
+
+
+@dataclass(eq=False)
+class RowLocalSpec:
+    """A module whose output rows depend only on the same input rows (a norm, a modulated norm): run on chunks of
+    the sequence dimension, each written into one output. Keeps fp32 promotions per chunk."""
+
+    module: nn.Module
+    label: str
+    transient_per_elem: int   # elements alive per input element in the stock forward (fp32 counted double)

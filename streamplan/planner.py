@@ -217,3 +217,26 @@ def plan_block(d: AttentionDims, stream_elems: int, row_extra: int, row_extra_sl
     floor = block_peak(d, stream_elems, row_extra_sliced(256), "L2", MIN_CHUNK_TOKENS)
     raise BudgetError(f"block over {d.rows} rows: budget {fmt_bytes(budget)} is below the smallest peak streamplan "
                       f"can reach ({fmt_bytes(floor)}, dominated by the residual and the global K and V)")
+
+
+def plan_rows(rows: int, row_bytes: int, transient_per_elem: int, *, chunk_tokens: int | None = None,
+              budget: int | None = None) -> Plan:
+    """A row-local module: stock holds ``transient_per_elem`` copies of its input; streamed, the output plus that
+    many copies of one chunk."""
+    stock = rows * row_bytes * transient_per_elem
+
+    def make(tier: str, chunk: int) -> Plan:
+        chunk = min(chunk, rows)
+        peak = stock if tier == "L0" else rows * row_bytes + chunk * row_bytes * transient_per_elem
+        return Plan(tier, rows, chunk, 0, peak, stock)
+
+    if chunk_tokens is not None or budget is None:
+        chunk = chunk_tokens or DEFAULT_CHUNK_TOKENS
+        return make("L1", chunk) if rows > chunk else make("L0", rows)
+    if stock <= budget:
+        return make("L0", rows)
+    chunk = _largest_chunk(lambda c: rows * row_bytes + c * row_bytes * transient_per_elem, rows, budget)
+    if chunk is None:
+        raise BudgetError(f"row-local module over {rows} rows: budget {fmt_bytes(budget)} is below its output "
+                          f"({fmt_bytes(rows * row_bytes)}) plus one chunk")
+    return make("L1", chunk)

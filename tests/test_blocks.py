@@ -106,6 +106,7 @@ def test_llama_decoder_layers_and_causal_lm(impl):
         ref = model(ids, **kw).logits
         handle = streamplan.apply(model, chunk_tokens=16)
         assert sum(isinstance(e.spec, streamplan.ir.BlockSpec) for e in handle.installed.values()) == 3
+        assert isinstance(handle.installed["model.norm"].spec, streamplan.ir.RowLocalSpec)
         out = model(ids, **kw).logits
         keep = mask.bool() if kw else torch.ones_like(mask, dtype=torch.bool)
         assert rel_err(out[keep], ref[keep]) <= 1e-5
@@ -165,9 +166,11 @@ def test_whole_flux_model_streams_its_blocks():
     handle = streamplan.apply(model, chunk_tokens=16)
     blocks = [e for e in handle.installed.values() if isinstance(e.spec, streamplan.ir.BlockSpec)]
     assert len(blocks) == 4, handle.report()
+    assert isinstance(handle.installed["norm_out"].spec, streamplan.ir.RowLocalSpec)  # the output head's norm
     out = model(**args).sample
     assert rel_err(out, ref) <= 1e-5
     assert all(e.plans and not e.runtime_notes for e in blocks)
+    assert handle.installed["norm_out"].plans
 
 
 @torch.no_grad()
@@ -235,3 +238,25 @@ def test_a_donated_block_input_is_updated_in_place_without_a_copy():
     out, in_place = streamplan.measure_peak(donated, x2)
     assert out.data_ptr() == x2.data_ptr() and rel_err(out, ref) <= 1e-5
     assert copied - in_place >= 0.9 * x.numel() * 4
+
+
+@torch.no_grad()
+def test_final_norms_stream_per_chunk_with_their_fp32_promotion():
+    from diffusers.models.normalization import AdaLayerNormContinuous
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    rms = LlamaRMSNorm(512).eval()
+    rms.weight.data.normal_()
+    x = torch.randn(2, 4096, 512, dtype=torch.bfloat16)
+    rms = rms.to(torch.bfloat16)
+    ref, stock = streamplan.measure_peak(rms, x)
+    handle = streamplan.apply(rms, chunk_tokens=512)
+    out, streamed = streamplan.measure_peak(rms, x)
+    assert torch.equal(out, ref)                    # row chunks of an elementwise-per-row op: bit for bit
+    assert streamed <= 0.4 * stock
+    handle.remove()
+    ada = AdaLayerNormContinuous(64, 32, elementwise_affine=False, eps=1e-6).eval()
+    x, emb = torch.randn(2, 300, 64), torch.randn(2, 32)
+    ref = ada(x, emb)
+    handle = streamplan.apply(ada, chunk_tokens=64)
+    assert rel_err(ada(x, emb), ref) <= 1e-6
+    assert handle.plans[""][0].tier == "L1"

@@ -70,3 +70,17 @@ class MLPRunner:
         x2 = h.reshape(-1, h.shape[-1])
         out = run_feature_sliced(self.spec, x2, x2.shape[0], self.ffn_slice)
         return out.view(*h.shape[:-1], out.shape[-1])
+
+
+def run_seq_chunked(stock: Callable[..., torch.Tensor], x: torch.Tensor, chunk: int, rest: tuple,
+                    kwargs: dict) -> torch.Tensor:
+    """A row-local module's own forward on chunks of dim 1 (the sequence), each written into one output."""
+    rows = x.shape[1]
+    out = None
+    for a in range(0, rows, chunk):
+        y = stock(x[:, a:a + chunk], *rest, **kwargs)
+        if out is None:
+            out = y.new_empty((*y.shape[:1], rows, *y.shape[2:]))
+        out[:, a:a + chunk] = y
+        del y
+    return out

@@ -10,6 +10,7 @@ from .diffusers_attention import recognize_attention, recognize_flux_attention, 
 from .diffusers_blocks import recognize_flux_block, recognize_wan_block
 from .diffusers_mlp import recognize_feedforward
 from .diffusers_models import recognize_wan_model
+from .row_local import recognize_row_local
 from .transformers_attention import recognize_llama_attention
 from .transformers_blocks import recognize_llama_layer
 from .transformers_mlp import recognize_gated_mlp
@@ -21,7 +22,8 @@ MODEL_RECOGNIZERS: list[Recognizer] = [recognize_wan_model]
 # blocks first: a recognised block claims its attention and MLP; a block left stock leaves them to their own
 BLOCK_RECOGNIZERS: list[Recognizer] = [recognize_wan_block, recognize_flux_block, recognize_llama_layer]
 RECOGNIZERS: list[Recognizer] = BLOCK_RECOGNIZERS + [recognize_feedforward, recognize_gated_mlp, recognize_attention,
-                                  recognize_wan_attention, recognize_flux_attention, recognize_llama_attention]
+                                  recognize_wan_attention, recognize_flux_attention, recognize_llama_attention,
+                                                      recognize_row_local]
 
 
 def recognize(root: nn.Module) -> tuple[dict[str, MLPSpec | AttentionSpec | BlockSpec | ModelSpec], list[Skip]]:
