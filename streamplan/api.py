@@ -82,7 +82,8 @@ def _mask_row_bytes(call: AttentionCall) -> int:
     if call.mask_rows is not None and m is not None:
         return 0 if m.shape[-2] == 1 else m.numel() // m.shape[-2] * m.element_size()
     if call.causal and call.segments[0].source.device.type != "cuda":
-        return keys * (1 + (m.element_size() * m.shape[0] * m.shape[1] if m is not None else 0))
+        # the boolean causal rows, and SDPA's additive copy of them in the activation dtype
+        return keys * (1 + torch.empty((), dtype=call.dtype).element_size())
     return 0
 
 
@@ -226,7 +227,8 @@ class StreamHandle:
         sig = (_shapes(args, kwargs), att.dtype, call.streams[0].x.device.type)
         plan = self._plan(entry, sig, lambda: plan_block(
             dims, stream_elems, extra, extra_sliced, chunk_tokens=o.chunk_tokens,
-            ffn_slice=o.ffn_slice if spec.mlps else None, budget=o.budget, q_align=consumer.caps.q_align))
+            ffn_slice=o.ffn_slice if spec.mlps else None, budget=o.budget, q_align=consumer.caps.q_align,
+            stock_peak=(call.stock_rows_elems * dims.batch * dims.rows * dims.elem) or None))
         if plan.tier == "L0":
             return entry.stock(*args, **kwargs)
         for runner in spec.runners:

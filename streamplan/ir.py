@@ -165,6 +165,7 @@ class BlockCall:
     attention: AttentionCall
     finish: Callable[[list[torch.Tensor]], object]
     mlp_rows_elems: int = 0          # elements per row of the chunk's MLP/cross-attention transients (for the plan)
+    stock_rows_elems: int = 0        # elements per row stock holds at its worst, where the generic model misses it
 
 
 @dataclass(eq=False)

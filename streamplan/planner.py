@@ -174,26 +174,34 @@ def plan_attention(d: AttentionDims, *, chunk_tokens: int | None = None, budget:
 
 
 def block_peak(d: AttentionDims, stream_elems: int, row_extra: int, tier: str, chunk: int) -> int:
-    """A streamed block: residual copies + global K/V + one chunk's attention and suffix transients.
+    """A streamed block: residual copies + global K/V + one chunk's transients.
 
     ``stream_elems`` counts the residual streams' elements (they are copied once); ``row_extra`` the elements per
-    row of the suffix's transients (fp32 residual math, cross-attention, the MLP hidden).
+    row alive at the suffix's worst moment (fp32 residual math, cross-attention, the MLP hidden). Phase Q's
+    attention transients are gone by then, so a chunk costs the larger of the two.
     """
     c = min(chunk, d.rows)
     kv = 2 * d.batch * d.kv_rows * d.kv_heads * d.head_dim * d.elem
-    mask = c * d.mask_row_bytes
     q_row = d.heads * d.head_dim
     phase_kv = d.batch * c * (d.dim_out + d.kv_heads * d.head_dim * 4) * d.elem
-    phase_q = d.batch * c * (q_row * 3 + d.dim_out * 2 + row_extra) * d.elem + mask
-    return stream_elems * d.elem + kv + max(phase_kv, phase_q)
+    attend = d.batch * c * (q_row * 3 + d.dim_out) * d.elem + c * d.mask_row_bytes
+    suffix = d.batch * c * row_extra * d.elem
+    return stream_elems * d.elem + kv + max(phase_kv, attend, suffix)
+
+
+def block_stock_peak(d: AttentionDims, row_extra: int) -> int:
+    """Stock holds whole-sequence q, k, v, their norm/rotary copies and the attention output, then the suffix's
+    transients for every row; the larger of the two phases."""
+    q_row, kv_row = d.heads * d.head_dim, d.kv_heads * d.head_dim
+    attention = 3 * q_row + 4 * kv_row + d.dim_out
+    return d.batch * d.rows * max(attention, row_extra) * d.elem
 
 
 def plan_block(d: AttentionDims, stream_elems: int, row_extra: int, row_extra_sliced, *,
                chunk_tokens: int | None = None, ffn_slice: int | None = None, budget: int | None = None,
                q_align: int = 1, stock_peak: int | None = None) -> Plan:
     """Tier for a whole block: L0 stock, L1 row-streamed, L2 with feature-sliced MLPs (``row_extra_sliced(s)``)."""
-    stock = stock_peak if stock_peak is not None else block_peak(d, stream_elems, row_extra, "L1", d.rows) + \
-        stream_elems * d.elem
+    stock = stock_peak if stock_peak is not None else block_stock_peak(d, row_extra)
 
     def make(tier: str, chunk: int, sl: int = 0) -> Plan:
         chunk = max(q_align, min(chunk, d.rows) // q_align * q_align) if chunk < d.rows else d.rows

@@ -186,7 +186,10 @@ def _bind_flux_single(block, args: tuple, kwargs: dict) -> BlockCall | str:
         return _fp16_clip(r + gate * block.proj_out(torch.cat([y, mlp], dim=2)))
 
     return BlockCall([Stream(enc, prefix, suffix), Stream(x, prefix, suffix)], att,
-                     finish=lambda xs: (xs[0], xs[1]))
+                     finish=lambda xs: (xs[0], xs[1]), mlp_rows_elems=2 * block.proj_mlp.out_features,
+                     # stock concatenates [text, image], keeps the MLP branch alive across attention, then
+                     # concatenates [attention, mlp] for proj_out
+                     stock_rows_elems=2 * block.proj_mlp.out_features + 6 * x.shape[-1])
 
 
 def _ada_norm_ok(norm: nn.Module, cls_name: str) -> bool:
