@@ -12,13 +12,14 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .budget import parse_budget
+from .budget import DEFAULT_RESERVE, auto_budget, parse_budget
 from .consumers import consumer_for, unsupported
 from .executors.attention import run_attention
-from .executors.block import run_block
+from .executors.block import donated, run_block
 from .executors.mlp import run_mlp, run_seq_chunked
 from .ir import AttentionCall, AttentionSpec, BlockCall, BlockSpec, MLPSpec, ModelSpec, RowLocalSpec, Skip
-from .planner import (DEFAULT_CHUNK_TOKENS, AttentionDims, Plan, mlp_row_elems, plan_attention, plan_block,
+from .budget import fmt_bytes
+from .planner import (DEFAULT_CHUNK_TOKENS, AttentionDims, BudgetError, Plan, mlp_row_elems, plan_attention, plan_block,
                       plan_mlp, plan_rows)
 from .verify import compare_outputs
 from .recognize import recognize
@@ -31,7 +32,8 @@ _MISSING = object()
 
 @dataclass
 class StreamOptions:
-    budget: int | None = None
+    budget: int | str | None = None   # bytes, or "auto" (free device memory at planning time less ``reserve``)
+    reserve: int = DEFAULT_RESERVE
     chunk_tokens: int | None = None
     ffn_slice: int | None = None
     self_check: bool = False
@@ -65,6 +67,43 @@ def _shapes(args: tuple, kwargs: dict) -> tuple:
             return tuple(sig(x) for x in v)
         return None
     return tuple(sig(a) for a in args) + tuple((k, sig(v)) for k, v in sorted(kwargs.items()))
+
+
+def _describe_sig(sig: tuple) -> str:
+    shapes = sig[0]
+    if shapes and isinstance(shapes[0], int):
+        text = str(list(shapes))
+    else:
+        text = ", ".join(str(s if not isinstance(s, tuple) or not s or not isinstance(s[0], str) else f"{s[0]}={s[1]}")
+                         for s in shapes if s is not None and (not isinstance(s, tuple) or s[-1] is not None))
+    return f"{text} {str(sig[1]).replace('torch.', '')}"
+
+
+def _live_bytes(args: tuple, kwargs: dict) -> int:
+    """Bytes of the distinct tensors a call receives (its caller keeps them alive while it runs), a cache's
+    tensors included."""
+    seen: dict[int, int] = {}
+
+    def visit(v, depth=0):
+        if isinstance(v, torch.Tensor):
+            try:
+                seen[v.untyped_storage().data_ptr()] = v.untyped_storage().nbytes()
+            except (RuntimeError, NotImplementedError):  # meta or other storage-less tensors
+                seen[id(v)] = v.numel() * v.element_size()
+        elif depth < 2 and isinstance(v, (tuple, list)):
+            for x in v:
+                visit(x, depth + 1)
+        elif depth < 2 and isinstance(v, dict):
+            for x in v.values():
+                visit(x, depth + 1)
+        elif hasattr(v, "layers") and hasattr(v, "get_seq_length"):  # a transformers cache
+            for layer in getattr(v, "layers", []):
+                for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+                    visit(t, 2)
+
+    for v in list(args) + list(kwargs.values()):
+        visit(v)
+    return sum(seen.values())
 
 
 def _attention_dims(spec: AttentionSpec, call: AttentionCall) -> AttentionDims:
@@ -176,7 +215,7 @@ class StreamHandle:
             self._note(entry, f"model forward ran stock: {why}")
             return entry.stock(*args, **kwargs)
         chunk = self.options.chunk_tokens or DEFAULT_CHUNK_TOKENS
-        self._plan(entry, (_shapes(args, kwargs), tensors[0].dtype if tensors else None, "model"), lambda: Plan(
+        self._plan(entry, (_shapes(args, kwargs), tensors[0].dtype if tensors else None, "model"), lambda _: Plan(
             "L1", 0, chunk, 0, 0, 0, note=f"model forward: block inputs donated, output head in {chunk}-row chunks"))
         return spec.run(args, kwargs, chunk)
 
@@ -222,23 +261,44 @@ class StreamHandle:
             return entry.stock(*args, **kwargs)
         o = self.options
         dims = _attention_dims(spec.attention, att)
-        stream_elems = sum(s.x.numel() for s in call.streams)
+        in_place = tuple(donated(s.x) for s in call.streams)
+        stream_elems = sum(0 if d else s.x.numel() for s, d in zip(call.streams, in_place))
         extra, extra_sliced = _block_row_extra(spec, call)
-        sig = (_shapes(args, kwargs), att.dtype, call.streams[0].x.device.type)
-        plan = self._plan(entry, sig, lambda: plan_block(
+        device = call.streams[0].x.device
+        sig = (_shapes(args, kwargs), att.dtype, device.type, in_place)
+        plan = self._plan(entry, sig, lambda budget: plan_block(
             dims, stream_elems, extra, extra_sliced, chunk_tokens=o.chunk_tokens,
-            ffn_slice=o.ffn_slice if spec.mlps else None, budget=o.budget, q_align=consumer.caps.q_align,
-            stock_peak=(call.stock_rows_elems * dims.batch * dims.rows * dims.elem) or None))
+            ffn_slice=o.ffn_slice if spec.mlps else None, budget=budget, q_align=consumer.caps.q_align,
+            stock_peak=(call.stock_rows_elems * dims.batch * dims.rows * dims.elem) or None), args, kwargs, device)
         if plan.tier == "L0":
             return entry.stock(*args, **kwargs)
         for runner in spec.runners:
             runner.ffn_slice = plan.ffn_slice if plan.tier == "L2" else 0
         return run_block(call, consumer, plan.chunk)
 
-    def _plan(self, entry: Installed, sig: tuple, make: Callable[[], Plan]) -> Plan:
+    def _available(self, args: tuple, kwargs: dict, device: torch.device | None) -> tuple[int | None, int]:
+        """(bytes this call may use, bytes of its live inputs). A byte budget covers the inputs too; "auto" is
+        what the device has free now, which already excludes them."""
+        live = _live_bytes(args, kwargs)
+        budget = self.options.budget
+        if budget is None:
+            return None, live
+        if budget == "auto":
+            return auto_budget(device, self.options.reserve), live
+        return budget - live, live
+
+    def _plan(self, entry: Installed, sig: tuple, make: Callable[[int | None], Plan], args: tuple = (),
+              kwargs: dict | None = None, device: torch.device | None = None) -> Plan:
         plan = entry.plans.get(sig)
         if plan is None:
-            plan = entry.plans[sig] = make()
+            available, live = self._available(args, kwargs or {}, device)
+            if available is not None and available <= 0:
+                raise BudgetError(f"{entry.name or type(entry.module).__name__}: the budget "
+                                  f"{fmt_bytes(self.options.budget)} is already taken by the call's inputs "
+                                  f"({fmt_bytes(live)}); nothing is left for its work")
+            plan = make(available)
+            plan.live_bytes, plan.budget = live, available
+            entry.plans[sig] = plan
             log.info("streamplan: %s planned for %s: %s", entry.name or type(entry.module).__name__, sig[0],
                      plan.describe())
         return plan
@@ -249,8 +309,9 @@ class StreamHandle:
             return entry.stock(*args, **kwargs)
         o = self.options
         row_bytes = x.numel() // x.shape[1] * x.element_size()
-        plan = self._plan(entry, (_shapes(args, kwargs), x.dtype, x.device.type), lambda: plan_rows(
-            x.shape[1], row_bytes, entry.spec.transient_per_elem, chunk_tokens=o.chunk_tokens, budget=o.budget))
+        plan = self._plan(entry, (_shapes(args, kwargs), x.dtype, x.device.type), lambda budget: plan_rows(
+            x.shape[1], row_bytes, entry.spec.transient_per_elem, chunk_tokens=o.chunk_tokens, budget=budget),
+            args, kwargs, x.device)
         if plan.tier == "L0":
             return entry.stock(*args, **kwargs)
         return run_seq_chunked(entry.stock, x, plan.chunk, args[1:], kwargs)
@@ -264,8 +325,9 @@ class StreamHandle:
             return entry.stock(x)
         o = self.options
         rows = x.numel() // x.shape[-1]
-        plan = self._plan(entry, (tuple(x.shape), x.dtype, x.device.type), lambda: plan_mlp(
-            entry.spec, rows, x.element_size(), chunk_tokens=o.chunk_tokens, ffn_slice=o.ffn_slice, budget=o.budget))
+        plan = self._plan(entry, (tuple(x.shape), x.dtype, x.device.type), lambda budget: plan_mlp(
+            entry.spec, rows, x.element_size(), chunk_tokens=o.chunk_tokens, ffn_slice=o.ffn_slice, budget=budget),
+            args, kwargs, x.device)
         if plan.tier == "L0":
             return entry.stock(x)
         return run_mlp(entry.spec, plan, entry.stock, x)
@@ -283,9 +345,11 @@ class StreamHandle:
             return entry.stock(*args, **kwargs)
         o = self.options
         dims = _attention_dims(spec, call)
-        sig = (_shapes(args, kwargs), call.dtype, call.segments[0].source.device.type)
-        plan = self._plan(entry, sig, lambda: plan_attention(dims, chunk_tokens=o.chunk_tokens, budget=o.budget,
-                                                             q_align=consumer.caps.q_align))
+        device = call.segments[0].source.device
+        sig = (_shapes(args, kwargs), call.dtype, device.type)
+        plan = self._plan(entry, sig, lambda budget: plan_attention(dims, chunk_tokens=o.chunk_tokens, budget=budget,
+                                                                    q_align=consumer.caps.q_align),
+                          args, kwargs, device)
         if plan.tier == "L0":
             return entry.stock(*args, **kwargs)
         return run_attention(call, consumer, plan.chunk)
@@ -320,20 +384,38 @@ class StreamHandle:
             "stock": [{"name": s.name, "class": s.cls, "reason": s.reason} for s in self.skipped],
         }, indent=2)
 
+    def predicted_peak(self) -> int:
+        """The largest predicted peak of any planned call, its live inputs included (what a budget covers)."""
+        return max((p.predicted_total for plans in self.plans.values() for p in plans), default=0)
+
     def report(self) -> str:
+        """What was streamed and how (a table per input signature), and what was left stock and why."""
         root = type(self.root).__name__
         lines = [f"streamplan report for {root}"]
+        if self.options.budget is not None:
+            b = self.options.budget
+            lines.append(f"  budget: {b if b == 'auto' else fmt_bytes(b)}"
+                         + (f" (reserve {fmt_bytes(self.options.reserve)})" if b == "auto" else ""))
         if self.removed:
             lines.append("  handle removed: the model runs its stock forwards")
         if not self.installed and not self.removed:
             lines.append(f"  nothing recognised in {root}: the model is untouched")
+        if self.installed:
+            header = f"  {'module':<28} {'as':<40} {'tier':<4} {'chunk':>6} {'ffn':>6} {'predicted':>11} {'stock':>11}"
+            lines += [header, "  " + "-" * (len(header) - 2)]
         for name, e in self.installed.items():
-            lines.append(f"  streamed  {name or '<root>'}  ({type(e.module).__name__} as {e.spec.label})")
+            label = e.spec.label if len(e.spec.label) <= 40 else e.spec.label[:37] + "..."
             if not e.plans:
-                lines.append("      not called yet: planned at the first call per input shape")
+                lines.append(f"  {name or '<root>':<28} {label:<40} (not called yet: planned at the first call)")
             for sig, plan in e.plans.items():
-                shape = list(sig[0]) if isinstance(sig[0][0], int) else [s for s in sig[0] if s]
-                lines.append(f"      input {shape} {str(sig[1]).replace('torch.', '')}: {plan.describe()}")
+                if plan.note:
+                    lines.append(f"  {name or '<root>':<28} {label:<40} {plan.tier:<4} {plan.note}")
+                    continue
+                ffn = str(plan.ffn_slice) if plan.tier == "L2" else "-"
+                chunk = str(plan.chunk) if plan.tier != "L0" else "-"
+                lines.append(f"  {name or '<root>':<28} {label:<40} {plan.tier:<4} {chunk:>6} {ffn:>6} "
+                             f"{fmt_bytes(plan.predicted_total):>11} {fmt_bytes(plan.live_bytes + plan.stock_peak):>11}")
+                lines.append(f"      input {_describe_sig(sig)}: {plan.describe()}")
             for note in e.runtime_notes:
                 lines.append(f"      note: {note}")
         for s in self.skipped:
@@ -345,19 +427,25 @@ class StreamHandle:
 
 
 def apply(module: nn.Module, budget: int | str | None = None, chunk_tokens: int | None = None, *,
-          ffn_slice: int | None = None, self_check: bool = False) -> StreamHandle:
+          ffn_slice: int | None = None, reserve: int | str = DEFAULT_RESERVE,
+          self_check: bool = False) -> StreamHandle:
     """Stream every recognised structure inside ``module`` in place; returns a handle to report and undo.
 
     ``budget`` (bytes, ``"12GiB"``, ``"auto"``) lets the planner pick tiers and chunks; ``chunk_tokens`` forces
     row streaming at that chunk; ``ffn_slice`` forces feature-sliced MLPs with that many hidden features per slice.
-    ``self_check`` runs the first streamed call stock as well and logs (and reports) the difference.
+    ``reserve`` is kept free under ``budget="auto"``. ``self_check`` runs the first streamed call stock as well and
+    logs (and reports) the difference.
     """
     if not isinstance(module, nn.Module):
         raise ValueError(f"module must be a torch.nn.Module, got {type(module).__name__}")
     chunk_tokens = _positive_int(chunk_tokens, "chunk_tokens")
     ffn_slice = _positive_int(ffn_slice, "ffn_slice")
-    device = next((p.device for p in module.parameters()), None)
-    options = StreamOptions(parse_budget(budget, device), chunk_tokens, ffn_slice, bool(self_check))
+    reserve = parse_budget(reserve, None) if not isinstance(reserve, int) or reserve != 0 else 0
+    if isinstance(budget, str) and budget.strip().lower() == "auto":
+        parsed: int | str | None = "auto"   # resolved when each operation is planned, from what is free then
+    else:
+        parsed = parse_budget(budget, None)
+    options = StreamOptions(parsed, reserve, chunk_tokens, ffn_slice, bool(self_check))
     specs, skipped = recognize(module)
     for name, spec in list(specs.items()):
         if isinstance(spec, AttentionSpec) and consumer_for(spec.backend()) is None:

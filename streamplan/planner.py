@@ -28,6 +28,12 @@ class Plan:
     predicted_peak: int  # bytes above the inputs, outputs included
     stock_peak: int
     note: str = ""       # what a model-level plan does (its blocks carry their own plans)
+    live_bytes: int = 0  # the call's inputs, alive throughout (a whole model's peak adds them)
+    budget: int | None = None  # what this operation was allowed (the budget less the live inputs)
+
+    @property
+    def predicted_total(self) -> int:
+        return self.live_bytes + self.predicted_peak
 
     def to_dict(self) -> dict:
         return asdict(self)

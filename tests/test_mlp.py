@@ -71,7 +71,7 @@ def test_whole_model_streams_every_mlp_and_reports():
     assert set(handle.installed) == {"0", "2"}
     assert rel_err(model(x), ref) <= 1e-5
     text = handle.report()
-    assert "streamed  0" in text and "L1 rows=100 chunk=16" in text
+    assert "\n  0 " in text and "L1 rows=100 chunk=16" in text
     assert handle.to_json()
 
 

@@ -28,7 +28,7 @@ def donate(*tensors: torch.Tensor):
         _DONATED.tensors = previous
 
 
-def _donated(x: torch.Tensor) -> bool:
+def donated(x: torch.Tensor) -> bool:
     return any(x is t for t in _DONATED.tensors)
 
 
@@ -39,7 +39,7 @@ def run_block(call: BlockCall, consumer, chunk: int):
     hold its input); either way it becomes the output, so no other whole-sequence tensor exists.
     """
     att = call.attention
-    xs = [s.x if _donated(s.x) else s.x.clone() for s in call.streams]
+    xs = [s.x if donated(s.x) else s.x.clone() for s in call.streams]
     k, v = global_kv(att, chunk, lambda i, seg, a, b: call.streams[i].prefix(xs[i][:, a:b], a, b))
     start = 0
     for i, (stream, seg) in enumerate(zip(call.streams, att.segments)):
