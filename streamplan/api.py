@@ -16,6 +16,7 @@ from .budget import DEFAULT_RESERVE, auto_budget, parse_budget
 from .consumers import consumer_for, unsupported
 from .executors.attention import run_attention
 from .executors.block import donated, run_block
+from .executors.chunks import drain_retries
 from .executors.mlp import run_mlp, run_seq_chunked
 from .ir import AttentionCall, AttentionSpec, BlockCall, BlockSpec, MLPSpec, ModelSpec, RowLocalSpec, Skip
 from .budget import fmt_bytes
@@ -201,6 +202,8 @@ class StreamHandle:
             out = self._run_row_local(entry, args, kwargs)
         else:
             out = self._run_mlp(entry, args, kwargs)
+        for a, b in drain_retries():
+            self._note(entry, f"out of memory on rows [{a}:{b}): retried in halves")
         if checking and any(p.tier != "L0" for p in entry.plans.values()):
             self._self_check(entry, out, ref)
         return out
@@ -296,7 +299,13 @@ class StreamHandle:
                 raise BudgetError(f"{entry.name or type(entry.module).__name__}: the budget "
                                   f"{fmt_bytes(self.options.budget)} is already taken by the call's inputs "
                                   f"({fmt_bytes(live)}); nothing is left for its work")
-            plan = make(available)
+            try:
+                plan = make(available)
+            except BudgetError as exc:
+                raise BudgetError(f"{entry.name or type(entry.module).__name__}: budget "
+                                  f"{fmt_bytes(self.options.budget) if self.options.budget != 'auto' else 'auto'} "
+                                  f"less its live inputs ({fmt_bytes(live)}) cannot hold it. {exc}. Raise the "
+                                  "budget, shorten the sequence, or lower the batch.") from None
             plan.live_bytes, plan.budget = live, available
             entry.plans[sig] = plan
             log.info("streamplan: %s planned for %s: %s", entry.name or type(entry.module).__name__, sig[0],

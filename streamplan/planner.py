@@ -210,6 +210,8 @@ def plan_block(d: AttentionDims, stream_elems: int, row_extra: int, row_extra_sl
     stock = stock_peak if stock_peak is not None else block_stock_peak(d, row_extra)
 
     def make(tier: str, chunk: int, sl: int = 0) -> Plan:
+        if tier == "L0":
+            return Plan(tier, d.rows, d.rows, 0, stock, stock)
         chunk = max(q_align, min(chunk, d.rows) // q_align * q_align) if chunk < d.rows else d.rows
         extra = row_extra_sliced(sl) if tier == "L2" else row_extra
         return Plan(tier, d.rows, chunk, sl, block_peak(d, stream_elems, extra, tier, chunk), stock)
@@ -229,8 +231,11 @@ def plan_block(d: AttentionDims, stream_elems: int, row_extra: int, row_extra_sl
         if chunk is not None:
             return make("L2", chunk, sl)
     floor = block_peak(d, stream_elems, row_extra_sliced(256), "L2", MIN_CHUNK_TOKENS)
-    raise BudgetError(f"block over {d.rows} rows: budget {fmt_bytes(budget)} is below the smallest peak streamplan "
-                      f"can reach ({fmt_bytes(floor)}, dominated by the residual and the global K and V)")
+    kv = 2 * d.batch * d.kv_rows * d.kv_heads * d.head_dim * d.elem
+    raise BudgetError(f"block over {d.rows} rows: {fmt_bytes(budget)} left for it is below the smallest peak "
+                      f"streamplan can reach ({fmt_bytes(floor)}: global K and V {fmt_bytes(kv)}, residual copy "
+                      f"{fmt_bytes(stream_elems * d.elem)}, one {MIN_CHUNK_TOKENS}-row chunk "
+                      f"{fmt_bytes(floor - kv - stream_elems * d.elem)})")
 
 
 def plan_rows(rows: int, row_bytes: int, transient_per_elem: int, *, chunk_tokens: int | None = None,

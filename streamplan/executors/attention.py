@@ -4,11 +4,7 @@ from __future__ import annotations
 import torch
 
 from ..ir import AttentionCall
-
-
-def _chunks(rows: int, chunk: int):
-    for a in range(0, rows, chunk):
-        yield a, min(a + chunk, rows)
+from .chunks import for_chunks
 
 
 def _source_rows(i: int, seg, a: int, b: int) -> torch.Tensor:
@@ -22,19 +18,20 @@ def build_kv(call: AttentionCall, chunk: int, rows_of=_source_rows) -> tuple[tor
     """
     if call.kv_whole is not None:
         return call.kv_whole()
-    k_all = v_all = None
+    shape = (call.batch, call.rows, call.kv_heads, call.head_dim)
+    buffers: list[torch.Tensor] = []
     start = 0
     for i, seg in enumerate(call.segments):
-        for a, b in _chunks(seg.rows, chunk):
+        def work(a: int, b: int, i=i, seg=seg, start=start) -> None:
             k, v = seg.kv(rows_of(i, seg, a, b), a, b)
-            if k_all is None:
-                shape = (call.batch, call.rows, call.kv_heads, call.head_dim)
-                k_all, v_all = k.new_empty(shape), v.new_empty(shape)
-            k_all[:, start + a:start + b] = k
-            v_all[:, start + a:start + b] = v
-            del k, v
+            if not buffers:
+                buffers.extend((k.new_empty(shape), v.new_empty(shape)))
+            buffers[0][:, start + a:start + b] = k
+            buffers[1][:, start + a:start + b] = v
+
+        for_chunks(seg.rows, chunk, work)
         start += seg.rows
-    return k_all, v_all
+    return buffers[0], buffers[1]
 
 
 def global_kv(call: AttentionCall, chunk: int, rows_of=_source_rows) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,13 +62,15 @@ def run_attention(call: AttentionCall, consumer, chunk: int):
     outputs = []
     start = 0
     for seg in call.segments:
-        buf = None
-        for a, b in _chunks(seg.rows, chunk):
+        buf: list[torch.Tensor] = []
+
+        def work(a: int, b: int, seg=seg, start=start) -> None:
             y = attend_rows(call, consumer, k, v, seg, seg.source[:, a:b], start, a, b)
-            if buf is None:
-                buf = y.new_empty((call.batch, seg.rows, y.shape[-1]))
-            buf[:, a:b] = y
-            del y
-        outputs.append(buf)
+            if not buf:
+                buf.append(y.new_empty((call.batch, seg.rows, y.shape[-1])))
+            buf[0][:, a:b] = y
+
+        for_chunks(seg.rows, chunk, work)
+        outputs.append(buf[0])
         start += seg.rows
     return call.finish(outputs)

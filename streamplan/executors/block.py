@@ -7,7 +7,8 @@ import threading
 import torch
 
 from ..ir import BlockCall
-from .attention import _chunks, attend_rows, global_kv
+from .attention import attend_rows, global_kv
+from .chunks import for_chunks
 
 
 class _Donated(threading.local):
@@ -44,12 +45,14 @@ def run_block(call: BlockCall, consumer, chunk: int):
     start = 0
     for i, (stream, seg) in enumerate(zip(call.streams, att.segments)):
         x = xs[i]
-        for a, b in _chunks(x.shape[1], chunk):
+
+        def work(a: int, b: int, x=x, stream=stream, seg=seg, start=start) -> None:
             rows = x[:, a:b]
             h = stream.prefix(rows, a, b)
             y = attend_rows(att, consumer, k, v, seg, h, start, a, b)
-            rows.copy_(stream.suffix(rows, h, y, a, b))
-            del h, y
+            rows.copy_(stream.suffix(rows, h, y, a, b))   # the only write: a failed chunk leaves rows as they were
+
+        for_chunks(x.shape[1], chunk, work)
         start += x.shape[1]
     del k, v
     return call.finish(xs)

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from ..executors.block import donate
+from ..executors.chunks import for_chunks
 from ..ir import ModelSpec, Skip
 from .checks import stock_problem
 from .rows import rows_of
@@ -63,17 +64,19 @@ def _wan_forward(model, args: tuple, kwargs: dict, chunk: int):
         shift, scale = (model.scale_shift_table.to(temb.device) + temb.unsqueeze(1)).chunk(2, dim=1)
     shift, scale = shift.to(hidden_states.device), scale.to(hidden_states.device)
     rows = hidden_states.shape[1]
-    out = None
-    for a in range(0, rows, chunk):
-        b = min(a + chunk, rows)
+    head: list[torch.Tensor] = []
+
+    def work(a: int, b: int) -> None:
         r = hidden_states[:, a:b]
         y = (model.norm_out(r.float()) * (1 + rows_of(scale, a, b, 1)) + rows_of(shift, a, b, 1)).type_as(r)
         y = model.proj_out(y)
-        if out is None:
-            out = y.new_empty((batch_size, rows, y.shape[-1]))
-        out[:, a:b] = y
-        del r, y
-    del hidden_states
+        if not head:
+            head.append(y.new_empty((batch_size, rows, y.shape[-1])))
+        head[0][:, a:b] = y
+
+    for_chunks(rows, chunk, work)
+    out = head[0]
+    del hidden_states, head
     out = out.reshape(batch_size, post_f, post_h, post_w, p_t, p_h, p_w, -1)
     out = out.permute(0, 7, 1, 4, 2, 5, 3, 6)
     output = out.flatten(6, 7).flatten(4, 5).flatten(2, 3)

@@ -1,0 +1,51 @@
+"""The chunk loop every executor uses: bounded retry in halves when a chunk runs out of memory.
+
+Each chunk's work writes its results only at its end, so a chunk that fails part-way leaves nothing behind and is
+simply run again in two halves (at most ``MAX_SPLITS`` times deep); nothing is lost or applied twice.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Callable, Iterator
+
+import torch
+
+MAX_SPLITS = 4
+
+
+class _Events(threading.local):
+    def __init__(self):
+        self.retries: list[tuple[int, int]] = []
+
+
+EVENTS = _Events()
+
+
+def spans(rows: int, chunk: int) -> Iterator[tuple[int, int]]:
+    for a in range(0, rows, chunk):
+        yield a, min(a + chunk, rows)
+
+
+def for_chunks(rows: int, chunk: int, work: Callable[[int, int], None]) -> None:
+    for a, b in spans(rows, chunk):
+        _attempt(work, a, b, MAX_SPLITS)
+
+
+def _attempt(work: Callable[[int, int], None], a: int, b: int, depth: int) -> None:
+    try:
+        work(a, b)
+        return
+    except torch.OutOfMemoryError:
+        if depth == 0 or b - a < 2:
+            raise
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    EVENTS.retries.append((a, b))
+    mid = a + (b - a) // 2
+    _attempt(work, a, mid, depth - 1)
+    _attempt(work, mid, b, depth - 1)
+
+
+def drain_retries() -> list[tuple[int, int]]:
+    events, EVENTS.retries = EVENTS.retries, []
+    return events

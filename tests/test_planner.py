@@ -1,0 +1,152 @@
+"""The planner: budgets in, tiers and chunks out, predicted and checked with the meter."""
+import json
+
+import pytest
+import torch
+from transformers import AttentionInterface, LlamaConfig, LlamaModel
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+import streamplan
+from conftest import rel_err
+
+MiB = 2**20
+
+
+def _llama(layers=2, impl="sdpa"):
+    cfg = LlamaConfig(hidden_size=256, intermediate_size=688, num_attention_heads=4, num_key_value_heads=2,
+                      num_hidden_layers=layers, vocab_size=100, attn_implementation=impl)
+    return LlamaModel(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def llama_case():
+    torch.manual_seed(0)
+    model = _llama()
+    ids = torch.randint(0, 100, (1, 4096))
+    with torch.no_grad():
+        ref, stock = streamplan.measure_peak(lambda: model(ids).last_hidden_state)
+    return model, ids, ref, stock
+
+
+@pytest.mark.parametrize("fraction", [0.7, 0.5])
+@torch.no_grad()
+def test_a_budget_between_floor_and_stock_is_kept_and_predicted(llama_case, fraction):
+    model, ids, ref, stock = llama_case
+    budget = int(stock * fraction)
+    handle = streamplan.apply(model, budget=budget)
+    try:
+        out, peak = streamplan.measure_peak(lambda: model(ids).last_hidden_state)
+        assert rel_err(out, ref) <= 1e-5
+        assert peak <= budget, (peak / MiB, budget / MiB)
+        predicted = handle.predicted_peak()
+        assert abs(predicted - peak) <= 0.10 * peak, (predicted / MiB, peak / MiB)
+        tiers = {p.tier for plans in handle.plans.values() for p in plans}
+        assert tiers & {"L1", "L2"}, handle.report()
+    finally:
+        handle.remove()
+
+
+@torch.no_grad()
+def test_a_budget_above_stock_keeps_every_block_stock(llama_case):
+    model, ids, ref, stock = llama_case
+    handle = streamplan.apply(model, budget=int(stock * 1.5))
+    out = model(ids).last_hidden_state
+    assert torch.equal(out, ref)
+    assert all(p.tier == "L0" for plans in handle.plans.values() for p in plans), handle.report()
+    handle.remove()
+
+
+@torch.no_grad()
+def test_a_budget_below_the_floor_raises_before_the_block_runs_and_changes_nothing(llama_case):
+    model, ids, ref, stock = llama_case
+    params = {n: p.clone() for n, p in model.named_parameters()}
+    ids_before = ids.clone()
+    handle = streamplan.apply(model, budget="8MiB")
+    with pytest.raises(streamplan.BudgetError) as err:
+        model(ids)
+    text = str(err.value)
+    assert "8.00 MiB" in text and "smallest peak" in text and "global K and V" in text and "layers.0" in text
+    handle.remove()
+    assert torch.equal(ids, ids_before)
+    assert all(torch.equal(p, params[n]) for n, p in model.named_parameters())
+    assert torch.equal(model(ids).last_hidden_state, ref)
+
+
+@torch.no_grad()
+def test_plans_are_data_deterministic_and_serialisable(llama_case):
+    model, ids, _, stock = llama_case
+    dumps = []
+    for _ in range(2):
+        handle = streamplan.apply(model, budget=int(stock * 0.6))
+        model(ids)
+        dumps.append(handle.to_json())
+        plans = handle.plans
+        handle.remove()
+    assert dumps[0] == dumps[1]
+    data = json.loads(dumps[0])
+    block = data["streamed"]["layers.0"]["plans"][0]
+    assert {"tier", "chunk", "predicted_peak", "stock_peak", "live_bytes"} <= set(block)
+    assert isinstance(plans["layers.0"][0], streamplan.planner.Plan)
+
+
+@torch.no_grad()
+def test_the_report_is_a_table_with_the_budget(llama_case):
+    model, ids, _, stock = llama_case
+    handle = streamplan.apply(model, budget=int(stock * 0.6))
+    model(ids)
+    text = handle.report()
+    handle.remove()
+    assert "budget:" in text and "tier" in text and "predicted" in text and "layers.1" in text
+
+
+@torch.no_grad()
+def test_auto_budget_on_cpu_plans_stock_when_memory_is_plentiful():
+    model = _llama(layers=1)
+    ids = torch.randint(0, 100, (1, 256))
+    ref = model(ids).last_hidden_state
+    handle = streamplan.apply(model, budget="auto", reserve="1GiB")
+    assert torch.equal(model(ids).last_hidden_state, ref)
+    assert all(p.tier == "L0" for plans in handle.plans.values() for p in plans)
+    assert "budget: auto" in handle.report()
+
+
+@pytest.mark.parametrize("budget", ["12 GiBs", "-1", "lots", 0])
+def test_bad_budgets_are_named(budget):
+    with pytest.raises(ValueError, match="budget"):
+        streamplan.apply(_llama(layers=1), budget=budget)
+
+
+class FlakyConsumer:
+    """Runs out of memory for any chunk of more than 8 query rows, like a card that is nearly full."""
+
+    name = "flaky"
+
+    def __init__(self):
+        self.caps = streamplan.ConsumerCaps()
+        self.rows = []
+
+    def attend(self, q, k, v, *, q_offset, causal, mask, scale):
+        if q.shape[-2] > 8:
+            raise torch.OutOfMemoryError("simulated: chunk too large")
+        self.rows.append((q_offset, q.shape[-2]))
+        return streamplan.consumers.SDPA.attend(q, k, v, q_offset=q_offset, causal=causal, mask=mask, scale=scale)
+
+
+@torch.no_grad()
+def test_out_of_memory_in_a_chunk_is_retried_in_halves_without_losing_or_repeating_work():
+    AttentionInterface.register("flaky", sdpa_attention_forward)
+    consumer = FlakyConsumer()
+    streamplan.register_consumer("flaky", consumer)
+    try:
+        model = _llama(layers=2, impl="flaky")
+        ids = torch.randint(0, 100, (2, 50))
+        ref = model(ids).last_hidden_state
+        handle = streamplan.apply(model, chunk_tokens=32)
+        out = model(ids).last_hidden_state
+        assert rel_err(out, ref) <= 1e-5
+        layer0 = sorted(r for r in consumer.rows[: len(consumer.rows) // 2])
+        assert [a for a, _ in layer0] == sorted(set(a for a, _ in layer0))     # no row range attended twice
+        assert sum(n for _, n in layer0) == 50                                   # and none left out
+        assert "out of memory on rows [0:32): retried in halves" in handle.report()
+    finally:
+        streamplan.unregister_consumer("flaky")
