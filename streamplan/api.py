@@ -38,6 +38,7 @@ class StreamOptions:
     chunk_tokens: int | None = None
     ffn_slice: int | None = None
     self_check: bool = False
+    head_groups: int | None = None
 
 
 @dataclass(eq=False)
@@ -272,12 +273,17 @@ class StreamHandle:
         plan = self._plan(entry, sig, lambda budget: plan_block(
             dims, stream_elems, extra, extra_sliced, chunk_tokens=o.chunk_tokens,
             ffn_slice=o.ffn_slice if spec.mlps else None, budget=budget, q_align=consumer.caps.q_align,
-            stock_peak=(call.stock_rows_elems * dims.batch * dims.rows * dims.elem) or None), args, kwargs, device)
+            stock_peak=(call.stock_rows_elems * dims.batch * dims.rows * dims.elem) or None,
+            head_groups=o.head_groups, can_group=att.cache_update is None and att.kv_whole is None),
+            args, kwargs, device)
+        if o.head_groups and plan.tier != "L0" and plan.head_groups == 1:
+            self._note(entry, "head-grouped K/V (L3) not used: the call needs whole K/V (a KV cache or cross-attention)"
+                       " or the K/V heads do not divide into that many groups")
         if plan.tier == "L0":
             return entry.stock(*args, **kwargs)
         for runner in spec.runners:
-            runner.ffn_slice = plan.ffn_slice if plan.tier == "L2" else 0
-        return run_block(call, consumer, plan.chunk)
+            runner.ffn_slice = plan.ffn_slice if plan.tier in ("L2", "L3") else 0
+        return run_block(call, consumer, plan.chunk, plan.head_groups)
 
     def _available(self, args: tuple, kwargs: dict, device: torch.device | None) -> tuple[int | None, int]:
         """(bytes this call may use, bytes of its live inputs). A byte budget covers the inputs too; "auto" is
@@ -356,12 +362,13 @@ class StreamHandle:
         dims = _attention_dims(spec, call)
         device = call.segments[0].source.device
         sig = (_shapes(args, kwargs), call.dtype, device.type)
-        plan = self._plan(entry, sig, lambda budget: plan_attention(dims, chunk_tokens=o.chunk_tokens, budget=budget,
-                                                                    q_align=consumer.caps.q_align),
-                          args, kwargs, device)
+        plan = self._plan(entry, sig, lambda budget: plan_attention(
+            dims, chunk_tokens=o.chunk_tokens, budget=budget, q_align=consumer.caps.q_align,
+            head_groups=o.head_groups, can_group=call.cache_update is None and call.kv_whole is None),
+            args, kwargs, device)
         if plan.tier == "L0":
             return entry.stock(*args, **kwargs)
-        return run_attention(call, consumer, plan.chunk)
+        return run_attention(call, consumer, plan.chunk, plan.head_groups)
 
     @staticmethod
     def _note(entry: Installed, note: str) -> None:
@@ -436,12 +443,13 @@ class StreamHandle:
 
 
 def apply(module: nn.Module, budget: int | str | None = None, chunk_tokens: int | None = None, *,
-          ffn_slice: int | None = None, reserve: int | str = DEFAULT_RESERVE,
+          ffn_slice: int | None = None, head_groups: int | None = None, reserve: int | str = DEFAULT_RESERVE,
           self_check: bool = False) -> StreamHandle:
     """Stream every recognised structure inside ``module`` in place; returns a handle to report and undo.
 
     ``budget`` (bytes, ``"12GiB"``, ``"auto"``) lets the planner pick tiers and chunks; ``chunk_tokens`` forces
-    row streaming at that chunk; ``ffn_slice`` forces feature-sliced MLPs with that many hidden features per slice.
+    row streaming at that chunk; ``ffn_slice`` forces feature-sliced MLPs with that many hidden features per slice;
+    ``head_groups`` forces head-grouped K/V (L3) with the K/V heads split into that many groups.
     ``reserve`` is kept free under ``budget="auto"``. ``self_check`` runs the first streamed call stock as well and
     logs (and reports) the difference.
     """
@@ -449,12 +457,13 @@ def apply(module: nn.Module, budget: int | str | None = None, chunk_tokens: int 
         raise ValueError(f"module must be a torch.nn.Module, got {type(module).__name__}")
     chunk_tokens = _positive_int(chunk_tokens, "chunk_tokens")
     ffn_slice = _positive_int(ffn_slice, "ffn_slice")
+    head_groups = _positive_int(head_groups, "head_groups")
     reserve = parse_budget(reserve, None) if not isinstance(reserve, int) or reserve != 0 else 0
     if isinstance(budget, str) and budget.strip().lower() == "auto":
         parsed: int | str | None = "auto"   # resolved when each operation is planned, from what is free then
     else:
         parsed = parse_budget(budget, None)
-    options = StreamOptions(parsed, reserve, chunk_tokens, ffn_slice, bool(self_check))
+    options = StreamOptions(parsed, reserve, chunk_tokens, ffn_slice, bool(self_check), head_groups)
     specs, skipped = recognize(module)
     for name, spec in list(specs.items()):
         if isinstance(spec, AttentionSpec) and consumer_for(spec.backend()) is None:

@@ -21,13 +21,14 @@ class BudgetError(ValueError):
 class Plan:
     """One operation's schedule for one input signature: data, printable, serialisable."""
 
-    tier: str            # "L0" stock, "L1" row-streamed, "L2" row-streamed + feature-sliced MLP
+    tier: str            # "L0" stock, "L1" row-streamed, "L2" + feature-sliced MLP, "L3" + head-grouped K/V
     rows: int
     chunk: int           # rows per chunk (== rows for L0)
     ffn_slice: int       # MLP hidden features per slice (== ffn unless L2; 0 for attention)
     predicted_peak: int  # bytes above the inputs, outputs included
     stock_peak: int
     note: str = ""       # what a model-level plan does (its blocks carry their own plans)
+    head_groups: int = 1  # L3: K/V built and attended for kv_heads / head_groups heads at a time
     live_bytes: int = 0  # the call's inputs, alive throughout (a whole model's peak adds them)
     budget: int | None = None  # what this operation was allowed (the budget less the live inputs)
 
@@ -43,8 +44,9 @@ class Plan:
             return f"{self.tier} {self.note}"
         if self.tier == "L0":
             return f"L0 stock  rows={self.rows}  peak~{fmt_bytes(self.predicted_peak)}"
-        sl = f"  ffn_slice={self.ffn_slice}" if self.tier == "L2" else ""
-        return (f"{self.tier} rows={self.rows} chunk={self.chunk}{sl}  peak~{fmt_bytes(self.predicted_peak)}"
+        sl = f"  ffn_slice={self.ffn_slice}" if self.ffn_slice and self.tier in ("L2", "L3") else ""
+        hg = f"  head_groups={self.head_groups}" if self.head_groups > 1 else ""
+        return (f"{self.tier} rows={self.rows} chunk={self.chunk}{sl}{hg}  peak~{fmt_bytes(self.predicted_peak)}"
                 f" (stock {fmt_bytes(self.stock_peak)})")
 
 
@@ -143,10 +145,12 @@ class AttentionDims:
     mask_row_bytes: int = 0  # bytes of mask built per query row of a chunk (causal or prepared masks)
 
 
-def attention_peak(d: AttentionDims, tier: str, chunk: int) -> int:
+def attention_peak(d: AttentionDims, tier: str, chunk: int, groups: int = 1) -> int:
     e, B, c = d.elem, d.batch, min(chunk, d.rows) if tier != "L0" else d.rows
     q_row, kv_row = d.heads * d.head_dim, d.kv_heads * d.head_dim
-    kv = 2 * B * d.kv_rows * kv_row * e
+    kv = 2 * B * d.kv_rows * kv_row * e // groups
+    if groups > 1:
+        kv += B * d.rows * q_row * e
     mask = c * d.mask_row_bytes
     if tier == "L0":  # q, k, v, the attention output and its reshaped copy, then the projection
         return kv + B * d.rows * (q_row * 3 + d.dim_out) * e + mask
@@ -157,12 +161,15 @@ def attention_peak(d: AttentionDims, tier: str, chunk: int) -> int:
 
 
 def plan_attention(d: AttentionDims, *, chunk_tokens: int | None = None, budget: int | None = None,
-                   q_align: int = 1) -> Plan:
+                   q_align: int = 1, head_groups: int | None = None, can_group: bool = True) -> Plan:
     stock = attention_peak(d, "L0", d.rows)
 
-    def make(tier: str, chunk: int) -> Plan:
+    def make(tier: str, chunk: int, groups: int = 1) -> Plan:
         chunk = min(chunk, d.rows)
-        return Plan(tier, d.rows, chunk, 0, attention_peak(d, tier, chunk), stock)
+        return Plan(tier, d.rows, chunk, 0, attention_peak(d, tier, chunk, groups), stock, head_groups=groups)
+
+    if head_groups is not None and head_groups > 1 and can_group and d.kv_heads % head_groups == 0:
+        return make("L3", chunk_tokens or DEFAULT_CHUNK_TOKENS, head_groups)
 
     if chunk_tokens is not None or budget is None:
         chunk = chunk_tokens or DEFAULT_CHUNK_TOKENS
@@ -172,6 +179,10 @@ def plan_attention(d: AttentionDims, *, chunk_tokens: int | None = None, budget:
         return make("L0", d.rows)
     chunk = _largest_chunk(lambda c: attention_peak(d, "L1", c), d.rows, budget)
     if chunk is None:
+        for groups in (head_group_options(d) if can_group else []):
+            chunk = _largest_chunk(lambda c: attention_peak(d, "L3", c, groups), d.rows, budget)
+            if chunk is not None:
+                return make("L3", max(q_align, chunk // q_align * q_align), groups)
         floor = attention_peak(d, "L1", MIN_CHUNK_TOKENS)
         raise BudgetError(f"attention over {d.rows} rows: budget {fmt_bytes(budget)} is below the smallest peak "
                           f"streamplan can reach ({fmt_bytes(floor)}, dominated by the global K and V: "
@@ -179,7 +190,12 @@ def plan_attention(d: AttentionDims, *, chunk_tokens: int | None = None, budget:
     return make("L1", max(q_align, chunk // q_align * q_align))
 
 
-def block_peak(d: AttentionDims, stream_elems: int, row_extra: int, tier: str, chunk: int) -> int:
+def head_group_options(d: AttentionDims) -> list[int]:
+    """Numbers of head groups L3 may use: divisors of the K/V heads, above one."""
+    return [g for g in range(2, d.kv_heads + 1) if d.kv_heads % g == 0]
+
+
+def block_peak(d: AttentionDims, stream_elems: int, row_extra: int, tier: str, chunk: int, groups: int = 1) -> int:
     """A streamed block: residual copies + global K/V + one chunk's transients.
 
     ``stream_elems`` counts the residual streams' elements (they are copied once); ``row_extra`` the elements per
@@ -187,8 +203,10 @@ def block_peak(d: AttentionDims, stream_elems: int, row_extra: int, tier: str, c
     attention transients are gone by then, so a chunk costs the larger of the two.
     """
     c = min(chunk, d.rows)
-    kv = 2 * d.batch * d.kv_rows * d.kv_heads * d.head_dim * d.elem
     q_row = d.heads * d.head_dim
+    kv = 2 * d.batch * d.kv_rows * d.kv_heads * d.head_dim * d.elem // groups
+    if groups > 1:  # L3 keeps the attention output of every row instead of whole K/V
+        kv += d.batch * d.rows * q_row * d.elem
     phase_kv = d.batch * c * (d.dim_out + d.kv_heads * d.head_dim * 4) * d.elem
     attend = d.batch * c * (q_row * 3 + d.dim_out) * d.elem + c * d.mask_row_bytes
     suffix = d.batch * c * row_extra * d.elem
@@ -205,17 +223,22 @@ def block_stock_peak(d: AttentionDims, row_extra: int) -> int:
 
 def plan_block(d: AttentionDims, stream_elems: int, row_extra: int, row_extra_sliced, *,
                chunk_tokens: int | None = None, ffn_slice: int | None = None, budget: int | None = None,
-               q_align: int = 1, stock_peak: int | None = None) -> Plan:
-    """Tier for a whole block: L0 stock, L1 row-streamed, L2 with feature-sliced MLPs (``row_extra_sliced(s)``)."""
+               q_align: int = 1, stock_peak: int | None = None, head_groups: int | None = None,
+               can_group: bool = True) -> Plan:
+    """Tier for a whole block: L0 stock, L1 row-streamed, L2 with feature-sliced MLPs (``row_extra_sliced(s)``),
+    L3 with head-grouped K/V (and sliced MLPs where that is still needed)."""
     stock = stock_peak if stock_peak is not None else block_stock_peak(d, row_extra)
 
-    def make(tier: str, chunk: int, sl: int = 0) -> Plan:
+    def make(tier: str, chunk: int, sl: int = 0, groups: int = 1) -> Plan:
         if tier == "L0":
             return Plan(tier, d.rows, d.rows, 0, stock, stock)
         chunk = max(q_align, min(chunk, d.rows) // q_align * q_align) if chunk < d.rows else d.rows
-        extra = row_extra_sliced(sl) if tier == "L2" else row_extra
-        return Plan(tier, d.rows, chunk, sl, block_peak(d, stream_elems, extra, tier, chunk), stock)
+        extra = row_extra_sliced(sl) if sl else row_extra
+        return Plan(tier, d.rows, chunk, sl, block_peak(d, stream_elems, extra, tier, chunk, groups), stock,
+                    head_groups=groups)
 
+    if head_groups is not None and head_groups > 1 and can_group and d.kv_heads % head_groups == 0:
+        return make("L3", chunk_tokens or DEFAULT_CHUNK_TOKENS, ffn_slice or 0, head_groups)
     if ffn_slice is not None:
         return make("L2", chunk_tokens or DEFAULT_CHUNK_TOKENS, ffn_slice)
     if chunk_tokens is not None or budget is None:
@@ -230,7 +253,16 @@ def plan_block(d: AttentionDims, stream_elems: int, row_extra: int, row_extra_sl
         chunk = _largest_chunk(lambda c: block_peak(d, stream_elems, row_extra_sliced(sl), "L2", c), d.rows, budget)
         if chunk is not None:
             return make("L2", chunk, sl)
+    for groups in (head_group_options(d) if can_group else []):
+        for sl in (0, 4096, 1024, 256):
+            extra = row_extra_sliced(sl) if sl else row_extra
+            chunk = _largest_chunk(lambda c: block_peak(d, stream_elems, extra, "L3", c, groups), d.rows, budget)
+            if chunk is not None:
+                return make("L3", chunk, sl, groups)
     floor = block_peak(d, stream_elems, row_extra_sliced(256), "L2", MIN_CHUNK_TOKENS)
+    if can_group and head_group_options(d):
+        floor = min(floor, block_peak(d, stream_elems, row_extra_sliced(256), "L3", MIN_CHUNK_TOKENS,
+                                      head_group_options(d)[-1]))
     kv = 2 * d.batch * d.kv_rows * d.kv_heads * d.head_dim * d.elem
     raise BudgetError(f"block over {d.rows} rows: {fmt_bytes(budget)} left for it is below the smallest peak "
                       f"streamplan can reach ({fmt_bytes(floor)}: global K and V {fmt_bytes(kv)}, residual copy "

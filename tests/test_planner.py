@@ -150,3 +150,45 @@ def test_out_of_memory_in_a_chunk_is_retried_in_halves_without_losing_or_repeati
         assert "out of memory on rows [0:32): retried in halves" in handle.report()
     finally:
         streamplan.unregister_consumer("flaky")
+
+
+def _wan_block_case(tokens=2048, dim=256):
+    from diffusers.models.transformers.transformer_wan import WanTransformerBlock
+    torch.manual_seed(0)
+    block = WanTransformerBlock(dim, 4 * dim, 8, cross_attn_norm=True).eval()
+    freqs = torch.randn(1, tokens, 1, dim // 8)
+    args = (torch.randn(1, tokens, dim), torch.randn(1, 32, dim), torch.randn(1, 6, dim), (freqs.cos(), freqs.sin()))
+    return block, args
+
+
+@pytest.mark.parametrize("mode", [dict(chunk_tokens=300, ffn_slice=96), dict(chunk_tokens=300, head_groups=2),
+                                  dict(chunk_tokens=300, head_groups=8, ffn_slice=200)],
+                         ids=["L2", "L3", "L3+sliced"])
+@torch.no_grad()
+def test_every_tier_is_exact(mode):
+    block, args = _wan_block_case(tokens=700, dim=128)
+    ref = block(*args)
+    handle = streamplan.apply(block, **mode)
+    out = block(*args)
+    (plan,) = handle.plans[""]
+    assert plan.tier == ("L3" if "head_groups" in mode else "L2")
+    assert plan.head_groups == mode.get("head_groups", 1)
+    assert rel_err(out, ref) <= 1e-5
+
+
+@torch.no_grad()
+def test_the_ladder_climbs_to_head_grouped_kv_when_whole_kv_does_not_fit():
+    block, args = _wan_block_case()
+    x = args[0]
+    kv = 2 * x.numel() * 4
+    live = sum(t.numel() * 4 for t in (args[0], args[1], args[2], *args[3]))
+    # room for the residual copy, the attention output, an eighth of K and V and small chunks; not for whole K/V
+    budget = live + 2 * x.numel() * 4 + kv // 8 + int(1.5 * MiB)
+    ref = block(*args)
+    handle = streamplan.apply(block, budget=budget)
+    out, peak = streamplan.measure_peak(block, *args)
+    (plan,) = handle.plans[""]
+    assert plan.tier == "L3" and plan.head_groups > 1, handle.report()
+    assert rel_err(out, ref) <= 1e-5
+    assert peak <= budget - live
+    assert abs(plan.predicted_peak - peak) <= 0.10 * peak, (plan.predicted_peak / MiB, peak / MiB)

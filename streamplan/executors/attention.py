@@ -43,29 +43,85 @@ def global_kv(call: AttentionCall, chunk: int, rows_of=_source_rows) -> tuple[to
     return k, v
 
 
-def attend_rows(call: AttentionCall, consumer, k, v, seg, h: torch.Tensor, start: int, a: int, b: int):
-    """Phase Q for rows [a:b) of one segment (starting at joint row ``start``): Q, attention, output projection."""
-    q = seg.q(h, a, b).transpose(1, 2)                          # [B, H, c, D]
+def _mask(call: AttentionCall, a: int, b: int, h0: int = 0, h1: int | None = None) -> torch.Tensor | None:
+    """The mask of joint query rows [a:b) (and heads [h0:h1) where it has a head dimension)."""
     if call.mask_rows is not None:
-        m = call.mask_rows(start + a, start + b)
+        m = call.mask_rows(a, b)
     else:
         m = call.mask
         if m is not None and m.shape[-2] != 1:
-            m = m[..., start + a:start + b, :]
-    o = consumer.attend(q, k, v, q_offset=start + a, causal=call.causal, mask=m, scale=call.scale)
+            m = m[..., a:b, :]
+    if m is not None and h1 is not None and m.dim() == 4 and m.shape[1] != 1:
+        m = m[:, h0:h1]
+    return m
+
+
+def attend_rows(call: AttentionCall, consumer, k, v, seg, h: torch.Tensor, start: int, a: int, b: int):
+    """Phase Q for rows [a:b) of one segment (starting at joint row ``start``): Q, attention, output projection."""
+    q = seg.q(h, a, b).transpose(1, 2)                          # [B, H, c, D]
+    o = consumer.attend(q, k, v, q_offset=start + a, causal=call.causal, mask=_mask(call, start + a, start + b),
+                        scale=call.scale)
     del q
     return seg.out(o.transpose(1, 2), a, b)
 
 
-def run_attention(call: AttentionCall, consumer, chunk: int):
-    k, v = global_kv(call, chunk)
+def head_grouped_outputs(call: AttentionCall, consumer, chunk: int, groups: int,
+                         rows_of=_source_rows) -> list[torch.Tensor]:
+    """Tier L3: the attention output of every row, [B, rows, H, D] per segment, built one group of heads at a time,
+    so only that group's K and V exist. Each chunk's projections are computed whole and sliced by heads (norms that
+    span heads stay exact), once per group."""
+    H, Hkv, D = call.heads, call.kv_heads, call.head_dim
+    per_kv = Hkv // groups
+    rep = H // Hkv
+    outs = [None] * len(call.segments)
+    for g in range(groups):
+        g0, g1 = g * per_kv, (g + 1) * per_kv
+        h0, h1 = g0 * rep, g1 * rep
+        shape = (call.batch, call.rows, g1 - g0, D)
+        kv: list[torch.Tensor] = []
+        start = 0
+        for i, seg in enumerate(call.segments):
+            def kv_work(a: int, b: int, i=i, seg=seg, start=start) -> None:
+                k, v = seg.kv(rows_of(i, seg, a, b), a, b)
+                if not kv:
+                    kv.extend((k.new_empty(shape), v.new_empty(shape)))
+                kv[0][:, start + a:start + b] = k[:, :, g0:g1]
+                kv[1][:, start + a:start + b] = v[:, :, g0:g1]
+
+            for_chunks(seg.rows, chunk, kv_work)
+            start += seg.rows
+        k_g, v_g = kv[0].transpose(1, 2), kv[1].transpose(1, 2)
+        start = 0
+        for i, seg in enumerate(call.segments):
+            def q_work(a: int, b: int, i=i, seg=seg, start=start) -> None:
+                q = seg.q(rows_of(i, seg, a, b), a, b)[:, :, h0:h1].transpose(1, 2)
+                o = consumer.attend(q, k_g, v_g, q_offset=start + a, causal=call.causal,
+                                    mask=_mask(call, start + a, start + b, h0, h1), scale=call.scale)
+                if outs[i] is None:
+                    outs[i] = o.new_empty((call.batch, seg.rows, H, D))
+                outs[i][:, a:b, h0:h1] = o.transpose(1, 2)
+
+            for_chunks(seg.rows, chunk, q_work)
+            start += seg.rows
+        del kv, k_g, v_g
+    return outs
+
+
+def run_attention(call: AttentionCall, consumer, chunk: int, head_groups: int = 1):
+    if head_groups > 1:
+        grouped = head_grouped_outputs(call, consumer, chunk, head_groups)
+    else:
+        k, v = global_kv(call, chunk)
     outputs = []
     start = 0
-    for seg in call.segments:
+    for i, seg in enumerate(call.segments):
         buf: list[torch.Tensor] = []
 
-        def work(a: int, b: int, seg=seg, start=start) -> None:
-            y = attend_rows(call, consumer, k, v, seg, seg.source[:, a:b], start, a, b)
+        def work(a: int, b: int, i=i, seg=seg, start=start) -> None:
+            if head_groups > 1:
+                y = seg.out(grouped[i][:, a:b], a, b)
+            else:
+                y = attend_rows(call, consumer, k, v, seg, seg.source[:, a:b], start, a, b)
             if not buf:
                 buf.append(y.new_empty((call.batch, seg.rows, y.shape[-1])))
             buf[0][:, a:b] = y
