@@ -20,7 +20,7 @@ from .executors.chunks import drain_retries
 from .executors.mlp import run_mlp, run_seq_chunked
 from .ir import AttentionCall, AttentionSpec, BlockCall, BlockSpec, MLPSpec, ModelSpec, RowLocalSpec, Skip
 from .budget import fmt_bytes
-from .planner import (DEFAULT_CHUNK_TOKENS, AttentionDims, BudgetError, Plan, mlp_row_elems, plan_attention, plan_block,
+from .planner import (DEFAULT_CHUNK_TOKENS, UTILISATION_FLOOR, AttentionDims, BudgetError, Plan, mlp_row_elems, plan_attention, plan_block,
                       plan_mlp, plan_rows)
 from .verify import compare_outputs
 from .recognize import recognize
@@ -29,6 +29,7 @@ from .recognize.checks import STREAMED_MARK
 log = logging.getLogger("streamplan")
 
 _MISSING = object()
+PLAN_MARGIN = 0.03   # plans aim this far under the budget: allocator rounding and what the memory model misses
 
 
 @dataclass
@@ -131,10 +132,13 @@ def _mask_row_bytes(call: AttentionCall) -> int:
 def _block_row_extra(spec: BlockSpec, call: BlockCall):
     """Elements per row of a block's suffix transients (fp32 residual math, the MLP), whole and feature-sliced."""
     dim = call.streams[0].x.shape[-1]
+    # fp32 residual/modulation math: counted once in the 4 * dim below; in a 2-byte dtype each is two elements
+    fp32 = call.fp32_row_elems * max(0, 4 // call.streams[0].x.element_size() - 1)
     if call.mlp_rows_elems:
-        return call.mlp_rows_elems + 4 * dim, lambda s: call.mlp_rows_elems + 4 * dim
-    whole = max((mlp_row_elems(m, m.ffn) for m in spec.mlps), default=0) + 4 * dim
-    return whole, lambda s: max((mlp_row_elems(m, min(s, m.ffn)) for m in spec.mlps), default=0) + 4 * dim
+        whole = call.mlp_rows_elems + 4 * dim + fp32
+        return whole, lambda s: whole
+    whole = max((mlp_row_elems(m, m.ffn) for m in spec.mlps), default=0) + 4 * dim + fp32
+    return whole, lambda s: max((mlp_row_elems(m, min(s, m.ffn)) for m in spec.mlps), default=0) + 4 * dim + fp32
 
 
 class _Bypass(threading.local):
@@ -274,8 +278,8 @@ class StreamHandle:
             dims, stream_elems, extra, extra_sliced, chunk_tokens=o.chunk_tokens,
             ffn_slice=o.ffn_slice if spec.mlps else None, budget=budget, q_align=consumer.caps.q_align,
             stock_peak=(call.stock_rows_elems * dims.batch * dims.rows * dims.elem) or None,
-            head_groups=o.head_groups, can_group=att.cache_update is None and att.kv_whole is None),
-            args, kwargs, device)
+            head_groups=o.head_groups, can_group=att.cache_update is None and att.kv_whole is None,
+            min_chunk=UTILISATION_FLOOR.get(device.type, 0)), args, kwargs, device)
         if o.head_groups and plan.tier != "L0" and plan.head_groups == 1:
             self._note(entry, "head-grouped K/V (L3) not used: the call needs whole K/V (a KV cache or cross-attention)"
                        " or the K/V heads do not divide into that many groups")
@@ -293,8 +297,8 @@ class StreamHandle:
         if budget is None:
             return None, live
         if budget == "auto":
-            return auto_budget(device, self.options.reserve), live
-        return budget - live, live
+            return int(auto_budget(device, self.options.reserve) * (1 - PLAN_MARGIN)), live
+        return int((budget - live) * (1 - PLAN_MARGIN)), live
 
     def _plan(self, entry: Installed, sig: tuple, make: Callable[[int | None], Plan], args: tuple = (),
               kwargs: dict | None = None, device: torch.device | None = None) -> Plan:
@@ -364,8 +368,8 @@ class StreamHandle:
         sig = (_shapes(args, kwargs), call.dtype, device.type)
         plan = self._plan(entry, sig, lambda budget: plan_attention(
             dims, chunk_tokens=o.chunk_tokens, budget=budget, q_align=consumer.caps.q_align,
-            head_groups=o.head_groups, can_group=call.cache_update is None and call.kv_whole is None),
-            args, kwargs, device)
+            head_groups=o.head_groups, can_group=call.cache_update is None and call.kv_whole is None,
+            min_chunk=UTILISATION_FLOOR.get(device.type, 0)), args, kwargs, device)
         if plan.tier == "L0":
             return entry.stock(*args, **kwargs)
         return run_attention(call, consumer, plan.chunk, plan.head_groups)

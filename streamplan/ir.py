@@ -166,6 +166,7 @@ class BlockCall:
     finish: Callable[[list[torch.Tensor]], object]
     mlp_rows_elems: int = 0          # elements per row of the chunk's MLP/cross-attention transients (for the plan)
     stock_rows_elems: int = 0        # elements per row stock holds at its worst, where the generic model misses it
+    fp32_row_elems: int = 0          # per row, fp32 elements the suffix keeps alive at its worst (fp32 residual math)
 
 
 @dataclass(eq=False)

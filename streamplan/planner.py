@@ -10,6 +10,10 @@ from .weights import can_slice_in, can_slice_out, slice_align
 DEFAULT_CHUNK_TOKENS = 4096   # used when neither a budget nor a chunk is given
 ROW_ALIGN = 256               # budget-chosen chunks are multiples of this (GEMM-friendly)
 MIN_CHUNK_TOKENS = 256        # smallest row chunk the planner will choose on its own
+# Rows per chunk below which GEMMs lose throughput: on the H200 (2026-11-30, bf16, benchmarks/gpu_planner.py) the
+# Wan/Flux projections reach 85-93% of their best at 2048 rows and 90-100% at 4096. The planner climbs the tier
+# ladder before it goes below this; on CPU there is no such cliff worth a tier.
+UTILISATION_FLOOR = {"cuda": 2048}
 MIN_FFN_SLICE = 256
 
 
@@ -105,10 +109,10 @@ def plan_mlp(spec: MLPSpec, rows: int, elem: int, *, chunk_tokens: int | None = 
                       f"for {rows} rows ({fmt_bytes(floor)}, dominated by the {rows}x{spec.dim_out} output)")
 
 
-def _largest_chunk(peak_of, rows: int, budget: int) -> int | None:
+def _largest_chunk(peak_of, rows: int, budget: int, floor: int = MIN_CHUNK_TOKENS) -> int | None:
     if peak_of(rows) <= budget:
         return rows
-    lo, hi = MIN_CHUNK_TOKENS, rows
+    lo, hi = min(floor, rows), rows
     if peak_of(lo) > budget:
         return None
     while hi - lo > ROW_ALIGN:
@@ -161,7 +165,8 @@ def attention_peak(d: AttentionDims, tier: str, chunk: int, groups: int = 1) -> 
 
 
 def plan_attention(d: AttentionDims, *, chunk_tokens: int | None = None, budget: int | None = None,
-                   q_align: int = 1, head_groups: int | None = None, can_group: bool = True) -> Plan:
+                   q_align: int = 1, head_groups: int | None = None, can_group: bool = True,
+                   min_chunk: int = MIN_CHUNK_TOKENS) -> Plan:
     stock = attention_peak(d, "L0", d.rows)
 
     def make(tier: str, chunk: int, groups: int = 1) -> Plan:
@@ -177,12 +182,16 @@ def plan_attention(d: AttentionDims, *, chunk_tokens: int | None = None, budget:
         return make("L1", chunk) if d.rows > chunk else make("L0", d.rows)
     if stock <= budget:
         return make("L0", d.rows)
-    chunk = _largest_chunk(lambda c: attention_peak(d, "L1", c), d.rows, budget)
-    if chunk is None:
+    chunk = None
+    for floor in dict.fromkeys((max(min_chunk, MIN_CHUNK_TOKENS), MIN_CHUNK_TOKENS)):
+        chunk = _largest_chunk(lambda c: attention_peak(d, "L1", c), d.rows, budget, floor)
+        if chunk is not None:
+            break
         for groups in (head_group_options(d) if can_group else []):
-            chunk = _largest_chunk(lambda c: attention_peak(d, "L3", c, groups), d.rows, budget)
+            chunk = _largest_chunk(lambda c: attention_peak(d, "L3", c, groups), d.rows, budget, floor)
             if chunk is not None:
                 return make("L3", max(q_align, chunk // q_align * q_align), groups)
+    if chunk is None:
         floor = attention_peak(d, "L1", MIN_CHUNK_TOKENS)
         raise BudgetError(f"attention over {d.rows} rows: budget {fmt_bytes(budget)} is below the smallest peak "
                           f"streamplan can reach ({fmt_bytes(floor)}, dominated by the global K and V: "
@@ -224,7 +233,7 @@ def block_stock_peak(d: AttentionDims, row_extra: int) -> int:
 def plan_block(d: AttentionDims, stream_elems: int, row_extra: int, row_extra_sliced, *,
                chunk_tokens: int | None = None, ffn_slice: int | None = None, budget: int | None = None,
                q_align: int = 1, stock_peak: int | None = None, head_groups: int | None = None,
-               can_group: bool = True) -> Plan:
+               can_group: bool = True, min_chunk: int = MIN_CHUNK_TOKENS) -> Plan:
     """Tier for a whole block: L0 stock, L1 row-streamed, L2 with feature-sliced MLPs (``row_extra_sliced(s)``),
     L3 with head-grouped K/V (and sliced MLPs where that is still needed)."""
     stock = stock_peak if stock_peak is not None else block_stock_peak(d, row_extra)
@@ -246,28 +255,34 @@ def plan_block(d: AttentionDims, stream_elems: int, row_extra: int, row_extra_sl
         return make("L1", chunk) if d.rows > chunk else make("L0", d.rows)
     if stock <= budget:
         return make("L0", d.rows)
-    chunk = _largest_chunk(lambda c: block_peak(d, stream_elems, row_extra, "L1", c), d.rows, budget)
-    if chunk is not None:
-        return make("L1", chunk)
-    for sl in (4096, 2048, 1024, 512, 256):
-        chunk = _largest_chunk(lambda c: block_peak(d, stream_elems, row_extra_sliced(sl), "L2", c), d.rows, budget)
+    for floor in dict.fromkeys((max(min_chunk, MIN_CHUNK_TOKENS), MIN_CHUNK_TOKENS)):
+        chunk = _largest_chunk(lambda c: block_peak(d, stream_elems, row_extra, "L1", c), d.rows, budget, floor)
         if chunk is not None:
-            return make("L2", chunk, sl)
-    for groups in (head_group_options(d) if can_group else []):
-        for sl in (0, 4096, 1024, 256):
-            extra = row_extra_sliced(sl) if sl else row_extra
-            chunk = _largest_chunk(lambda c: block_peak(d, stream_elems, extra, "L3", c, groups), d.rows, budget)
+            return make("L1", chunk)
+        for sl in (4096, 2048, 1024, 512, 256):
+            chunk = _largest_chunk(lambda c: block_peak(d, stream_elems, row_extra_sliced(sl), "L2", c), d.rows,
+                                   budget, floor)
             if chunk is not None:
-                return make("L3", chunk, sl, groups)
-    floor = block_peak(d, stream_elems, row_extra_sliced(256), "L2", MIN_CHUNK_TOKENS)
-    if can_group and head_group_options(d):
-        floor = min(floor, block_peak(d, stream_elems, row_extra_sliced(256), "L3", MIN_CHUNK_TOKENS,
-                                      head_group_options(d)[-1]))
+                return make("L2", chunk, sl)
+        for groups in (head_group_options(d) if can_group else []):
+            for sl in (0, 4096, 1024, 256):
+                extra = row_extra_sliced(sl) if sl else row_extra
+                chunk = _largest_chunk(lambda c: block_peak(d, stream_elems, extra, "L3", c, groups), d.rows,
+                                       budget, floor)
+                if chunk is not None:
+                    return make("L3", chunk, sl, groups)
+    residual = stream_elems * d.elem
     kv = 2 * d.batch * d.kv_rows * d.kv_heads * d.head_dim * d.elem
+    floor = block_peak(d, stream_elems, row_extra_sliced(256), "L2", MIN_CHUNK_TOKENS)
+    parts = f"global K and V {fmt_bytes(kv)}, residual copy {fmt_bytes(residual)}"
+    groups = head_group_options(d)[-1:] if can_group else []
+    if groups and block_peak(d, stream_elems, row_extra_sliced(256), "L3", MIN_CHUNK_TOKENS, groups[0]) < floor:
+        floor = block_peak(d, stream_elems, row_extra_sliced(256), "L3", MIN_CHUNK_TOKENS, groups[0])
+        out = d.batch * d.rows * d.heads * d.head_dim * d.elem
+        parts = (f"with {groups[0]} head groups: attention output {fmt_bytes(out)}, K and V of one group "
+                 f"{fmt_bytes(kv // groups[0])}, residual copy {fmt_bytes(residual)}")
     raise BudgetError(f"block over {d.rows} rows: {fmt_bytes(budget)} left for it is below the smallest peak "
-                      f"streamplan can reach ({fmt_bytes(floor)}: global K and V {fmt_bytes(kv)}, residual copy "
-                      f"{fmt_bytes(stream_elems * d.elem)}, one {MIN_CHUNK_TOKENS}-row chunk "
-                      f"{fmt_bytes(floor - kv - stream_elems * d.elem)})")
+                      f"streamplan can reach ({fmt_bytes(floor)}: {parts}, and one {MIN_CHUNK_TOKENS}-row chunk)")
 
 
 def plan_rows(rows: int, row_bytes: int, transient_per_elem: int, *, chunk_tokens: int | None = None,

@@ -94,7 +94,8 @@ def _bind_wan_block(block, mlp: MLPRunner, args: tuple, kwargs: dict) -> BlockCa
         n = (block.norm3(r.float()) * (1 + c_scale) + c_shift).type_as(r)
         return (r.float() + mlp(n).float() * c_gate).type_as(r)
 
-    return BlockCall([Stream(x, prefix, suffix)], att1, finish=lambda xs: xs[0])
+    # Wan's residual and modulation math is fp32: two [rows, dim] fp32 tensors are alive with the MLP's output
+    return BlockCall([Stream(x, prefix, suffix)], att1, finish=lambda xs: xs[0], fp32_row_elems=2 * x.shape[-1])
 
 
 def recognize_wan_block(name: str, module: nn.Module) -> BlockSpec | Skip | None:
