@@ -123,7 +123,7 @@ def _mask_row_bytes(call: AttentionCall) -> int:
     keys = call.rows if call.kv_whole is None else 0
     if call.mask_rows is not None and m is not None:
         return 0 if m.shape[-2] == 1 else m.numel() // m.shape[-2] * m.element_size()
-    if call.causal and call.segments[0].source.device.type != "cuda":
+    if call.causal and call.segments[0].source.device.type not in ("cuda", "meta"):
         # the boolean causal rows, and SDPA's additive copy of them in the activation dtype
         return keys * (1 + torch.empty((), dtype=call.dtype).element_size())
     return 0

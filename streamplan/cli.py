@@ -12,6 +12,11 @@ from .budget import fmt_bytes
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def _family_names() -> list[str]:
+    from .families import FAMILIES
+    return list(FAMILIES)
+
+
 def _demo(args: argparse.Namespace) -> int:
     from .demo import CASES, run_demo
 
@@ -29,6 +34,35 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    import streamplan
+    from .families import FAMILIES, on_meta
+
+    family = FAMILIES.get(args.family)
+    if family is None:
+        print(f"unknown family {args.family!r}; choose from {', '.join(FAMILIES)}", file=sys.stderr)
+        return 2
+    dtype = DTYPES[args.dtype]
+    module, inputs = on_meta(family, args.tokens, dtype)      # nothing is allocated: shapes only
+    handle = streamplan.apply(module, budget=args.budget, chunk_tokens=args.chunk_tokens)
+    with torch.inference_mode():
+        module(*inputs)
+    if args.json:
+        print(handle.to_json())
+        return 0
+    print(f"{family.description}\n{args.tokens} tokens, {args.dtype}, budget {args.budget or 'none (default chunks)'}"
+          f" -- planned on meta tensors, nothing run\n")
+    print(handle.report())
+    plans = [p for ps in handle.plans.values() for p in ps]
+    floor = family.floor_bytes_per_token(dtype)
+    if plans:
+        plan = max(plans, key=lambda p: p.predicted_total)
+        kb = lambda b: b / args.tokens / 1024  # noqa: E731
+        print(f"\npredicted KB/token above the inputs: stock {kb(plan.stock_peak):.1f}, planned "
+              f"{kb(plan.predicted_peak):.1f}; floor (residual + K + V) {kb(floor * args.tokens):.1f}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="streamplan", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log planning decisions")
@@ -41,11 +75,18 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--budget", default=None, help="bytes, '12GiB', '900MB' or 'auto'")
     demo.add_argument("--chunk-tokens", type=int, default=None)
     demo.add_argument("--ffn-slice", type=int, default=None)
+    plan = sub.add_parser("plan", help="print the plan for a model family at a token count and budget (runs nothing)")
+    plan.add_argument("--family", default="wan-14b-block", help="one of: " + ", ".join(_family_names()))
+    plan.add_argument("--tokens", type=int, default=65536)
+    plan.add_argument("--budget", default=None, help="bytes, '12GiB', '900MB'")
+    plan.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    plan.add_argument("--chunk-tokens", type=int, default=None)
+    plan.add_argument("--json", action="store_true", help="the plans as JSON")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     try:
-        return {"demo": _demo}[args.command](args)
-    except ValueError as exc:
+        return {"demo": _demo, "plan": _plan}[args.command](args)
+    except ValueError as exc:  # BudgetError included: the smallest reachable peak is in its message
         print(f"streamplan: {exc}", file=sys.stderr)
         return 2
 

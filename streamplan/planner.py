@@ -13,7 +13,7 @@ MIN_CHUNK_TOKENS = 256        # smallest row chunk the planner will choose on it
 # Rows per chunk below which GEMMs lose throughput: on the H200 (2026-11-30, bf16, benchmarks/gpu_planner.py) the
 # Wan/Flux projections reach 85-93% of their best at 2048 rows and 90-100% at 4096. The planner climbs the tier
 # ladder before it goes below this; on CPU there is no such cliff worth a tier.
-UTILISATION_FLOOR = {"cuda": 2048}
+UTILISATION_FLOOR = {"cuda": 2048, "meta": 2048}   # planning on meta tensors is planning for a GPU
 MIN_FFN_SLICE = 256
 
 

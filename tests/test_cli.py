@@ -14,3 +14,29 @@ def test_demo_runs_and_reports(capsys):
 def test_demo_rejects_a_bad_budget(capsys):
     assert main(["demo", "--budget", "many"]) == 2
     assert "budget" in capsys.readouterr().err
+
+
+def test_plan_prints_a_plan_without_running_anything(capsys):
+    assert main(["plan", "--family", "wan-14b-block", "--tokens", "217088", "--budget", "12GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "planned on meta tensors" in out and "L1" in out and "floor (residual + K + V) 30.0" in out
+
+
+def test_plan_below_the_floor_says_what_dominates(capsys):
+    assert main(["plan", "--family", "llama3-8b-layer", "--tokens", "131072", "--budget", "1GiB"]) == 2
+    err = capsys.readouterr().err
+    assert "smallest peak" in err and "K and V" in err
+
+
+def test_plan_as_json(capsys):
+    import json
+    assert main(["plan", "--family", "flux-single-block", "--tokens", "65536", "--budget", "4GiB", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    (plan,) = data["streamed"][""]["plans"]
+    assert plan["tier"] in ("L1", "L2", "L3") and plan["predicted_peak"] > 0
+
+
+def test_demo_with_a_budget(capsys):
+    assert main(["demo", "--case", "wan-ffn", "--budget", "100MiB"]) == 0
+    out = capsys.readouterr().out
+    assert "budget: 100.00 MiB" in out and "streamed peak" in out
