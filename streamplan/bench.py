@@ -65,16 +65,21 @@ def _block_case(name: str) -> Case:
     def ffns(m: nn.Module) -> list[nn.Module]:
         return [getattr(m, n) for n in ("ffn", "ff", "ff_context", "mlp") if hasattr(m, n)]
 
-    return Case(name, fam.description, lambda: fam.build().cuda().to(dtype).eval(),
+    def build() -> nn.Module:
+        with torch.device("cuda"):   # initialised on the card: real-width weights are slow to make on a CPU
+            return fam.build().to(dtype).eval()
+
+    return Case(name, fam.description, build,
                 lambda n: fam.inputs(n, torch.device("cuda"), dtype), fam.floor_bytes_per_token(dtype), ffn=ffns)
 
 
 def _wan_model_case() -> Case:
     def build() -> nn.Module:
         from diffusers import WanTransformer3DModel
-        return WanTransformer3DModel(num_layers=2, text_dim=4096, in_channels=16, out_channels=16,
-                                     ffn_dim=13824, num_attention_heads=40, attention_head_dim=128
-                                     ).cuda().to(torch.bfloat16).eval()
+        with torch.device("cuda"):
+            return WanTransformer3DModel(num_layers=2, text_dim=4096, in_channels=16, out_channels=16,
+                                         ffn_dim=13824, num_attention_heads=40, attention_head_dim=128
+                                         ).to(torch.bfloat16).eval()
 
     def inputs(n: int) -> tuple:
         frames = max(1, n // 1560)    # 480p: 60x104 latents, 1560 tokens a frame after 2x2 patches
@@ -91,7 +96,8 @@ def _llama_model_case() -> Case:
         from transformers import LlamaConfig, LlamaForCausalLM
         cfg = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
                           num_hidden_layers=2, vocab_size=128256, attn_implementation="sdpa")
-        return LlamaForCausalLM(cfg).cuda().to(torch.bfloat16).eval()
+        with torch.device("cuda"):
+            return LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
 
     def inputs(n: int) -> tuple:
         return (torch.randint(0, 128256, (1, n), device="cuda"),)
