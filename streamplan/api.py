@@ -120,12 +120,11 @@ def _attention_dims(spec: AttentionSpec, call: AttentionCall) -> AttentionDims:
 def _mask_row_bytes(call: AttentionCall) -> int:
     """Mask bytes a chunk builds per query row: a prepared mask's rows, or the causal mask on CPU."""
     m = call.mask
-    keys = call.rows if call.kv_whole is None else 0
     if call.mask_rows is not None and m is not None:
         return 0 if m.shape[-2] == 1 else m.numel() // m.shape[-2] * m.element_size()
-    if call.causal and call.segments[0].source.device.type not in ("cuda", "meta"):
-        # the boolean causal rows, and SDPA's additive copy of them in the activation dtype
-        return keys * (1 + torch.empty((), dtype=call.dtype).element_size())
+    if call.causal and m is None:
+        # two fused calls merged by log-sum-exp: both partial outputs and the fp32 merge, per query row
+        return call.heads * call.head_dim * (8 + 2 * torch.empty((), dtype=call.dtype).element_size())
     return 0
 
 
@@ -139,6 +138,27 @@ def _block_row_extra(spec: BlockSpec, call: BlockCall):
         return whole, lambda s: whole
     whole = max((mlp_row_elems(m, m.ffn) for m in spec.mlps), default=0) + 4 * dim + fp32
     return whole, lambda s: max((mlp_row_elems(m, min(s, m.ffn)) for m in spec.mlps), default=0) + 4 * dim + fp32
+
+
+class _Root(threading.local):
+    depth = 0
+    base = 0      # CUDA bytes allocated when the outermost streamed or tracked call began
+    inputs = 0    # bytes of that call's inputs
+
+
+_ROOT = _Root()
+
+
+@contextlib.contextmanager
+def _outermost(args: tuple, kwargs: dict):
+    if _ROOT.depth == 0:
+        _ROOT.inputs = _live_bytes(args, kwargs)
+        _ROOT.base = torch.cuda.memory_allocated() if torch.cuda.is_available() and torch.cuda.is_initialized() else 0
+    _ROOT.depth += 1
+    try:
+        yield
+    finally:
+        _ROOT.depth -= 1
 
 
 class _Bypass(threading.local):
@@ -174,6 +194,7 @@ class StreamHandle:
         self.installed: dict[str, Installed] = {}
         self.removed = False
         self.self_checked = False
+        self._root_previous: Any = None
 
     # -- installation -------------------------------------------------------------------------------
     def _install(self, name: str, spec: MLPSpec | AttentionSpec | BlockSpec) -> None:
@@ -186,11 +207,27 @@ class StreamHandle:
         def streamed_forward(*args: Any, **kwargs: Any) -> Any:
             if _BYPASS.active:
                 return entry.stock(*args, **kwargs)
-            return self._run(entry, args, kwargs)
+            with _outermost(args, kwargs):
+                return self._run(entry, args, kwargs)
 
         setattr(streamed_forward, STREAMED_MARK, True)
         module.forward = streamed_forward
         self.installed[name] = entry
+
+    def _track_root(self) -> None:
+        """Wrap the root's forward (when nothing streamed sits there) so memory the model allocates between
+        streamed modules, not passed to them, is seen by their plans (on CUDA, from the allocator)."""
+        module = self.root
+        previous = module.__dict__.get("forward", _MISSING)
+        stock = module.forward
+
+        @functools.wraps(type(module).forward)
+        def tracked_forward(*args: Any, **kwargs: Any) -> Any:
+            with _outermost(args, kwargs):
+                return stock(*args, **kwargs)
+
+        module.forward = tracked_forward
+        self._root_previous = previous
 
     def _run(self, entry: Installed, args: tuple, kwargs: dict) -> Any:
         checking = self.options.self_check and not self.self_checked and not isinstance(entry.spec, ModelSpec)
@@ -290,9 +327,12 @@ class StreamHandle:
         return run_block(call, consumer, plan.chunk, plan.head_groups)
 
     def _available(self, args: tuple, kwargs: dict, device: torch.device | None) -> tuple[int | None, int]:
-        """(bytes this call may use, bytes of its live inputs). A byte budget covers the inputs too; "auto" is
-        what the device has free now, which already excludes them."""
+        """(bytes this call may use, bytes alive around it). A byte budget covers the model's inputs and what the
+        model allocated before this call (on CUDA, read from the allocator since the outermost call began; on CPU,
+        which has no such counter, the call's own inputs); "auto" is what the device has free now."""
         live = _live_bytes(args, kwargs)
+        if device is not None and device.type == "cuda" and _ROOT.depth:
+            live = max(live, torch.cuda.memory_allocated(device) - _ROOT.base + _ROOT.inputs)
         budget = self.options.budget
         if budget is None:
             return None, live
@@ -387,6 +427,12 @@ class StreamHandle:
 
     def remove(self) -> None:
         """Restore the stock forwards (the same function objects as before ``apply``)."""
+        if self._root_previous is not None:
+            if self._root_previous is _MISSING:
+                self.root.__dict__.pop("forward", None)
+            else:
+                self.root.forward = self._root_previous
+            self._root_previous = None
         for entry in self.installed.values():
             if entry.previous is _MISSING:
                 entry.module.__dict__.pop("forward", None)
@@ -478,6 +524,8 @@ def apply(module: nn.Module, budget: int | str | None = None, chunk_tokens: int 
     try:
         for name, spec in specs.items():
             handle._install(name, spec)
+        if specs and "" not in specs:
+            handle._track_root()
     except BaseException:
         handle.remove()
         raise

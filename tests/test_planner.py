@@ -28,14 +28,30 @@ def llama_case():
     return model, ids, ref, stock
 
 
-@pytest.mark.parametrize("fraction", [0.7, 0.5])
+@pytest.fixture(scope="module")
+def wan_case():
+    from diffusers import WanTransformer3DModel
+    torch.manual_seed(0)
+    model = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=64, in_channels=4,
+                                  out_channels=4, text_dim=64, freq_dim=64, ffn_dim=1024, num_layers=2,
+                                  rope_max_seq_len=1024).eval()
+    args = (torch.randn(1, 4, 4, 64, 64), torch.tensor([500]), torch.randn(1, 32, 64))   # 4096 tokens
+    with torch.no_grad():
+        ref, stock = streamplan.measure_peak(lambda: model(*args).sample)
+    return model, args, ref, stock
+
+
+@pytest.mark.parametrize("fraction", [0.8, 0.6, 0.4])
 @torch.no_grad()
-def test_a_budget_between_floor_and_stock_is_kept_and_predicted(llama_case, fraction):
-    model, ids, ref, stock = llama_case
+def test_a_budget_between_floor_and_stock_is_kept_and_predicted(wan_case, fraction):
+    """A whole diffusers Wan model (its forward streamed by streamplan, so everything it holds is seen by the
+    plans). On CPU there is no allocator counter: memory a model's own forward keeps outside the streamed modules'
+    arguments (transformers' LlamaModel keeps its input embeddings) is seen on CUDA only."""
+    model, args, ref, stock = wan_case
     budget = int(stock * fraction)
     handle = streamplan.apply(model, budget=budget)
     try:
-        out, peak = streamplan.measure_peak(lambda: model(ids).last_hidden_state)
+        out, peak = streamplan.measure_peak(lambda: model(*args).sample)
         assert rel_err(out, ref) <= 1e-5
         assert peak <= budget, (peak / MiB, budget / MiB)
         predicted = handle.predicted_peak()

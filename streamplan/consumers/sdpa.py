@@ -1,4 +1,10 @@
-"""PyTorch ``scaled_dot_product_attention`` as the baseline consumer: bounded Q, offset causal, GQA, masks."""
+"""PyTorch ``scaled_dot_product_attention`` as the baseline consumer: bounded Q, offset causal, GQA, masks.
+
+A causal chunk of query rows [a, a+c) sees keys [0, a) whole and keys [a, a+c) causally. Where PyTorch's fused
+kernels return their log-sum-exp (cuDNN and flash on CUDA, flash on CPU), the two parts run as two fused calls,
+each on the fast path stock uses, and are merged exactly by their log-sum-exps; no [c, keys] mask is built.
+Elsewhere a lower-right causal mask is used.
+"""
 from __future__ import annotations
 
 import torch
@@ -13,6 +19,54 @@ def _causal_rows(rows: int, keys: int, offset: int, device: torch.device) -> tor
     return torch.arange(keys, device=device) <= q
 
 
+def _fused_with_lse(q, k, v, causal: bool, scale):
+    """(output, log-sum-exp [B, H, rows]) from a fused kernel, or None where none is available for these inputs."""
+    try:
+        if q.device.type == "cuda":
+            cudnn = getattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention", None)
+            if cudnn is not None:
+                try:
+                    out = cudnn(q, k, v, None, True, 0.0, causal, False, scale=scale)
+                    return out[0], out[1].reshape(q.shape[:3])
+                except RuntimeError:
+                    pass
+            out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+            return out[0], out[1].reshape(q.shape[:3])
+        if q.device.type == "cpu":
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+            return out, lse.reshape(q.shape[:3])
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return None
+    return None
+
+
+def _grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """[B, H, c, D] -> [B, Hkv, rep*c, D]: the query heads sharing a K/V head become rows of one call (exact when
+    no mask depends on the row)."""
+    B, H, c, D = q.shape
+    return q.reshape(B, kv_heads, (H // kv_heads) * c, D)
+
+
+def _causal_by_parts(q, k, v, q_offset: int, scale):
+    """Exact causal attention of a chunk, as keys [0, offset) whole plus the causal diagonal block, merged by LSE."""
+    B, H, c, D = q.shape
+    Hkv = k.shape[1]
+    rep = H // Hkv
+    k_diag, v_diag = k[..., q_offset:q_offset + c, :], v[..., q_offset:q_offset + c, :]
+    if rep > 1:
+        k_diag, v_diag = k_diag.repeat_interleave(rep, dim=1), v_diag.repeat_interleave(rep, dim=1)
+    diag = _fused_with_lse(q, k_diag, v_diag, True, scale)
+    past = _fused_with_lse(_grouped(q, Hkv) if rep > 1 else q, k[..., :q_offset, :], v[..., :q_offset, :], False,
+                           scale)
+    if diag is None or past is None:
+        return None
+    (o2, lse2), (o1, lse1) = diag, past
+    o1, lse1 = o1.reshape(B, H, c, D), lse1.reshape(B, H, c)
+    lse = torch.logaddexp(lse1, lse2)
+    w1, w2 = (lse1 - lse).exp().unsqueeze(-1), (lse2 - lse).exp().unsqueeze(-1)
+    return (o1.float() * w1 + o2.float() * w2).to(q.dtype)
+
+
 class SDPAConsumer:
     name = "sdpa"
 
@@ -22,6 +76,10 @@ class SDPAConsumer:
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_offset: int, causal: bool,
                mask: torch.Tensor | None, scale: float | None) -> torch.Tensor:
         gqa = q.shape[1] != k.shape[1]
+        if causal and mask is None and q_offset > 0:
+            out = _causal_by_parts(q, k, v, q_offset, scale)
+            if out is not None:
+                return out
         if gqa and not _HAS_GQA:  # torch < 2.5: expand K/V heads (costs memory; newer torch does not)
             rep = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
@@ -31,6 +89,8 @@ class SDPAConsumer:
             rows = q.shape[-2]
             keys = q_offset + rows        # later keys are all masked for this chunk: leave them out
             k, v = k[..., :keys, :], v[..., :keys, :]
+            if mask is None and q_offset == 0:   # the first chunk: a square causal block, stock's own call
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, **kw)
             if mask is None and q.device.type == "cuda":
                 from torch.nn.attention.bias import causal_lower_right
                 return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(rows, keys),
