@@ -242,3 +242,38 @@ def to_markdown(rows: list[Row]) -> str:
 
 def as_dicts(rows: list[Row]) -> list[dict]:
     return [asdict(r) for r in rows]
+
+
+def plot(rows: list[dict], path: str) -> None:
+    """KB/token and time against stock by token count, one column per family, the floor drawn (needs matplotlib)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    families = list(dict.fromkeys(r["family"] for r in rows))
+    modes = [m for m in dict.fromkeys(r["mode"] for r in rows) if "expandable" not in m and m != "forward-chunking"]
+    fig, axes = plt.subplots(2, len(families), figsize=(3.2 * len(families), 6), squeeze=False)
+    for col, fam in enumerate(families):
+        fr = [r for r in rows if r["family"] == fam]
+        top, bottom = axes[0][col], axes[1][col]
+        for mode in modes:
+            pts = sorted((r["tokens"], r["kb_per_token"], r["time_ratio"]) for r in fr
+                         if r["mode"] == mode and r["kb_per_token"] is not None)
+            if pts:
+                top.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=mode)
+                bottom.plot([p[0] for p in pts], [p[2] for p in pts], marker="o", label=mode)
+        top.axhline(fr[0]["floor_kb"], color="black", linestyle="--", label="floor (residual+K+V)")
+        bottom.axhline(1.0, color="black", linestyle="--")
+        top.set_title(fam, fontsize=8)
+        for ax in (top, bottom):
+            ax.set_xscale("log", base=2)
+            ax.tick_params(labelsize=7)
+        top.set_ylim(bottom=0)
+        if col == 0:
+            top.set_ylabel("peak KB/token")
+            bottom.set_ylabel("time vs stock")
+        bottom.set_xlabel("tokens", fontsize=8)
+    axes[0][0].legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
