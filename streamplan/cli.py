@@ -63,6 +63,43 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    import json
+    import os
+
+    if not torch.cuda.is_available():
+        print("streamplan bench measures with the CUDA allocator and CUDA events: it needs a CUDA GPU "
+              "(use `streamplan plan` to see plans without one)", file=sys.stderr)
+        return 2
+    from .bench import CASES, as_dicts, header, plot, run_case, to_markdown
+
+    cases = args.cases.split(",")
+    unknown = [c for c in cases if c not in CASES]
+    if unknown:
+        print(f"unknown case(s) {unknown}; choose from {', '.join(CASES)}", file=sys.stderr)
+        return 2
+    tokens = [int(t) for t in args.tokens.split(",")]
+    modes = args.modes.split(",")
+    rows = []
+    total = len(cases) * len(tokens) * len(modes)
+    print(to_markdown([]), flush=True)
+    for name in cases:
+        for row in run_case(CASES[name](), tokens, modes, args.repeats):
+            rows.append(row)
+            print(f"{to_markdown([row]).splitlines()[-1]}   [{len(rows)}/{total}]", flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "bench.json"), "w") as f:
+        json.dump({**header(), "rows": as_dicts(rows)}, f, indent=1)
+    with open(os.path.join(args.out, "bench.md"), "w") as f:
+        f.write(to_markdown(rows) + "\n")
+    try:
+        plot(as_dicts(rows), os.path.join(args.out, "bench.png"))
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install 'streamplan[bench]')", file=sys.stderr)
+    print(f"results in {args.out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="streamplan", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log planning decisions")
@@ -82,10 +119,18 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     plan.add_argument("--chunk-tokens", type=int, default=None)
     plan.add_argument("--json", action="store_true", help="the plans as JSON")
+    bench = sub.add_parser("bench", help="stock, peers and streamplan on your GPU (JSON, Markdown, plot)")
+    bench.add_argument("--cases", default="wan-14b-block,flux-single-block",
+                       help="comma-separated: wan-14b-block, flux-double-block, flux-single-block, llama3-8b-layer, "
+                            "wan-14b-model-2-layers, llama3-8b-model-2-layers")
+    bench.add_argument("--tokens", default="32768,65536,131072")
+    bench.add_argument("--modes", default="stock,naive-chunked-ffn,streamplan-4096,streamplan-16384")
+    bench.add_argument("--repeats", type=int, default=3)
+    bench.add_argument("--out", default="streamplan-bench")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     try:
-        return {"demo": _demo, "plan": _plan}[args.command](args)
+        return {"demo": _demo, "plan": _plan, "bench": _bench}[args.command](args)
     except ValueError as exc:  # BudgetError included: the smallest reachable peak is in its message
         print(f"streamplan: {exc}", file=sys.stderr)
         return 2

@@ -40,3 +40,11 @@ def test_demo_with_a_budget(capsys):
     assert main(["demo", "--case", "wan-ffn", "--budget", "100MiB"]) == 0
     out = capsys.readouterr().out
     assert "budget: 100.00 MiB" in out and "streamed peak" in out
+
+
+def test_bench_needs_a_gpu_and_says_so(capsys):
+    import torch
+    if torch.cuda.is_available():
+        return
+    assert main(["bench"]) == 2
+    assert "CUDA" in capsys.readouterr().err
