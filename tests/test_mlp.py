@@ -73,6 +73,9 @@ def test_whole_model_streams_every_mlp_and_reports():
     text = handle.report()
     assert "\n  0 " in text and "L1 rows=100 chunk=16" in text
     assert handle.to_json()
+    assert "forward" in model.__dict__            # the root's forward is tracked while applied ...
+    handle.remove()
+    assert all("forward" not in m.__dict__ for m in model.modules())   # ... and every forward is back
 
 
 def test_variants_left_stock_are_named():
