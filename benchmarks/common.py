@@ -4,30 +4,16 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import statistics
 from typing import Any, Callable
 
 import torch
+
+from streamplan.bench import cuda_time  # noqa: F401  (the suite's timing, shared)
 
 
 def device_info() -> dict:
     return {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             "torch": torch.__version__, "date": datetime.date.today().isoformat()}
-
-
-def cuda_time(fn: Callable[[], Any], repeats: int = 5, warmup: int = 1) -> float:
-    """Median seconds of ``fn`` over ``repeats`` runs after ``warmup`` runs."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1000)
-    return statistics.median(times)
 
 
 def cuda_peak(fn: Callable[[], Any]) -> tuple[Any, int]:

@@ -292,18 +292,26 @@ class StreamHandle:
             self._note(entry, f"ran stock: {why}")
         return bool(why)
 
-    def _run_block(self, entry: Installed, args: tuple, kwargs: dict) -> Any:
-        spec: BlockSpec = entry.spec
-        consumer = self._attention_ready(entry, spec.attention, args, kwargs)
+    def _bind(self, entry: Installed, attn: AttentionSpec, args: tuple, kwargs: dict):
+        """(consumer, the call taken apart) when this call can stream, else None after noting why it runs stock."""
+        consumer = self._attention_ready(entry, attn, args, kwargs)
         if consumer is None:
-            return entry.stock(*args, **kwargs)
-        call = spec.bind(args, kwargs)
+            return None
+        call = entry.spec.bind(args, kwargs)
         if isinstance(call, str):
             self._note(entry, f"ran stock: {call}")
+            return None
+        if self._unsupported(entry, consumer, call.attention if isinstance(call, BlockCall) else call):
+            return None
+        return consumer, call
+
+    def _run_block(self, entry: Installed, args: tuple, kwargs: dict) -> Any:
+        spec: BlockSpec = entry.spec
+        bound = self._bind(entry, spec.attention, args, kwargs)
+        if bound is None:
             return entry.stock(*args, **kwargs)
+        consumer, call = bound
         att = call.attention
-        if self._unsupported(entry, consumer, att):
-            return entry.stock(*args, **kwargs)
         o = self.options
         dims = _attention_dims(spec.attention, att)
         in_place = tuple(donated(s.x) for s in call.streams)
@@ -393,15 +401,10 @@ class StreamHandle:
 
     def _run_attention(self, entry: Installed, args: tuple, kwargs: dict) -> Any:
         spec: AttentionSpec = entry.spec
-        consumer = self._attention_ready(entry, spec, args, kwargs)
-        if consumer is None:
+        bound = self._bind(entry, spec, args, kwargs)
+        if bound is None:
             return entry.stock(*args, **kwargs)
-        call = spec.bind(args, kwargs)
-        if isinstance(call, str):
-            self._note(entry, f"ran stock: {call}")
-            return entry.stock(*args, **kwargs)
-        if self._unsupported(entry, consumer, call):
-            return entry.stock(*args, **kwargs)
+        consumer, call = bound
         o = self.options
         dims = _attention_dims(spec, call)
         device = call.segments[0].source.device

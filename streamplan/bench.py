@@ -127,8 +127,10 @@ def _measure(fn: Callable[[], Any]) -> tuple[Any, int, int]:
     return out, torch.cuda.max_memory_allocated() - base, torch.cuda.max_memory_reserved() - base_reserved
 
 
-def _time(fn: Callable[[], Any], repeats: int) -> float:
-    fn()
+def cuda_time(fn: Callable[[], Any], repeats: int = 3, warmup: int = 1) -> float:
+    """Median seconds of ``fn`` (CUDA events) over ``repeats`` runs after ``warmup`` runs."""
+    for _ in range(warmup):
+        fn()
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -174,7 +176,7 @@ def run_case(case: Case, tokens_list: list[int], modes: list[str], repeats: int 
         with torch.inference_mode():
             ref, peak, reserved = _measure(lambda: case.call(model, args))
             ref = _first_tensor(ref).float()
-            stock_t = _time(lambda: case.call(model, args), repeats)
+            stock_t = cuda_time(lambda: case.call(model, args), repeats)
             with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
                 noise = compare_outputs(_first_tensor(case.call(model, args)), ref)["output"]["rel"]
             if "stock" in modes:
@@ -203,7 +205,7 @@ def run_case(case: Case, tokens_list: list[int], modes: list[str], repeats: int 
                     out, peak, reserved = _measure(lambda: case.call(model, args))
                     diff = compare_outputs(_first_tensor(out), ref)["output"]["rel"]
                     del out
-                    t = _time(lambda: case.call(model, args), repeats)
+                    t = cuda_time(lambda: case.call(model, args), repeats)
                     tiers = ""
                     if handle is not None:
                         plans = [p for ps in handle.plans.values() for p in ps if not p.note]

@@ -11,14 +11,17 @@ def _source_rows(i: int, seg, a: int, b: int) -> torch.Tensor:
     return seg.source[:, a:b]
 
 
-def build_kv(call: AttentionCall, chunk: int, rows_of=_source_rows) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V as [B, Nk, Hkv, D], written chunk by chunk into whole-sequence buffers.
+def build_kv(call: AttentionCall, chunk: int, rows_of=_source_rows,
+             heads: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V as [B, Nk, Hkv, D] (or only K/V heads ``heads`` = (g0, g1)), written chunk by chunk into
+    whole-sequence buffers.
 
     ``rows_of(i, segment, a, b)`` gives the attention input rows of segment i (a streamed block passes its prefix).
     """
     if call.kv_whole is not None:
         return call.kv_whole()
-    shape = (call.batch, call.rows, call.kv_heads, call.head_dim)
+    g0, g1 = heads or (0, call.kv_heads)
+    shape = (call.batch, call.rows, g1 - g0, call.head_dim)
     buffers: list[torch.Tensor] = []
     start = 0
     for i, seg in enumerate(call.segments):
@@ -26,8 +29,8 @@ def build_kv(call: AttentionCall, chunk: int, rows_of=_source_rows) -> tuple[tor
             k, v = seg.kv(rows_of(i, seg, a, b), a, b)
             if not buffers:
                 buffers.extend((k.new_empty(shape), v.new_empty(shape)))
-            buffers[0][:, start + a:start + b] = k
-            buffers[1][:, start + a:start + b] = v
+            buffers[0][:, start + a:start + b] = k[:, :, g0:g1]
+            buffers[1][:, start + a:start + b] = v[:, :, g0:g1]
 
         for_chunks(seg.rows, chunk, work)
         start += seg.rows
@@ -77,20 +80,7 @@ def head_grouped_outputs(call: AttentionCall, consumer, chunk: int, groups: int,
     for g in range(groups):
         g0, g1 = g * per_kv, (g + 1) * per_kv
         h0, h1 = g0 * rep, g1 * rep
-        shape = (call.batch, call.rows, g1 - g0, D)
-        kv: list[torch.Tensor] = []
-        start = 0
-        for i, seg in enumerate(call.segments):
-            def kv_work(a: int, b: int, i=i, seg=seg, start=start) -> None:
-                k, v = seg.kv(rows_of(i, seg, a, b), a, b)
-                if not kv:
-                    kv.extend((k.new_empty(shape), v.new_empty(shape)))
-                kv[0][:, start + a:start + b] = k[:, :, g0:g1]
-                kv[1][:, start + a:start + b] = v[:, :, g0:g1]
-
-            for_chunks(seg.rows, chunk, kv_work)
-            start += seg.rows
-        k_g, v_g = kv[0].transpose(1, 2), kv[1].transpose(1, 2)
+        k_g, v_g = (t.transpose(1, 2) for t in build_kv(call, chunk, rows_of, (g0, g1)))
         start = 0
         for i, seg in enumerate(call.segments):
             def q_work(a: int, b: int, i=i, seg=seg, start=start) -> None:
@@ -103,7 +93,7 @@ def head_grouped_outputs(call: AttentionCall, consumer, chunk: int, groups: int,
 
             for_chunks(seg.rows, chunk, q_work)
             start += seg.rows
-        del kv, k_g, v_g
+        del k_g, v_g
     return outs
 
 

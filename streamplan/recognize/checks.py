@@ -91,3 +91,21 @@ def elementwise(act: object) -> Activation | None:
             torch.sigmoid):
         return act
     return None
+
+
+def call_args(names: tuple[str, ...], args: tuple, kwargs: dict, *, aliases: dict[str, str] | None = None,
+              extra: bool = False) -> dict | str:
+    """A forward's arguments by name (``aliases`` renames deprecated keywords), or why they cannot be read.
+    Unknown keywords are an error unless ``extra`` (then the caller judges them)."""
+    if len(args) > len(names):
+        return "more positional arguments than the forward takes"
+    call = dict(zip(names, args))
+    for k, v in kwargs.items():
+        k = (aliases or {}).get(k, k)
+        if k in call:
+            return f"argument {k} given twice"
+        call[k] = v
+    unknown = set(call) - set(names)
+    if unknown and not extra:
+        return f"unexpected arguments {sorted(unknown)}"
+    return call

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from ..ir import AttentionCall, AttentionSpec, Segment, Skip
-from .checks import stock_problem
+from .checks import call_args, stock_problem
 from .rows import fused_parts, rows_of
 
 
@@ -44,15 +44,9 @@ def _bind_attention(attn, args: tuple, kwargs: dict) -> AttentionCall | str:
     from diffusers.models.attention_processor import AttnProcessor2_0
     if type(attn.processor) is not AttnProcessor2_0:
         return f"processor {type(attn.processor).__name__} is not one streamplan knows"
-    names = ("hidden_states", "encoder_hidden_states", "attention_mask")
-    call = dict(zip(names, args))
-    for k, v in kwargs.items():
-        if k in call:
-            return "argument given twice"
-        call[k] = v
-    extra = set(call) - set(names) - {"temb"}
-    if extra:
-        return f"unexpected arguments {sorted(extra)}"
+    call = call_args(("hidden_states", "encoder_hidden_states", "attention_mask", "temb"), args, kwargs)
+    if isinstance(call, str):
+        return call
     x = call["hidden_states"]
     enc = call.get("encoder_hidden_states")
     mask = call.get("attention_mask")
@@ -143,18 +137,6 @@ def _wan_rotary(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return out.type_as(t)
 
 
-def _call_args(names: tuple[str, ...], args: tuple, kwargs: dict) -> dict | str:
-    call = dict(zip(names, args))
-    if len(args) > len(names):
-        return "more positional arguments than the forward takes"
-    for k, v in kwargs.items():
-        if k in call:
-            return f"argument {k} given twice"
-        call[k] = v
-    extra = set(call) - set(names)
-    if extra:
-        return f"unexpected arguments {sorted(extra)}"
-    return call
 
 
 def _bind_wan(attn, args: tuple, kwargs: dict) -> AttentionCall | str:
@@ -163,7 +145,7 @@ def _bind_wan(attn, args: tuple, kwargs: dict) -> AttentionCall | str:
         return f"processor {type(attn.processor).__name__} is not one streamplan knows"
     if getattr(attn.processor, "_parallel_config", None) is not None:
         return "context parallelism is configured"
-    call = _call_args(("hidden_states", "encoder_hidden_states", "attention_mask", "rotary_emb"), args, kwargs)
+    call = call_args(("hidden_states", "encoder_hidden_states", "attention_mask", "rotary_emb"), args, kwargs)
     if isinstance(call, str):
         return call
     x, enc, mask, rotary = (call.get(k) for k in ("hidden_states", "encoder_hidden_states", "attention_mask",
@@ -220,18 +202,24 @@ def _bind_wan(attn, args: tuple, kwargs: dict) -> AttentionCall | str:
                          kv_whole=(lambda: kv_of(enc, 0, enc.shape[1])) if cross else None)
 
 
+def _known_attention(name: str, module: nn.Module, module_path: str, cls: str, processor: str):
+    """(the library module, None) for an untouched ``cls`` running ``processor``; (None, Skip) when it is that class
+    but not safe; None when it is not that class."""
+    mod = sys.modules.get(module_path)
+    if mod is None or type(module) is not getattr(mod, cls, None):
+        return None
+    problem = stock_problem(module, getattr(mod, cls).forward)
+    if problem is None and type(module.processor) is not getattr(mod, processor):
+        problem = f"processor {type(module.processor).__name__} is not one streamplan knows"
+    return (None, Skip(name, type(module).__name__, problem)) if problem else (mod, None)
+
+
 def recognize_wan_attention(name: str, module: nn.Module) -> AttentionSpec | Skip | None:
-    if "diffusers" not in sys.modules:
-        return None
-    mod = sys.modules.get("diffusers.models.transformers.transformer_wan")
-    if mod is None or type(module) is not getattr(mod, "WanAttention", None):
-        return None
+    known = _known_attention(name, module, "diffusers.models.transformers.transformer_wan", "WanAttention",
+                             "WanAttnProcessor")
+    if known is None or known[1] is not None:
+        return known and known[1]
     skip = lambda why: Skip(name, type(module).__name__, why)  # noqa: E731
-    problem = stock_problem(module, mod.WanAttention.forward)
-    if problem:
-        return skip(problem)
-    if type(module.processor) is not mod.WanAttnProcessor:
-        return skip(f"processor {type(module.processor).__name__} is not one streamplan knows")
     if module.add_k_proj is not None:
         return skip("image-context (I2V) cross-attention is not handled yet")
     H = module.heads
@@ -322,7 +310,7 @@ def _bind_flux(attn, args: tuple, kwargs: dict) -> AttentionCall | str:
     problem = flux_processor_problem(attn)
     if problem:
         return problem
-    call = _call_args(("hidden_states", "encoder_hidden_states", "attention_mask", "image_rotary_emb"), args,
+    call = call_args(("hidden_states", "encoder_hidden_states", "attention_mask", "image_rotary_emb"), args,
                       kwargs)
     if isinstance(call, str):
         return call
@@ -340,17 +328,10 @@ def _bind_flux(attn, args: tuple, kwargs: dict) -> AttentionCall | str:
 
 
 def recognize_flux_attention(name: str, module: nn.Module) -> AttentionSpec | Skip | None:
-    if "diffusers" not in sys.modules:
-        return None
-    mod = sys.modules.get("diffusers.models.transformers.transformer_flux")
-    if mod is None or type(module) is not getattr(mod, "FluxAttention", None):
-        return None
-    skip = lambda why: Skip(name, type(module).__name__, why)  # noqa: E731
-    problem = stock_problem(module, mod.FluxAttention.forward)
-    if problem:
-        return skip(problem)
-    if type(module.processor) is not mod.FluxAttnProcessor:
-        return skip(f"processor {type(module.processor).__name__} is not one streamplan knows")
+    known = _known_attention(name, module, "diffusers.models.transformers.transformer_flux", "FluxAttention",
+                             "FluxAttnProcessor")
+    if known is None or known[1] is not None:
+        return known and known[1]
     D = module.head_dim
     return AttentionSpec(module=module, label="diffusers.FluxAttention[FluxAttnProcessor]", heads=module.heads,
                          kv_heads=module.heads, head_dim=D, dim_out=module.out_dim, cross=False,

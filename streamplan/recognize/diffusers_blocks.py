@@ -15,7 +15,8 @@ from ..executors.attention import attend_rows
 from ..executors.mlp import MLPRunner
 from ..ir import AttentionSpec, BlockCall, BlockSpec, MLPSpec, Skip, Stream
 from .checks import stock_problem
-from .diffusers_attention import (_bind_wan, _call_args, flux_attention_call, flux_processor_problem,
+from .checks import call_args
+from .diffusers_attention import (_bind_wan, flux_attention_call, flux_processor_problem,
                                   recognize_flux_attention, recognize_wan_attention)
 from .diffusers_mlp import recognize_feedforward
 
@@ -46,7 +47,7 @@ def _fp16_clip(t: torch.Tensor) -> torch.Tensor:
 
 # --------------------------------------------------------------------------------------------------------- Wan
 def _bind_wan_block(block, mlp: MLPRunner, args: tuple, kwargs: dict) -> BlockCall | str:
-    call = _call_args(("hidden_states", "encoder_hidden_states", "temb", "rotary_emb"), args, kwargs)
+    call = call_args(("hidden_states", "encoder_hidden_states", "temb", "rotary_emb"), args, kwargs)
     if isinstance(call, str):
         return call
     x, enc, temb, rotary = (call.get(k) for k in ("hidden_states", "encoder_hidden_states", "temb", "rotary_emb"))
@@ -121,8 +122,9 @@ def recognize_wan_block(name: str, module: nn.Module) -> BlockSpec | Skip | None
 _FLUX_ARGS = ("hidden_states", "encoder_hidden_states", "temb", "image_rotary_emb", "joint_attention_kwargs")
 
 
-def _flux_args(args: tuple, kwargs: dict):
-    call = _call_args(_FLUX_ARGS, args, kwargs)
+def _flux_call(block, args: tuple, kwargs: dict, kinds: tuple[str, str], project_out: bool):
+    """(image rows, text rows, temb, the joint attention over [text, image]) of a Flux block call, or why not."""
+    call = call_args(_FLUX_ARGS, args, kwargs)
     if isinstance(call, str):
         return call
     if call.get("joint_attention_kwargs"):
@@ -130,21 +132,19 @@ def _flux_args(args: tuple, kwargs: dict):
     x, enc, temb = call.get("hidden_states"), call.get("encoder_hidden_states"), call.get("temb")
     if not all(isinstance(t, torch.Tensor) and t.dim() == 3 for t in (x, enc)) or temb is None:
         return "hidden_states/encoder_hidden_states are not [batch, tokens, dim] or temb is missing"
-    return x, enc, temb, call.get("image_rotary_emb")
-
-
-def _bind_flux_block(block, ff: MLPRunner, ff_ctx: MLPRunner, args: tuple, kwargs: dict) -> BlockCall | str:
-    parsed = _flux_args(args, kwargs)
-    if isinstance(parsed, str):
-        return parsed
-    x, enc, temb, rotary = parsed
     problem = flux_processor_problem(block.attn)
     if problem:
         return problem
-    att = flux_attention_call(block.attn, [(enc, "txt"), (x, "img")], rotary, None, project_out=True,
-                              dtype=x.dtype)
-    if isinstance(att, str):
-        return att
+    att = flux_attention_call(block.attn, [(enc, kinds[0]), (x, kinds[1])], call.get("image_rotary_emb"), None,
+                              project_out=project_out, dtype=x.dtype)
+    return att if isinstance(att, str) else (x, enc, temb, att)
+
+
+def _bind_flux_block(block, ff: MLPRunner, ff_ctx: MLPRunner, args: tuple, kwargs: dict) -> BlockCall | str:
+    parsed = _flux_call(block, args, kwargs, ("txt", "img"), project_out=True)
+    if isinstance(parsed, str):
+        return parsed
+    x, enc, temb, att = parsed
     # the modulation depends on temb alone: take it from one row
     _, gate_msa, shift_mlp, scale_mlp, gate_mlp = block.norm1(x[:, :1], emb=temb)
     _, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = block.norm1_context(enc[:, :1], emb=temb)
@@ -165,18 +165,11 @@ def _bind_flux_block(block, ff: MLPRunner, ff_ctx: MLPRunner, args: tuple, kwarg
 
 
 def _bind_flux_single(block, args: tuple, kwargs: dict) -> BlockCall | str:
-    parsed = _flux_args(args, kwargs)
+    # the joint sequence [text, image] is never concatenated: two streams share the same projections
+    parsed = _flux_call(block, args, kwargs, ("img", "img"), project_out=False)
     if isinstance(parsed, str):
         return parsed
-    x, enc, temb, rotary = parsed
-    problem = flux_processor_problem(block.attn)
-    if problem:
-        return problem
-    # the joint sequence [text, image] is never concatenated: two streams share the same projections
-    att = flux_attention_call(block.attn, [(enc, "img"), (x, "img")], rotary, None, project_out=False,
-                              dtype=x.dtype)
-    if isinstance(att, str):
-        return att
+    x, enc, temb, att = parsed
     gate = block.norm(x[:, :1], emb=temb)[1].unsqueeze(1)
 
     def prefix(r, a, b):

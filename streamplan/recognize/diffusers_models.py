@@ -9,7 +9,7 @@ from torch import nn
 from ..executors.block import donate
 from ..executors.chunks import for_chunks
 from ..ir import ModelSpec, Skip
-from .checks import stock_problem
+from .checks import call_args, stock_problem
 from .rows import rows_of
 
 _WAN_ARGS = ("hidden_states", "timestep", "encoder_hidden_states", "encoder_hidden_states_image", "return_dict",
@@ -17,13 +17,9 @@ _WAN_ARGS = ("hidden_states", "timestep", "encoder_hidden_states", "encoder_hidd
 
 
 def _wan_call(args: tuple, kwargs: dict) -> dict | str:
-    if len(args) > len(_WAN_ARGS):
-        return "more positional arguments than the forward takes"
-    call = dict(zip(_WAN_ARGS, args))
-    for k, v in kwargs.items():
-        if k in call or k not in _WAN_ARGS:
-            return f"argument {k} given twice or unknown"
-        call[k] = v
+    call = call_args(_WAN_ARGS, args, kwargs)
+    if isinstance(call, str):
+        return call
     if call.get("attention_kwargs"):
         return "attention_kwargs are given"
     return call

@@ -8,10 +8,11 @@ import torch
 from torch import nn
 
 from ..ir import AttentionCall, AttentionSpec, Segment, Skip
-from .checks import same_code, stock_problem
+from .checks import call_args, same_code, stock_problem
 
 # keyword arguments the Llama decoder layer passes that do not change the attention math under sdpa/eager
 _HARMLESS = {"position_ids", "cache_position", "use_cache"}
+CACHE_ALIAS = {"past_key_values": "cache"}   # the name transformers used before 5.x renamed it
 
 
 def _reference():
@@ -21,14 +22,9 @@ def _reference():
 
 def _bind_llama(attn, args: tuple, kwargs: dict) -> AttentionCall | str:
     names = ("hidden_states", "position_embeddings", "attention_mask", "cache")
-    if len(args) > len(names):
-        return "more positional arguments than the forward takes"
-    call = dict(zip(names, args))
-    for k, v in kwargs.items():
-        k = "cache" if k == "past_key_values" else k
-        if k in call:
-            return f"argument {k} given twice"
-        call[k] = v
+    call = call_args(names, args, kwargs, aliases=CACHE_ALIAS, extra=True)
+    if isinstance(call, str):
+        return call
     extra = {k for k in call if k not in names and k not in _HARMLESS}
     if call.get("output_attentions"):
         return "output_attentions asks for the attention weights"

@@ -8,22 +8,17 @@ from torch import nn
 
 from ..executors.mlp import MLPRunner
 from ..ir import AttentionSpec, BlockCall, BlockSpec, MLPSpec, Skip, Stream
-from .checks import same_code, stock_problem
-from .transformers_attention import _bind_llama, recognize_llama_attention
+from .checks import call_args, same_code, stock_problem
+from .transformers_attention import CACHE_ALIAS, _bind_llama, recognize_llama_attention
 from .transformers_mlp import recognize_gated_mlp
 
 _NAMES = ("hidden_states", "attention_mask", "position_ids", "cache", "use_cache", "position_embeddings")
 
 
 def _bind_layer(layer, mlp: MLPRunner, args: tuple, kwargs: dict) -> BlockCall | str:
-    if len(args) > len(_NAMES):
-        return "more positional arguments than the forward takes"
-    call = dict(zip(_NAMES, args))
-    for k, v in kwargs.items():
-        k = "cache" if k == "past_key_values" else k
-        if k in call:
-            return f"argument {k} given twice"
-        call[k] = v
+    call = call_args(_NAMES, args, kwargs, aliases=CACHE_ALIAS, extra=True)
+    if isinstance(call, str):
+        return call
     x = call.get("hidden_states")
     if not isinstance(x, torch.Tensor) or x.dim() != 3:
         return "hidden_states is not [batch, tokens, dim]"
