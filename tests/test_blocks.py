@@ -260,3 +260,17 @@ def test_final_norms_stream_per_chunk_with_their_fp32_promotion():
     handle = streamplan.apply(ada, chunk_tokens=64)
     assert rel_err(ada(x, emb), ref) <= 1e-6
     assert handle.plans[""][0].tier == "L1"
+
+
+@torch.no_grad()
+def test_generate_streams_the_prefill_and_gives_the_same_tokens():
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                      num_hidden_layers=2, vocab_size=100, attn_implementation="sdpa")
+    model = LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 100, (1, 90))
+    ref = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    handle = streamplan.apply(model, chunk_tokens=32)
+    out = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(out, ref)
+    layer = handle.installed["model.layers.0"]
+    assert any(p.tier == "L1" and p.rows == 90 for p in layer.plans.values()), handle.report()
