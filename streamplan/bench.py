@@ -58,6 +58,14 @@ def _first_tensor(out: Any) -> torch.Tensor:
     return _first_tensor(out.to_tuple())
 
 
+def _tensors(args: Any) -> list[torch.Tensor]:
+    if isinstance(args, torch.Tensor):
+        return [args]
+    if isinstance(args, (tuple, list)):
+        return [t for a in args for t in _tensors(a)]
+    return []
+
+
 def _block_case(name: str) -> Case:
     fam = FAMILIES[name]
     dtype = torch.bfloat16
@@ -161,8 +169,9 @@ class _NaiveChunkedFFN:
 
 
 def run_case(case: Case, tokens_list: list[int], modes: list[str], repeats: int = 3) -> Iterator[Row]:
-    """Yield one row per (tokens, mode). Modes: stock, naive-chunked-ffn, forward-chunking, streamplan-4096,
-    streamplan-16384, streamplan-24GiB (the planner given what a 24 GiB card leaves after the weights)."""
+    """Yield one row per (tokens, mode). Modes: stock, naive-chunked-ffn, forward-chunking, streamplan-<rows>
+    (forced chunk), streamplan-<N>GiB (the planner given what an N GiB card leaves after the weights),
+    streamplan-floor<x> (the planner given the inputs plus x times the floor)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     torch.manual_seed(0)
@@ -194,6 +203,11 @@ def run_case(case: Case, tokens_list: list[int], modes: list[str], repeats: int 
                 elif mode == "naive-chunked-ffn":
                     ctx, handle = _NaiveChunkedFFN(case.ffn(model), max(1, tokens // 4096)), None
                     ctx.__enter__()
+                elif mode.startswith("streamplan-floor"):
+                    # the planner held to a multiple of the floor (the budget covers the inputs too)
+                    factor = float(mode[len("streamplan-floor"):])
+                    inputs = sum(t.numel() * t.element_size() for t in _tensors(args))
+                    handle, ctx = apply(model, budget=int(inputs + factor * case.floor_bytes_per_token * tokens)), None
                 else:
                     size = mode.rsplit("-", 1)[1]
                     if size.endswith("GiB"):
