@@ -89,9 +89,12 @@ def _live_bytes(args: tuple, kwargs: dict) -> int:
 
     def visit(v, depth=0):
         if isinstance(v, torch.Tensor):
+            if v.device.type == "meta":   # no storage to share: each tensor counts for its own size
+                seen[id(v)] = v.numel() * v.element_size()
+                return
             try:
                 seen[v.untyped_storage().data_ptr()] = v.untyped_storage().nbytes()
-            except (RuntimeError, NotImplementedError):  # meta or other storage-less tensors
+            except (RuntimeError, NotImplementedError):  # other storage-less tensors
                 seen[id(v)] = v.numel() * v.element_size()
         elif depth < 2 and isinstance(v, (tuple, list)):
             for x in v:

@@ -26,7 +26,7 @@ def test_plan_prints_a_plan_without_running_anything(capsys):
 
 
 def test_plan_below_the_floor_says_what_dominates(capsys):
-    assert main(["plan", "--family", "llama3-8b-layer", "--tokens", "131072", "--budget", "1GiB"]) == 2
+    assert main(["plan", "--family", "llama3-8b-layer", "--tokens", "131072", "--budget", "2GiB"]) == 2
     err = capsys.readouterr().err
     assert "smallest peak" in err and "K and V" in err
 
@@ -49,3 +49,12 @@ def test_demo_with_a_budget(capsys):
 def test_bench_needs_a_gpu_and_says_so(capsys):
     assert main(["bench"]) == 2
     assert "CUDA" in capsys.readouterr().err
+
+
+def test_planning_on_meta_counts_the_inputs(capsys):
+    import json
+    assert main(["plan", "--family", "wan-14b-block", "--tokens", "65536", "--budget", "8GiB", "--json"]) == 0
+    (plan,) = json.loads(capsys.readouterr().out)["streamed"][""]["plans"]
+    x = 65536 * 5120 * 2
+    assert plan["live_bytes"] >= x            # the residual input alone
+    assert plan["live_bytes"] + plan["predicted_peak"] <= 8 * 2**30
