@@ -274,3 +274,12 @@ def test_generate_streams_the_prefill_and_gives_the_same_tokens():
     assert torch.equal(out, ref)
     layer = handle.installed["model.layers.0"]
     assert any(p.tier == "L1" and p.rows == 90 for p in layer.plans.values()), handle.report()
+
+
+def test_a_model_forward_streamplan_does_not_follow_stays_stock(monkeypatch):
+    from streamplan.recognize import diffusers_models
+    monkeypatch.setitem(diffusers_models.KNOWN_FORWARDS, "WanTransformer3DModel", {"0" * 16: "another version"})
+    model = _wan_model()
+    handle = streamplan.apply(model, chunk_tokens=16)
+    assert "" not in handle.installed and len(handle.installed) == 3     # the blocks still stream
+    assert "differs from the versions streamplan follows (another version)" in handle.report()

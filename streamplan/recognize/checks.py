@@ -109,3 +109,14 @@ def call_args(names: tuple[str, ...], args: tuple, kwargs: dict, *, aliases: dic
     if unknown and not extra:
         return f"unexpected arguments {sorted(unknown)}"
     return call
+
+
+def source_fingerprint(fn: Callable) -> str | None:
+    """A short hash of a function's source text (stable across Python versions, unlike its bytecode); None when the
+    source cannot be read."""
+    import hashlib
+    try:
+        text = inspect.getsource(inspect.unwrap(getattr(fn, "__func__", fn)))
+    except (OSError, TypeError):
+        return None
+    return hashlib.sha1(text.encode()).hexdigest()[:16]

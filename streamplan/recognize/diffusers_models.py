@@ -9,7 +9,7 @@ from torch import nn
 from ..executors.block import donate
 from ..executors.chunks import for_chunks
 from ..ir import ModelSpec, Skip
-from .checks import call_args, stock_problem
+from .checks import call_args, source_fingerprint, stock_problem
 from .rows import rows_of
 
 _WAN_ARGS = ("hidden_states", "timestep", "encoder_hidden_states", "encoder_hidden_states_image", "return_dict",
@@ -93,10 +93,22 @@ def _wan_can_stream(model, args: tuple, kwargs: dict) -> str | None:
     return None
 
 
+# The source of each model forward streamplan reimplements, by the library version it was written against. A model
+# whose forward differs (a newer diffusers) keeps its stock forward; its blocks still stream.
+KNOWN_FORWARDS = {
+    "WanTransformer3DModel": {"24661a03f570e853": "diffusers 0.42.1"},
+}
+
+
 def _own_forward_problem(module: nn.Module, cls: type) -> str | None:
-    """Only the model's own forward may be replaced: no subclass, patch or hook on the model itself."""
+    """Only the model's own forward may be replaced: no subclass, patch or hook on the model itself, and its source
+    exactly the one streamplan's copy follows."""
     if type(module).forward is not cls.forward:
         return f"{type(module).__name__}.forward is not the forward streamplan knows"
+    known = KNOWN_FORWARDS.get(cls.__name__, {})
+    if source_fingerprint(cls.forward) not in known:
+        return (f"{cls.__name__}.forward differs from the versions streamplan follows "
+                f"({', '.join(known.values()) or 'none'})")
     if module.training:
         return "in training mode (streamplan is for inference: call .eval())"
     if "forward" in module.__dict__:
