@@ -283,3 +283,22 @@ def test_a_model_forward_streamplan_does_not_follow_stays_stock(monkeypatch):
     handle = streamplan.apply(model, chunk_tokens=16)
     assert "" not in handle.installed and len(handle.installed) == 3     # the blocks still stream
     assert "differs from the versions streamplan follows (another version)" in handle.report()
+
+
+@torch.no_grad()
+def test_composes_with_model_cpu_offload():
+    """diffusers' enable_model_cpu_offload puts an accelerate hook on the transformer itself: the hook keeps moving
+    weights, the model forward stays stock (named), its blocks stream, and remove() gives the hook back."""
+    from accelerate import cpu_offload_with_hook
+    model = _wan_model()
+    x, t, enc = torch.randn(1, 4, 3, 8, 10), torch.tensor([10]), torch.randn(1, 7, 32)
+    ref = model(x, t, enc).sample
+    model, _ = cpu_offload_with_hook(model, execution_device="cpu")
+    hooked = model.__dict__["forward"]
+    handle = streamplan.apply(model, chunk_tokens=16)
+    out = model(x, t, enc).sample
+    assert rel_err(out, ref) <= 1e-5
+    assert {n for n in handle.installed} == {"blocks.0", "blocks.1", "blocks.2"}
+    assert "accelerate hook" in handle.report()
+    handle.remove()
+    assert model.__dict__["forward"] is hooked

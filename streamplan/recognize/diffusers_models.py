@@ -112,6 +112,10 @@ def _own_forward_problem(module: nn.Module, cls: type) -> str | None:
     if module.training:
         return "in training mode (streamplan is for inference: call .eval())"
     if "forward" in module.__dict__:
+        hook = getattr(module, "_hf_hook", None)
+        if hook is not None:
+            return (f"the model's forward is wrapped by an accelerate hook ({type(hook).__name__}, e.g. "
+                    "enable_model_cpu_offload); its blocks still stream")
         return "the model's forward is patched"
     if module._forward_hooks or module._forward_pre_hooks:
         return "the model has forward hooks streamplan does not know"
