@@ -498,13 +498,14 @@ class StreamHandle:
         return f"<StreamHandle {len(self.installed)} streamed, {len(self.skipped)} left stock>"
 
 
-def apply(module: nn.Module, budget: int | str | None = None, chunk_tokens: int | None = None, *,
+def apply(module: nn.Module, budget: int | str | None = "auto", chunk_tokens: int | None = None, *,
           ffn_slice: int | None = None, head_groups: int | None = None, reserve: int | str = DEFAULT_RESERVE,
           self_check: bool = False) -> StreamHandle:
     """Stream every recognised structure inside ``module`` in place; returns a handle to report and undo.
 
-    ``budget`` (bytes, ``"12GiB"``, ``"auto"``) lets the planner pick tiers and chunks; ``chunk_tokens`` forces
-    row streaming at that chunk; ``ffn_slice`` forces feature-sliced MLPs with that many hidden features per slice;
+    ``budget`` (bytes, ``"12GiB"``, or ``"auto"``: the device's free memory when an operation is first planned) lets
+    the planner pick tiers and chunks, keeping stock wherever stock fits; ``budget=None`` streams every input longer
+    than a fixed default chunk instead. ``chunk_tokens`` forces row streaming at that chunk; ``ffn_slice`` forces feature-sliced MLPs with that many hidden features per slice;
     ``head_groups`` forces head-grouped K/V (L3) with the K/V heads split into that many groups.
     ``reserve`` is kept free under ``budget="auto"``. ``self_check`` runs the first streamed call stock as well and
     logs (and reports) the difference.

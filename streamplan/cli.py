@@ -109,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--tokens", type=int, default=None)
     demo.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     demo.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
-    demo.add_argument("--budget", default=None, help="bytes, '12GiB', '900MB' or 'auto'")
+    demo.add_argument("--budget", default=None, help="bytes, '12GiB', '900MB' or 'auto' (default: fixed chunks, so "
+                      "that the demo streams)")
     demo.add_argument("--chunk-tokens", type=int, default=None)
     demo.add_argument("--ffn-slice", type=int, default=None)
     plan = sub.add_parser("plan", help="print the plan for a model family at a token count and budget (runs nothing)")

@@ -40,7 +40,8 @@ def compare_outputs(streamed: Any, stock: Any) -> dict[str, dict[str, float]]:
 def verify(model: nn.Module, *args: Any, **kwargs: Any) -> dict[str, dict[str, float]]:
     """Run ``model`` streamed and stock on the same input; returns ``{output: {"max_abs", "rel"}}``.
 
-    If streamplan is not applied to ``model``, it is applied with defaults for this call and removed after.
+    If streamplan is not applied to ``model``, it is applied for this call (fixed default chunks, so that inputs
+    longer than a chunk do stream) and removed after.
     """
     from .api import apply, bypass
     from .recognize.checks import STREAMED_MARK
@@ -48,7 +49,7 @@ def verify(model: nn.Module, *args: Any, **kwargs: Any) -> dict[str, dict[str, f
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     streamed_already = any(getattr(m.__dict__.get("forward"), STREAMED_MARK, False) for m in model.modules())
-    handle = None if streamed_already else apply(model)
+    handle = None if streamed_already else apply(model, budget=None)
     try:
         with torch.inference_mode():
             out = model(*args, **kwargs)

@@ -208,3 +208,14 @@ def test_the_ladder_climbs_to_head_grouped_kv_when_whole_kv_does_not_fit():
     assert rel_err(out, ref) <= 1e-5
     assert peak <= budget - live
     assert abs(plan.predicted_peak - peak) <= 0.10 * peak, (plan.predicted_peak / MiB, peak / MiB)
+
+
+@torch.no_grad()
+def test_the_default_is_the_auto_budget_and_costs_nothing_when_stock_fits():
+    model = _llama(layers=1)
+    ids = torch.randint(0, 100, (1, 300))
+    ref = model(ids).last_hidden_state
+    handle = streamplan.apply(model)
+    assert handle.options.budget == "auto"
+    assert torch.equal(model(ids).last_hidden_state, ref)
+    assert all(p.tier == "L0" for plans in handle.plans.values() for p in plans)
