@@ -57,7 +57,8 @@ def _bind_llama(attn, args: tuple, kwargs: dict) -> AttentionCall | str:
     def rotate(t, a, b):  # t [B, rows, heads, D] -> same, rotated with the rows' own positions
         t = t.transpose(1, 2)
         c, s = cos[:, a:b] if cos.shape[1] != 1 else cos, sin[:, a:b] if sin.shape[1] != 1 else sin
-        return rope(t, t, c, s)[0].transpose(1, 2)
+        # the model's own function rotates a pair (q, k): the second is one head of t, nearly free, and discarded
+        return rope(t, t[:, :1], c, s)[0].transpose(1, 2)
 
     def q(h, a, b):
         return rotate(attn.q_proj(h).view(B, b - a, H, D), a, b)
