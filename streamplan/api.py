@@ -20,7 +20,7 @@ from .executors.chunks import drain_retries
 from .executors.mlp import run_mlp, run_seq_chunked
 from .ir import AttentionCall, AttentionSpec, BlockCall, BlockSpec, MLPSpec, ModelSpec, RowLocalSpec, Skip
 from .budget import fmt_bytes
-from .planner import (DEFAULT_CHUNK_TOKENS, UTILISATION_FLOOR, AttentionDims, BudgetError, Plan, mlp_row_elems, plan_attention, plan_block,
+from .planner import (DEFAULT_CHUNK_TOKENS, UTILISATION_FLOOR, AttentionDims, BudgetError, Plan, wave_quantum, mlp_row_elems, plan_attention, plan_block,
                       plan_mlp, plan_rows)
 from .verify import compare_outputs
 from .recognize import recognize
@@ -70,6 +70,14 @@ def _shapes(args: tuple, kwargs: dict) -> tuple:
             return tuple(sig(x) for x in v)
         return None
     return tuple(sig(a) for a in args) + tuple((k, sig(v)) for k, v in sorted(kwargs.items()))
+
+
+def _wave_quantum(device: torch.device, call: AttentionCall) -> int:
+    """Rows per whole wave of attention blocks on this GPU (1 elsewhere: no waves to fill)."""
+    if device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return wave_quantum(sms, call.batch * call.heads)
 
 
 def _describe_sig(sig: tuple) -> str:
@@ -327,7 +335,8 @@ class StreamHandle:
             ffn_slice=o.ffn_slice if spec.mlps else None, budget=budget, q_align=consumer.caps.q_align,
             stock_peak=(call.stock_rows_elems * dims.batch * dims.rows * dims.elem) or None,
             head_groups=o.head_groups, can_group=att.cache_update is None and att.kv_whole is None,
-            min_chunk=UTILISATION_FLOOR.get(device.type, 0)), args, kwargs, device)
+            min_chunk=UTILISATION_FLOOR.get(device.type, 0), quantum=_wave_quantum(device, att)),
+            args, kwargs, device)
         if o.head_groups and plan.tier != "L0" and plan.head_groups == 1:
             self._note(entry, "head-grouped K/V (L3) not used: the call needs whole K/V (a KV cache or cross-attention)"
                        " or the K/V heads do not divide into that many groups")

@@ -14,6 +14,25 @@ MIN_CHUNK_TOKENS = 256        # smallest row chunk the planner will choose on it
 # Wan/Flux projections reach 85-93% of their best at 2048 rows and 90-100% at 4096. The planner climbs the tier
 # ladder before it goes below this; on CPU there is no such cliff worth a tier.
 UTILISATION_FLOOR = {"cuda": 2048, "meta": 2048}   # planning on meta tensors is planning for a GPU
+# Fused attention kernels run one block per (128 query rows, head): a chunk whose blocks fill whole waves of the
+# GPU's multiprocessors wastes no partial wave. On the H200 (132 SMs, 40 heads) 4224-row chunks ran 1-1.5% faster
+# than 4096-row ones at 131k tokens (benchmarks/results/suite_waves.json).
+ATTENTION_TILE_ROWS = 128
+
+
+def wave_quantum(multiprocessors: int, batch_heads: int, tile: int = ATTENTION_TILE_ROWS) -> int:
+    """Smallest row count whose attention blocks (batch_heads per ``tile`` rows) fill whole waves."""
+    import math
+    if multiprocessors <= 0 or batch_heads <= 0:
+        return 1
+    return tile * multiprocessors // math.gcd(batch_heads, multiprocessors)
+
+
+def quantize_chunk(chunk: int, rows: int, quantum: int) -> int:
+    """Round a planner-chosen chunk down to whole waves when that keeps at least one quantum."""
+    if quantum <= 1 or chunk >= rows or chunk < quantum:
+        return chunk
+    return chunk // quantum * quantum
 MIN_FFN_SLICE = 256
 
 
@@ -233,14 +252,18 @@ def block_stock_peak(d: AttentionDims, row_extra: int) -> int:
 def plan_block(d: AttentionDims, stream_elems: int, row_extra: int, row_extra_sliced, *,
                chunk_tokens: int | None = None, ffn_slice: int | None = None, budget: int | None = None,
                q_align: int = 1, stock_peak: int | None = None, head_groups: int | None = None,
-               can_group: bool = True, min_chunk: int = MIN_CHUNK_TOKENS) -> Plan:
+               can_group: bool = True, min_chunk: int = MIN_CHUNK_TOKENS, quantum: int = 1) -> Plan:
     """Tier for a whole block: L0 stock, L1 row-streamed, L2 with feature-sliced MLPs (``row_extra_sliced(s)``),
-    L3 with head-grouped K/V (and sliced MLPs where that is still needed)."""
+    L3 with head-grouped K/V (and sliced MLPs where that is still needed). Chunks the planner chooses itself are
+    rounded to whole GPU waves (``quantum``); a chunk the user forces is kept as given."""
     stock = stock_peak if stock_peak is not None else block_stock_peak(d, row_extra)
+    forced = chunk_tokens is not None
 
     def make(tier: str, chunk: int, sl: int = 0, groups: int = 1) -> Plan:
         if tier == "L0":
             return Plan(tier, d.rows, d.rows, 0, stock, stock)
+        if not forced:
+            chunk = quantize_chunk(chunk, d.rows, quantum)
         chunk = max(q_align, min(chunk, d.rows) // q_align * q_align) if chunk < d.rows else d.rows
         extra = row_extra_sliced(sl) if sl else row_extra
         return Plan(tier, d.rows, chunk, sl, block_peak(d, stream_elems, extra, tier, chunk, groups), stock,

@@ -219,3 +219,12 @@ def test_the_default_is_the_auto_budget_and_costs_nothing_when_stock_fits():
     assert handle.options.budget == "auto"
     assert torch.equal(model(ids).last_hidden_state, ref)
     assert all(p.tier == "L0" for plans in handle.plans.values() for p in plans)
+
+
+def test_planner_chosen_chunks_fill_whole_gpu_waves():
+    from streamplan.planner import quantize_chunk, wave_quantum
+    assert wave_quantum(132, 40) == 4224          # H200, Wan2.1-14B: 40 heads
+    assert wave_quantum(132, 24) == 1408          # Flux: 24 heads
+    assert quantize_chunk(9472, 65536, 4224) == 8448
+    assert quantize_chunk(3000, 65536, 4224) == 3000   # below one quantum: left as the budget allows
+    assert quantize_chunk(70000, 65536, 4224) == 70000  # the whole sequence in one chunk: nothing to round
