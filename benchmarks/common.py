@@ -1,34 +1,24 @@
-"""Shared helpers for GPU benchmarks: timing with CUDA events, peaks from the CUDA allocator, result files."""
+"""Shared helpers for GPU benchmarks; the measuring itself is the library's (timing, peaks, comparison)."""
 from __future__ import annotations
 
-import datetime
 import json
 import os
 from typing import Any, Callable
 
 import torch
 
-from streamplan.bench import cuda_time  # noqa: F401  (the suite's timing, shared)
-
-
-def device_info() -> dict:
-    return {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-            "torch": torch.__version__, "date": datetime.date.today().isoformat()}
+from streamplan import measure_peak
+from streamplan.bench import cuda_time, header as device_info  # noqa: F401  (shared with the suite)
+from streamplan.verify import compare_outputs
 
 
 def cuda_peak(fn: Callable[[], Any]) -> tuple[Any, int]:
-    """Peak bytes allocated during ``fn`` above what was allocated before, straight from the allocator."""
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    out = fn()
-    torch.cuda.synchronize()
-    return out, torch.cuda.max_memory_allocated() - base
+    """Peak bytes allocated during ``fn`` above what was allocated before (the CUDA allocator's counters)."""
+    return measure_peak(fn, device="cuda")
 
 
 def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.float(), b.float()
-    return ((a - b).abs().max() / b.abs().max()).item()
+    return compare_outputs(a, b)["output"]["rel"]
 
 
 def write_results(name: str, payload: dict) -> str:

@@ -120,23 +120,30 @@ def _live_bytes(args: tuple, kwargs: dict) -> int:
     return sum(seen.values())
 
 
-def _attention_dims(spec: AttentionSpec, call: AttentionCall) -> AttentionDims:
+def _attention_dims(spec: AttentionSpec, call: AttentionCall, consumer) -> AttentionDims:
     kv_rows = call.rows
     if call.kv_whole is not None:
         kv_rows = 0  # short cross-attention K/V: built whole, small; counted in the chunk transient
+    elem = torch.empty((), dtype=call.dtype).element_size()
     return AttentionDims(call.batch, call.rows, kv_rows, call.heads, call.kv_heads, call.head_dim, spec.dim_out,
-                         torch.empty((), dtype=call.dtype).element_size(), _mask_row_bytes(call))
+                         elem, _mask_row_bytes(call) + _workspace_row_bytes(consumer, call, elem))
 
 
 def _mask_row_bytes(call: AttentionCall) -> int:
-    """Mask bytes a chunk builds per query row: a prepared mask's rows, or the causal mask on CPU."""
+    """Bytes per query row of a mask the binder prepares chunk by chunk (a broadcast mask costs nothing per row)."""
     m = call.mask
-    if call.mask_rows is not None and m is not None:
-        return 0 if m.shape[-2] == 1 else m.numel() // m.shape[-2] * m.element_size()
-    if call.causal and m is None:
-        # two fused calls merged by log-sum-exp: both partial outputs and the fp32 merge, per query row
-        return call.heads * call.head_dim * (8 + 2 * torch.empty((), dtype=call.dtype).element_size())
+    if call.mask_rows is not None and m is not None and m.shape[-2] != 1:
+        return m.numel() // m.shape[-2] * m.element_size()
     return 0
+
+
+def _workspace_row_bytes(consumer, call: AttentionCall, elem: int) -> int:
+    """What the consumer itself allocates per query row of a chunk, as it declares (0 if it declares nothing)."""
+    declare = getattr(consumer, "workspace_row_bytes", None)
+    if declare is None:
+        return 0
+    return declare(heads=call.heads, head_dim=call.head_dim, elem=elem, causal=call.causal,
+                   masked=call.mask is not None)
 
 
 def _block_row_extra(spec: BlockSpec, call: BlockCall):
@@ -324,19 +331,22 @@ class StreamHandle:
         consumer, call = bound
         att = call.attention
         o = self.options
-        dims = _attention_dims(spec.attention, att)
         in_place = tuple(donated(s.x) for s in call.streams)
-        stream_elems = sum(0 if d else s.x.numel() for s, d in zip(call.streams, in_place))
-        extra, extra_sliced = _block_row_extra(spec, call)
         device = call.streams[0].x.device
         sig = (_shapes(args, kwargs), att.dtype, device.type, in_place)
-        plan = self._plan(entry, sig, lambda budget: plan_block(
-            dims, stream_elems, extra, extra_sliced, chunk_tokens=o.chunk_tokens,
-            ffn_slice=o.ffn_slice if spec.mlps else None, budget=budget, q_align=consumer.caps.q_align,
-            stock_peak=(call.stock_rows_elems * dims.batch * dims.rows * dims.elem) or None,
-            head_groups=o.head_groups, can_group=att.cache_update is None and att.kv_whole is None,
-            min_chunk=UTILISATION_FLOOR.get(device.type, 0), quantum=_wave_quantum(device, att)),
-            args, kwargs, device)
+
+        def make_plan(budget: int | None) -> Plan:   # shapes and memory terms: only at the first call per signature
+            dims = _attention_dims(spec.attention, att, consumer)
+            stream_elems = sum(0 if d else s.x.numel() for s, d in zip(call.streams, in_place))
+            extra, extra_sliced = _block_row_extra(spec, call)
+            return plan_block(
+                dims, stream_elems, extra, extra_sliced, chunk_tokens=o.chunk_tokens,
+                ffn_slice=o.ffn_slice if spec.mlps else None, budget=budget, q_align=consumer.caps.q_align,
+                stock_peak=(call.stock_rows_elems * dims.batch * dims.rows * dims.elem) or None,
+                head_groups=o.head_groups, can_group=att.cache_update is None and att.kv_whole is None,
+                min_chunk=UTILISATION_FLOOR.get(device.type, 0), quantum=_wave_quantum(device, att))
+
+        plan = self._plan(entry, sig, make_plan, args, kwargs, device)
         if o.head_groups and plan.tier != "L0" and plan.head_groups == 1:
             self._note(entry, "head-grouped K/V (L3) not used: the call needs whole K/V (a KV cache or cross-attention)"
                        " or the K/V heads do not divide into that many groups")
@@ -418,11 +428,10 @@ class StreamHandle:
             return entry.stock(*args, **kwargs)
         consumer, call = bound
         o = self.options
-        dims = _attention_dims(spec, call)
         device = call.segments[0].source.device
         sig = (_shapes(args, kwargs), call.dtype, device.type)
         plan = self._plan(entry, sig, lambda budget: plan_attention(
-            dims, chunk_tokens=o.chunk_tokens, budget=budget, q_align=consumer.caps.q_align,
+            _attention_dims(spec, call, consumer), chunk_tokens=o.chunk_tokens, budget=budget, q_align=consumer.caps.q_align,
             head_groups=o.head_groups, can_group=call.cache_update is None and call.kv_whole is None,
             min_chunk=UTILISATION_FLOOR.get(device.type, 0)), args, kwargs, device)
         if plan.tier == "L0":

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from .api import apply
-from .executors.block import donate
+from .meter import measure_peak
 from .families import FAMILIES
 from .verify import compare_outputs
 
@@ -125,14 +125,12 @@ CASES: dict[str, Callable[[], Case]] = {
 
 
 def _measure(fn: Callable[[], Any]) -> tuple[Any, int, int]:
-    torch.cuda.synchronize()
+    """(result, peak allocated, peak reserved) above what was there before, with a clean cache to start from."""
     gc.collect()
     torch.cuda.empty_cache()
-    base, base_reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
-    torch.cuda.reset_peak_memory_stats()
-    out = fn()
-    torch.cuda.synchronize()
-    return out, torch.cuda.max_memory_allocated() - base, torch.cuda.max_memory_reserved() - base_reserved
+    base_reserved = torch.cuda.memory_reserved()
+    out, peak = measure_peak(fn, device="cuda")    # resets the peak counters, reserved included
+    return out, peak, torch.cuda.max_memory_reserved() - base_reserved
 
 
 def cuda_time(fn: Callable[[], Any], repeats: int = 3, warmup: int = 1) -> float:

@@ -73,13 +73,6 @@ class Skip:
     reason: str
 
 
-@dataclass
-class Recognized:
-    name: str
-    spec: MLPSpec
-    notes: list[str] = field(default_factory=list)
-
-
 @dataclass(eq=False)
 class Segment:
     """A run of rows of the attention's (joint) sequence with its own row-local pieces.
@@ -140,7 +133,6 @@ class AttentionSpec:
     kv_heads: int
     head_dim: int
     dim_out: int
-    cross: bool
     bind: Binder
     backend: Callable[[], str]
 

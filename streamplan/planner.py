@@ -110,8 +110,7 @@ def plan_mlp(spec: MLPSpec, rows: int, elem: int, *, chunk_tokens: int | None = 
         sl = _align_slice(min(ffn_slice, spec.ffn), spec)
         return make("L2", chunk_tokens or rows, sl)
     if chunk_tokens is not None or budget is None:
-        chunk = chunk_tokens or DEFAULT_CHUNK_TOKENS
-        return make("L1", chunk, spec.ffn) if rows > chunk else make("L0", rows, spec.ffn)
+        return _fixed(rows, chunk_tokens, lambda tier, c: make(tier, c, spec.ffn))
     if stock <= budget:
         return make("L0", rows, spec.ffn)
     chunk = _largest_chunk(lambda c: mlp_peak(spec, rows, elem, "L1", c, spec.ffn), rows, budget)
@@ -126,6 +125,13 @@ def plan_mlp(spec: MLPSpec, rows: int, elem: int, *, chunk_tokens: int | None = 
                      MIN_FFN_SLICE if can_feature_slice(spec) else spec.ffn)
     raise BudgetError(f"{spec.label}: budget {fmt_bytes(budget)} is below the smallest peak streamplan can reach "
                       f"for {rows} rows ({fmt_bytes(floor)}, dominated by the {rows}x{spec.dim_out} output)")
+
+
+def _fixed(rows: int, chunk_tokens: int | None, make, align: int = 1) -> Plan:
+    """A forced chunk, or with no budget the default one: stream only inputs longer than it."""
+    chunk = chunk_tokens or DEFAULT_CHUNK_TOKENS
+    chunk = max(align, chunk // align * align)
+    return make("L1", chunk) if rows > chunk else make("L0", rows)
 
 
 def _largest_chunk(peak_of, rows: int, budget: int, floor: int = MIN_CHUNK_TOKENS) -> int | None:
@@ -196,9 +202,7 @@ def plan_attention(d: AttentionDims, *, chunk_tokens: int | None = None, budget:
         return make("L3", chunk_tokens or DEFAULT_CHUNK_TOKENS, head_groups)
 
     if chunk_tokens is not None or budget is None:
-        chunk = chunk_tokens or DEFAULT_CHUNK_TOKENS
-        chunk = max(q_align, chunk // q_align * q_align)
-        return make("L1", chunk) if d.rows > chunk else make("L0", d.rows)
+        return _fixed(d.rows, chunk_tokens, make, q_align)
     if stock <= budget:
         return make("L0", d.rows)
     chunk = None
@@ -274,8 +278,7 @@ def plan_block(d: AttentionDims, stream_elems: int, row_extra: int, row_extra_sl
     if ffn_slice is not None:
         return make("L2", chunk_tokens or DEFAULT_CHUNK_TOKENS, ffn_slice)
     if chunk_tokens is not None or budget is None:
-        chunk = chunk_tokens or DEFAULT_CHUNK_TOKENS
-        return make("L1", chunk) if d.rows > chunk else make("L0", d.rows)
+        return _fixed(d.rows, chunk_tokens, make)
     if stock <= budget:
         return make("L0", d.rows)
     for floor in dict.fromkeys((max(min_chunk, MIN_CHUNK_TOKENS), MIN_CHUNK_TOKENS)):
@@ -320,8 +323,7 @@ def plan_rows(rows: int, row_bytes: int, transient_per_elem: int, *, chunk_token
         return Plan(tier, rows, chunk, 0, peak, stock)
 
     if chunk_tokens is not None or budget is None:
-        chunk = chunk_tokens or DEFAULT_CHUNK_TOKENS
-        return make("L1", chunk) if rows > chunk else make("L0", rows)
+        return _fixed(rows, chunk_tokens, make)
     if stock <= budget:
         return make("L0", rows)
     chunk = _largest_chunk(lambda c: rows * row_bytes + c * row_bytes * transient_per_elem, rows, budget)

@@ -11,7 +11,6 @@ class LinearCaps:
     out_slice: bool   # rows of the weight (output features) can be used alone
     in_slice: bool    # columns of the weight (input features) can be used alone
     align: int = 1    # slices must start and end on multiples of this
-    bitwise_rows: bool = False  # row chunking reproduces the full call bit for bit
 
 
 ROWS_ONLY = LinearCaps(out_slice=False, in_slice=False)

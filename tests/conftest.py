@@ -11,3 +11,24 @@ def _seed_and_threads():
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """Max abs difference relative to the reference's max magnitude."""
     return ((out.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-30)).item()
+
+
+class RecordingConsumer:
+    """A third-party attention backend for the contract tests: records each call (rows, q_offset, keys, causal) and
+    answers with streamplan's SDPA consumer; with ``max_rows`` it runs out of memory on larger chunks, like a card
+    that is nearly full."""
+
+    name = "recording"
+
+    def __init__(self, max_rows: int | None = None):
+        import streamplan
+        self.caps = streamplan.ConsumerCaps()
+        self.max_rows = max_rows
+        self.calls = []
+
+    def attend(self, q, k, v, *, q_offset, causal, mask, scale):
+        import streamplan
+        if self.max_rows is not None and q.shape[-2] > self.max_rows:
+            raise torch.OutOfMemoryError("simulated: chunk too large")
+        self.calls.append((q.shape[-2], q_offset, k.shape[-2], causal))
+        return streamplan.consumers.SDPA.attend(q, k, v, q_offset=q_offset, causal=causal, mask=mask, scale=scale)

@@ -5,7 +5,7 @@ from transformers import AttentionInterface, DynamicCache, LlamaConfig, LlamaMod
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import streamplan
-from conftest import rel_err
+from conftest import RecordingConsumer, rel_err
 
 
 def _llama(impl: str, heads=4, kv_heads=2, layers=2, cls=(LlamaConfig, LlamaModel), **kw):
@@ -111,20 +111,6 @@ def test_training_mode_and_attention_dropout_stay_stock():
     handle = AttentionHandles(model)
     assert not _attn_entries(handle)
     assert "training mode" in handle.report()
-
-
-class RecordingConsumer:
-    """A third-party backend: records what it is given and answers with SDPA on the same inputs."""
-
-    name = "recording"
-
-    def __init__(self):
-        self.caps = streamplan.ConsumerCaps()
-        self.calls = []
-
-    def attend(self, q, k, v, *, q_offset, causal, mask, scale):
-        self.calls.append((q.shape[-2], q_offset, k.shape[-2], causal))
-        return streamplan.consumers.SDPA.attend(q, k, v, q_offset=q_offset, causal=causal, mask=mask, scale=scale)
 
 
 @pytest.fixture

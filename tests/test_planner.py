@@ -7,7 +7,7 @@ from transformers import AttentionInterface, LlamaConfig, LlamaModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import streamplan
-from conftest import rel_err
+from conftest import RecordingConsumer, rel_err
 
 MiB = 2**20
 
@@ -132,26 +132,10 @@ def test_bad_budgets_are_named(budget):
         streamplan.apply(_llama(layers=1), budget=budget)
 
 
-class FlakyConsumer:
-    """Runs out of memory for any chunk of more than 8 query rows, like a card that is nearly full."""
-
-    name = "flaky"
-
-    def __init__(self):
-        self.caps = streamplan.ConsumerCaps()
-        self.rows = []
-
-    def attend(self, q, k, v, *, q_offset, causal, mask, scale):
-        if q.shape[-2] > 8:
-            raise torch.OutOfMemoryError("simulated: chunk too large")
-        self.rows.append((q_offset, q.shape[-2]))
-        return streamplan.consumers.SDPA.attend(q, k, v, q_offset=q_offset, causal=causal, mask=mask, scale=scale)
-
-
 @torch.no_grad()
 def test_out_of_memory_in_a_chunk_is_retried_in_halves_without_losing_or_repeating_work():
     AttentionInterface.register("flaky", sdpa_attention_forward)
-    consumer = FlakyConsumer()
+    consumer = RecordingConsumer(max_rows=8)
     streamplan.register_consumer("flaky", consumer)
     try:
         model = _llama(layers=2, impl="flaky")
@@ -160,7 +144,8 @@ def test_out_of_memory_in_a_chunk_is_retried_in_halves_without_losing_or_repeati
         handle = streamplan.apply(model, chunk_tokens=32)
         out = model(ids).last_hidden_state
         assert rel_err(out, ref) <= 1e-5
-        layer0 = sorted(r for r in consumer.rows[: len(consumer.rows) // 2])
+        rows = [(off, n) for n, off, _, _ in consumer.calls]
+        layer0 = sorted(rows[: len(rows) // 2])
         assert [a for a, _ in layer0] == sorted(set(a for a, _ in layer0))     # no row range attended twice
         assert sum(n for _, n in layer0) == 50                                   # and none left out
         assert "out of memory on rows [0:32): retried in halves" in handle.report()

@@ -34,6 +34,9 @@ class AttentionConsumer(Protocol):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_offset: int, causal: bool,
                mask: torch.Tensor | None, scale: float | None) -> torch.Tensor: ...
 
+    # optional: bytes the consumer allocates per query row of a chunk, for the planner's memory model
+    # def workspace_row_bytes(self, *, heads, head_dim, elem, causal, masked) -> int: ...
+
 
 @dataclass
 class _Registry:

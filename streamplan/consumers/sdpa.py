@@ -73,6 +73,10 @@ class SDPAConsumer:
     def __init__(self, caps):
         self.caps = caps
 
+    def workspace_row_bytes(self, *, heads: int, head_dim: int, elem: int, causal: bool, masked: bool) -> int:
+        """Per query row: an unmasked causal chunk after the first holds both partial outputs and the fp32 merge."""
+        return heads * head_dim * (8 + 2 * elem) if causal and not masked else 0
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_offset: int, causal: bool,
                mask: torch.Tensor | None, scale: float | None) -> torch.Tensor:
         gqa = q.shape[1] != k.shape[1]

@@ -39,8 +39,9 @@ def global_hook_problem() -> str | None:
     return None
 
 
-def stock_problem(module: nn.Module, expected_forward: Callable | None = None) -> str | None:
-    """Why ``module`` cannot be streamed safely as a known structure, or None."""
+def stock_problem(module: nn.Module, expected_forward: Callable | None = None, *, subtree: bool = True) -> str | None:
+    """Why ``module`` cannot be streamed safely as a known structure, or None. ``subtree=False`` checks the module
+    alone (a model whose forward streamplan replaces; its children are judged on their own)."""
     if module.training:
         return "in training mode (streamplan is for inference: call .eval())"
     if expected_forward is not None and not (type(module).forward is expected_forward
@@ -49,7 +50,7 @@ def stock_problem(module: nn.Module, expected_forward: Callable | None = None) -
     problem = global_hook_problem()
     if problem:
         return problem
-    for name, m in module.named_modules():
+    for name, m in (module.named_modules() if subtree else [("", module)]):
         where = name or "the module"
         fwd = m.__dict__.get("forward")
         if fwd is not None:

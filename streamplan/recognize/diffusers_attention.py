@@ -119,7 +119,7 @@ def recognize_attention(name: str, module: nn.Module) -> AttentionSpec | Skip | 
     if module.to_out is None or len(module.to_out) < 2 or not isinstance(module.to_out[1], nn.Dropout):
         return skip("to_out is not [linear, dropout]")
     return AttentionSpec(module=module, label="diffusers.Attention[AttnProcessor2_0]", heads=heads, kv_heads=heads,
-                         head_dim=D, dim_out=module.to_out[0].out_features, cross=module.is_cross_attention,
+                         head_dim=D, dim_out=module.to_out[0].out_features,
                          bind=lambda args, kwargs: _bind_attention(module, args, kwargs),
                          backend=lambda: "native")
 
@@ -225,7 +225,7 @@ def recognize_wan_attention(name: str, module: nn.Module) -> AttentionSpec | Ski
     H = module.heads
     return AttentionSpec(module=module, label="diffusers.WanAttention[WanAttnProcessor]", heads=H, kv_heads=H,
                          head_dim=module.inner_dim // H, dim_out=module.to_out[0].out_features,
-                         cross=module.is_cross_attention,
+                        
                          bind=lambda args, kwargs: _bind_wan(module, args, kwargs),
                          backend=lambda: _active_backend(module.processor))
 
@@ -334,6 +334,6 @@ def recognize_flux_attention(name: str, module: nn.Module) -> AttentionSpec | Sk
         return known and known[1]
     D = module.head_dim
     return AttentionSpec(module=module, label="diffusers.FluxAttention[FluxAttnProcessor]", heads=module.heads,
-                         kv_heads=module.heads, head_dim=D, dim_out=module.out_dim, cross=False,
+                         kv_heads=module.heads, head_dim=D, dim_out=module.out_dim,
                          bind=lambda args, kwargs: _bind_flux(module, args, kwargs),
                          backend=lambda: _active_backend(module.processor))

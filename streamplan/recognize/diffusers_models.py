@@ -101,25 +101,15 @@ KNOWN_FORWARDS = {
 
 
 def _own_forward_problem(module: nn.Module, cls: type) -> str | None:
-    """Only the model's own forward may be replaced: no subclass, patch or hook on the model itself, and its source
-    exactly the one streamplan's copy follows."""
+    """Only the model's own forward may be replaced: its exact class forward, untouched (no patch or hook on the model
+    itself), and its source exactly the one streamplan's copy follows."""
     if type(module).forward is not cls.forward:
         return f"{type(module).__name__}.forward is not the forward streamplan knows"
     known = KNOWN_FORWARDS.get(cls.__name__, {})
     if source_fingerprint(cls.forward) not in known:
         return (f"{cls.__name__}.forward differs from the versions streamplan follows "
                 f"({', '.join(known.values()) or 'none'})")
-    if module.training:
-        return "in training mode (streamplan is for inference: call .eval())"
-    if "forward" in module.__dict__:
-        hook = getattr(module, "_hf_hook", None)
-        if hook is not None:
-            return (f"the model's forward is wrapped by an accelerate hook ({type(hook).__name__}, e.g. "
-                    "enable_model_cpu_offload); its blocks still stream")
-        return "the model's forward is patched"
-    if module._forward_hooks or module._forward_pre_hooks:
-        return "the model has forward hooks streamplan does not know"
-    return None
+    return stock_problem(module, subtree=False)
 
 
 def recognize_wan_model(name: str, module: nn.Module) -> ModelSpec | Skip | None:
