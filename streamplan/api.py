@@ -6,6 +6,7 @@ import functools
 import json
 import logging
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -22,13 +23,15 @@ from .ir import AttentionCall, AttentionSpec, BlockCall, BlockSpec, MLPSpec, Mod
 from .budget import fmt_bytes
 from .planner import (DEFAULT_CHUNK_TOKENS, UTILISATION_FLOOR, AttentionDims, BudgetError, Plan, wave_quantum, mlp_row_elems, plan_attention, plan_block,
                       plan_mlp, plan_rows)
-from .verify import compare_outputs
+from .verify import compare_outputs, private_copy
+from .stock_watch import StockWatch, activation_bytes, matters, watch_candidates
 from .recognize import recognize
 from .recognize.checks import STREAMED_MARK
 
 log = logging.getLogger("streamplan")
 
 _MISSING = object()
+_STOCK_WHY = "runs stock (streamplan streams no structure here)"
 PLAN_MARGIN = 0.03   # plans aim this far under the budget: allocator rounding and what the memory model misses
 
 
@@ -49,15 +52,20 @@ class Installed:
     spec: MLPSpec | AttentionSpec | BlockSpec
     stock: Callable[..., Any]
     previous: Any  # what module.__dict__["forward"] held before, or _MISSING
+    wrapper: Any = None  # the forward streamplan installed
     plans: dict[tuple, Plan] = field(default_factory=dict)
     runtime_notes: list[str] = field(default_factory=list)
+
+
+_INT_MEANING = {"chunk_tokens": "rows per chunk", "ffn_slice": "MLP hidden features per slice",
+                "head_groups": "groups the K/V heads are split into"}
 
 
 def _positive_int(value: Any, arg: str) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{arg} must be a positive int (rows or features per chunk), got {value!r}")
+        raise ValueError(f"{arg} must be a positive int ({_INT_MEANING[arg]}) or None, got {value!r}")
     return value
 
 
@@ -158,6 +166,20 @@ def _block_row_extra(spec: BlockSpec, call: BlockCall):
     return whole, lambda s: max((mlp_row_elems(m, min(s, m.ffn)) for m in spec.mlps), default=0) + 4 * dim + fp32
 
 
+def _restore(module: nn.Module, wrapper: Any, previous: Any) -> None:
+    """Put back what ``module.forward`` held before streamplan, unless someone wrapped it since (then theirs stays:
+    it still calls ours, which now runs stock via the bypass-free stock path)."""
+    current = module.__dict__.get("forward", _MISSING)
+    if current is not wrapper and wrapper is not None:
+        log.warning("streamplan: %s.forward was replaced after apply; leaving the newer forward in place",
+                    type(module).__name__)
+        return
+    if previous is _MISSING:
+        module.__dict__.pop("forward", None)
+    else:
+        module.forward = previous
+
+
 class _Root(threading.local):
     depth = 0
     base = 0      # CUDA bytes allocated when the outermost streamed or tracked call began
@@ -165,6 +187,9 @@ class _Root(threading.local):
 
 
 _ROOT = _Root()
+
+# every handle still in force, by its root: a later ``apply`` over the same modules supersedes it
+_LIVE: "weakref.WeakKeyDictionary[nn.Module, StreamHandle]" = weakref.WeakKeyDictionary()
 
 
 @contextlib.contextmanager
@@ -212,7 +237,10 @@ class StreamHandle:
         self.installed: dict[str, Installed] = {}
         self.removed = False
         self.self_checked = False
+        self.superseded_by: StreamHandle | None = None
+        self.watched: dict[str, StockWatch] = {}
         self._root_previous: Any = None
+        self._root_wrapper: Any = None
 
     # -- installation -------------------------------------------------------------------------------
     def _install(self, name: str, spec: MLPSpec | AttentionSpec | BlockSpec) -> None:
@@ -225,12 +253,42 @@ class StreamHandle:
         def streamed_forward(*args: Any, **kwargs: Any) -> Any:
             if _BYPASS.active:
                 return entry.stock(*args, **kwargs)
+            if entry.module.training:   # checked per call: train() after apply must get the stock behaviour back
+                self._note(entry, "in training mode: ran stock (streamplan is for inference: call .eval())")
+                return entry.stock(*args, **kwargs)
             with _outermost(args, kwargs):
                 return self._run(entry, args, kwargs)
 
         setattr(streamed_forward, STREAMED_MARK, True)
         module.forward = streamed_forward
+        entry.wrapper = streamed_forward
         self.installed[name] = entry
+
+    def _watch(self, name: str, module: nn.Module) -> None:
+        """Estimate a stock module's output at each call (report, predicted peak) and hold it to a byte budget."""
+        watch = StockWatch(name, module, module.__dict__.get("forward", _MISSING))
+        stock = module.forward
+
+        @functools.wraps(type(module).forward)
+        def watched_forward(*args: Any, **kwargs: Any) -> Any:
+            estimate = activation_bytes(module, args, kwargs)
+            if estimate is not None and not _BYPASS.active:
+                x = args[0] if args else next(iter(kwargs.values()))
+                available, live = self._available(args, kwargs, x.device)
+                watch.record(estimate, live, tuple(x.shape))
+                if isinstance(self.options.budget, int) and estimate > max(0, available):
+                    raise BudgetError(
+                        f"{name} ({type(module).__name__}) runs stock (streamplan does not stream it) and its output "
+                        f"alone is {fmt_bytes(estimate)} for input {list(x.shape)}, more than the budget "
+                        f"{fmt_bytes(self.options.budget)} leaves beside its live inputs ({fmt_bytes(live)}). Raise "
+                        "the budget, shorten the sequence or lower the batch; for a causal LM ask for fewer logits "
+                        "(logits_to_keep=1, as generate does).")
+            return stock(*args, **kwargs)
+
+        setattr(watched_forward, STREAMED_MARK, True)
+        module.forward = watched_forward
+        watch.wrapper = watched_forward
+        self.watched[name] = watch
 
     def _track_root(self) -> None:
         """Wrap the root's forward (when nothing streamed sits there) so memory the model allocates between
@@ -246,12 +304,15 @@ class StreamHandle:
 
         module.forward = tracked_forward
         self._root_previous = previous
+        self._root_wrapper = tracked_forward
 
     def _run(self, entry: Installed, args: tuple, kwargs: dict) -> Any:
         checking = self.options.self_check and not self.self_checked and not isinstance(entry.spec, ModelSpec)
-        if checking:  # stock first: a streamed block may update a donated input in place
+        if checking:  # the reference runs stock on private copies: the caller's inputs and caches stay as they are
+            ref_args, ref_kwargs = private_copy(args), private_copy(kwargs)
             with bypass():
-                ref = entry.stock(*args, **kwargs)
+                ref = entry.stock(*ref_args, **ref_kwargs)
+            del ref_args, ref_kwargs
         if isinstance(entry.spec, ModelSpec):
             out = self._run_model(entry, args, kwargs)
         elif isinstance(entry.spec, BlockSpec):
@@ -278,9 +339,20 @@ class StreamHandle:
             self._note(entry, f"model forward ran stock: {why}")
             return entry.stock(*args, **kwargs)
         chunk = self.options.chunk_tokens or DEFAULT_CHUNK_TOKENS
-        self._plan(entry, (_shapes(args, kwargs), tensors[0].dtype if tensors else None, "model"), lambda _: Plan(
-            "L1", 0, chunk, 0, 0, 0, note=f"model forward: block inputs donated, output head in {chunk}-row chunks"))
-        return spec.run(args, kwargs, chunk)
+        first = not entry.plans
+        before = {id(p) for ps in self.plans.values() for p in ps}
+        plan = self._plan(entry, (_shapes(args, kwargs), tensors[0].dtype if tensors else None, "model"),
+                          lambda _: Plan("L1", 0, chunk, 0, 0, 0, note=f"model forward: block inputs donated, output "
+                                         f"head in {chunk}-row chunks"), args, kwargs, tensors[0].device)
+        out = spec.run(args, kwargs, chunk)
+        if first:   # the model's figures are its largest block's, planned during this first call
+            inner = [p for ps in self.plans.values() for p in ps if id(p) not in before and p is not plan]
+            if inner:
+                worst = max(inner, key=lambda p: p.predicted_total)
+                plan.rows, plan.predicted_peak = worst.rows, worst.predicted_total - plan.live_bytes
+                plan.stock_peak = max(p.live_bytes + p.stock_peak for p in inner) - plan.live_bytes
+                plan.predicted_peak, plan.stock_peak = max(0, plan.predicted_peak), max(0, plan.stock_peak)
+        return out
 
     def _self_check(self, entry: Installed, out: Any, ref: Any) -> None:
         """Once per handle: the first streamed call is also run stock, and the difference is logged and kept."""
@@ -450,20 +522,24 @@ class StreamHandle:
         return {name: list(e.plans.values()) for name, e in self.installed.items()}
 
     def remove(self) -> None:
-        """Restore the stock forwards (the same function objects as before ``apply``)."""
+        """Restore the stock forwards (the same function objects as before ``apply``). Removing a handle that a
+        later ``apply`` superseded removes that later handle too: either handle gives the stock model back."""
+        if self.superseded_by is not None:
+            self.superseded_by.remove()
         if self._root_previous is not None:
-            if self._root_previous is _MISSING:
-                self.root.__dict__.pop("forward", None)
-            else:
-                self.root.forward = self._root_previous
+            _restore(self.root, self._root_wrapper, self._root_previous)
             self._root_previous = None
-        for entry in self.installed.values():
-            if entry.previous is _MISSING:
-                entry.module.__dict__.pop("forward", None)
-            else:
-                entry.module.forward = entry.previous
+        for entry in list(self.installed.values()) + list(self.watched.values()):
+            _restore(entry.module, entry.wrapper, entry.previous)
         self.installed.clear()
+        self.watched.clear()
         self.removed = True
+        if _LIVE.get(self.root) is self:
+            del _LIVE[self.root]
+
+    def _stock_that_matters(self) -> list[StockWatch]:
+        largest = max((p.predicted_peak for plans in self.plans.values() for p in plans), default=0)
+        return [w for w in self.watched.values() if matters(w, largest)]
 
     def to_json(self) -> str:
         return json.dumps({
@@ -471,12 +547,17 @@ class StreamHandle:
                              "plans": [{"shape": repr(s[0]), "dtype": str(s[1]), **p.to_dict()}
                                        for s, p in e.plans.items()]}
                          for n, e in self.installed.items()},
-            "stock": [{"name": s.name, "class": s.cls, "reason": s.reason} for s in self.skipped],
+            "stock": [{"name": s.name, "class": s.cls, "reason": s.reason} for s in self.skipped]
+                     + [{"name": w.name, "class": type(w.module).__name__, "reason": _STOCK_WHY,
+                         "input_shape": list(w.shape or ()), "output_bytes": w.largest, "live_bytes": w.live}
+                        for w in self._stock_that_matters()],
         }, indent=2)
 
     def predicted_peak(self) -> int:
-        """The largest predicted peak of any planned call, its live inputs included (what a budget covers)."""
-        return max((p.predicted_total for plans in self.plans.values() for p in plans), default=0)
+        """The largest predicted peak of any planned call or of a stock module's output seen so far, its live
+        inputs included (what a budget covers)."""
+        planned = (p.predicted_total for plans in self.plans.values() for p in plans)
+        return max(max(planned, default=0), max((w.total for w in self.watched.values()), default=0))
 
     def report(self) -> str:
         """What was streamed and how (a table per input signature), and what was left stock and why."""
@@ -486,34 +567,63 @@ class StreamHandle:
             b = self.options.budget
             lines.append(f"  budget: {b if b == 'auto' else fmt_bytes(b)}"
                          + (f" (reserve {fmt_bytes(self.options.reserve)})" if b == "auto" else ""))
-        if self.removed:
+        if self.superseded_by is not None:
+            lines.append("  superseded by a later streamplan.apply on these modules: that handle's report is current")
+        elif self.removed:
             lines.append("  handle removed: the model runs its stock forwards")
         if not self.installed and not self.removed:
             lines.append(f"  nothing recognised in {root}: the model is untouched")
+        nw = max([len(n or "<root>") for n in self.installed] + [6])
+        lw = max([len(e.spec.label) for e in self.installed.values()] + [2])
         if self.installed:
-            header = f"  {'module':<28} {'as':<40} {'tier':<4} {'chunk':>6} {'ffn':>6} {'predicted':>11} {'stock':>11}"
+            header = (f"  {'module':<{nw}} {'as':<{lw}} {'tier':<4} {'chunk':>6} {'ffn':>6} {'predicted':>11} "
+                      f"{'stock est.':>11}")
             lines += [header, "  " + "-" * (len(header) - 2)]
         for name, e in self.installed.items():
-            label = e.spec.label if len(e.spec.label) <= 40 else e.spec.label[:37] + "..."
+            label = e.spec.label
             if not e.plans:
-                lines.append(f"  {name or '<root>':<28} {label:<40} (not called yet: planned at the first call)")
+                lines.append(f"  {name or '<root>':<{nw}} {label:<{lw}} (not called yet: planned at the first call)")
             for sig, plan in e.plans.items():
                 if plan.note:
-                    lines.append(f"  {name or '<root>':<28} {label:<40} {plan.tier:<4} {plan.note}")
+                    lines.append(f"  {name or '<root>':<{nw}} {label:<{lw}} {plan.tier:<4} {plan.note}")
                     continue
                 ffn = str(plan.ffn_slice) if plan.tier == "L2" else "-"
                 chunk = str(plan.chunk) if plan.tier != "L0" else "-"
-                lines.append(f"  {name or '<root>':<28} {label:<40} {plan.tier:<4} {chunk:>6} {ffn:>6} "
+                lines.append(f"  {name or '<root>':<{nw}} {label:<{lw}} {plan.tier:<4} {chunk:>6} {ffn:>6} "
                              f"{fmt_bytes(plan.predicted_total):>11} {fmt_bytes(plan.live_bytes + plan.stock_peak):>11}")
                 lines.append(f"      input {_describe_sig(sig)}: {plan.describe()}")
             for note in e.runtime_notes:
                 lines.append(f"      note: {note}")
+        if self.installed:
+            lines.append("  (predicted and stock est.: peak bytes with the call's live inputs, from the memory model;"
+                         " stock est. is an upper bound)")
         for s in self.skipped:
             lines.append(f"  stock     {s.name or '<root>'}  ({s.cls}): {s.reason}")
+        for w in self._stock_that_matters():
+            lines.append(f"  stock     {w.name}  ({type(w.module).__name__}): {_STOCK_WHY}; output "
+                         f"{fmt_bytes(w.largest)} for input {list(w.shape or ())} (+{fmt_bytes(w.live)} live inputs)")
         return "\n".join(lines)
 
-    def __repr__(self) -> str:
+    def __repr__(self) -> str:  # noqa: D105
         return f"<StreamHandle {len(self.installed)} streamed, {len(self.skipped)} left stock>"
+
+
+def _supersede(root: nn.Module) -> list["StreamHandle"]:
+    """A second ``apply`` over modules an earlier handle streams takes them over with its own options: the earlier
+    handle is removed first (and its ``remove()`` later removes the newer one too). Applying to a part of a model
+    that is streamed as a whole is refused: the whole model's handle owns its forward."""
+    mods = set(map(id, root.modules()))
+    for other_root, other in list(_LIVE.items()):
+        if other.removed or id(other_root) in mods:
+            continue
+        if any(m is root for m in other_root.modules()):
+            raise ValueError(f"{type(root).__name__} is part of {type(other_root).__name__}, which a streamplan "
+                             f"handle already streams ({other!r}); call that handle's remove() first, or apply to "
+                             f"{type(other_root).__name__} again to re-plan all of it")
+    superseded = [h for r, h in list(_LIVE.items()) if not h.removed and id(r) in mods]
+    for other in superseded:
+        other.remove()
+    return superseded
 
 
 def apply(module: nn.Module, budget: int | str | None = "auto", chunk_tokens: int | None = None, *,
@@ -533,12 +643,13 @@ def apply(module: nn.Module, budget: int | str | None = "auto", chunk_tokens: in
     chunk_tokens = _positive_int(chunk_tokens, "chunk_tokens")
     ffn_slice = _positive_int(ffn_slice, "ffn_slice")
     head_groups = _positive_int(head_groups, "head_groups")
-    reserve = parse_budget(reserve, None) if not isinstance(reserve, int) or reserve != 0 else 0
+    reserve = parse_budget(reserve, None, arg="reserve", allow_zero=True)
     if isinstance(budget, str) and budget.strip().lower() == "auto":
         parsed: int | str | None = "auto"   # resolved when each operation is planned, from what is free then
     else:
         parsed = parse_budget(budget, None)
     options = StreamOptions(parsed, reserve, chunk_tokens, ffn_slice, bool(self_check), head_groups)
+    superseded = _supersede(module)
     specs, skipped = recognize(module)
     for name, spec in list(specs.items()):
         if isinstance(spec, AttentionSpec) and consumer_for(spec.backend()) is None:
@@ -549,10 +660,17 @@ def apply(module: nn.Module, budget: int | str | None = "auto", chunk_tokens: in
     try:
         for name, spec in specs.items():
             handle._install(name, spec)
-        if specs and "" not in specs:
+        covered = [n for n, sp in specs.items() if n or not isinstance(sp, ModelSpec)] + [s.name for s in skipped if s.name]
+        for name, stock in watch_candidates(module, covered) if specs else ():   # nothing streamed: untouched
+            handle._watch(name, stock)
+        if (specs or handle.watched) and "" not in specs:
             handle._track_root()
     except BaseException:
         handle.remove()
         raise
+    _LIVE[module] = handle
+    for other in superseded:
+        other.superseded_by = handle
+        log.info("streamplan: %r superseded by the new apply on %s", other, type(module).__name__)
     log.info("streamplan: %d module(s) streamed, %d left stock", len(handle.installed), len(skipped))
     return handle

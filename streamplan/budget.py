@@ -7,32 +7,36 @@ import torch
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 2**10, "m": 2**20, "g": 2**30}
-_PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+_PATTERN = re.compile(r"^\s*([+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+_ACCEPTED = "bytes (an int), a size string like '12GiB', '900MB' or '1e9'"
 
 DEFAULT_RESERVE = 512 * 2**20
 
 
 def parse_budget(budget: int | float | str | None, device: torch.device | None = None,
-                 reserve: int = DEFAULT_RESERVE) -> int | None:
-    """Bytes from an int, ``"12GiB"``/``"900MB"``, or ``"auto"`` (free device memory minus ``reserve``)."""
+                 reserve: int = DEFAULT_RESERVE, *, arg: str = "budget", allow_zero: bool = False) -> int | None:
+    """Bytes from an int, ``"12GiB"``/``"900MB"``/``"1e9"``, or ``"auto"`` (free device memory minus ``reserve``).
+
+    ``arg`` names the argument in errors (``reserve`` is parsed here too, and may be 0 with ``allow_zero``)."""
+    accepted = _ACCEPTED + ("" if arg != "budget" else ", or 'auto'")
     if budget is None:
         return None
-    if isinstance(budget, bool):
-        raise ValueError(f"budget must be bytes, a size string like '12GiB', or 'auto'; got {budget!r}")
-    if isinstance(budget, (int, float)):
-        if budget <= 0:
-            raise ValueError(f"budget must be positive, got {budget!r}")
-        return int(budget)
-    if not isinstance(budget, str):
-        raise ValueError(f"budget must be bytes, a size string like '12GiB', or 'auto'; got {type(budget).__name__}")
-    if budget.strip().lower() == "auto":
-        return auto_budget(device, reserve)
-    match = _PATTERN.match(budget)
-    if not match or match.group(2).lower() not in _UNITS:
-        raise ValueError(f"budget {budget!r} cannot be parsed: use bytes or a size like '12GiB', '900MB', or 'auto'")
-    value = float(match.group(1)) * _UNITS[match.group(2).lower()]
-    if value <= 0:
-        raise ValueError(f"budget must be positive, got {budget!r}")
+    if isinstance(budget, bool) or not isinstance(budget, (int, float, str)):
+        raise ValueError(f"{arg} must be {accepted}; got {budget!r} ({type(budget).__name__})")
+    if isinstance(budget, str):
+        if budget.strip().lower() == "auto" and arg == "budget":
+            return auto_budget(device, reserve)
+        match = _PATTERN.match(budget)
+        if not match or match.group(2).lower() not in _UNITS:
+            raise ValueError(f"{arg} {budget!r} cannot be parsed: use {accepted}")
+        value = float(match.group(1)) * _UNITS[match.group(2).lower()]
+    else:
+        value = budget
+    if value != value or value in (float("inf"), float("-inf")):
+        raise ValueError(f"{arg} must be a finite number of bytes; got {budget!r}. Use {accepted}")
+    if value < 0 or (value < 1 and not (allow_zero and value == 0)):
+        least = "0 or more" if allow_zero else "at least 1 byte"
+        raise ValueError(f"{arg} must be {least}; got {budget!r}. Use {accepted}")
     return int(value)
 
 

@@ -1,6 +1,7 @@
-"""Stock against streamed on the same input: the differences per output."""
+"""Stock against streamed on the same input: the differences per output, with the caller's state untouched."""
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -22,24 +23,54 @@ def _tensors(out: Any, prefix: str = "output") -> dict[str, torch.Tensor]:
     return found
 
 
+def private_copy(value: Any) -> Any:
+    """A copy of a call's inputs that a reference run may change freely: tensors cloned, caches (anything with
+    ``get_seq_length``, as transformers' caches have) deep-copied, containers rebuilt; other objects shared."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, tuple) and hasattr(value, "_fields"):   # a namedtuple
+        return type(value)(*(private_copy(v) for v in value))
+    if isinstance(value, (tuple, list)):
+        return type(value)(private_copy(v) for v in value)
+    if isinstance(value, dict):
+        return {k: private_copy(v) for k, v in value.items()}
+    if hasattr(value, "get_seq_length"):
+        return copy.deepcopy(value)
+    return value
+
+
 def compare_outputs(streamed: Any, stock: Any) -> dict[str, dict[str, float]]:
-    """Per output tensor: max absolute difference and that relative to stock's largest magnitude."""
+    """Per output tensor: max absolute difference and that relative to stock's largest finite magnitude.
+
+    NaN-aware: a NaN where stock has a NaN counts as equal (as do equal infinities); NaNs in one output only are
+    counted in ``nan_mismatch`` and make ``rel`` infinite, so a check cannot pass over them."""
     a, b = _tensors(streamed), _tensors(stock)
     result = {}
     for name, ref in b.items():
         out = a.get(name)
         if out is None or out.shape != ref.shape:
-            result[name] = {"max_abs": float("inf"), "rel": float("inf")}
+            result[name] = {"max_abs": float("inf"), "rel": float("inf"), "nan_mismatch": 0}
             continue
-        diff = (out.float() - ref.float()).abs().max().item() if ref.numel() else 0.0
-        scale = ref.float().abs().max().item() if ref.numel() else 0.0
-        result[name] = {"max_abs": diff, "rel": diff / scale if scale else diff}
+        if not ref.numel():
+            result[name] = {"max_abs": 0.0, "rel": 0.0, "nan_mismatch": 0}
+            continue
+        o, r = out.float(), ref.float()
+        o_nan, r_nan = o.isnan(), r.isnan()
+        mismatch = int((o_nan != r_nan).sum().item())
+        same = (o == r) | (o_nan & r_nan)
+        diff = torch.where(same | o_nan | r_nan, torch.zeros_like(o), (o - r).abs())
+        max_abs = diff.max().item()
+        finite = r[r.isfinite()]
+        scale = finite.abs().max().item() if finite.numel() else 0.0
+        rel = max_abs / scale if scale else max_abs
+        result[name] = {"max_abs": max_abs, "rel": float("inf") if mismatch else rel, "nan_mismatch": mismatch}
     return result
 
 
 def verify(model: nn.Module, *args: Any, **kwargs: Any) -> dict[str, dict[str, float]]:
-    """Run ``model`` streamed and stock on the same input; returns ``{output: {"max_abs", "rel"}}``.
+    """Run ``model`` streamed and stock on the same input; returns ``{output: {"max_abs", "rel", "nan_mismatch"}}``.
 
+    Both runs get private copies of the inputs (caches included), so the caller's tensors and caches are as they were.
     If streamplan is not applied to ``model``, it is applied for this call (fixed default chunks, so that inputs
     longer than a chunk do stream) and removed after.
     """
@@ -52,9 +83,9 @@ def verify(model: nn.Module, *args: Any, **kwargs: Any) -> dict[str, dict[str, f
     handle = None if streamed_already else apply(model, budget=None)
     try:
         with torch.inference_mode():
-            out = model(*args, **kwargs)
+            out = model(*private_copy(args), **private_copy(kwargs))
             with bypass():
-                ref = model(*args, **kwargs)
+                ref = model(*private_copy(args), **private_copy(kwargs))
     finally:
         if handle is not None:
             handle.remove()

@@ -387,16 +387,19 @@ def test_unknown_variants_are_left_stock_and_named():
 
 
 @torch.no_grad()
-def test_already_streamed_module_is_not_streamed_twice():
+def test_a_second_apply_replans_and_either_handle_restores_stock():
     attn = _attention()
     x = torch.randn(1, 50, DIM)
     ref = attn(x)
+    stock_forward = attn.forward
     first = streamplan.apply(attn, chunk_tokens=16)
     second = streamplan.apply(attn, chunk_tokens=8)
-    assert second.installed == {} and "already streamed" in second.skipped[0].reason
+    assert list(second.installed) == [""] and second.skipped == []
     _assert_close(attn(x), ref)
-    assert [p.chunk for p in first.plans[""]] == [16]
-    first.remove()
+    assert [p.chunk for p in second.plans[""]] == [8]       # the newer arguments hold
+    assert first.installed == {} and "superseded" in first.report()
+    first.remove()                                           # the older handle still gives stock back
+    assert second.removed and attn.forward == stock_forward and "forward" not in attn.__dict__
     assert torch.equal(attn(x), ref)
 
 
