@@ -1,11 +1,50 @@
-"""streamplan: long-sequence transformer inference in bounded activation memory, with the model's own math."""
-from .api import StreamHandle, apply
-from .budget import parse_budget
-from .consumers import AttentionConsumer, ConsumerCaps, register_consumer, unregister_consumer
-from .meter import measure_peak
-from .planner import BudgetError
-from .verify import verify
+"""streamplan: long-sequence transformer inference in bounded activation memory, with the model's own math.
+
+The public names are loaded on first use (PEP 562), so that ``import streamplan`` and the ``streamplan`` command's
+``--help`` / ``--version`` do not pay for importing torch.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+import types
+
+__version__ = "0.1.0"
+
+# public name -> the submodule that defines it
+_EXPORTS = {
+    "apply": "api", "StreamHandle": "api", "verify": "verify", "measure_peak": "meter", "parse_budget": "budget",
+    "BudgetError": "planner", "register_consumer": "consumers", "unregister_consumer": "consumers",
+    "ConsumerCaps": "consumers", "AttentionConsumer": "consumers",
+}
 
 __all__ = ["apply", "verify", "StreamHandle", "measure_peak", "parse_budget", "BudgetError", "register_consumer",
            "unregister_consumer", "ConsumerCaps", "AttentionConsumer"]
-__version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+        globals()[name] = value
+        return value
+    if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        return importlib.import_module(f"{__name__}.{name}")   # streamplan.consumers, streamplan.api, ...
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+class _Package(types.ModuleType):
+    """Importing the submodule ``streamplan.verify`` sets the package attribute ``verify`` to that module; the public
+    name ``streamplan.verify`` is the function (as it was when this package imported everything eagerly)."""
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in _EXPORTS and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

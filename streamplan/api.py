@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves as pytree_leaves
 
 from .budget import DEFAULT_RESERVE, auto_budget, parse_budget
 from .consumers import consumer_for, unsupported
@@ -19,10 +20,10 @@ from .executors.attention import run_attention
 from .executors.block import donated, run_block
 from .executors.chunks import drain_retries
 from .executors.mlp import run_mlp, run_seq_chunked
-from .ir import AttentionCall, AttentionSpec, BlockCall, BlockSpec, MLPSpec, ModelSpec, RowLocalSpec, Skip
+from .ir import AttentionCall, AttentionSpec, BlockCall, BlockSpec, GraphSpec, MLPSpec, ModelSpec, RowLocalSpec, Skip
 from .budget import fmt_bytes
-from .planner import (DEFAULT_CHUNK_TOKENS, UTILISATION_FLOOR, AttentionDims, BudgetError, Plan, wave_quantum, mlp_row_elems, plan_attention, plan_block,
-                      plan_mlp, plan_rows)
+from .planner import (DEFAULT_CHUNK_TOKENS, UTILISATION_FLOOR, AttentionDims, BudgetError, Plan, mlp_row_elems,
+                      plan_attention, plan_block, plan_graph, plan_mlp, plan_rows, wave_quantum)
 from .verify import compare_outputs, private_copy
 from .stock_watch import StockWatch, activation_bytes, matters, watch_candidates
 from .recognize import recognize
@@ -313,16 +314,7 @@ class StreamHandle:
             with bypass():
                 ref = entry.stock(*ref_args, **ref_kwargs)
             del ref_args, ref_kwargs
-        if isinstance(entry.spec, ModelSpec):
-            out = self._run_model(entry, args, kwargs)
-        elif isinstance(entry.spec, BlockSpec):
-            out = self._run_block(entry, args, kwargs)
-        elif isinstance(entry.spec, AttentionSpec):
-            out = self._run_attention(entry, args, kwargs)
-        elif isinstance(entry.spec, RowLocalSpec):
-            out = self._run_row_local(entry, args, kwargs)
-        else:
-            out = self._run_mlp(entry, args, kwargs)
+        out = _HANDLERS[type(entry.spec)](self, entry, args, kwargs)
         for a, b in drain_retries():
             self._note(entry, f"out of memory on rows [{a}:{b}): retried in halves")
         if checking and any(p.tier != "L0" for p in entry.plans.values()):
@@ -510,6 +502,72 @@ class StreamHandle:
             return entry.stock(*args, **kwargs)
         return run_attention(call, consumer, plan.chunk, plan.head_groups)
 
+    def _run_graph(self, entry: Installed, args: tuple, kwargs: dict) -> Any:
+        """A block streamed from its captured graph (``streamplan.capture``)."""
+        from .capture import rows_of_call, streamable
+        from .capture.execute import GraphRun
+        from .capture.memory import graph_memory
+
+        module = entry.module
+        tensors = [t for t in pytree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if not tensors:
+            return entry.stock(*args, **kwargs)
+        if _needs_grad(module, tensors[0]):
+            self._note(entry, "autograd is recording: ran stock (streamed executors are for inference)")
+            return entry.stock(*args, **kwargs)
+        rows = rows_of_call(args, kwargs)
+        if rows is None or rows < 2:
+            return entry.stock(*args, **kwargs)
+        found, fresh = streamable(module, args, kwargs, rows)
+        if isinstance(found, str):
+            self._note(entry, f"ran stock: {found}")
+            return entry.stock(*args, **kwargs)
+        an, cap = found.analysis, found.captured
+        if fresh or not any(n.startswith("captured") for n in entry.runtime_notes):
+            static = f"; {found.static_rows} static rows recomputed in every chunk" if found.static_rows else ""
+            self._note(entry, f"captured in {cap.seconds:.2f} s: {an.ops} ops, {len(an.attentions)} global "
+                       f"attention(s){static}")
+        consumer = consumer_for("sdpa")
+        att = an.attentions[0]
+        qv, kv_ = att.q.meta["val"], att.k.meta["val"]
+        why = unsupported(consumer, heads=qv.shape[1], kv_heads=kv_.shape[1], head_dim=qv.shape[-1],
+                          causal=att.causal, mask=None, dtype=qv.dtype) if consumer is not None else "no SDPA consumer"
+        if why:
+            self._note(entry, f"ran stock: {why}")
+            return entry.stock(*args, **kwargs)
+        o = self.options
+        if o.ffn_slice or o.head_groups:
+            self._note(entry, "ffn_slice / head_groups are not available on the captured-graph path: row chunks only")
+        donate = {}
+        out0 = an.outputs[0] if an.outputs else None
+        if out0 is not None and getattr(an.rows.get(out0), "dim", None) == 1 and an.rows[out0].pre + an.rows[out0].post == 0:
+            x = next((t for t in tensors if donated(t)), None)
+            if x is not None and tuple(x.shape) == (x.shape[0], rows, *x.shape[2:]) and x.dtype == out0.meta["val"].dtype \
+                    and x.dim() == out0.meta["val"].dim():
+                donate[0] = x
+        device = tensors[0].device
+        sig = (_shapes(args, kwargs), tensors[0].dtype, device.type, bool(donate))
+
+        def make_plan(budget: int | None) -> Plan:
+            mem = graph_memory(an, found.phases, rows, set(donate))
+            order = [n for n in cap.graph.nodes if n.op == "call_function" and n not in an.ignored]
+            quantum = wave_quantum(torch.cuda.get_device_properties(device).multi_processor_count,
+                                   qv.shape[0] * qv.shape[1]) if device.type == "cuda" else 1
+            return plan_graph(rows, mem.kv_bytes + mem.out_bytes, mem.transient, mem.stock(order),
+                              chunk_tokens=o.chunk_tokens, budget=budget,
+                              min_chunk=UTILISATION_FLOOR.get(device.type, 0), quantum=quantum)
+
+        plan = self._plan(entry, sig, make_plan, args, kwargs, device)
+        if plan.tier == "L0":
+            return entry.stock(*args, **kwargs)
+
+        def attend(q, k, v, *, q_offset, causal, scale):
+            return consumer.attend(q, k, v, q_offset=q_offset, causal=causal, mask=None, scale=scale)
+
+        run = GraphRun(cap, an, found.phases, module, args, kwargs, rows, attend)
+        run.build_kv(plan.chunk)
+        return run.run_q(plan.chunk, donate)
+
     @staticmethod
     def _note(entry: Installed, note: str) -> None:
         if note not in entry.runtime_notes:
@@ -606,6 +664,12 @@ class StreamHandle:
 
     def __repr__(self) -> str:  # noqa: D105
         return f"<StreamHandle {len(self.installed)} streamed, {len(self.skipped)} left stock>"
+
+
+_HANDLERS: dict[type, Callable[..., Any]] = {   # how each kind of spec runs; a new spec type registers here
+    ModelSpec: StreamHandle._run_model, BlockSpec: StreamHandle._run_block, AttentionSpec: StreamHandle._run_attention,
+    RowLocalSpec: StreamHandle._run_row_local, MLPSpec: StreamHandle._run_mlp, GraphSpec: StreamHandle._run_graph,
+}
 
 
 def _supersede(root: nn.Module) -> list["StreamHandle"]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import gc
 import statistics
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -166,12 +167,18 @@ class _NaiveChunkedFFN:
             ffn.__dict__.pop("forward", None)
 
 
-def run_case(case: Case, tokens_list: list[int], modes: list[str], repeats: int = 3) -> Iterator[Row]:
+def run_case(case: Case, tokens_list: list[int], modes: list[str], repeats: int = 3,
+             progress: Callable[[str], None] | None = None) -> Iterator[Row]:
     """Yield one row per (tokens, mode). Modes: stock, naive-chunked-ffn, forward-chunking, streamplan-<rows>
     (forced chunk), streamplan-<N>GiB (the planner given what an N GiB card leaves after the weights),
-    streamplan-floor<x> (the planner given the inputs plus x times the floor)."""
+    streamplan-floor<x> (the planner given the inputs plus x times the floor). ``progress``, if given, is called
+    with a line of text as each stage starts."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    say = progress or (lambda message: None)
+    started = time.perf_counter()
+    elapsed = lambda: f"[{time.perf_counter() - started:6.1f} s]"  # noqa: E731
+    say(f"{elapsed()} {case.name}: building on cuda ...")
     torch.manual_seed(0)
     model = case.build()
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -181,6 +188,7 @@ def run_case(case: Case, tokens_list: list[int], modes: list[str], repeats: int 
         floor_kb = case.floor_bytes_per_token / 1024
         kb = lambda b: b / tokens / 1024  # noqa: E731
         with torch.inference_mode():
+            say(f"{elapsed()} {case.name}, {tokens} tokens: stock (peak, {repeats} timed runs) ...")
             ref, peak, reserved = _measure(lambda: case.call(model, args))
             ref = _first_tensor(ref).float()
             stock_t = cuda_time(lambda: case.call(model, args), repeats)
@@ -192,6 +200,7 @@ def run_case(case: Case, tokens_list: list[int], modes: list[str], repeats: int 
             for mode in modes:
                 if mode == "stock":
                     continue
+                say(f"{elapsed()} {case.name}, {tokens} tokens: {mode} ...")
                 if mode == "forward-chunking":
                     if not hasattr(model, "enable_forward_chunking"):
                         yield Row(case.name, tokens, mode, floor_kb, note="not offered by this model")

@@ -192,3 +192,12 @@ class RowLocalSpec:
     module: nn.Module
     label: str
     transient_per_elem: int   # elements alive per input element in the stock forward (fp32 counted double)
+
+
+@dataclass(eq=False)
+class GraphSpec:
+    """A block no hand-written recognizer knows, streamed from its own captured graph (captured at its first call
+    per input signature; ``streamplan.capture`` says what it can run and why not)."""
+
+    module: nn.Module
+    label: str

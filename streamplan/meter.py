@@ -2,12 +2,18 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import re
+import sys
+import tempfile
 from typing import Any, Callable
 
 import torch
 
 __all__ = ["measure_peak"]
+
+logger = logging.getLogger(__name__)
 
 
 def _infer_device(args: tuple, kwargs: dict) -> torch.device:
@@ -20,21 +26,54 @@ def _infer_device(args: tuple, kwargs: dict) -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+# What the profiler itself writes to fd 2 from C++ (not through Python's warnings, so it cannot be filtered there):
+# Kineto's log lines at each profiler start and stop (USDT; STAGE in older torch), and the CPU allocator's warning when
+# a block allocated before the window is freed inside it (expected here: the meter counts only what the call adds).
+_PROFILER_NOISE = re.compile(
+    r"^(?:USDT|STAGE):\S+ \S+ \d+:\d+ \S+\.cpp:\d+\] "
+    r"|^\[W[^\]]*CPUAllocator\.cpp:\d+\] Memory block of unknown size was allocated before the profiling started")
+
+
 @contextlib.contextmanager
-def _quiet_stderr():
-    """The CPU allocator warns once per pre-existing block freed in the window; that is expected here."""
+def _filtered_stderr():
+    """Hold what is written to fd 2 during the window in a temporary file, then write every line of it back to the real
+    stderr except the profiler's own noise (``_PROFILER_NOISE``): the caller's output and warnings are kept, only
+    later (after the call)."""
     try:
-        fd = os.dup(2)
+        saved = os.dup(2)
     except OSError:  # no real stderr (embedded interpreters)
         yield
         return
-    try:
-        with open(os.devnull, "w") as devnull:
-            os.dup2(devnull.fileno(), 2)
+    with tempfile.TemporaryFile() as held:
+        _flush_stderr()
+        os.dup2(held.fileno(), 2)
+        try:
             yield
-    finally:
-        os.dup2(fd, 2)
-        os.close(fd)
+        finally:
+            _flush_stderr()
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            dropped = 0
+            for line in held:
+                if _PROFILER_NOISE.match(line.decode("utf-8", "replace")):
+                    dropped += 1
+                else:
+                    _write_all(2, line)
+            if dropped:
+                logger.debug("measure_peak: dropped %d line(s) of profiler noise from stderr", dropped)
+
+
+def _flush_stderr() -> None:
+    try:
+        sys.stderr.flush()
+    except (AttributeError, OSError, ValueError):
+        pass
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    while data:
+        data = data[os.write(fd, data):]
 
 
 def profiler_peak(fn: Callable[..., Any], args: tuple, kwargs: dict, device_type: str = "cpu") -> tuple[Any, int]:
@@ -43,7 +82,7 @@ def profiler_peak(fn: Callable[..., Any], args: tuple, kwargs: dict, device_type
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device_type == "cuda" else [])
-    with _quiet_stderr(), profile(activities=activities, profile_memory=True) as prof:
+    with _filtered_stderr(), profile(activities=activities, profile_memory=True) as prof:
         result = fn(*args, **kwargs)
         if device_type == "cuda":
             torch.cuda.synchronize()
@@ -72,7 +111,9 @@ def measure_peak(fn: Callable[..., Any], *args: Any, device: torch.device | str 
 
     ``peak_bytes`` is the highest amount of tensor memory allocated during the call above what was live
     when it started. The device is the first tensor argument's (or module's) unless ``device`` is given;
-    with no tensors, CUDA when available.
+    with no tensors, CUDA when available. On CPU the peak comes from the profiler, whose C++ side writes its own
+    messages to stderr: during the call, stderr (fd 2) is held in a temporary file and written out when the call
+    returns, those messages left out; everything else the call writes, warnings included, is kept.
     """
     if not callable(fn):
         raise ValueError(f"measure_peak: fn must be callable, got {type(fn).__name__}")

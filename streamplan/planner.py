@@ -331,3 +331,29 @@ def plan_rows(rows: int, row_bytes: int, transient_per_elem: int, *, chunk_token
         raise BudgetError(f"row-local module over {rows} rows: budget {fmt_bytes(budget)} is below its output "
                           f"({fmt_bytes(rows * row_bytes)}) plus one chunk")
     return make("L1", chunk)
+
+
+def plan_graph(rows: int, fixed: int, transient, stock: int, *, chunk_tokens: int | None = None,
+               budget: int | None = None, min_chunk: int = MIN_CHUNK_TOKENS, quantum: int = 1) -> Plan:
+    """A captured block: whole buffers (``fixed``: K and V, the outputs) plus ``transient(chunk)``, one chunk's
+    values at their worst moment, both read off the graph."""
+    def make(tier: str, chunk: int) -> Plan:
+        if tier == "L0":
+            return Plan("L0", rows, rows, 0, stock, stock)
+        if chunk_tokens is None:
+            chunk = quantize_chunk(chunk, rows, quantum)
+        chunk = min(chunk, rows)
+        return Plan(tier, rows, chunk, 0, fixed + transient(chunk), stock)
+
+    if chunk_tokens is not None or budget is None:
+        return _fixed(rows, chunk_tokens, make)
+    if stock <= budget:
+        return make("L0", rows)
+    for floor in dict.fromkeys((max(min_chunk, MIN_CHUNK_TOKENS), MIN_CHUNK_TOKENS)):
+        chunk = _largest_chunk(lambda c: fixed + transient(c), rows, budget, floor)
+        if chunk is not None:
+            return make("L1", chunk)
+    least = fixed + transient(min(rows, MIN_CHUNK_TOKENS))
+    raise BudgetError(f"captured block over {rows} rows: {fmt_bytes(budget)} left for it is below the smallest peak "
+                      f"streamplan can reach ({fmt_bytes(least)}: global K, V and the outputs {fmt_bytes(fixed)}, "
+                      f"and one {MIN_CHUNK_TOKENS}-row chunk)")

@@ -5,11 +5,12 @@ from typing import Callable
 
 from torch import nn
 
-from ..ir import AttentionSpec, BlockSpec, MLPSpec, ModelSpec, Skip
+from ..ir import AttentionSpec, BlockSpec, GraphSpec, MLPSpec, ModelSpec, Skip
 from .diffusers_attention import recognize_attention, recognize_flux_attention, recognize_wan_attention
 from .diffusers_blocks import recognize_flux_block, recognize_wan_block
 from .diffusers_mlp import recognize_feedforward
 from .diffusers_models import recognize_wan_model
+from .generic import block_candidates, recognize_generic
 from .row_local import recognize_row_local
 from .transformers_attention import recognize_llama_attention
 from .transformers_blocks import recognize_llama_layer
@@ -26,17 +27,23 @@ RECOGNIZERS: list[Recognizer] = BLOCK_RECOGNIZERS + [recognize_feedforward, reco
                                                       recognize_row_local]
 
 
-def recognize(root: nn.Module) -> tuple[dict[str, MLPSpec | AttentionSpec | BlockSpec | ModelSpec], list[Skip]]:
+def recognize(root: nn.Module, generic: bool = True) -> tuple[dict[str, MLPSpec | AttentionSpec | BlockSpec | ModelSpec | GraphSpec], list[Skip]]:
     """Walk ``root`` top-down; a recognised module's children are not visited again."""
-    specs: dict[str, MLPSpec | AttentionSpec | BlockSpec | ModelSpec] = {}
+    specs: dict[str, MLPSpec | AttentionSpec | BlockSpec | ModelSpec | GraphSpec] = {}
     skipped: list[Skip] = []
     claimed: list[str] = []
+    candidates = block_candidates(root) if generic else set()
     for name, module in root.named_modules():
         if any(name == c or name.startswith(c + ".") for c in claimed if c) or "" in claimed:
             continue
         model = next((m for m in (rec(name, module) for rec in MODEL_RECOGNIZERS) if m is not None), None)
         if model is not None:
             (skipped.append if isinstance(model, Skip) else lambda s: specs.__setitem__(name, s))(model)
+            continue
+        if id(module) in candidates and all(rec(name, module) is None for rec in RECOGNIZERS):
+            found = recognize_generic(name, module)   # a block no hand-written recognizer knows: from its graph
+            (skipped.append if isinstance(found, Skip) else lambda s: specs.__setitem__(name, s))(found)
+            claimed.append(name)
             continue
         for rec in RECOGNIZERS:
             found = rec(name, module)

@@ -1,0 +1,192 @@
+"""Running a captured block in row chunks: values that do not depend on the rows once, then for each global
+attention its K and V chunk by chunk into whole buffers (phase KV), then the whole graph chunk by chunk with each
+global attention's Q chunk attended against those buffers, the outputs written chunk by chunk into their own
+buffers (phase Q). Freed as soon as their last user has run, as the stock graph would."""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import fx
+from torch.utils import _pytree as pytree
+
+from ..executors.chunks import MAX_SPLITS, _attempt
+from .analyze import Analysis, GlobalAttention, Rows
+from .export import Captured
+
+_VIEWS = {"view", "_unsafe_view", "permute", "transpose", "t", "unsqueeze", "squeeze", "expand", "alias", "slice",
+          "select", "narrow", "split", "split_with_sizes", "chunk", "unbind", "unflatten", "detach", "view_as_complex",
+          "view_as_real", "movedim", "flatten", "reshape", "contiguous", "dropout", "expand_as", "lift_fresh_copy"}
+
+
+@dataclass(eq=False)
+class Phases:
+    """The node lists each phase runs (constants excluded) and what each keeps to the end."""
+
+    const: list[fx.Node]
+    kv: list[list[fx.Node]]          # per global attention, in graph order
+    q: list[fx.Node]
+
+
+def _ancestors(roots: list[fx.Node], stop: set[fx.Node]) -> set[fx.Node]:
+    seen: set[fx.Node] = set()
+    todo = [r for r in roots if isinstance(r, fx.Node)]
+    while todo:
+        n = todo.pop()
+        if n in seen or n in stop:
+            continue
+        seen.add(n)
+        todo.extend(n.all_input_nodes)
+    return seen
+
+
+def phases(cap: Captured, an: Analysis) -> Phases:
+    order = [n for n in cap.graph.nodes if n.op == "call_function" and n not in an.ignored]
+    const = [n for n in order if n in an.const]
+    stop = set(an.const) | {n for n in cap.graph.nodes if n.op == "placeholder"}
+    kv = []
+    for att in an.attentions:
+        need = _ancestors([att.k, att.v], stop)
+        kv.append([n for n in order if n in need])
+    need = _ancestors([o for o in an.outputs if isinstance(o, fx.Node)], stop)
+    return Phases(const, kv, [n for n in order if n in need])
+
+
+def spans(rows: int, chunk: int) -> Iterator[tuple[int, int]]:
+    """Row chunks of at most ``chunk`` rows, never a last chunk of one row (a captured graph assumes two or more)."""
+    a = 0
+    while a < rows:
+        b = min(a + chunk, rows)
+        if rows - b == 1:
+            b = rows
+        yield a, b
+        a = b
+
+
+def _last_uses(nodes: list[fx.Node]) -> dict[int, list[fx.Node]]:
+    last: dict[fx.Node, int] = {}
+    for i, n in enumerate(nodes):
+        for m in n.all_input_nodes:
+            last[m] = i
+    frees: dict[int, list[fx.Node]] = {}
+    for m, i in last.items():
+        frees.setdefault(i, []).append(m)
+    return frees
+
+
+def _write_rows(dst: torch.Tensor, src: torch.Tensor, r: Rows, total: int, a: int, b: int, first: bool) -> None:
+    """Chunk rows [a:b) (with its static rows around them) into a whole buffer of ``total`` dynamic rows."""
+    d = r.dim
+    dst.narrow(d, r.pre + a, b - a).copy_(src.narrow(d, r.pre, b - a))
+    if first and r.pre:
+        dst.narrow(d, 0, r.pre).copy_(src.narrow(d, 0, r.pre))
+    if first and r.post:
+        dst.narrow(d, r.pre + total, r.post).copy_(src.narrow(d, r.pre + (b - a), r.post))
+
+
+def _whole(like: torch.Tensor, r: Rows, total: int) -> torch.Tensor:
+    shape = list(like.shape)
+    shape[r.dim] = r.pre + total + r.post
+    return like.new_empty(shape)
+
+
+class GraphRun:
+    """One call of a captured block: its inputs bound, its constants computed, ready to run in chunks."""
+
+    def __init__(self, cap: Captured, an: Analysis, ph: Phases, module: torch.nn.Module, args: tuple, kwargs: dict,
+                 rows: int, attend: Callable[..., torch.Tensor]):
+        self.cap, self.an, self.ph, self.rows, self.attend = cap, an, ph, rows, attend
+        flat = pytree.tree_leaves((args, kwargs), is_leaf=lambda x: x is None)
+        self.base: dict[fx.Node, Any] = {}
+        placeholders = [n for n in cap.graph.nodes if n.op == "placeholder"]
+        for node, (kind, ref) in zip(placeholders, cap.inputs):
+            if kind == "user":
+                self.base[node] = flat[ref]
+            elif kind == "param":
+                self.base[node] = module.get_parameter(ref)
+            elif kind == "buffer":
+                self.base[node] = module.get_buffer(ref)
+            else:
+                self.base[node] = cap.program.constants[ref]
+        self.kv: dict[fx.Node, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.consts: dict[fx.Node, Any] = {}
+        env = dict(self.base)
+        for node in ph.const:
+            env[node] = self._call(node, env)
+        self.consts = {n: env[n] for n in ph.const}
+
+    # -- one node ---------------------------------------------------------------------------------------------
+    @staticmethod
+    def _call(node: fx.Node, env: dict) -> Any:
+        args = fx.node.map_arg(node.args, lambda n: env[n])
+        kwargs = fx.node.map_arg(node.kwargs, lambda n: env[n])
+        if node.target is operator.getitem:
+            return args[0][args[1]]
+        return node.target(*args, **kwargs)
+
+    def _inputs(self, a: int, b: int) -> dict:
+        env = dict(self.consts)
+        for node, value in self.base.items():
+            r = self.an.rows.get(node)
+            env[node] = value.narrow(r.dim, a, b - a) if isinstance(r, Rows) else value
+        return env
+
+    def _attention(self, att: GlobalAttention, env: dict, a: int) -> torch.Tensor:
+        k, v = self.kv[att.node]
+        q = env[att.q]
+        return self.attend(q, k, v, q_offset=a, causal=att.causal, scale=att.scale)
+
+    def _run(self, nodes: list[fx.Node], env: dict, a: int, keep: set[fx.Node]) -> dict:
+        frees = _last_uses(nodes)
+        globals_ = {att.node: att for att in self.an.attentions}
+        for i, node in enumerate(nodes):
+            att = globals_.get(node)
+            env[node] = self._attention(att, env, a) if att is not None else self._call(node, env)
+            for m in frees.get(i, ()):
+                if m not in keep and m not in self.consts and m not in self.base:
+                    env.pop(m, None)
+        return env
+
+    # -- the phases ---------------------------------------------------------------------------------------------
+    def build_kv(self, chunk: int) -> None:
+        for att, nodes in zip(self.an.attentions, self.ph.kv):
+            bufs: list[torch.Tensor] = []
+
+            def work(a: int, b: int, att=att, nodes=nodes, bufs=bufs) -> None:
+                env = self._run(nodes, self._inputs(a, b), a, {att.k, att.v})
+                kc, vc = env[att.k], env[att.v]
+                if not bufs:
+                    bufs += [_whole(kc, att.kv_rows, self.rows), _whole(vc, att.kv_rows, self.rows)]
+                _write_rows(bufs[0], kc, att.kv_rows, self.rows, a, b, a == 0)
+                _write_rows(bufs[1], vc, att.kv_rows, self.rows, a, b, a == 0)
+
+            for a, b in spans(self.rows, chunk):
+                _attempt(work, a, b, MAX_SPLITS)
+            self.kv[att.node] = (bufs[0], bufs[1])
+
+    def run_q(self, chunk: int, donate: dict[int, torch.Tensor]) -> Any:
+        """Phase Q; ``donate`` maps an output index to a tensor of the same shape that may be overwritten."""
+        outs: list[Any] = [None] * len(self.an.outputs)
+        keep = {o for o in self.an.outputs if isinstance(o, fx.Node)}
+
+        def work(a: int, b: int) -> None:
+            env = self._run(self.ph.q, self._inputs(a, b), a, keep)
+            for i, o in enumerate(self.an.outputs):
+                if not isinstance(o, fx.Node):
+                    outs[i] = o
+                    continue
+                val = env[o] if o in env else self.consts.get(o, self.base.get(o))
+                r = self.an.rows.get(o)
+                if isinstance(r, Rows):
+                    if outs[i] is None:
+                        outs[i] = donate.get(i) if i in donate else _whole(val, r, self.rows)
+                    _write_rows(outs[i], val, r, self.rows, a, b, a == 0)
+                else:
+                    outs[i] = val
+
+        for a, b in spans(self.rows, chunk):
+            _attempt(work, a, b, MAX_SPLITS)
+        self.kv.clear()
+        return pytree.tree_unflatten(outs, self.cap.out_spec)

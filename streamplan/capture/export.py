@@ -1,0 +1,121 @@
+"""Capture: a block's forward traced once to an ATen graph with its row count symbolic (``torch.export``), cached per
+class and input signature and reused for every block of that class with its own parameters."""
+from __future__ import annotations
+
+import inspect
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+log = logging.getLogger("streamplan")
+
+MAX_ROWS = 1 << 26
+
+
+@dataclass(eq=False)
+class Captured:
+    """One exported forward: the graph, what each placeholder is, and how long the capture took."""
+
+    program: Any                      # torch.export.ExportedProgram
+    graph: torch.fx.Graph
+    inputs: list[tuple[str, str]]     # per placeholder, in order: (kind, target or user-input index)
+    in_spec: Any
+    out_spec: Any
+    row_symbol: Any                   # the sympy symbol of the row count
+    seconds: float
+    analysis: Any = None              # filled by capture.analyze (an Analysis, or the reason it cannot stream)
+    notes: list[str] = field(default_factory=list)
+
+
+def rows_of_call(args: tuple, kwargs: dict) -> int | None:
+    """The row count of a block call: dim 1 of its first [batch, rows, features] tensor."""
+    for leaf in pytree.tree_leaves((args, kwargs)):
+        if isinstance(leaf, torch.Tensor) and leaf.dim() == 3:
+            return leaf.shape[1]
+    return None
+
+
+def signature(module: nn.Module, args: tuple, kwargs: dict, rows: int) -> tuple:
+    """What a capture depends on: the class and forward, each leaf's shape with the row count abstracted, dtypes,
+    devices, the non-tensor leaves, and the call's structure."""
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    sig = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            sig.append((tuple("N" if s == rows else s for s in leaf.shape), leaf.dtype, leaf.device.type,
+                        leaf.requires_grad))
+        elif isinstance(leaf, (int, float, bool, str, type(None))):
+            sig.append(leaf)
+        else:
+            sig.append(type(leaf).__name__)
+    fwd = type(module).forward
+    return (type(module), getattr(fwd, "__code__", fwd), str(spec), tuple(sig))
+
+
+def capture(module: nn.Module, args: tuple, kwargs: dict, rows: int) -> Captured | str:
+    """Export ``module`` at this call with every dimension of size ``rows`` made one symbolic row count. Runs on
+    fake tensors: nothing the size of the call is allocated."""
+    from torch.export import Dim, export
+    from torch.export.graph_signature import InputKind
+
+    dim = Dim("rows", min=2, max=MAX_ROWS)
+
+    def dyn(leaf):
+        if isinstance(leaf, torch.Tensor):
+            return {i: dim for i, s in enumerate(leaf.shape) if s == rows} or None
+        return None
+
+    try:
+        bound = dict(inspect.signature(type(module).forward).bind(module, *args, **kwargs).arguments)
+        bound.pop(next(iter(bound)))   # self
+    except TypeError as exc:
+        return f"the call does not match its forward's signature ({exc})"
+    dynamic = {k: pytree.tree_map(dyn, v, is_leaf=lambda x: isinstance(x, torch.Tensor) or x is None)
+               for k, v in bound.items()}
+    start = time.perf_counter()
+    installed = module.__dict__.pop("forward", None)   # streamplan's own wrapper: trace the class forward
+    try:
+        with torch.no_grad():
+            program = export(module, tuple(args), dict(kwargs), dynamic_shapes=dynamic, strict=False)
+    except Exception as exc:  # noqa: BLE001 -- any capture failure keeps the module stock, with the reason
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return f"capture failed ({type(exc).__name__}: {text[:200]})"
+    finally:
+        if installed is not None:
+            module.forward = installed
+    seconds = time.perf_counter() - start
+    sig = program.graph_signature
+    if sig.buffers_to_mutate or getattr(sig, "user_inputs_to_mutate", None):
+        return "its forward writes in place to an input or buffer"
+    inputs, user = [], 0
+    for s in sig.input_specs:
+        if s.kind == InputKind.USER_INPUT:
+            inputs.append(("user", user))
+            user += 1
+        elif s.kind in (InputKind.PARAMETER, InputKind.BUFFER):
+            inputs.append(("param" if s.kind == InputKind.PARAMETER else "buffer", s.target))
+        elif s.kind == InputKind.CONSTANT_TENSOR:
+            inputs.append(("constant", s.target))
+        else:
+            return f"capture has an input of kind {s.kind.name} streamplan does not run"
+    symbol = None
+    for node in program.graph.nodes:
+        val = node.meta.get("val")
+        if node.op == "placeholder" and isinstance(val, torch.Tensor):
+            for size in val.shape:
+                if isinstance(size, torch.SymInt):
+                    symbol = size.node.expr
+                    break
+        if symbol is not None:
+            break
+    if symbol is None or not getattr(symbol, "is_Symbol", False):
+        return "no input dimension became the symbolic row count"
+    log.info("streamplan: captured %s in %.2f s (%d graph nodes)", type(module).__name__, seconds,
+             len(program.graph.nodes))
+    return Captured(program, program.graph, inputs, program.call_spec.in_spec, program.call_spec.out_spec, symbol,
+                    seconds)

@@ -1,0 +1,117 @@
+"""The memory model of a captured block, read off the graph: bytes per row of every value, which ops allocate and
+which only view, and live ranges. Whole buffers (each global attention's K and V, the outputs) plus the worst moment
+of one chunk's values is the predicted peak; the whole graph at every row is the stock estimate."""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import sympy
+import torch
+from torch import fx
+
+from .analyze import Analysis, Rows, _name
+from .execute import _VIEWS, Phases, _last_uses
+
+
+def _numel(val, dim: int | None) -> int:
+    n = 1
+    for i, size in enumerate(val.shape):
+        if i == dim:
+            continue
+        e = size.node.expr if isinstance(size, torch.SymInt) else sympy.Integer(size)
+        if not e.is_Integer:
+            return 0
+        n *= int(e)
+    return n
+
+
+@dataclass
+class GraphMemory:
+    """Bytes as functions of the chunk: ``fixed`` (whole buffers) + the worst phase at ``chunk`` rows."""
+
+    rows: int
+    per_row: dict[fx.Node, int]        # bytes per dynamic row (0 for values without rows)
+    static: dict[fx.Node, int]         # bytes of static rows and of values without rows
+    allocates: dict[fx.Node, bool]
+    phases: Phases
+    kv_bytes: int                      # every global attention's K and V over all rows
+    out_bytes: int                     # the row outputs over all rows (a donated output costs nothing)
+    attention_nodes: set
+
+    def value(self, node: fx.Node, rows: int) -> int:
+        return self.per_row.get(node, 0) * rows + self.static.get(node, 0)
+
+    def _phase(self, nodes: list[fx.Node], rows: int) -> int:
+        frees = _last_uses(nodes)
+        owner: dict[fx.Node, fx.Node] = {}
+        refs: dict[fx.Node, int] = {}
+        live = peak = 0
+        for i, n in enumerate(nodes):
+            base = None if self.allocates.get(n, True) else next(
+                (owner[m] for m in n.all_input_nodes if m in owner), None)
+            if base is None:
+                owner[n], refs[n] = n, 1
+                live += self.value(n, rows)
+            else:
+                owner[n] = base
+                refs[base] += 1
+            peak = max(peak, live)
+            for m in frees.get(i, ()):
+                if m in owner:
+                    b = owner.pop(m)
+                    refs[b] -= 1
+                    if refs[b] == 0:
+                        live -= self.value(b, rows)
+        return peak
+
+    def transient(self, chunk: int) -> int:
+        chunk = min(chunk, self.rows)
+        return max([self._phase(p, chunk) for p in self.phases.kv] + [self._phase(self.phases.q, chunk)])
+
+    def predicted(self, chunk: int) -> int:
+        return self.kv_bytes + self.out_bytes + self.transient(chunk)
+
+    def stock(self, nodes: list[fx.Node]) -> int:
+        return self._phase(nodes, self.rows)
+
+
+def graph_memory(an: Analysis, ph: Phases, rows: int, donated_outputs: set[int]) -> GraphMemory:
+    per_row: dict[fx.Node, int] = {}
+    static: dict[fx.Node, int] = {}
+    allocates: dict[fx.Node, bool] = {}
+    nodes = {n for p in ph.kv for n in p} | set(ph.q) | set(ph.const)
+    for n in nodes:
+        val = n.meta.get("val")
+        vals = val if isinstance(val, (tuple, list)) else [val]
+        rws = an.rows.get(n)
+        rws = rws if isinstance(rws, list) else [rws] * len(vals)
+        pr = st = 0
+        for v, r in zip(vals, rws):
+            if not isinstance(v, torch.Tensor):
+                continue
+            elem = v.element_size()
+            if isinstance(r, Rows):
+                row = _numel(v, r.dim) * elem
+                pr, st = pr + row, st + row * (r.pre + r.post)
+            else:
+                st += _numel(v, None) * elem
+        per_row[n], static[n] = pr, st
+        name = _name(n.target)
+        same_dtype = all(isinstance(m.meta.get("val"), torch.Tensor) and isinstance(val, torch.Tensor)
+                         and m.meta["val"].dtype == val.dtype for m in n.all_input_nodes[:1])
+        allocates[n] = not (name in _VIEWS or n.target is operator.getitem
+                            or (name in ("to", "_to_copy", "type_as") and same_dtype))
+    kv = 0
+    for att in an.attentions:
+        for t in (att.k, att.v):
+            v = t.meta["val"]
+            r = att.kv_rows
+            kv += _numel(v, r.dim) * v.element_size() * (rows + r.pre + r.post)
+    out = 0
+    for i, o in enumerate(an.outputs):
+        r = an.rows.get(o) if isinstance(o, fx.Node) else None
+        if isinstance(r, Rows) and i not in donated_outputs:
+            v = o.meta["val"]
+            out += _numel(v, r.dim) * v.element_size() * (rows + r.pre + r.post)
+    return GraphMemory(rows, per_row, static, allocates, ph, kv, out, {a.node for a in an.attentions})

@@ -1,0 +1,35 @@
+"""The generic way in: any block no hand-written recognizer claims, streamed from its captured graph. Candidates are
+the elements of a ``ModuleList`` (how every library stacks its blocks) that have parts of their own, and a root
+applied to directly; whether one really streams is decided at its first call, from the graph."""
+from __future__ import annotations
+
+from torch import nn
+
+from ..ir import GraphSpec, Skip
+from .checks import stock_problem
+
+
+def block_candidates(root: nn.Module) -> set[int]:
+    """ids of the modules the generic path may take: ModuleList elements with at least two children and three linear
+    layers inside (an attention and more); the root itself when it holds no such list."""
+    found: set[int] = set()
+    for m in root.modules():
+        if isinstance(m, nn.ModuleList):
+            for child in m:
+                if _block_like(child):
+                    found.add(id(child))
+    if not found and _block_like(root) and not isinstance(root, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
+        found.add(id(root))
+    return found
+
+
+def _block_like(m: nn.Module) -> bool:
+    return len(list(m.children())) >= 2 and sum(isinstance(x, nn.Linear) for x in m.modules()) >= 3
+
+
+def recognize_generic(name: str, module: nn.Module) -> GraphSpec | Skip:
+    problem = stock_problem(module)
+    if problem:
+        return Skip(name, type(module).__name__, problem)
+    lib = type(module).__module__.split(".")[0]
+    return GraphSpec(module, f"captured {lib}.{type(module).__name__}")
