@@ -26,7 +26,7 @@ from .planner import (DEFAULT_CHUNK_TOKENS, UTILISATION_FLOOR, AttentionDims, Bu
                       plan_attention, plan_block, plan_graph, plan_mlp, plan_rows, wave_quantum)
 from .verify import compare_outputs, private_copy
 from .stock_watch import StockWatch, activation_bytes, matters, watch_candidates
-from .recognize import recognize
+from .recognize import CAPTURE_MODES, recognize
 from .recognize.checks import STREAMED_MARK
 
 log = logging.getLogger("streamplan")
@@ -692,7 +692,7 @@ def _supersede(root: nn.Module) -> list["StreamHandle"]:
 
 def apply(module: nn.Module, budget: int | str | None = "auto", chunk_tokens: int | None = None, *,
           ffn_slice: int | None = None, head_groups: int | None = None, reserve: int | str = DEFAULT_RESERVE,
-          self_check: bool = False) -> StreamHandle:
+          self_check: bool = False, capture: str = "fallback") -> StreamHandle:
     """Stream every recognised structure inside ``module`` in place; returns a handle to report and undo.
 
     ``budget`` (bytes, ``"12GiB"``, or ``"auto"``: the device's free memory when an operation is first planned) lets
@@ -700,7 +700,9 @@ def apply(module: nn.Module, budget: int | str | None = "auto", chunk_tokens: in
     than a fixed default chunk instead. ``chunk_tokens`` forces row streaming at that chunk; ``ffn_slice`` forces feature-sliced MLPs with that many hidden features per slice;
     ``head_groups`` forces head-grouped K/V (L3) with the K/V heads split into that many groups.
     ``reserve`` is kept free under ``budget="auto"``. ``self_check`` runs the first streamed call stock as well and
-    logs (and reports) the difference.
+    logs (and reports) the difference. ``capture`` picks the way in for blocks: "fallback" (default) streams every
+    block no hand-written recognizer knows from its captured graph, "prefer" captures every block, "off" uses the
+    hand-written recognizers alone.
     """
     if not isinstance(module, nn.Module):
         raise ValueError(f"module must be a torch.nn.Module, got {type(module).__name__}")
@@ -712,9 +714,11 @@ def apply(module: nn.Module, budget: int | str | None = "auto", chunk_tokens: in
         parsed: int | str | None = "auto"   # resolved when each operation is planned, from what is free then
     else:
         parsed = parse_budget(budget, None)
+    if capture not in CAPTURE_MODES:
+        raise ValueError(f"capture must be one of {', '.join(CAPTURE_MODES)}; got {capture!r}")
     options = StreamOptions(parsed, reserve, chunk_tokens, ffn_slice, bool(self_check), head_groups)
     superseded = _supersede(module)
-    specs, skipped = recognize(module)
+    specs, skipped = recognize(module, capture)
     for name, spec in list(specs.items()):
         if isinstance(spec, AttentionSpec) and consumer_for(spec.backend()) is None:
             del specs[name]

@@ -213,6 +213,10 @@ class _Analyzer:
                 self.rows[node] = None
             return
         args = bind(node)
+        if name.endswith("_") and node.target._schema.arguments and node.target._schema.arguments[0].alias_info \
+                and node.target._schema.arguments[0].alias_info.is_write:
+            self.rows[node] = self.in_place(node, name, inputs, val)
+            return
         if isinstance(val, (tuple, list)):
             self.rows[node] = self.multi(node, name, args, inputs, val)
             return
@@ -222,6 +226,21 @@ class _Analyzer:
                 return
             raise NotRowLocal(f"{name} turns rows into a non-tensor")
         self.rows[node] = self.single(node, name, args, inputs, val)
+
+    def in_place(self, node, name, inputs, val) -> Rows | None:
+        """An op writing into its first argument (``copy_`` into a slice of a fresh tensor, ``mul_``): row-local when
+        it writes rows into the same rows of a per-call value, never into a value shared by every chunk."""
+        target = node.args[0]
+        tr = self.rows.get(target)
+        if not isinstance(tr, Rows):
+            raise NotRowLocal(f"{name} writes rows into a value without rows")
+        if target in self.const or target in self.user_inputs:
+            raise NotRowLocal(f"{name} writes into a value every chunk shares")
+        pre, post = self.same_layout(name, inputs)
+        for n, r in inputs:
+            if n.meta["val"].dim() - r.dim != val.dim() - tr.dim:
+                raise NotRowLocal(f"{name} writes rows into other rows")
+        return Rows(tr.dim, pre, post)
 
     def random(self, node: fx.Node) -> bool:
         target = node.target

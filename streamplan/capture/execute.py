@@ -30,7 +30,30 @@ class Phases:
     q: list[fx.Node]
 
 
-def _ancestors(roots: list[fx.Node], stop: set[fx.Node]) -> set[fx.Node]:
+def _op_name(node: fx.Node) -> str:
+    packet = getattr(node.target, "_overloadpacket", None)
+    return packet.__name__ if packet is not None else getattr(node.target, "__name__", "")
+
+
+def _writes(order: list[fx.Node]) -> dict[fx.Node, set[fx.Node]]:
+    """For every node, the in-place writes before it into storage it reads (``copy_`` into slices of an
+    ``empty_like``): data flow the graph's edges do not show, but a phase that needs the value needs the writes."""
+    base: dict[fx.Node, fx.Node] = {}
+    writes: dict[fx.Node, list[fx.Node]] = {}
+    extra: dict[fx.Node, set[fx.Node]] = {}
+    for n in order:
+        ins = n.all_input_nodes
+        name = _op_name(n)
+        reads = {base.get(m, m) for m in ins}
+        extra[n] = {w for b in reads for w in writes.get(b, [])}
+        if ins and (name in _VIEWS or n.target is operator.getitem or name.endswith("_")):
+            base[n] = base.get(ins[0], ins[0])
+        if name.endswith("_") and ins:
+            writes.setdefault(base[n], []).append(n)
+    return extra
+
+
+def _ancestors(roots: list[fx.Node], stop: set[fx.Node], extra: dict[fx.Node, set[fx.Node]]) -> set[fx.Node]:
     seen: set[fx.Node] = set()
     todo = [r for r in roots if isinstance(r, fx.Node)]
     while todo:
@@ -39,6 +62,7 @@ def _ancestors(roots: list[fx.Node], stop: set[fx.Node]) -> set[fx.Node]:
             continue
         seen.add(n)
         todo.extend(n.all_input_nodes)
+        todo.extend(extra.get(n, ()))
     return seen
 
 
@@ -46,11 +70,12 @@ def phases(cap: Captured, an: Analysis) -> Phases:
     order = [n for n in cap.graph.nodes if n.op == "call_function" and n not in an.ignored]
     const = [n for n in order if n in an.const]
     stop = set(an.const) | {n for n in cap.graph.nodes if n.op == "placeholder"}
+    extra = _writes(order)
     kv = []
     for att in an.attentions:
-        need = _ancestors([att.k, att.v], stop)
+        need = _ancestors([att.k, att.v], stop, extra)
         kv.append([n for n in order if n in need])
-    need = _ancestors([o for o in an.outputs if isinstance(o, fx.Node)], stop)
+    need = _ancestors([o for o in an.outputs if isinstance(o, fx.Node)], stop, extra)
     return Phases(const, kv, [n for n in order if n in need])
 
 

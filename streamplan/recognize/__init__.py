@@ -27,12 +27,18 @@ RECOGNIZERS: list[Recognizer] = BLOCK_RECOGNIZERS + [recognize_feedforward, reco
                                                       recognize_row_local]
 
 
-def recognize(root: nn.Module, generic: bool = True) -> tuple[dict[str, MLPSpec | AttentionSpec | BlockSpec | ModelSpec | GraphSpec], list[Skip]]:
-    """Walk ``root`` top-down; a recognised module's children are not visited again."""
+CAPTURE_MODES = ("fallback", "prefer", "off")
+
+
+def recognize(root: nn.Module, capture: str = "fallback") -> tuple[
+        dict[str, MLPSpec | AttentionSpec | BlockSpec | ModelSpec | GraphSpec], list[Skip]]:
+    """Walk ``root`` top-down; a recognised module's children are not visited again. ``capture``: "fallback" streams
+    blocks no hand-written recognizer knows from their captured graph, "prefer" does so for every block (model
+    forwards stay hand-written), "off" uses hand-written recognizers only."""
     specs: dict[str, MLPSpec | AttentionSpec | BlockSpec | ModelSpec | GraphSpec] = {}
     skipped: list[Skip] = []
     claimed: list[str] = []
-    candidates = block_candidates(root) if generic else set()
+    candidates = block_candidates(root) if capture != "off" else set()
     for name, module in root.named_modules():
         if any(name == c or name.startswith(c + ".") for c in claimed if c) or "" in claimed:
             continue
@@ -40,7 +46,7 @@ def recognize(root: nn.Module, generic: bool = True) -> tuple[dict[str, MLPSpec 
         if model is not None:
             (skipped.append if isinstance(model, Skip) else lambda s: specs.__setitem__(name, s))(model)
             continue
-        if id(module) in candidates and all(rec(name, module) is None for rec in RECOGNIZERS):
+        if id(module) in candidates and (capture == "prefer" or all(rec(name, module) is None for rec in RECOGNIZERS)):
             found = recognize_generic(name, module)   # a block no hand-written recognizer knows: from its graph
             (skipped.append if isinstance(found, Skip) else lambda s: specs.__setitem__(name, s))(found)
             claimed.append(name)
