@@ -330,12 +330,23 @@ class StreamHandle:
         if why:
             self._note(entry, f"model forward ran stock: {why}")
             return entry.stock(*args, **kwargs)
-        chunk = self.options.chunk_tokens or DEFAULT_CHUNK_TOKENS
         first = not entry.plans
         before = {id(p) for ps in self.plans.values() for p in ps}
+        fixed = self.options.chunk_tokens or (DEFAULT_CHUNK_TOKENS if self.options.budget is None else None)
         plan = self._plan(entry, (_shapes(args, kwargs), tensors[0].dtype if tensors else None, "model"),
-                          lambda _: Plan("L1", 0, chunk, 0, 0, 0, note=f"model forward: block inputs donated, output "
-                                         f"head in {chunk}-row chunks"), args, kwargs, tensors[0].device)
+                          lambda _: Plan("L1", 0, fixed or 0, 0, 0, 0, note="model forward: block inputs donated, "
+                                         "its own row loops (input projections, output head) in "
+                                         + (f"{fixed}-row chunks" if fixed else "its blocks' smallest chunk")),
+                          args, kwargs, tensors[0].device)
+
+        def chunk() -> int:
+            """The model's own row loops: the given chunk, or under a budget its blocks' smallest planned chunk."""
+            if fixed:
+                return fixed
+            planned = [p.chunk for e in self.installed.values() if e is not entry for p in e.plans.values()
+                       if p.tier != "L0"]
+            return min(planned, default=DEFAULT_CHUNK_TOKENS)
+
         out = spec.run(args, kwargs, chunk)
         if first:   # the model's figures are its largest block's, planned during this first call
             inner = [p for ps in self.plans.values() for p in ps if id(p) not in before and p is not plan]

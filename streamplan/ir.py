@@ -180,7 +180,7 @@ class ModelSpec:
 
     module: nn.Module
     label: str
-    run: Callable[[tuple, dict, int], object]   # (args, kwargs, chunk) -> the model's output, or raises
+    run: Callable[[tuple, dict, Callable[[], int]], object]   # (args, kwargs, chunk for its own row loops) -> output
     can_stream: Callable[[tuple, dict], "str | None"]  # why this call must run the stock forward, or None
 
 

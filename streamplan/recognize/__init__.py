@@ -9,6 +9,7 @@ from ..ir import AttentionSpec, BlockSpec, GraphSpec, MLPSpec, ModelSpec, Skip
 from .diffusers_attention import recognize_attention, recognize_flux_attention, recognize_wan_attention
 from .diffusers_blocks import recognize_flux_block, recognize_wan_block
 from .diffusers_mlp import recognize_feedforward
+from .diffusers_h3 import recognize_h3_model
 from .diffusers_models import recognize_wan_model
 from .generic import block_candidates, recognize_generic
 from .row_local import recognize_row_local
@@ -19,7 +20,7 @@ from .transformers_mlp import recognize_gated_mlp
 Recognizer = Callable[[str, nn.Module], "MLPSpec | AttentionSpec | BlockSpec | ModelSpec | Skip | None"]
 
 # whole models: their forward is replaced, and their blocks are still recognised on their own
-MODEL_RECOGNIZERS: list[Recognizer] = [recognize_wan_model]
+MODEL_RECOGNIZERS: list[Recognizer] = [recognize_wan_model, recognize_h3_model]
 # blocks first: a recognised block claims its attention and MLP; a block left stock leaves them to their own
 BLOCK_RECOGNIZERS: list[Recognizer] = [recognize_wan_block, recognize_flux_block, recognize_llama_layer]
 RECOGNIZERS: list[Recognizer] = BLOCK_RECOGNIZERS + [recognize_feedforward, recognize_gated_mlp, recognize_attention,

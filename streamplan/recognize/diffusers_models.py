@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import sys
+from typing import Callable
 
 import torch
 from torch import nn
@@ -25,7 +26,7 @@ def _wan_call(args: tuple, kwargs: dict) -> dict | str:
     return call
 
 
-def _wan_forward(model, args: tuple, kwargs: dict, chunk: int):
+def _wan_forward(model, args: tuple, kwargs: dict, chunk: Callable[[], int]):
     """WanTransformer3DModel.forward (diffusers 0.35+) with each block's input donated and the head streamed."""
     from diffusers.models.modeling_outputs import Transformer2DModelOutput
     call = _wan_call(args, kwargs)
@@ -70,7 +71,7 @@ def _wan_forward(model, args: tuple, kwargs: dict, chunk: int):
             head.append(y.new_empty((batch_size, rows, y.shape[-1])))
         head[0][:, a:b] = y
 
-    for_chunks(rows, chunk, work)
+    for_chunks(rows, chunk(), work)
     out = head[0]
     del hidden_states, head
     out = out.reshape(batch_size, post_f, post_h, post_w, p_t, p_h, p_w, -1)
