@@ -1,0 +1,281 @@
+"""H200: blocks streamed from their captured graph (the generic path), real widths, bf16, at long sequences.
+
+For each block: stock (peak KB/token above inputs and weights, time), the captured path at fixed chunks and held by
+the planner to 1.15x the floor (residual + K + V), with the block input copied (a lone block) and donated (as a
+streamed model forward gives it); output difference to stock beside stock's own flash-vs-default difference. Wan,
+Flux single and Llama also through their hand-written paths in the same run. The MiniMax-H3 2-layer model at the
+end: both outputs, stock vs streamed, and under a budget below the floor.
+
+    python benchmarks/gpu_generic.py smoke        # every case at 8192 tokens, one chunk
+    python benchmarks/gpu_generic.py blocks 217088
+    python benchmarks/gpu_generic.py model 217088
+"""
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import streamplan
+from common import cuda_peak, cuda_time, device_info, write_results
+from streamplan.executors.block import donate
+from streamplan.verify import compare_outputs
+
+BF16 = torch.bfloat16
+
+
+def _gen():
+    return torch.Generator(device="cuda").manual_seed(1)
+
+
+def h3_block(n):
+    from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3TransformerBlock
+    block = MiniMaxH3TransformerBlock(5376, 56, 128, 14336, 2688, 1e-5, 1e-5)
+    pos = torch.randn(n, 96, device="cuda")
+
+    def inputs():
+        g = _gen()
+        return (torch.randn(1, n, 5376, device="cuda", dtype=BF16, generator=g),
+                torch.randn(2, 2688, device="cuda", generator=g),
+                torch.randint(0, 6, (n,), device="cuda", generator=g), (pos.cos(), pos.sin()))
+    # floor: the residual (5376 wide) + K + V (56 x 128 = 7168 wide each), bf16
+    return "diffusers MiniMaxH3TransformerBlock (5376, 56x128, SwiGLU 14336)", block, inputs, n * (5376 + 2 * 7168) * 2
+
+
+def hunyuan(single):
+    def make(n):
+        from diffusers.models.transformers.transformer_hunyuan_video import (
+            HunyuanVideoSingleTransformerBlock, HunyuanVideoTransformerBlock)
+        cls = HunyuanVideoSingleTransformerBlock if single else HunyuanVideoTransformerBlock
+        block = cls(24, 128, 4.0, qk_norm="rms_norm")
+        text = 256
+        pos = torch.randn(n, 128, device="cuda")
+
+        def inputs():
+            g = _gen()
+            return (torch.randn(1, n, 3072, device="cuda", dtype=BF16, generator=g),
+                    torch.randn(1, text, 3072, device="cuda", dtype=BF16, generator=g),
+                    torch.randn(1, 3072, device="cuda", dtype=BF16, generator=g), None, (pos.cos(), pos.sin()))
+        name = f"diffusers {cls.__name__} (3072, 24x128, 256 text rows)"
+        return name, block, inputs, (n + text) * 3072 * 2 * 3
+    return make
+
+
+def ltx(n):
+    from diffusers.models.transformers.transformer_ltx import LTXVideoTransformerBlock
+    block = LTXVideoTransformerBlock(2048, 32, 64, cross_attention_dim=2048)
+    pos = torch.randn(1, n, 2048, device="cuda")
+
+    def inputs():
+        g = _gen()
+        return (torch.randn(1, n, 2048, device="cuda", dtype=BF16, generator=g),
+                torch.randn(1, 128, 2048, device="cuda", dtype=BF16, generator=g),
+                torch.randn(1, 1, 6 * 2048, device="cuda", dtype=BF16, generator=g), (pos.cos(), pos.sin()))
+    return "diffusers LTXVideoTransformerBlock (2048, 32x64, 128 text rows)", block, inputs, n * 2048 * 2 * 3
+
+
+def wan(n):
+    from diffusers.models.transformers.transformer_wan import WanTransformerBlock
+    block = WanTransformerBlock(5120, 13824, 40, cross_attn_norm=True)
+    pos = torch.randn(1, n, 1, 128, device="cuda")
+
+    def inputs():
+        g = _gen()
+        return (torch.randn(1, n, 5120, device="cuda", dtype=BF16, generator=g),
+                torch.randn(1, 512, 5120, device="cuda", dtype=BF16, generator=g),
+                torch.randn(1, 6, 5120, device="cuda", generator=g), (pos.cos(), pos.sin()))
+    return "diffusers WanTransformerBlock (Wan2.1-14B)", block, inputs, n * 5120 * 2 * 3
+
+
+def flux_single(n):
+    from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock
+    block = FluxSingleTransformerBlock(3072, 24, 128)
+    pos = torch.randn(512 + n, 128, device="cuda")
+
+    def inputs():
+        g = _gen()
+        return (torch.randn(1, n, 3072, device="cuda", dtype=BF16, generator=g),
+                torch.randn(1, 512, 3072, device="cuda", dtype=BF16, generator=g),
+                torch.randn(1, 3072, device="cuda", dtype=BF16, generator=g), (pos.cos(), pos.sin()))
+    return "diffusers FluxSingleTransformerBlock (Flux.1)", block, inputs, (n + 512) * 3072 * 2 * 3
+
+
+def llama(n):
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+    cfg = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+                      attn_implementation="sdpa")
+    block = LlamaDecoderLayer(cfg, layer_idx=0)
+    pos = torch.randn(1, n, 128, device="cuda")
+
+    def inputs():
+        g = _gen()
+        return (torch.randn(1, n, 4096, device="cuda", dtype=BF16, generator=g), None, None, None, False,
+                (pos.cos().to(BF16), pos.sin().to(BF16)))
+    return "transformers LlamaDecoderLayer (Llama-3-8B, GQA 32/8)", block, inputs, n * (4096 + 2 * 1024) * 2
+
+
+BLOCKS = {"h3-block": h3_block, "hunyuan-double-block": hunyuan(False), "hunyuan-single-block": hunyuan(True),
+          "ltx-block": ltx, "wan-14b-block": wan, "flux-single-block": flux_single, "llama3-8b-layer": llama}
+HAND = {"wan-14b-block", "flux-single-block", "llama3-8b-layer"}
+
+
+def _first(out):
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def _diff(out, ref) -> float:
+    return max(d["rel"] for d in compare_outputs(out, ref).values())
+
+
+def run_block(case: str, n: int, chunks: list[int], held: bool) -> list[dict]:
+    torch.manual_seed(0)
+    name, block, inputs, floor = BLOCKS[case](n)
+    block = block.cuda().to(BF16).eval()
+    args = inputs()
+    base = {"case": case, "block": name, "tokens": n, "floor_KB_per_token": floor / n / 1024}
+    rows = []
+    kb = lambda b: b / n / 1024  # noqa: E731
+    with torch.inference_mode():
+        ref, stock_peak = cuda_peak(lambda: block(*args))
+        stock_t = cuda_time(lambda: block(*args), repeats=2)
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            noise = _diff(block(*args), ref)
+        rows.append({**base, "mode": "stock", "KB_per_token": kb(stock_peak), "time_s": stock_t, "time_ratio": 1.0,
+                     "stock_flash_vs_default_rel_diff": noise})
+        print(rows[-1], flush=True)
+        paths = [("captured", "prefer")] + ([("hand", "off")] if case in HAND else [])
+        modes = [(f"chunk {c}", dict(chunk_tokens=c)) for c in chunks]
+        if held:
+            modes.append(("planner held to 1.15x floor", dict(budget=None)))
+        for path, capture in paths:
+            for label, kw in modes:
+                if "budget" in kw:
+                    live = sum(a.numel() * a.element_size() for a in torch.utils._pytree.tree_leaves(args)
+                               if isinstance(a, torch.Tensor))
+                    kw = dict(budget=int(live + 1.15 * floor))
+                start = time.perf_counter()
+                handle = streamplan.apply(block, capture=capture, **kw)
+                try:
+                    out, peak = cuda_peak(lambda: block(*args))
+                except streamplan.BudgetError as exc:
+                    rows.append({**base, "mode": f"{path} {label}", "error": str(exc)[:300]})
+                    print(rows[-1], flush=True)
+                    handle.remove()
+                    continue
+                first_s = time.perf_counter() - start
+                diff = _diff(out, ref)
+                del out
+                t = cuda_time(lambda: block(*args), repeats=2)
+                plans = handle.plans.get("", [])
+                plan = plans[0] if plans else None
+                rows.append({**base, "mode": f"{path} {label}", "KB_per_token": kb(peak), "peak_vs_floor": peak / floor,
+                             "predicted_KB_per_token": kb(plan.predicted_peak) if plan else None,
+                             "tier": plan.tier if plan else None, "chunk": plan.chunk if plan else None,
+                             "time_s": t, "time_ratio": t / stock_t, "rel_diff": diff,
+                             "first_call_s_with_capture": first_s,
+                             "notes": [x for e in handle.installed.values() for x in e.runtime_notes]})
+                print(rows[-1], flush=True)
+
+                def donated():
+                    fresh = inputs()
+                    with donate(fresh[0]):
+                        return block(*fresh)
+                torch.cuda.synchronize()
+                fresh_bytes = sum(a.numel() * a.element_size() for a in torch.utils._pytree.tree_leaves(inputs())
+                                  if isinstance(a, torch.Tensor))
+                torch.cuda.empty_cache()
+                out, peak = cuda_peak(donated)
+                del out
+                peak = max(0, peak - fresh_bytes)
+                rows.append({**base, "mode": f"{path} {label}, input donated", "KB_per_token": kb(peak),
+                             "peak_vs_floor": peak / floor})
+                print(rows[-1], flush=True)
+                handle.remove()
+    del block, args, ref
+    torch.cuda.empty_cache()
+    return rows
+
+
+def run_model(n: int, text: int = 512, audio: int = 2000) -> list[dict]:
+    """MiniMax-H3 at real width, 2 layers, 217k packed rows: text, audio, video (conditioning rows at t=0)."""
+    from diffusers import MiniMaxH3Transformer3DModel
+    torch.manual_seed(0)
+    model = MiniMaxH3Transformer3DModel(num_layers=2, num_refiner_layers=2).cuda().to(BF16).eval()
+    for name in ("proj_in", "audio_proj_in", "time_embedder", "proj_out", "audio_proj_out"):
+        getattr(model, name).float()
+    video = n - text - audio
+    cond = 4096
+    g = _gen()
+    idx = torch.arange(n, device="cuda")
+    text_i, audio_i, video_i = idx[:text], idx[text:text + audio], idx[text + audio:]
+    tags = torch.zeros(n, dtype=torch.long, device="cuda")
+    tags[text_i], tags[audio_i] = 1, 2
+    ts = torch.ones(n, dtype=torch.long, device="cuda")
+    ts[text + audio:text + audio + cond] = 0
+    kw = dict(hidden_states=torch.randn(1, video, 96, device="cuda", generator=g),
+              audio_hidden_states=torch.randn(1, audio, 32, device="cuda", generator=g),
+              encoder_hidden_states=torch.randn(1, text, 5120, device="cuda", dtype=BF16, generator=g),
+              timestep=torch.tensor([0.0, 0.6], device="cuda"), timestep_indices=ts, token_tags=tags,
+              position_ids=torch.randint(0, 64, (n, 3), device="cuda", generator=g), video_indices=video_i,
+              audio_indices=audio_i, text_indices=text_i)
+    floor = n * (5376 + 2 * 7168) * 2
+    base = {"case": "h3-model-2-layers", "tokens": n, "text_rows": text, "audio_rows": audio,
+            "floor_KB_per_token": floor / n / 1024}
+    kb = lambda b: b / n / 1024  # noqa: E731
+    rows = []
+    with torch.inference_mode():
+        ref, stock_peak = cuda_peak(lambda: model(**kw))
+        stock_t = cuda_time(lambda: model(**kw), repeats=1)
+        rows.append({**base, "mode": "stock", "KB_per_token": kb(stock_peak), "time_s": stock_t})
+        print(rows[-1], flush=True)
+        live = sum(t.numel() * t.element_size() for t in kw.values())
+        for label, opts in (("chunk 16384", dict(chunk_tokens=16384)),
+                            ("planner held to 1.15x floor", dict(budget=int(live + 1.15 * floor))),
+                            ("budget 0.8x floor", dict(budget=int(live + 0.8 * floor)))):
+            handle = streamplan.apply(model, **opts)
+            try:
+                out, peak = cuda_peak(lambda: model(**kw))
+            except streamplan.BudgetError as exc:
+                rows.append({**base, "mode": label, "error": str(exc)[:400]})
+                print(rows[-1], flush=True)
+                handle.remove()
+                continue
+            d_video = compare_outputs(out.sample, ref.sample)["output"]["rel"]
+            d_audio = compare_outputs(out.audio_sample, ref.audio_sample)["output"]["rel"]
+            del out
+            t = cuda_time(lambda: model(**kw), repeats=1)
+            plan = handle.plans["transformer_blocks.0"][0]
+            rows.append({**base, "mode": label, "KB_per_token": kb(peak), "peak_vs_floor": peak / floor,
+                         "time_s": t, "time_ratio": t / stock_t, "rel_diff_video": d_video, "rel_diff_audio": d_audio,
+                         "block_tier": plan.tier, "block_chunk": plan.chunk})
+            print(rows[-1], flush=True)
+            handle.remove()
+    return rows
+
+
+def main() -> int:
+    info = device_info()
+    print(info, flush=True)
+    what = sys.argv[1] if len(sys.argv) > 1 else "smoke"
+    n = int(sys.argv[2]) if len(sys.argv) > 2 else 8192
+    cases = sys.argv[3].split(",") if len(sys.argv) > 3 else list(BLOCKS)
+    rows: list[dict] = []
+    if what == "smoke":
+        for case in cases:
+            rows += run_block(case, n, [2048], held=False)
+        rows += run_model(max(n, 8192), text=512, audio=400)
+    elif what == "blocks":
+        for case in cases:
+            rows += run_block(case, n, [16384], held=True)
+            write_results(f"gpu_generic_{what}_{n}", {**info, "rows": rows})
+    elif what == "model":
+        rows += run_model(n)
+    print(write_results(f"gpu_generic_{what}_{n}", {**info, "rows": rows}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
