@@ -63,7 +63,7 @@ _PASS = {"view", "reshape", "_unsafe_view", "unflatten", "flatten", "permute", "
          "expand", "expand_as", "alias", "clone", "contiguous", "_to_copy", "to", "type_as", "detach", "lift_fresh_copy",
          "view_as_complex", "view_as_real", "movedim", "dropout", "native_dropout", "fill", "zeros_like", "ones_like",
          "empty_like", "full_like", "masked_fill", "where", "real", "imag", "conj", "_conj", "resolve_conj",
-         "resolve_neg", "stack", "repeat_interleave_self_int", "copy"}
+         "resolve_neg", "stack", "repeat_interleave", "copy"}
 _RESHAPES = {"view", "reshape", "_unsafe_view", "unflatten", "flatten"}
 _DIMMED = {"slice", "narrow", "select", "split", "split_with_sizes", "chunk", "unbind", "cat", "concat", "index_select",
            "tensor_split"}
@@ -98,10 +98,12 @@ def bind(node: fx.Node) -> dict[str, Any]:
 
 
 class _Analyzer:
-    def __init__(self, graph: fx.Graph, symbol, user_inputs: set[fx.Node]):
+    def __init__(self, graph: fx.Graph, symbol, user_inputs: set[fx.Node], post_inputs: frozenset = frozenset()):
         self.s = symbol
         self.graph = graph
         self.user_inputs = user_inputs
+        self.post_inputs = post_inputs    # inputs with static rows whose static rows come after the dynamic ones
+        self.joined: set[fx.Node] = set()
         self.rows: dict[fx.Node, Any] = {}
         self.const: set[fx.Node] = set()
         self.attentions: list[GlobalAttention] = []
@@ -159,6 +161,9 @@ class _Analyzer:
                 self.placeholder(node)
             elif node.op == "call_function":
                 self.call(node)
+            elif node.op == "get_attr":
+                raise NotRowLocal(f"a higher-order op over a subgraph ({node.target}: an autocast region or control "
+                                  f"flow), which the generic path does not run")
             elif node.op != "output":
                 raise NotRowLocal(f"graph node of kind {node.op}")
 
@@ -171,8 +176,11 @@ class _Analyzer:
         dims = self.row_dims(val)
         if len(dims) > 1:
             raise NotRowLocal(f"input {node.name} has {len(dims)} row dimensions (a mask over rows x rows?)")
-        if dims and dims[0][1]:
-            raise NotRowLocal(f"input {node.name} has static rows around its dynamic ones")
+        if dims and dims[0][1]:   # rows joined to static ones (Flux's rotary over text + image): which side is a guess
+            c = dims[0][1]
+            self.rows[node] = Rows(dims[0][0], 0, c) if node in self.post_inputs else Rows(dims[0][0], c, 0)
+            self.joined.add(node)
+            return
         self.rows[node] = Rows(dims[0][0]) if dims else None
         if not dims:
             self.const.add(node)
@@ -283,6 +291,10 @@ class _Analyzer:
                 return self.out_rows(node, val, x.pre, x.post)
             if d == x.dim:
                 return self.row_slice(node, name, args, x, x_val, val)
+        if name == "repeat_interleave":   # each row repeated along another dimension (rotary tables): row-local
+            rdim = args.get("dim")
+            if not isinstance(rdim, int) or self.norm_dim(rdim, x_val.dim()) == x.dim:
+                raise NotRowLocal("repeat_interleave along the rows (or of the flattened rows)")
         if name in _DIMMED or name in _PASS or torch.Tag.pointwise in node.target.tags:
             pre, post = self.same_layout(name, inputs)
             out = self.out_rows(node, val, pre, post)
@@ -294,6 +306,15 @@ class _Analyzer:
                 for n, r in inputs:
                     if n.meta["val"].dim() - r.dim != val.dim() - out.dim:
                         raise NotRowLocal(f"{name} broadcasts rows against another dimension")
+            return out
+        if name == "repeat":   # tiling: row-local when the rows' dimension is repeated once (GQA's K/V heads)
+            reps = list(args["repeats"])
+            d = x.dim + len(reps) - x_val.dim()
+            if not isinstance(reps[d], int) or reps[d] != 1:
+                raise NotRowLocal("repeat along the rows")
+            out = self.out_rows(node, val, x.pre, x.post)
+            if out is None or out.dim != d:
+                raise NotRowLocal("repeat moves the rows")
             return out
         if name in _MATMUL:
             a = args.get("input", args.get("self"))
@@ -328,6 +349,8 @@ class _Analyzer:
             if isinstance(self.rows.get(args["weight"]), Rows) or not isinstance(idx, Rows):
                 raise NotRowLocal("embedding of rows")
             return self.out_rows(node, val, idx.pre, idx.post)
+        if name in _CREATE:   # x.new_empty(shape), new_zeros, ...: a fresh tensor, nothing read from x's rows
+            return self.out_rows(node, val, 0, 0)
         raise NotRowLocal(f"op {name} is not one streamplan knows to be row-local")
 
     @staticmethod
@@ -476,7 +499,14 @@ def analyze(graph: fx.Graph, symbol, user_inputs: set[fx.Node]) -> Analysis | st
     try:
         an.run()
     except NotRowLocal as exc:
-        return str(exc)
+        if not an.joined:
+            return str(exc)
+        # an input with static rows joined to the dynamic ones: its static rows first failed, so try them last
+        an = _Analyzer(graph, symbol, user_inputs, frozenset(an.joined))
+        try:
+            an.run()
+        except NotRowLocal:
+            return str(exc)
     if not an.attentions:
         return "no attention over its rows (nothing global to build first: not a transformer block)"
     output = next(n for n in graph.nodes if n.op == "output")

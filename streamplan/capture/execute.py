@@ -35,10 +35,11 @@ def _op_name(node: fx.Node) -> str:
     return packet.__name__ if packet is not None else getattr(node.target, "__name__", "")
 
 
-def _writes(order: list[fx.Node]) -> dict[fx.Node, set[fx.Node]]:
+def _writes(order: list[fx.Node], base: dict[fx.Node, fx.Node] | None = None) -> dict[fx.Node, set[fx.Node]]:
     """For every node, the in-place writes before it into storage it reads (``copy_`` into slices of an
-    ``empty_like``): data flow the graph's edges do not show, but a phase that needs the value needs the writes."""
-    base: dict[fx.Node, fx.Node] = {}
+    ``empty_like``): data flow the graph's edges do not show, but a phase that needs the value needs the writes.
+    ``base`` (filled when given) maps each view or write to the node whose storage it uses."""
+    base = {} if base is None else base
     writes: dict[fx.Node, list[fx.Node]] = {}
     extra: dict[fx.Node, set[fx.Node]] = {}
     for n in order:
@@ -53,14 +54,21 @@ def _writes(order: list[fx.Node]) -> dict[fx.Node, set[fx.Node]]:
     return extra
 
 
-def _ancestors(roots: list[fx.Node], stop: set[fx.Node], extra: dict[fx.Node, set[fx.Node]]) -> set[fx.Node]:
+def _ancestors(roots: list[fx.Node], stop: set[fx.Node], extra: dict[fx.Node, set[fx.Node]],
+               replaced: dict[fx.Node, list[fx.Node]] | None = None) -> set[fx.Node]:
+    """What ``roots`` need; a node in ``replaced`` needs only the nodes given there (a global attention in phase Q
+    reads its Q chunk alone: K and V come from phase KV's buffers)."""
     seen: set[fx.Node] = set()
     todo = [r for r in roots if isinstance(r, fx.Node)]
+    replaced = replaced or {}
     while todo:
         n = todo.pop()
         if n in seen or n in stop:
             continue
         seen.add(n)
+        if n in replaced:
+            todo.extend(replaced[n])
+            continue
         todo.extend(n.all_input_nodes)
         todo.extend(extra.get(n, ()))
     return seen
@@ -70,12 +78,21 @@ def phases(cap: Captured, an: Analysis) -> Phases:
     order = [n for n in cap.graph.nodes if n.op == "call_function" and n not in an.ignored]
     const = [n for n in order if n in an.const]
     stop = set(an.const) | {n for n in cap.graph.nodes if n.op == "placeholder"}
-    extra = _writes(order)
+    base: dict[fx.Node, fx.Node] = {}
+    output = next(n for n in cap.graph.nodes if n.op == "output")
+    extra = _writes(order + [output], base)
     kv = []
     for att in an.attentions:
-        need = _ancestors([att.k, att.v], stop, extra)
+        # K and V as the attention reads them: with the writes into their storage between their creation and the
+        # attention (CogVideoX's rotary copied into the image rows of K after its norm)
+        kv_bases = {base.get(att.k, att.k), base.get(att.v, att.v)}
+        late = [w for w in extra.get(att.node, ()) if base.get(w) in kv_bases]
+        need = _ancestors([att.k, att.v, *late], stop, extra)
         kv.append([n for n in order if n in need])
-    need = _ancestors([o for o in an.outputs if isinstance(o, fx.Node)], stop, extra)
+    q_only = {att.node: [att.q, *(w for w in extra.get(att.node, ()) if base.get(w) == base.get(att.q, att.q))]
+              for att in an.attentions}
+    need = _ancestors([o for o in an.outputs if isinstance(o, fx.Node)] + list(extra.get(output, ())), stop, extra,
+                      q_only)
     return Phases(const, kv, [n for n in order if n in need])
 
 
@@ -155,7 +172,14 @@ class GraphRun:
         env = dict(self.consts)
         for node, value in self.base.items():
             r = self.an.rows.get(node)
-            env[node] = value.narrow(r.dim, a, b - a) if isinstance(r, Rows) else value
+            if isinstance(r, Rows) and (r.pre or r.post):   # an input with static rows joined: keep them whole
+                parts = [value.narrow(r.dim, 0, r.pre)] if r.pre else []
+                parts.append(value.narrow(r.dim, r.pre + a, b - a))
+                if r.post:
+                    parts.append(value.narrow(r.dim, r.pre + self.rows, r.post))
+                env[node] = torch.cat(parts, r.dim)
+            else:
+                env[node] = value.narrow(r.dim, a, b - a) if isinstance(r, Rows) else value
         return env
 
     def _attention(self, att: GlobalAttention, env: dict, a: int) -> torch.Tensor:

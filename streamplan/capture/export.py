@@ -40,21 +40,62 @@ def rows_of_call(args: tuple, kwargs: dict) -> int | None:
     return None
 
 
+def joined_offsets(args: tuple, kwargs: dict, rows: int) -> set[int]:
+    """Static row counts that may be joined to the rows in an input (Flux's rotary tables cover text + image rows:
+    ``[T + N, d]``): the sequence lengths (dim 1) of the call's other 3-D tensors."""
+    return {leaf.shape[1] for leaf in pytree.tree_leaves((args, kwargs))
+            if isinstance(leaf, torch.Tensor) and leaf.dim() == 3 and 0 < leaf.shape[1] != rows}
+
+
+def _size_key(s: int, rows: int, offsets: set[int]):
+    if s == rows:
+        return "N"
+    if s - rows in offsets:
+        return f"N+{s - rows}"
+    return s
+
+
 def signature(module: nn.Module, args: tuple, kwargs: dict, rows: int) -> tuple:
     """What a capture depends on: the class and forward, each leaf's shape with the row count abstracted, dtypes,
     devices, the non-tensor leaves, and the call's structure."""
     leaves, spec = pytree.tree_flatten((args, kwargs))
+    offsets = joined_offsets(args, kwargs, rows)
     sig = []
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor):
-            sig.append((tuple("N" if s == rows else s for s in leaf.shape), leaf.dtype, leaf.device.type,
+            sig.append((tuple(_size_key(s, rows, offsets) for s in leaf.shape), leaf.dtype, leaf.device.type,
                         leaf.requires_grad))
         elif isinstance(leaf, (int, float, bool, str, type(None))):
             sig.append(leaf)
         else:
             sig.append(type(leaf).__name__)
     fwd = type(module).forward
-    return (type(module), getattr(fwd, "__code__", fwd), str(spec), tuple(sig))
+    return (type(module), getattr(fwd, "__code__", fwd), str(spec), tuple(sig), structure(module))
+
+
+_SIMPLE = (int, float, bool, str, type(None))
+
+
+def structure(module: nn.Module) -> tuple:
+    """What else a capture depends on: every submodule's class and plain settings (eps, flags, activation names,
+    its attention processor's class), parameters' and buffers' names, shapes and dtypes. Two blocks of one class
+    built differently (SD3.5's dual attention, a norm without affine weights) must not share a capture."""
+    out = []
+    for name, m in module.named_modules():
+        plain = []
+        for k, v in sorted(vars(m).items()):
+            if k.startswith("_") or k == "training":
+                continue
+            if isinstance(v, _SIMPLE) or (isinstance(v, tuple) and all(isinstance(x, _SIMPLE) for x in v)):
+                plain.append((k, v))
+            elif not isinstance(v, (torch.Tensor, nn.Module, dict, list)) and not callable(v):
+                plain.append((k, type(v).__qualname__))   # a processor or config object: its class
+            elif callable(v) and not isinstance(v, nn.Module):
+                plain.append((k, getattr(v, "__qualname__", type(v).__qualname__)))
+        out.append((name, type(m).__qualname__, tuple(plain)))
+    out.extend((n, tuple(t.shape), t.dtype) for n, t in module.named_parameters())
+    out.extend((n, tuple(t.shape), t.dtype) for n, t in module.named_buffers())
+    return tuple(out)
 
 
 def capture(module: nn.Module, args: tuple, kwargs: dict, rows: int) -> Captured | str:
@@ -64,10 +105,12 @@ def capture(module: nn.Module, args: tuple, kwargs: dict, rows: int) -> Captured
     from torch.export.graph_signature import InputKind
 
     dim = Dim("rows", min=2, max=MAX_ROWS)
+    offsets = joined_offsets(args, kwargs, rows)
 
-    def dyn(leaf):
+    def dyn(leaf, joined: bool):
         if isinstance(leaf, torch.Tensor):
-            return {i: dim for i, s in enumerate(leaf.shape) if s == rows} or None
+            return {i: (dim if s == rows else dim + (s - rows)) for i, s in enumerate(leaf.shape)
+                    if s == rows or (joined and s - rows in offsets)} or None
         return None
 
     try:
@@ -75,17 +118,46 @@ def capture(module: nn.Module, args: tuple, kwargs: dict, rows: int) -> Captured
         bound.pop(next(iter(bound)))   # self
     except TypeError as exc:
         return f"the call does not match its forward's signature ({exc})"
-    dynamic = {k: pytree.tree_map(dyn, v, is_leaf=lambda x: isinstance(x, torch.Tensor) or x is None)
-               for k, v in bound.items()}
+    # keywords the forward takes only through its ``**kwargs`` (transformers' ``use_cache=False``, Cohere 2's
+    # ``position_ids``): torch.export lists them both alone and inside the ``**kwargs`` dict and then fails to match
+    # the dynamic shapes ("Must provide a tree_name"), so they are traced as named keyword parameters of the forward
+    fwd_sig = inspect.signature(type(module).forward)
+    var_kw = next((p.name for p in fwd_sig.parameters.values() if p.kind == inspect.Parameter.VAR_KEYWORD), None)
+    extra = bound.pop(var_kw) if var_kw in bound else {}
+    bound.update(extra)
     start = time.perf_counter()
     installed = module.__dict__.pop("forward", None)   # streamplan's own wrapper: trace the class forward
+    if extra:
+        cls_forward = type(module).forward
+
+        def named_forward(*a, **kw):
+            return cls_forward(module, *a, **kw)
+
+        named_forward.__signature__ = fwd_sig.replace(parameters=[
+            p for p in list(fwd_sig.parameters.values())[1:] if p.kind != inspect.Parameter.VAR_KEYWORD] + [
+            inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=None) for k in extra])
+        module.forward = named_forward
     try:
-        with torch.no_grad():
-            program = export(module, tuple(args), dict(kwargs), dynamic_shapes=dynamic, strict=False)
-    except Exception as exc:  # noqa: BLE001 -- any capture failure keeps the module stock, with the reason
-        text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        return f"capture failed ({type(exc).__name__}: {text[:200]})"
+        # first with dimensions of size rows + (another input's sequence length) as the rows joined to static
+        # rows (Flux's rotary over text + image), then, if that fails, with the exact row count alone
+        tries = (True, False) if any(_size_key(s, rows, offsets) not in ("N", s) for leaf in pytree.tree_leaves(
+            (args, kwargs)) if isinstance(leaf, torch.Tensor) for s in leaf.shape) else (False,)
+        for joined in tries:
+            dynamic = {k: pytree.tree_map(lambda x: dyn(x, joined), v,
+                                          is_leaf=lambda x: isinstance(x, torch.Tensor) or x is None)
+                       for k, v in bound.items()}
+            try:
+                with torch.no_grad():
+                    program = export(module, tuple(args), dict(kwargs), dynamic_shapes=dynamic, strict=False)
+                break
+            except Exception as exc:  # noqa: BLE001 -- any capture failure keeps the module stock, with the reason
+                if joined:
+                    continue
+                text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                return f"capture failed ({type(exc).__name__}: {text[:200]})"
     finally:
+        if extra:
+            del module.forward
         if installed is not None:
             module.forward = installed
     seconds = time.perf_counter() - start
@@ -108,8 +180,8 @@ def capture(module: nn.Module, args: tuple, kwargs: dict, rows: int) -> Captured
         val = node.meta.get("val")
         if node.op == "placeholder" and isinstance(val, torch.Tensor):
             for size in val.shape:
-                if isinstance(size, torch.SymInt):
-                    symbol = size.node.expr
+                if isinstance(size, torch.SymInt) and len(size.node.expr.free_symbols) == 1:
+                    symbol = next(iter(size.node.expr.free_symbols))   # rows + a constant: its symbol
                     break
         if symbol is not None:
             break

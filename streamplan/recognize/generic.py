@@ -10,7 +10,7 @@ from .checks import stock_problem
 
 
 def block_candidates(root: nn.Module) -> set[int]:
-    """ids of the modules the generic path may take: ModuleList elements with at least two children and three linear
+    """ids of the modules the generic path may take: ModuleList elements with at least two children and two linear
     layers inside (an attention and more); the root itself when it holds no such list."""
     found: set[int] = set()
     for m in root.modules():
@@ -24,7 +24,14 @@ def block_candidates(root: nn.Module) -> set[int]:
 
 
 def _block_like(m: nn.Module) -> bool:
-    return len(list(m.children())) >= 2 and sum(isinstance(x, nn.Linear) for x in m.modules()) >= 3
+    # two linear layers suffice: Flux.2's single block fuses Q, K, V and the MLP input into one projection
+    return len(list(m.children())) >= 2 and sum(_linear(x) for x in m.modules()) >= 2
+
+
+def _linear(m: nn.Module) -> bool:
+    """An nn.Linear, or transformers' ``Conv1D`` (GPT-2's linear layer, its weight stored transposed)."""
+    return isinstance(m, nn.Linear) or (type(m).__name__ == "Conv1D" and getattr(getattr(m, "weight", None), "dim",
+                                                                                  lambda: 0)() == 2)
 
 
 def recognize_generic(name: str, module: nn.Module) -> GraphSpec | Skip:

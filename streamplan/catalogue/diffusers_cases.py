@@ -1,0 +1,246 @@
+"""Tiny random-weight diffusers transformer blocks with realistic inputs, for the generic (captured-graph) path: the
+tests, the catalogue script and the GPU benchmark build their blocks from here.
+
+Every ``Case`` has ``build()`` (a fresh block in eval mode; seed before calling for repeatable weights) and
+``inputs(n, device, dtype)`` -> ``(args, kwargs)`` for a call with ``n`` image/video rows. diffusers is imported
+inside the builders only, so this module imports without it. Shapes follow what each model's forward hands its
+blocks (read from diffusers 0.42.1).
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+TEXT = 7   # text (encoder) tokens in every case
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    cls_path: str                                                       # "diffusers.models....:ClassName"
+    build: Callable[[], nn.Module]
+    inputs: Callable[[int, torch.device, torch.dtype], tuple[tuple, dict]]
+    note: str = ""
+    row_output: int | None = 0        # which flat output holds the n rows (None: the output is one tensor)
+    streams: bool = True              # whether the generic path is expected to stream it (else: stays stock)
+
+
+def _cls(path: str):
+    mod, name = path.split(":")
+    return getattr(importlib.import_module(mod), name)
+
+
+def _eval(m: nn.Module) -> nn.Module:
+    return m.eval()
+
+
+def _r(*shape, device, dtype):
+    return torch.randn(*shape, device=device, dtype=dtype)
+
+
+CASES: dict[str, Case] = {}
+
+
+def _add(name, cls_path, ctor, inputs, note="", row_output=0, streams=True):
+    def build():
+        return _eval(ctor(_cls(cls_path)))
+    CASES[name] = Case(name, cls_path, build, inputs, note, row_output, streams)
+
+
+T = "diffusers.models.transformers."
+
+# -- MiniMax-H3: per-row AdaLN indices, rotary per row ----------------------------------------------------------
+_add("minimax_h3", T + "transformer_minimax_h3:MiniMaxH3TransformerBlock",
+     lambda c: c(64, 4, 16, 128, 32, 1e-6, 1e-6),
+     lambda n, device, dtype: ((_r(1, n, 64, device=device, dtype=dtype), _r(2, 32, device=device, dtype=dtype),
+                                torch.randint(0, 6, (n,), device=device),
+                                (_r(n, 16, device=device, dtype=dtype), _r(n, 16, device=device, dtype=dtype))), {}),
+     row_output=None)
+
+# -- HunyuanVideo: double stream (joint text+image attention), single stream (text joined inside) --------------
+_add("hunyuan_video_double", T + "transformer_hunyuan_video:HunyuanVideoTransformerBlock",
+     lambda c: c(4, 16, 2.0),
+     lambda n, device, dtype: ((_r(1, n, 64, device=device, dtype=dtype), _r(1, TEXT, 64, device=device, dtype=dtype),
+                                _r(1, 64, device=device, dtype=dtype), None,
+                                (_r(n, 16, device=device, dtype=dtype), _r(n, 16, device=device, dtype=dtype))), {}),
+     note="attention_mask=None (the model passes a [B,1,1,N+T] key mask: see hunyuan_video_double_keymask)")
+_add("hunyuan_video_single", T + "transformer_hunyuan_video:HunyuanVideoSingleTransformerBlock",
+     lambda c: c(4, 16, 2.0),
+     lambda n, device, dtype: ((_r(1, n, 64, device=device, dtype=dtype), _r(1, TEXT, 64, device=device, dtype=dtype),
+                                _r(1, 64, device=device, dtype=dtype), None,
+                                (_r(n, 16, device=device, dtype=dtype), _r(n, 16, device=device, dtype=dtype))), {}))
+
+# -- LTX-Video: per-call AdaLN table, rotary over the whole inner width, cross-attention to text ---------------
+_add("ltx_video", T + "transformer_ltx:LTXVideoTransformerBlock",
+     lambda c: c(64, 4, 16, 64),
+     lambda n, device, dtype: ((_r(1, n, 64, device=device, dtype=dtype), _r(1, TEXT, 64, device=device, dtype=dtype),
+                                _r(1, 1, 6 * 64, device=device, dtype=dtype),
+                                (_r(1, n, 64, device=device, dtype=dtype), _r(1, n, 64, device=device, dtype=dtype))),
+                               {}),
+     row_output=None)
+
+# -- Wan 2.1 ------------------------------------------------------------------------------------------------------
+_add("wan", T + "transformer_wan:WanTransformerBlock",
+     lambda c: c(64, 128, 4, cross_attn_norm=True),
+     lambda n, device, dtype: ((_r(1, n, 64, device=device, dtype=dtype), _r(1, TEXT, 64, device=device, dtype=dtype),
+                                _r(1, 6, 64, device=device, dtype=dtype),
+                                (_r(1, n, 1, 16, device=device, dtype=dtype), _r(1, n, 1, 16, device=device, dtype=dtype))),
+                               {}),
+     row_output=None)
+
+# -- Flux.1: rotary over text + image rows (text first) ------------------------------------------------------
+def _flux_inputs(n, device, dtype):
+    return ((_r(1, n, 64, device=device, dtype=dtype), _r(1, TEXT, 64, device=device, dtype=dtype),
+             _r(1, 64, device=device, dtype=dtype),
+             (_r(TEXT + n, 16, device=device, dtype=dtype), _r(TEXT + n, 16, device=device, dtype=dtype))), {})
+
+
+_add("flux_double", T + "transformer_flux:FluxTransformerBlock", lambda c: c(64, 4, 16), _flux_inputs, row_output=1)
+_add("flux_single", T + "transformer_flux:FluxSingleTransformerBlock", lambda c: c(64, 4, 16), _flux_inputs,
+     row_output=1)
+
+
+# -- breadth: more diffusers blocks -------------------------------------------------------------------------------
+def _x(n, device, dtype, d=64):
+    return _r(1, n, d, device=device, dtype=dtype)
+
+
+def _txt(device, dtype, d=64):
+    return _r(1, TEXT, d, device=device, dtype=dtype)
+
+
+def _cs(rows, d, device, dtype):
+    return (_r(rows, d, device=device, dtype=dtype), _r(rows, d, device=device, dtype=dtype))
+
+
+def _cplx(shape, device):
+    ang = torch.rand(*shape, device=device) * 6.2831853
+    return torch.polar(torch.ones_like(ang), ang)
+
+
+_add("cogvideox", T + "cogvideox_transformer_3d:CogVideoXBlock", lambda c: c(64, 4, 16, 32),
+     lambda n, device, dtype: ((_x(n, device, dtype), _txt(device, dtype), _r(1, 32, device=device, dtype=dtype),
+                                _cs(n, 16, device, dtype)), {}))
+_add("sd3_joint", "diffusers.models.attention:JointTransformerBlock", lambda c: c(64, 4, 16, qk_norm="rms_norm"),
+     lambda n, device, dtype: ((_x(n, device, dtype), _txt(device, dtype), _r(1, 64, device=device, dtype=dtype)), {}),
+     row_output=1)
+_add("sd35_joint_dual", "diffusers.models.attention:JointTransformerBlock",
+     lambda c: c(64, 4, 16, qk_norm="rms_norm", use_dual_attention=True),
+     lambda n, device, dtype: ((_x(n, device, dtype), _txt(device, dtype), _r(1, 64, device=device, dtype=dtype)), {}),
+     row_output=1, note="SD3.5: a second, image-only self-attention")
+_add("sd3_single", T + "transformer_sd3:SD3SingleTransformerBlock", lambda c: c(64, 4, 16),
+     lambda n, device, dtype: ((_x(n, device, dtype), _r(1, 64, device=device, dtype=dtype)), {}), row_output=None)
+_add("pixart", "diffusers.models.attention:BasicTransformerBlock",
+     lambda c: c(64, 4, 16, cross_attention_dim=64, activation_fn="gelu-approximate", num_embeds_ada_norm=1000,
+                 norm_type="ada_norm_single", norm_elementwise_affine=False, norm_eps=1e-6, attention_bias=True),
+     lambda n, device, dtype: ((_x(n, device, dtype),), dict(
+         encoder_hidden_states=_txt(device, dtype),
+         encoder_attention_mask=torch.zeros(1, 1, TEXT, device=device, dtype=dtype).masked_fill(
+             torch.arange(TEXT, device=device) >= TEXT - 2, -10000.0),
+         timestep=_r(1, 6 * 64, device=device, dtype=dtype))), row_output=None,
+     note="PixArt-alpha/sigma: ada_norm_single, cross-attention with a text key bias")
+_add("auraflow_joint", T + "auraflow_transformer_2d:AuraFlowJointTransformerBlock", lambda c: c(64, 4, 16),
+     lambda n, device, dtype: ((_x(n, device, dtype), _txt(device, dtype), _r(1, 64, device=device, dtype=dtype)), {}),
+     row_output=1)
+_add("auraflow_single", T + "auraflow_transformer_2d:AuraFlowSingleTransformerBlock", lambda c: c(64, 4, 16),
+     lambda n, device, dtype: ((_x(n, device, dtype), _r(1, 64, device=device, dtype=dtype)), {}), row_output=None)
+_add("lumina2", T + "transformer_lumina2:Lumina2TransformerBlock", lambda c: c(64, 4, 2, 16, None, 1e-5),
+     lambda n, device, dtype: ((_x(n, device, dtype), None, _cplx((1, n, 8), device),
+                                _r(1, 64, device=device, dtype=dtype)), {}), row_output=None,
+     note="joint text+image sequence, complex rotary; attention_mask=None (all rows valid)")
+_add("qwenimage", T + "transformer_qwenimage:QwenImageTransformerBlock", lambda c: c(64, 4, 16),
+     lambda n, device, dtype: ((_x(n, device, dtype), _txt(device, dtype), None,
+                                _r(1, 64, device=device, dtype=dtype),
+                                (_cplx((n, 8), device), _cplx((TEXT, 8), device))), {}), row_output=1)
+_add("chroma_double", T + "transformer_chroma:ChromaTransformerBlock", lambda c: c(64, 4, 16),
+     lambda n, device, dtype: ((_x(n, device, dtype), _txt(device, dtype), _r(1, 12, 64, device=device, dtype=dtype),
+                                _cs(TEXT + n, 16, device, dtype)), {}), row_output=1)
+_add("chroma_single", T + "transformer_chroma:ChromaSingleTransformerBlock", lambda c: c(64, 4, 16),
+     lambda n, device, dtype: ((_x(n, device, dtype), _r(1, 3, 64, device=device, dtype=dtype),
+                                _cs(n, 16, device, dtype)), {}), row_output=None,
+     note="text and image rows joined before the block: every row dynamic")
+_add("cosmos", T + "transformer_cosmos:CosmosTransformerBlock", lambda c: c(4, 16, 64, adaln_lora_dim=32),
+     lambda n, device, dtype: ((_x(n, device, dtype), _txt(device, dtype), _r(1, 1, 64, device=device, dtype=dtype),
+                                _r(1, 1, 3 * 64, device=device, dtype=dtype), _cs(n, 16, device, dtype)), {}),
+     row_output=None)
+_add("skyreels_v2", T + "transformer_skyreels_v2:SkyReelsV2TransformerBlock", lambda c: c(64, 128, 4),
+     lambda n, device, dtype: ((_x(n, device, dtype), _txt(device, dtype), _r(1, 6, 64, device=device, dtype=dtype),
+                                (_r(1, n, 1, 16, device=device, dtype=dtype), _r(1, n, 1, 16, device=device, dtype=dtype)),
+                                None), {}), row_output=None)
+_add("skyreels_v2_per_token", T + "transformer_skyreels_v2:SkyReelsV2TransformerBlock", lambda c: c(64, 128, 4),
+     lambda n, device, dtype: ((_x(n, device, dtype), _txt(device, dtype),
+                                _r(1, 6, n, 64, device=device, dtype=dtype),
+                                (_r(1, n, 1, 16, device=device, dtype=dtype), _r(1, n, 1, 16, device=device, dtype=dtype)),
+                                None), {}), row_output=None, note="diffusion forcing: a timestep embedding per row")
+_add("hunyuan_video15", T + "transformer_hunyuan_video15:HunyuanVideo15TransformerBlock", lambda c: c(4, 16, 2.0),
+     lambda n, device, dtype: ((_x(n, device, dtype), _txt(device, dtype), _r(1, 64, device=device, dtype=dtype),
+                                torch.ones(1, TEXT, dtype=torch.bool, device=device), _cs(n, 16, device, dtype)), {}),
+     streams=False, note="its processor always pads the text mask over the image rows: a key mask over the rows")
+_add("flux2_double", T + "transformer_flux2:Flux2TransformerBlock", lambda c: c(64, 4, 16),
+     lambda n, device, dtype: ((_x(n, device, dtype), _txt(device, dtype), _r(1, 6 * 64, device=device, dtype=dtype),
+                                _r(1, 6 * 64, device=device, dtype=dtype), _cs(TEXT + n, 16, device, dtype)), {}),
+     row_output=1)
+_add("flux2_single", T + "transformer_flux2:Flux2SingleTransformerBlock", lambda c: c(64, 4, 16),
+     lambda n, device, dtype: ((_x(n, device, dtype), _txt(device, dtype), _r(1, 3 * 64, device=device, dtype=dtype),
+                                _cs(TEXT + n, 16, device, dtype)), {}), row_output=None,
+     note="returns the joined text + image rows")
+_add("zimage", T + "transformer_z_image:ZImageTransformerBlock", lambda c: c(0, 64, 4, 4, 1e-5, True),
+     lambda n, device, dtype: ((_x(n, device, dtype), None, _cplx((1, n, 8), device),
+                                _r(1, 64, device=device, dtype=dtype)), {}), row_output=None, streams=False,
+     note="rotary inside torch.amp.autocast(enabled=False): a higher-order op the generic path does not run")
+_add("easyanimate", T + "transformer_easyanimate:EasyAnimateTransformerBlock", lambda c: c(64, 4, 16, 64),
+     lambda n, device, dtype: ((_x(n, device, dtype), _txt(device, dtype), _r(1, 64, device=device, dtype=dtype),
+                                _cs(n, 16, device, dtype)), {}))
+_add("cogview4", T + "transformer_cogview4:CogView4TransformerBlock", lambda c: c(64, 4, 16, 64),
+     lambda n, device, dtype: ((_x(n, device, dtype), _txt(device, dtype), _r(1, 64, device=device, dtype=dtype),
+                                _cs(n, 16, device, dtype)), {}))
+_add("cogview3plus", T + "transformer_cogview3plus:CogView3PlusTransformerBlock", lambda c: c(64, 4, 16, 64),
+     lambda n, device, dtype: ((_x(n, device, dtype), _txt(device, dtype), _r(1, 64, device=device, dtype=dtype)), {}))
+_add("hunyuan_image_double", T + "transformer_hunyuanimage:HunyuanImageTransformerBlock", lambda c: c(4, 16, 2.0),
+     lambda n, device, dtype: ((_x(n, device, dtype), _txt(device, dtype), _r(1, 64, device=device, dtype=dtype),
+                                None, _cs(n, 16, device, dtype)), {}))
+_add("hunyuan_image_single", T + "transformer_hunyuanimage:HunyuanImageSingleTransformerBlock", lambda c: c(4, 16, 2.0),
+     lambda n, device, dtype: ((_x(n, device, dtype), _txt(device, dtype), _r(1, 64, device=device, dtype=dtype),
+                                None, _cs(n, 16, device, dtype)), {}))
+_add("hunyuan_dit", T + "hunyuan_transformer_2d:HunyuanDiTBlock", lambda c: c(64, 4, cross_attention_dim=64),
+     lambda n, device, dtype: ((_x(n, device, dtype), _txt(device, dtype), _r(1, 64, device=device, dtype=dtype),
+                                _cs(n, 16, device, dtype)), {}), row_output=None)
+_add("longcat_image", T + "transformer_longcat_image:LongCatImageTransformerBlock", lambda c: c(64, 4, 16),
+     _flux_inputs, row_output=1)
+_add("ovis_image", T + "transformer_ovis_image:OvisImageTransformerBlock", lambda c: c(64, 4, 16),
+     _flux_inputs, row_output=1)
+_add("bria", T + "transformer_bria:BriaTransformerBlock", lambda c: c(64, 4, 16), _flux_inputs, row_output=1)
+_add("allegro", T + "transformer_allegro:AllegroTransformerBlock",
+     lambda c: c(64, 4, 16, cross_attention_dim=64, activation_fn="gelu-approximate"),
+     lambda n, device, dtype: ((_x(n, device, dtype), _txt(device, dtype), _r(1, 6 * 64, device=device, dtype=dtype)),
+                               {}), row_output=None, note="image_rotary_emb=None")
+_add("wan_vace", T + "transformer_wan_vace:WanVACETransformerBlock",
+     lambda c: c(64, 128, 4, apply_input_projection=True, apply_output_projection=True),
+     lambda n, device, dtype: ((_x(n, device, dtype), _txt(device, dtype), _x(n, device, dtype),
+                                _r(1, 6, 64, device=device, dtype=dtype),
+                                (_r(1, n, 1, 16, device=device, dtype=dtype), _r(1, n, 1, 16, device=device, dtype=dtype))),
+                               {}))
+# stays stock: a 3x3 depthwise convolution over the image plane in the MLP (neighbouring rows mix)
+_add("sana", T + "sana_transformer:SanaTransformerBlock",
+     lambda c: c(64, 4, 16, num_cross_attention_heads=4, cross_attention_head_dim=16, cross_attention_dim=64),
+     lambda n, device, dtype: ((_x(n, device, dtype),), dict(encoder_hidden_states=_txt(device, dtype),
+                                                              timestep=_r(1, 6 * 64, device=device, dtype=dtype),
+                                                              height=n // 20, width=20)),
+     row_output=None, streams=False, note="GLUMBConv MLP: a 3x3 convolution over the image plane mixes rows")
+# stays stock: the valid text tokens are picked with nonzero (a data-dependent length)
+_add("mochi", T + "transformer_mochi:MochiTransformerBlock", lambda c: c(64, 4, 16, 32),
+     lambda n, device, dtype: ((_x(n, device, dtype), _txt(device, dtype, 32), _r(1, 64, device=device, dtype=dtype),
+                                torch.ones(1, TEXT, dtype=torch.bool, device=device),
+                                (_r(n, 4, 8, device=device, dtype=dtype), _r(n, 4, 8, device=device, dtype=dtype))), {}),
+     streams=False, note="the processor selects valid text tokens with nonzero: a data-dependent sequence length")
+# stays stock: HunyuanVideo as its model calls it, with a [B, 1, 1, N + T] key mask over the joint rows
+_add("hunyuan_video_double_keymask", T + "transformer_hunyuan_video:HunyuanVideoTransformerBlock",
+     lambda c: c(4, 16, 2.0),
+     lambda n, device, dtype: ((_x(n, device, dtype), _txt(device, dtype), _r(1, 64, device=device, dtype=dtype),
+                                torch.ones(1, 1, 1, n + TEXT, dtype=torch.bool, device=device),
+                                _cs(n, 16, device, dtype)), {}),
+     streams=False, note="an attention mask over the rows' keys: not on the generic path yet")
