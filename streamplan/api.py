@@ -665,7 +665,7 @@ class StreamHandle:
                 lines.append(f"      note: {note}")
         if self.installed:
             lines.append("  (predicted and stock est.: peak bytes with the call's live inputs, from the memory model;"
-                         " stock est. is an upper bound)")
+                         " measured stock may differ: benchmarks/ has measurements)")
         for s in self.skipped:
             lines.append(f"  stock     {s.name or '<root>'}  ({s.cls}): {s.reason}")
         for w in self._stock_that_matters():

@@ -33,6 +33,9 @@ PLAN_FAMILIES = {
     "wan-1.3b-block": "Wan2.1-1.3B WanTransformerBlock (diffusers): dim 1536, ffn 8960, 12 heads",
     "flux-double-block": "Flux.1 FluxTransformerBlock (diffusers): dim 3072, 24 heads, 512 text tokens",
     "flux-single-block": "Flux.1 FluxSingleTransformerBlock (diffusers): dim 3072, 24 heads, 512 text tokens",
+    "h3-block": "MiniMax-H3 MiniMaxH3TransformerBlock (diffusers): 5376 wide, 56x128 heads, SwiGLU 14336",
+    "h3-model": "MiniMaxH3Transformer3DModel (diffusers) at real width, 2 layers: 512 text and 2,000 audio rows, the "
+                "rest video",
     "llama3-8b-layer": "Llama-3-8B LlamaDecoderLayer (transformers, sdpa): 4096 hidden, 32/8 heads",
 }
 BENCH_CASES = {
@@ -230,7 +233,7 @@ def _plan(args: argparse.Namespace) -> int:
         plan = max(plans, key=lambda p: p.predicted_total)
         kb = lambda b: b / args.tokens / 1024  # noqa: E731
         print("\nKB per token above the inputs (from the planner's memory model; nothing was measured):")
-        print(f"  stock (estimate, upper bound)  {kb(plan.stock_peak):8.1f}")
+        print(f"  stock (estimate, not measured) {kb(plan.stock_peak):8.1f}")
         print(f"  planned (predicted)            {kb(plan.predicted_peak):8.1f}")
         print(f"  floor (residual + K + V)       {kb(floor * args.tokens):8.1f}")
     return 0
@@ -316,7 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
              "nothing",
         description=_wrap("Build a real-width module on the meta device (shapes only: no memory, no compute), let "
                           "streamplan plan it, and print the plan: tiers, chunks, the predicted peak and the stock "
-                          "estimate (an upper bound from the memory model, not a measurement)."),
+                          "estimate (from the memory model, not a measurement)."),
         epilog=_catalogue("families", PLAN_FAMILIES))
     plan.add_argument("--family", choices=list(PLAN_FAMILIES), default="wan-14b-block",
                       help="which module, listed below (default: wan-14b-block)")

@@ -59,6 +59,36 @@ def _llama_inputs(n: int, dev: torch.device, dt: torch.dtype) -> tuple:
             (freqs.cos().to(dt), freqs.sin().to(dt)))
 
 
+def _h3_block() -> nn.Module:
+    from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3TransformerBlock
+    return MiniMaxH3TransformerBlock(5376, 56, 128, 14336, 2688, 1e-5, 1e-5)
+
+
+def _h3_block_inputs(n: int, dev: torch.device, dt: torch.dtype) -> tuple:
+    pos = torch.randn(n, 96, device=dev)
+    return (torch.randn(1, n, 5376, device=dev, dtype=dt), torch.randn(2, 2688, device=dev),
+            torch.zeros(n, dtype=torch.long, device=dev), (pos.cos(), pos.sin()))
+
+
+def _h3_model() -> nn.Module:
+    from diffusers import MiniMaxH3Transformer3DModel
+    return MiniMaxH3Transformer3DModel(num_layers=2, num_refiner_layers=2)
+
+
+def _h3_model_inputs(n: int, dev: torch.device, dt: torch.dtype) -> tuple:
+    """A 10 s clip's layout: 512 text rows, 2,000 audio rows, the rest video (4,096 conditioning rows at t=0)."""
+    text, audio = 512, 2000
+    idx = torch.arange(n, device=dev)
+    tags = torch.zeros(n, dtype=torch.long, device=dev)
+    tags[:text], tags[text:text + audio] = 1, 2
+    ts = torch.ones(n, dtype=torch.long, device=dev)
+    ts[text + audio:text + audio + 4096] = 0
+    video = n - text - audio
+    return (torch.randn(1, video, 96, device=dev, dtype=dt), torch.randn(1, audio, 32, device=dev, dtype=dt),
+            torch.randn(1, text, 5120, device=dev, dtype=dt), torch.tensor([0.0, 0.6], device=dev), ts, tags,
+            torch.zeros(n, 3, dtype=torch.long, device=dev), idx[text + audio:], idx[text:text + audio], idx[:text])
+
+
 def _bytes(elems_per_token: int) -> Callable[[torch.dtype], float]:
     return lambda dt: elems_per_token * torch.empty((), dtype=dt).element_size()
 
@@ -72,6 +102,10 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
            _flux(False), _flux_inputs, _bytes(3 * 3072)),
     Family("flux-single-block", "Flux.1 FluxSingleTransformerBlock (diffusers): dim 3072, 24 heads, 512 text tokens",
            _flux(True), _flux_inputs, _bytes(3 * 3072)),
+    Family("h3-block", "MiniMax-H3 MiniMaxH3TransformerBlock (diffusers): 5376 wide, 56x128 heads, SwiGLU 14336",
+           _h3_block, _h3_block_inputs, _bytes(5376 + 2 * 7168)),
+    Family("h3-model", "MiniMaxH3Transformer3DModel (diffusers) at real width, 2 layers: 512 text and 2,000 audio rows, "
+           "the rest video", _h3_model, _h3_model_inputs, _bytes(5376 + 2 * 7168)),
     Family("llama3-8b-layer", "Llama-3-8B LlamaDecoderLayer (transformers, sdpa): 4096 hidden, 32/8 heads",
            _llama_layer, _llama_inputs, _bytes(4096 + 2 * 1024)),
 ]}

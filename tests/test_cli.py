@@ -69,8 +69,8 @@ def test_plan_prints_a_plan_without_running_anything(capsys):
     out = captured.out
     assert "planned on meta tensors" in out and "L1" in out
     assert "floor (residual + K + V)       " in out and out.split("floor (residual + K + V)")[1].split()[0] == "30.0"
-    # the stock figure is the memory model's upper bound, not a measurement: it says so
-    assert "stock (estimate, upper bound)" in out and "planned (predicted)" in out
+    # the stock figure is the memory model's estimate, not a measurement: it says so
+    assert "stock (estimate, not measured)" in out and "planned (predicted)" in out
     assert "[1/3]" in captured.err and "[3/3] planning" in captured.err
 
 

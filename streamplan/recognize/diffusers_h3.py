@@ -76,25 +76,21 @@ def _forward(model, args: tuple, kwargs: dict, chunk: Callable[[], int]):
         with donate(hidden_states):
             hidden_states = block(hidden_states, temb, adaln_indices, rotary_emb)
 
-    # both heads, only on the rows each keeps, chunk by chunk into their own outputs
+    # each head on the rows it keeps only, a chunk of them at a time, straight into its output (stock runs both
+    # heads over every row in float32 and selects afterwards)
+    head_dtype = next(model.proj_out.parameters()).dtype
     heads = []
     for proj, index in ((model.proj_out, video_indices), (model.audio_proj_out, audio_indices)):
-        where = torch.full((n,), -1, dtype=torch.long, device=index.device)
-        where[index] = torch.arange(index.shape[0], device=index.device)
         out = hidden_states.new_empty((hidden_states.shape[0], index.shape[0], proj.out_features),
                                       dtype=next(proj.parameters()).dtype)
-        heads.append((proj, where, out))
-    head_dtype = next(model.proj_out.parameters()).dtype
 
-    def work(a: int, b: int) -> None:
-        y = model.norm_out(hidden_states[:, a:b], temb, timestep_indices[a:b]).to(head_dtype)
-        for proj, where, out in heads:
-            w = where[a:b]
-            keep = (w >= 0).nonzero().squeeze(1)
-            if keep.numel():
-                out[:, w[keep]] = proj(y[:, keep]).to(out.dtype)
+        def work(a: int, b: int, proj=proj, index=index, out=out) -> None:
+            rows = index[a:b]
+            y = model.norm_out(hidden_states.index_select(1, rows), temb, timestep_indices.index_select(0, rows))
+            out[:, a:b] = proj(y.to(head_dtype)).to(out.dtype)
 
-    for_chunks(n, chunk(), work)
+        for_chunks(index.shape[0], chunk(), work)
+        heads.append((proj, index, out))
     video_output, audio_output = heads[0][2], heads[1][2]
     if not call.get("return_dict", True):
         return (video_output, audio_output)
