@@ -48,7 +48,6 @@ def bench(name: str, block, make_args, tokens: int, floor_bytes: int, chunks: li
 
             def donated():
                 fresh = make_args()
-                x = fresh[0]
                 with donate(*[a for a in fresh if isinstance(a, torch.Tensor)]):
                     return block(*fresh)
 

@@ -64,7 +64,8 @@ def wan_block(tokens: int, budgets_over_floor: list[float]) -> list[dict]:
             rows.append({"tokens": tokens, "mode": f"budget = inputs + {factor} x floor", "budget_GiB": budget / GiB,
                          "tier": plan.tier, "chunk": plan.chunk, "ffn_slice": plan.ffn_slice,
                          "head_groups": plan.head_groups, "predicted_GiB": plan.predicted_total / GiB,
-                         "measured_GiB": (peak + live) / GiB, "measured/predicted": (peak + live) / plan.predicted_total,
+                         "measured_GiB": (peak + live) / GiB,
+                         "measured/predicted": (peak + live) / plan.predicted_total,
                          "within_budget": peak + live <= budget, "rel_diff": diff})
             print(rows[-1], flush=True)
     del block, args, ref

@@ -506,7 +506,8 @@ class StreamHandle:
         device = call.segments[0].source.device
         sig = (_shapes(args, kwargs), call.dtype, device.type)
         plan = self._plan(entry, sig, lambda budget: plan_attention(
-            _attention_dims(spec, call, consumer), chunk_tokens=o.chunk_tokens, budget=budget, q_align=consumer.caps.q_align,
+            _attention_dims(spec, call, consumer), chunk_tokens=o.chunk_tokens, budget=budget,
+            q_align=consumer.caps.q_align,
             head_groups=o.head_groups, can_group=call.cache_update is None and call.kv_whole is None,
             min_chunk=UTILISATION_FLOOR.get(device.type, 0)), args, kwargs, device)
         if plan.tier == "L0":
@@ -551,10 +552,11 @@ class StreamHandle:
             self._note(entry, "ffn_slice / head_groups are not available on the captured-graph path: row chunks only")
         donate = {}
         out0 = an.outputs[0] if an.outputs else None
-        if out0 is not None and getattr(an.rows.get(out0), "dim", None) == 1 and an.rows[out0].pre + an.rows[out0].post == 0:
+        r0 = an.rows.get(out0) if out0 is not None else None
+        if getattr(r0, "dim", None) == 1 and r0.pre + r0.post == 0:   # the output has the input's rows: donate
             x = next((t for t in tensors if donated(t)), None)
-            if x is not None and tuple(x.shape) == (x.shape[0], rows, *x.shape[2:]) and x.dtype == out0.meta["val"].dtype \
-                    and x.dim() == out0.meta["val"].dim():
+            val = out0.meta["val"]
+            if x is not None and x.dim() == val.dim() and x.shape[1] == rows and x.dtype == val.dtype:
                 donate[0] = x
         device = tensors[0].device
         sig = (_shapes(args, kwargs), tensors[0].dtype, device.type, bool(donate))
@@ -659,7 +661,8 @@ class StreamHandle:
                 ffn = str(plan.ffn_slice) if plan.tier == "L2" else "-"
                 chunk = str(plan.chunk) if plan.tier != "L0" else "-"
                 lines.append(f"  {name or '<root>':<{nw}} {label:<{lw}} {plan.tier:<4} {chunk:>6} {ffn:>6} "
-                             f"{fmt_bytes(plan.predicted_total):>11} {fmt_bytes(plan.live_bytes + plan.stock_peak):>11}")
+                             f"{fmt_bytes(plan.predicted_total):>11} "
+                             f"{fmt_bytes(plan.live_bytes + plan.stock_peak):>11}")
                 lines.append(f"      input {_describe_sig(sig)}: {plan.describe()}")
             for note in e.runtime_notes:
                 lines.append(f"      note: {note}")
@@ -708,7 +711,8 @@ def apply(module: nn.Module, budget: int | str | None = "auto", chunk_tokens: in
 
     ``budget`` (bytes, ``"12GiB"``, or ``"auto"``: the device's free memory when an operation is first planned) lets
     the planner pick tiers and chunks, keeping stock wherever stock fits; ``budget=None`` streams every input longer
-    than a fixed default chunk instead. ``chunk_tokens`` forces row streaming at that chunk; ``ffn_slice`` forces feature-sliced MLPs with that many hidden features per slice;
+    than a fixed default chunk instead. ``chunk_tokens`` forces row streaming at that chunk; ``ffn_slice`` forces
+    feature-sliced MLPs with that many hidden features per slice;
     ``head_groups`` forces head-grouped K/V (L3) with the K/V heads split into that many groups.
     ``reserve`` is kept free under ``budget="auto"``. ``self_check`` runs the first streamed call stock as well and
     logs (and reports) the difference. ``capture`` picks the way in for blocks: "fallback" (default) streams every
@@ -739,7 +743,8 @@ def apply(module: nn.Module, budget: int | str | None = "auto", chunk_tokens: in
     try:
         for name, spec in specs.items():
             handle._install(name, spec)
-        covered = [n for n, sp in specs.items() if n or not isinstance(sp, ModelSpec)] + [s.name for s in skipped if s.name]
+        covered = [n for n, sp in specs.items() if n or not isinstance(sp, ModelSpec)]
+        covered += [s.name for s in skipped if s.name]
         for name, stock in watch_candidates(module, covered) if specs else ():   # nothing streamed: untouched
             handle._watch(name, stock)
         if (specs or handle.watched) and "" not in specs:

@@ -1,4 +1,5 @@
-"""Named real-width model families: what `streamplan plan`, `demo` and `bench` build, from the libraries' own classes."""
+"""Named real-width model families: what `streamplan plan`, `demo` and `bench` build, from the libraries' own
+classes."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -104,8 +105,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
            _flux(True), _flux_inputs, _bytes(3 * 3072)),
     Family("h3-block", "MiniMax-H3 MiniMaxH3TransformerBlock (diffusers): 5376 wide, 56x128 heads, SwiGLU 14336",
            _h3_block, _h3_block_inputs, _bytes(5376 + 2 * 7168)),
-    Family("h3-model", "MiniMaxH3Transformer3DModel (diffusers) at real width, 2 layers: 512 text and 2,000 audio rows, "
-           "the rest video", _h3_model, _h3_model_inputs, _bytes(5376 + 2 * 7168)),
+    Family("h3-model", "MiniMaxH3Transformer3DModel (diffusers) at real width, 2 layers: 512 text and 2,000 audio "
+           "rows, the rest video", _h3_model, _h3_model_inputs, _bytes(5376 + 2 * 7168)),
     Family("llama3-8b-layer", "Llama-3-8B LlamaDecoderLayer (transformers, sdpa): 4096 hidden, 32/8 heads",
            _llama_layer, _llama_inputs, _bytes(4096 + 2 * 1024)),
 ]}

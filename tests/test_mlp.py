@@ -106,7 +106,8 @@ def test_nothing_recognised_leaves_the_model_untouched():
     assert {n: m.__dict__.get("forward") for n, m in model.named_modules()} == state
 
 
-@pytest.mark.parametrize("kwargs, arg", [(dict(chunk_tokens=0), "chunk_tokens"), (dict(chunk_tokens=-3), "chunk_tokens"),
+@pytest.mark.parametrize("kwargs, arg", [(dict(chunk_tokens=0), "chunk_tokens"),
+                                         (dict(chunk_tokens=-3), "chunk_tokens"),
                                          (dict(chunk_tokens=1.5), "chunk_tokens"), (dict(budget="12 GiBs"), "budget"),
                                          (dict(budget="lots"), "budget"), (dict(budget=-1), "budget"),
                                          (dict(ffn_slice=0), "ffn_slice")])

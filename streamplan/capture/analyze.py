@@ -60,7 +60,8 @@ class NotRowLocal(Exception):
 _IGNORED = {aten._assert_tensor_metadata.default, aten._assert_scalar.default,
             aten.sym_constrain_range_for_size.default}
 _PASS = {"view", "reshape", "_unsafe_view", "unflatten", "flatten", "permute", "transpose", "t", "unsqueeze", "squeeze",
-         "expand", "expand_as", "alias", "clone", "contiguous", "_to_copy", "to", "type_as", "detach", "lift_fresh_copy",
+         "expand", "expand_as", "alias", "clone", "contiguous", "_to_copy", "to", "type_as", "detach",
+         "lift_fresh_copy",
          "view_as_complex", "view_as_real", "movedim", "dropout", "native_dropout", "fill", "zeros_like", "ones_like",
          "empty_like", "full_like", "masked_fill", "where", "real", "imag", "conj", "_conj", "resolve_conj",
          "resolve_neg", "stack", "repeat_interleave", "copy"}
@@ -318,7 +319,8 @@ class _Analyzer:
             return out
         if name in _MATMUL:
             a = args.get("input", args.get("self"))
-            other = [args.get(k) for k in ("weight", "other", "mat2", "bias", "batch2") if isinstance(args.get(k), fx.Node)]
+            other = [args.get(k) for k in ("weight", "other", "mat2", "bias", "batch2")
+                     if isinstance(args.get(k), fx.Node)]
             if name in ("addmm", "baddbmm"):
                 a = args.get("mat1", args.get("batch1"))
             if any(isinstance(self.rows.get(o), Rows) for o in other):

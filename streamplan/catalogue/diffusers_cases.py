@@ -42,6 +42,11 @@ def _r(*shape, device, dtype):
     return torch.randn(*shape, device=device, dtype=dtype)
 
 
+def _pair(*shape, device, dtype):
+    """A rotary (cos, sin) pair of random tables of this shape."""
+    return _r(*shape, device=device, dtype=dtype), _r(*shape, device=device, dtype=dtype)
+
+
 CASES: dict[str, Case] = {}
 
 
@@ -88,7 +93,7 @@ _add("wan", T + "transformer_wan:WanTransformerBlock",
      lambda c: c(64, 128, 4, cross_attn_norm=True),
      lambda n, device, dtype: ((_r(1, n, 64, device=device, dtype=dtype), _r(1, TEXT, 64, device=device, dtype=dtype),
                                 _r(1, 6, 64, device=device, dtype=dtype),
-                                (_r(1, n, 1, 16, device=device, dtype=dtype), _r(1, n, 1, 16, device=device, dtype=dtype))),
+                                _pair(1, n, 1, 16, device=device, dtype=dtype)),
                                {}),
      row_output=None)
 
@@ -169,12 +174,12 @@ _add("cosmos", T + "transformer_cosmos:CosmosTransformerBlock", lambda c: c(4, 1
      row_output=None)
 _add("skyreels_v2", T + "transformer_skyreels_v2:SkyReelsV2TransformerBlock", lambda c: c(64, 128, 4),
      lambda n, device, dtype: ((_x(n, device, dtype), _txt(device, dtype), _r(1, 6, 64, device=device, dtype=dtype),
-                                (_r(1, n, 1, 16, device=device, dtype=dtype), _r(1, n, 1, 16, device=device, dtype=dtype)),
+                                _pair(1, n, 1, 16, device=device, dtype=dtype),
                                 None), {}), row_output=None)
 _add("skyreels_v2_per_token", T + "transformer_skyreels_v2:SkyReelsV2TransformerBlock", lambda c: c(64, 128, 4),
      lambda n, device, dtype: ((_x(n, device, dtype), _txt(device, dtype),
                                 _r(1, 6, n, 64, device=device, dtype=dtype),
-                                (_r(1, n, 1, 16, device=device, dtype=dtype), _r(1, n, 1, 16, device=device, dtype=dtype)),
+                                _pair(1, n, 1, 16, device=device, dtype=dtype),
                                 None), {}), row_output=None, note="diffusion forcing: a timestep embedding per row")
 _add("hunyuan_video15", T + "transformer_hunyuan_video15:HunyuanVideo15TransformerBlock", lambda c: c(4, 16, 2.0),
      lambda n, device, dtype: ((_x(n, device, dtype), _txt(device, dtype), _r(1, 64, device=device, dtype=dtype),
@@ -222,7 +227,7 @@ _add("wan_vace", T + "transformer_wan_vace:WanVACETransformerBlock",
      lambda c: c(64, 128, 4, apply_input_projection=True, apply_output_projection=True),
      lambda n, device, dtype: ((_x(n, device, dtype), _txt(device, dtype), _x(n, device, dtype),
                                 _r(1, 6, 64, device=device, dtype=dtype),
-                                (_r(1, n, 1, 16, device=device, dtype=dtype), _r(1, n, 1, 16, device=device, dtype=dtype))),
+                                _pair(1, n, 1, 16, device=device, dtype=dtype)),
                                {}))
 # stays stock: a 3x3 depthwise convolution over the image plane in the MLP (neighbouring rows mix)
 _add("sana", T + "sana_transformer:SanaTransformerBlock",
@@ -235,7 +240,7 @@ _add("sana", T + "sana_transformer:SanaTransformerBlock",
 _add("mochi", T + "transformer_mochi:MochiTransformerBlock", lambda c: c(64, 4, 16, 32),
      lambda n, device, dtype: ((_x(n, device, dtype), _txt(device, dtype, 32), _r(1, 64, device=device, dtype=dtype),
                                 torch.ones(1, TEXT, dtype=torch.bool, device=device),
-                                (_r(n, 4, 8, device=device, dtype=dtype), _r(n, 4, 8, device=device, dtype=dtype))), {}),
+                                _pair(n, 4, 8, device=device, dtype=dtype)), {}),
      streams=False, note="the processor selects valid text tokens with nonzero: a data-dependent sequence length")
 # stays stock: HunyuanVideo as its model calls it, with a [B, 1, 1, N + T] key mask over the joint rows
 _add("hunyuan_video_double_keymask", T + "transformer_hunyuan_video:HunyuanVideoTransformerBlock",

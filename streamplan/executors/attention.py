@@ -85,7 +85,7 @@ def head_grouped_outputs(call: AttentionCall, consumer, chunk: int, groups: int,
         for i, seg in enumerate(call.segments):
             def q_work(a: int, b: int, i=i, seg=seg, start=start) -> None:
                 q = seg.q(rows_of(i, seg, a, b), a, b)[:, :, h0:h1].transpose(1, 2)
-                o = consumer.attend(q, k_g, v_g, q_offset=start + a, causal=call.causal,
+                o = consumer.attend(q, k_g, v_g, q_offset=start + a, causal=call.causal,  # noqa: F821 (del after)
                                     mask=_mask(call, start + a, start + b, h0, h1), scale=call.scale)
                 if outs[i] is None:
                     outs[i] = o.new_empty((call.batch, seg.rows, H, D))

@@ -225,7 +225,7 @@ def recognize_wan_attention(name: str, module: nn.Module) -> AttentionSpec | Ski
     H = module.heads
     return AttentionSpec(module=module, label="diffusers.WanAttention[WanAttnProcessor]", heads=H, kv_heads=H,
                          head_dim=module.inner_dim // H, dim_out=module.to_out[0].out_features,
-                        
+
                          bind=lambda args, kwargs: _bind_wan(module, args, kwargs),
                          backend=lambda: _active_backend(module.processor))
 

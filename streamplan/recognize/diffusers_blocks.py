@@ -38,7 +38,8 @@ def _children(name: str, module: nn.Module, attn_names: list[str], mlp_names: li
 
 
 def _row_norm(norm: nn.Module) -> bool:
-    return type(norm).__name__ in ("FP32LayerNorm", "LayerNorm", "Identity", "RMSNorm") and "forward" not in norm.__dict__
+    known = ("FP32LayerNorm", "LayerNorm", "Identity", "RMSNorm")
+    return type(norm).__name__ in known and "forward" not in norm.__dict__
 
 
 def _fp16_clip(t: torch.Tensor) -> torch.Tensor:
@@ -203,7 +204,8 @@ def recognize_flux_block(name: str, module: nn.Module) -> BlockSpec | Skip | Non
     if problem:
         return skip(problem)
     if type(module) is mod.FluxTransformerBlock:
-        if not (_ada_norm_ok(module.norm1, "AdaLayerNormZero") and _ada_norm_ok(module.norm1_context, "AdaLayerNormZero")
+        if not (_ada_norm_ok(module.norm1, "AdaLayerNormZero")
+                and _ada_norm_ok(module.norm1_context, "AdaLayerNormZero")
                 and _row_norm(module.norm2) and _row_norm(module.norm2_context)):
             return skip("a norm streamplan does not know")
         found = _children(name, module, ["attn"], ["ff", "ff_context"], recognize_flux_attention)

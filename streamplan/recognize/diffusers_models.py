@@ -46,7 +46,7 @@ def _wan_forward(model, args: tuple, kwargs: dict, chunk: Callable[[], int]):
         ts_seq_len = None
     temb, timestep_proj, encoder_hidden_states, encoder_hidden_states_image = model.condition_embedder(
         timestep, encoder_hidden_states, encoder_hidden_states_image, timestep_seq_len=ts_seq_len)
-    timestep_proj = timestep_proj.unflatten(2, (6, -1)) if ts_seq_len is not None else timestep_proj.unflatten(1, (6, -1))
+    timestep_proj = timestep_proj.unflatten(2 if ts_seq_len is not None else 1, (6, -1))
     if encoder_hidden_states_image is not None:
         encoder_hidden_states = torch.concat([encoder_hidden_states_image, encoder_hidden_states], dim=1)
 
@@ -64,12 +64,12 @@ def _wan_forward(model, args: tuple, kwargs: dict, chunk: Callable[[], int]):
     head: list[torch.Tensor] = []
 
     def work(a: int, b: int) -> None:
-        r = hidden_states[:, a:b]
+        r = hidden_states[:, a:b]  # noqa: F821 (deleted after the loop, to free it before the reshape)
         y = (model.norm_out(r.float()) * (1 + rows_of(scale, a, b, 1)) + rows_of(shift, a, b, 1)).type_as(r)
         y = model.proj_out(y)
-        if not head:
-            head.append(y.new_empty((batch_size, rows, y.shape[-1])))
-        head[0][:, a:b] = y
+        if not head:  # noqa: F821
+            head.append(y.new_empty((batch_size, rows, y.shape[-1])))  # noqa: F821
+        head[0][:, a:b] = y  # noqa: F821
 
     for_chunks(rows, chunk(), work)
     out = head[0]

@@ -92,7 +92,8 @@ def recognize_llama_attention(name: str, module: nn.Module) -> AttentionSpec | S
     if not hasattr(sys.modules[type(module).__module__], "apply_rotary_pos_emb"):
         return skip("its module has no apply_rotary_pos_emb")
     D = module.head_dim
-    return AttentionSpec(module=module, label=f"transformers.{type(module).__name__}", heads=module.q_proj.out_features // D,
+    return AttentionSpec(module=module, label=f"transformers.{type(module).__name__}",
+                         heads=module.q_proj.out_features // D,
                          kv_heads=module.k_proj.out_features // D, head_dim=D, dim_out=module.o_proj.out_features,
                          bind=lambda args, kwargs: _bind_llama(module, args, kwargs),
                          backend=lambda: module.config._attn_implementation or "eager")
