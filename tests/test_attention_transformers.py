@@ -1,7 +1,7 @@
 """Streamed Llama-family attention against transformers' own modules: sdpa and eager, GQA, causal, padding, cache."""
 import pytest
 import torch
-from transformers import AttentionInterface, DynamicCache, LlamaConfig, LlamaModel, MistralConfig, MistralModel
+from transformers import AttentionInterface, LlamaConfig, LlamaModel, MistralConfig, MistralModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import streamplan
