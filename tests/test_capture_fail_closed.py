@@ -1,0 +1,95 @@
+"""The captured-graph path fails closed: whatever it cannot prove row-local keeps the stock forward, with the op or
+reason in the report, and the output is stock's. The blocks here are small modules written for the test: each is a
+plain attention block with one thing added that must not be streamed."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import streamplan
+
+
+class Block(nn.Module):
+    """Pre-norm self-attention and MLP; ``extra`` adds one thing the captured path must refuse."""
+
+    def __init__(self, extra: str = "", dim: int = 32, heads: int = 4):
+        super().__init__()
+        self.extra, self.heads = extra, heads
+        self.norm = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.out = nn.Linear(dim, dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 64), nn.GELU(), nn.Linear(64, dim))
+
+    def forward(self, x):
+        b, n, d = x.shape
+        if self.extra == "in-place-input":
+            x.mul_(1.0)
+        h = self.norm(x)
+        if self.extra == "mean-over-rows":
+            h = h - h.mean(dim=1, keepdim=True)
+        if self.extra == "positions":
+            h = h + torch.arange(n, device=x.device, dtype=x.dtype)[None, :, None] / n
+        if self.extra == "random":
+            h = h + 0.0 * torch.rand_like(h)
+        if self.extra == "row-count-branch" and n > 150:
+            h = h * 2
+        q, k, v = self.qkv(h).view(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        if self.extra == "cumsum":
+            v = v.cumsum(dim=2)
+        o = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, d)
+        x = x + self.out(o)
+        return x + self.mlp(x)
+
+
+def _run(block, n=200, **kw):
+    x = torch.randn(1, n, 32)
+    with torch.no_grad():
+        ref = block(x.clone())
+        handle = streamplan.apply(block, chunk_tokens=64, capture="prefer", **kw)
+        out = block(x.clone())
+    return handle, out, ref
+
+
+@torch.no_grad()
+def test_the_plain_block_streams_and_reports_its_capture_time():
+    handle, out, ref = _run(Block().eval())
+    assert torch.allclose(out, ref, rtol=1e-5, atol=1e-6)
+    (plan,) = handle.plans[""]
+    assert plan.tier == "L1" and plan.chunk == 64
+    assert "captured in" in handle.report() and " s: " in handle.report()
+    handle.remove()
+
+
+@pytest.mark.parametrize("extra, reason", [
+    ("mean-over-rows", "mean over the rows"),
+    ("cumsum", "cumsum along the rows"),
+    ("positions", "builds per-row values from the row count"),
+    ("random", "random op"),
+    ("in-place-input", "mul_ writes into a value every chunk shares"),
+    ("row-count-branch", "capture failed"),
+])
+def test_what_is_not_row_local_stays_stock_and_says_what(extra, reason):
+    handle, out, ref = _run(Block(extra).eval())
+    assert torch.equal(out, ref) or extra in ("random",)   # stock ran (a random op differs run to run)
+    assert not any(p.tier != "L0" for p in handle.plans.get("", []))
+    assert reason in handle.report(), handle.report()
+    handle.remove()
+
+
+def test_a_hook_inside_the_block_keeps_it_stock():
+    block = Block().eval()
+    block.mlp.register_forward_hook(lambda m, i, o: o)
+    handle, out, ref = _run(block)
+    assert torch.equal(out, ref)
+    assert "has forward hooks" in handle.report() and "" not in handle.installed
+    handle.remove()
+
+
+def test_training_mode_keeps_the_captured_block_stock():
+    block = Block().eval()
+    handle, _, _ = _run(block)
+    block.train()
+    with torch.no_grad():
+        block(torch.randn(1, 200, 32))
+    assert "in training mode: ran stock" in handle.report()
+    handle.remove()
