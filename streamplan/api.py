@@ -19,11 +19,11 @@ from .consumers import consumer_for, unsupported
 from .executors.attention import run_attention
 from .executors.block import donated, run_block
 from .executors.chunks import drain_retries
-from .executors.mlp import run_mlp, run_seq_chunked
+from .executors.mlp import feature_slicing, run_mlp, run_seq_chunked
 from .ir import AttentionCall, AttentionSpec, BlockCall, BlockSpec, GraphSpec, MLPSpec, ModelSpec, RowLocalSpec, Skip
 from .budget import fmt_bytes
 from .planner import (DEFAULT_CHUNK_TOKENS, UTILISATION_FLOOR, AttentionDims, BudgetError, Plan, mlp_row_elems,
-                      plan_attention, plan_block, plan_graph, plan_mlp, plan_rows, wave_quantum)
+                      plan_attention, plan_block, plan_graph, plan_mlp, plan_rows, wave_quantum, Tier)
 from .verify import compare_outputs, private_copy
 from .stock_watch import StockWatch, activation_bytes, matters, watch_candidates
 from .recognize import CAPTURE_MODES, recognize
@@ -317,7 +317,7 @@ class StreamHandle:
         out = _HANDLERS[type(entry.spec)](self, entry, args, kwargs)
         for a, b in drain_retries():
             self._note(entry, f"out of memory on rows [{a}:{b}): retried in halves")
-        if checking and any(p.tier != "L0" for p in entry.plans.values()):
+        if checking and any(p.tier != Tier.L0 for p in entry.plans.values()):
             self._self_check(entry, out, ref)
         return out
 
@@ -334,7 +334,7 @@ class StreamHandle:
         before = {id(p) for ps in self.plans.values() for p in ps}
         fixed = self.options.chunk_tokens or (DEFAULT_CHUNK_TOKENS if self.options.budget is None else None)
         plan = self._plan(entry, (_shapes(args, kwargs), tensors[0].dtype if tensors else None, "model"),
-                          lambda _: Plan("L1", 0, fixed or 0, 0, 0, 0, note="model forward: block inputs donated, "
+                          lambda _: Plan(Tier.L1, 0, fixed or 0, 0, 0, 0, note="model forward: block inputs donated, "
                                          "its own row loops (input projections, output head) in "
                                          + (f"{fixed}-row chunks" if fixed else "its blocks' smallest chunk")),
                           args, kwargs, tensors[0].device)
@@ -344,7 +344,7 @@ class StreamHandle:
             if fixed:
                 return fixed
             planned = [p.chunk for e in self.installed.values() if e is not entry for p in e.plans.values()
-                       if p.tier != "L0"]
+                       if p.tier != Tier.L0]
             return min(planned, default=DEFAULT_CHUNK_TOKENS)
 
         out = spec.run(args, kwargs, chunk)
@@ -422,14 +422,13 @@ class StreamHandle:
                 min_chunk=UTILISATION_FLOOR.get(device.type, 0), quantum=_wave_quantum(device, att))
 
         plan = self._plan(entry, sig, make_plan, args, kwargs, device)
-        if o.head_groups and plan.tier != "L0" and plan.head_groups == 1:
+        if o.head_groups and plan.tier != Tier.L0 and plan.head_groups == 1:
             self._note(entry, "head-grouped K/V (L3) not used: the call needs whole K/V (a KV cache or cross-attention)"
                        " or the K/V heads do not divide into that many groups")
-        if plan.tier == "L0":
+        if plan.tier == Tier.L0:
             return entry.stock(*args, **kwargs)
-        for runner in spec.runners:
-            runner.ffn_slice = plan.ffn_slice if plan.tier in ("L2", "L3") else 0
-        return run_block(call, consumer, plan.chunk, plan.head_groups)
+        with feature_slicing(plan.ffn_slice if plan.tier in (Tier.L2, Tier.L3) else 0):
+            return run_block(call, consumer, plan.chunk, plan.head_groups)
 
     def _available(self, args: tuple, kwargs: dict, device: torch.device | None) -> tuple[int | None, int]:
         """(bytes this call may use, bytes alive around it). A byte budget covers the model's inputs and what the
@@ -476,7 +475,7 @@ class StreamHandle:
         plan = self._plan(entry, (_shapes(args, kwargs), x.dtype, x.device.type), lambda budget: plan_rows(
             x.shape[1], row_bytes, entry.spec.transient_per_elem, chunk_tokens=o.chunk_tokens, budget=budget),
             args, kwargs, x.device)
-        if plan.tier == "L0":
+        if plan.tier == Tier.L0:
             return entry.stock(*args, **kwargs)
         return run_seq_chunked(entry.stock, x, plan.chunk, args[1:], kwargs)
 
@@ -492,7 +491,7 @@ class StreamHandle:
         plan = self._plan(entry, (tuple(x.shape), x.dtype, x.device.type), lambda budget: plan_mlp(
             entry.spec, rows, x.element_size(), chunk_tokens=o.chunk_tokens, ffn_slice=o.ffn_slice, budget=budget),
             args, kwargs, x.device)
-        if plan.tier == "L0":
+        if plan.tier == Tier.L0:
             return entry.stock(x)
         return run_mlp(entry.spec, plan, entry.stock, x)
 
@@ -510,7 +509,7 @@ class StreamHandle:
             q_align=consumer.caps.q_align,
             head_groups=o.head_groups, can_group=call.cache_update is None and call.kv_whole is None,
             min_chunk=UTILISATION_FLOOR.get(device.type, 0)), args, kwargs, device)
-        if plan.tier == "L0":
+        if plan.tier == Tier.L0:
             return entry.stock(*args, **kwargs)
         return run_attention(call, consumer, plan.chunk, plan.head_groups)
 
@@ -571,7 +570,7 @@ class StreamHandle:
                               min_chunk=UTILISATION_FLOOR.get(device.type, 0), quantum=quantum)
 
         plan = self._plan(entry, sig, make_plan, args, kwargs, device)
-        if plan.tier == "L0":
+        if plan.tier == Tier.L0:
             return entry.stock(*args, **kwargs)
 
         def attend(q, k, v, *, q_offset, causal, scale):
@@ -658,8 +657,8 @@ class StreamHandle:
                 if plan.note:
                     lines.append(f"  {name or '<root>':<{nw}} {label:<{lw}} {plan.tier:<4} {plan.note}")
                     continue
-                ffn = str(plan.ffn_slice) if plan.tier == "L2" else "-"
-                chunk = str(plan.chunk) if plan.tier != "L0" else "-"
+                ffn = str(plan.ffn_slice) if plan.tier == Tier.L2 else "-"
+                chunk = str(plan.chunk) if plan.tier != Tier.L0 else "-"
                 lines.append(f"  {name or '<root>':<{nw}} {label:<{lw}} {plan.tier:<4} {chunk:>6} {ffn:>6} "
                              f"{fmt_bytes(plan.predicted_total):>11} "
                              f"{fmt_bytes(plan.live_bytes + plan.stock_peak):>11}")

@@ -1,7 +1,7 @@
 """Specs: plain descriptions of a structure in row-local pieces, produced by recognizers."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Literal
 
 import torch
@@ -170,7 +170,6 @@ class BlockSpec:
     attention: AttentionSpec
     mlps: list[MLPSpec]
     bind: Callable[[tuple, dict], "BlockCall | str"]
-    runners: list = field(default_factory=list)  # the MLPRunners the binder's closures use (tier set per plan)
 
 
 @dataclass(eq=False)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from enum import Enum
 
 from .budget import fmt_bytes
 from .ir import MLPSpec
@@ -36,6 +37,23 @@ def quantize_chunk(chunk: int, rows: int, quantum: int) -> int:
 MIN_FFN_SLICE = 256
 
 
+class Tier(str, Enum):
+    """The tier ladder (DESIGN.md section 3); a str, so plans compare, print and serialise as "L1"."""
+
+    L0 = "L0"   # stock: the module's own forward
+    L1 = "L1"   # row-streamed
+    L2 = "L2"   # + feature-sliced MLP
+    L3 = "L3"   # + head-grouped K/V
+    L4 = "L4"   # host-staged K/V (not built yet)
+    L5 = "L5"   # approximate K/V stores (opt-in; not built yet)
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
 class BudgetError(ValueError):
     """Nothing the planner can build fits the budget; raised before any work runs."""
 
@@ -44,7 +62,7 @@ class BudgetError(ValueError):
 class Plan:
     """One operation's schedule for one input signature: data, printable, serialisable."""
 
-    tier: str            # "L0" stock, "L1" row-streamed, "L2" + feature-sliced MLP, "L3" + head-grouped K/V
+    tier: Tier           # L0 stock, L1 row-streamed, L2 + feature-sliced MLP, L3 + head-grouped K/V
     rows: int
     chunk: int           # rows per chunk (== rows for L0)
     ffn_slice: int       # MLP hidden features per slice (== ffn unless L2; 0 for attention)
@@ -60,14 +78,14 @@ class Plan:
         return self.live_bytes + self.predicted_peak
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "tier": str(self.tier)}
 
     def describe(self) -> str:
         if self.note:
             return f"{self.tier} {self.note}"
-        if self.tier == "L0":
+        if self.tier == Tier.L0:
             return f"L0 stock  rows={self.rows}  peak~{fmt_bytes(self.predicted_peak)}"
-        sl = f"  ffn_slice={self.ffn_slice}" if self.ffn_slice and self.tier in ("L2", "L3") else ""
+        sl = f"  ffn_slice={self.ffn_slice}" if self.ffn_slice and self.tier in (Tier.L2, Tier.L3) else ""
         hg = f"  head_groups={self.head_groups}" if self.head_groups > 1 else ""
         return (f"{self.tier} rows={self.rows} chunk={self.chunk}{sl}{hg}  peak~{fmt_bytes(self.predicted_peak)}"
                 f" (stock {fmt_bytes(self.stock_peak)})")
@@ -84,11 +102,11 @@ def mlp_row_elems(spec: MLPSpec, width: int) -> int:
     return max(build, width + spec.dim_out)
 
 
-def mlp_peak(spec: MLPSpec, rows: int, elem: int, tier: str, chunk: int, ffn_slice: int) -> int:
-    if tier == "L0":
+def mlp_peak(spec: MLPSpec, rows: int, elem: int, tier: Tier, chunk: int, ffn_slice: int) -> int:
+    if tier == Tier.L0:
         return rows * mlp_row_elems(spec, spec.ffn) * elem
     out = rows * spec.dim_out * elem
-    if tier == "L1":   # the stock forward on one chunk, its result copied into the output
+    if tier == Tier.L1:   # the stock forward on one chunk, its result copied into the output
         return out + min(chunk, rows) * mlp_row_elems(spec, spec.ffn) * elem
     return out + min(chunk, rows) * (mlp_row_elems(spec, ffn_slice) - spec.dim_out) * elem
 
@@ -100,28 +118,28 @@ def can_feature_slice(spec: MLPSpec) -> bool:
 
 def plan_mlp(spec: MLPSpec, rows: int, elem: int, *, chunk_tokens: int | None = None,
              ffn_slice: int | None = None, budget: int | None = None) -> Plan:
-    stock = mlp_peak(spec, rows, elem, "L0", rows, spec.ffn)
+    stock = mlp_peak(spec, rows, elem, Tier.L0, rows, spec.ffn)
 
-    def make(tier: str, chunk: int, sl: int) -> Plan:
+    def make(tier: Tier, chunk: int, sl: int) -> Plan:
         chunk = min(chunk, rows)
         return Plan(tier, rows, chunk, sl, mlp_peak(spec, rows, elem, tier, chunk, sl), stock)
 
     if ffn_slice is not None and can_feature_slice(spec):
         sl = _align_slice(min(ffn_slice, spec.ffn), spec)
-        return make("L2", chunk_tokens or rows, sl)
+        return make(Tier.L2, chunk_tokens or rows, sl)
     if chunk_tokens is not None or budget is None:
         return _fixed(rows, chunk_tokens, lambda tier, c: make(tier, c, spec.ffn))
     if stock <= budget:
-        return make("L0", rows, spec.ffn)
-    chunk = _largest_chunk(lambda c: mlp_peak(spec, rows, elem, "L1", c, spec.ffn), rows, budget)
+        return make(Tier.L0, rows, spec.ffn)
+    chunk = _largest_chunk(lambda c: mlp_peak(spec, rows, elem, Tier.L1, c, spec.ffn), rows, budget)
     if chunk is not None:
-        return make("L1", chunk, spec.ffn)
+        return make(Tier.L1, chunk, spec.ffn)
     if can_feature_slice(spec):
         for sl in _slice_candidates(spec):
-            chunk = _largest_chunk(lambda c: mlp_peak(spec, rows, elem, "L2", c, sl), rows, budget)
+            chunk = _largest_chunk(lambda c: mlp_peak(spec, rows, elem, Tier.L2, c, sl), rows, budget)
             if chunk is not None:
-                return make("L2", chunk, sl)
-    floor = mlp_peak(spec, rows, elem, "L2" if can_feature_slice(spec) else "L1", MIN_CHUNK_TOKENS,
+                return make(Tier.L2, chunk, sl)
+    floor = mlp_peak(spec, rows, elem, Tier.L2 if can_feature_slice(spec) else Tier.L1, MIN_CHUNK_TOKENS,
                      MIN_FFN_SLICE if can_feature_slice(spec) else spec.ffn)
     raise BudgetError(f"{spec.label}: budget {fmt_bytes(budget)} is below the smallest peak streamplan can reach "
                       f"for {rows} rows ({fmt_bytes(floor)}, dominated by the {rows}x{spec.dim_out} output)")
@@ -131,7 +149,7 @@ def _fixed(rows: int, chunk_tokens: int | None, make, align: int = 1) -> Plan:
     """A forced chunk, or with no budget the default one: stream only inputs longer than it."""
     chunk = chunk_tokens or DEFAULT_CHUNK_TOKENS
     chunk = max(align, chunk // align * align)
-    return make("L1", chunk) if rows > chunk else make("L0", rows)
+    return make(Tier.L1, chunk) if rows > chunk else make(Tier.L0, rows)
 
 
 def _largest_chunk(peak_of, rows: int, budget: int, floor: int = MIN_CHUNK_TOKENS) -> int | None:
@@ -174,14 +192,14 @@ class AttentionDims:
     mask_row_bytes: int = 0  # bytes of mask built per query row of a chunk (causal or prepared masks)
 
 
-def attention_peak(d: AttentionDims, tier: str, chunk: int, groups: int = 1) -> int:
-    e, B, c = d.elem, d.batch, min(chunk, d.rows) if tier != "L0" else d.rows
+def attention_peak(d: AttentionDims, tier: Tier, chunk: int, groups: int = 1) -> int:
+    e, B, c = d.elem, d.batch, min(chunk, d.rows) if tier != Tier.L0 else d.rows
     q_row, kv_row = d.heads * d.head_dim, d.kv_heads * d.head_dim
     kv = 2 * B * d.kv_rows * kv_row * e // groups
     if groups > 1:
         kv += B * d.rows * q_row * e
     mask = c * d.mask_row_bytes
-    if tier == "L0":  # q, k, v, the attention output and its reshaped copy, then the projection
+    if tier == Tier.L0:  # q, k, v, the attention output and its reshaped copy, then the projection
         return kv + B * d.rows * (q_row * 3 + d.dim_out) * e + mask
     out = B * d.rows * d.dim_out * e
     phase_kv = B * c * kv_row * 4 * e                               # k, v of a chunk and their norm/rotary copies
@@ -192,34 +210,34 @@ def attention_peak(d: AttentionDims, tier: str, chunk: int, groups: int = 1) -> 
 def plan_attention(d: AttentionDims, *, chunk_tokens: int | None = None, budget: int | None = None,
                    q_align: int = 1, head_groups: int | None = None, can_group: bool = True,
                    min_chunk: int = MIN_CHUNK_TOKENS) -> Plan:
-    stock = attention_peak(d, "L0", d.rows)
+    stock = attention_peak(d, Tier.L0, d.rows)
 
-    def make(tier: str, chunk: int, groups: int = 1) -> Plan:
+    def make(tier: Tier, chunk: int, groups: int = 1) -> Plan:
         chunk = min(chunk, d.rows)
         return Plan(tier, d.rows, chunk, 0, attention_peak(d, tier, chunk, groups), stock, head_groups=groups)
 
     if head_groups is not None and head_groups > 1 and can_group and d.kv_heads % head_groups == 0:
-        return make("L3", chunk_tokens or DEFAULT_CHUNK_TOKENS, head_groups)
+        return make(Tier.L3, chunk_tokens or DEFAULT_CHUNK_TOKENS, head_groups)
 
     if chunk_tokens is not None or budget is None:
         return _fixed(d.rows, chunk_tokens, make, q_align)
     if stock <= budget:
-        return make("L0", d.rows)
+        return make(Tier.L0, d.rows)
     chunk = None
     for floor in dict.fromkeys((max(min_chunk, MIN_CHUNK_TOKENS), MIN_CHUNK_TOKENS)):
-        chunk = _largest_chunk(lambda c: attention_peak(d, "L1", c), d.rows, budget, floor)
+        chunk = _largest_chunk(lambda c: attention_peak(d, Tier.L1, c), d.rows, budget, floor)
         if chunk is not None:
             break
         for groups in (head_group_options(d) if can_group else []):
-            chunk = _largest_chunk(lambda c: attention_peak(d, "L3", c, groups), d.rows, budget, floor)
+            chunk = _largest_chunk(lambda c: attention_peak(d, Tier.L3, c, groups), d.rows, budget, floor)
             if chunk is not None:
-                return make("L3", max(q_align, chunk // q_align * q_align), groups)
+                return make(Tier.L3, max(q_align, chunk // q_align * q_align), groups)
     if chunk is None:
-        floor = attention_peak(d, "L1", MIN_CHUNK_TOKENS)
+        floor = attention_peak(d, Tier.L1, MIN_CHUNK_TOKENS)
         raise BudgetError(f"attention over {d.rows} rows: budget {fmt_bytes(budget)} is below the smallest peak "
                           f"streamplan can reach ({fmt_bytes(floor)}, dominated by the global K and V: "
                           f"{fmt_bytes(2 * d.batch * d.kv_rows * d.kv_heads * d.head_dim * d.elem)})")
-    return make("L1", max(q_align, chunk // q_align * q_align))
+    return make(Tier.L1, max(q_align, chunk // q_align * q_align))
 
 
 def head_group_options(d: AttentionDims) -> list[int]:
@@ -227,7 +245,7 @@ def head_group_options(d: AttentionDims) -> list[int]:
     return [g for g in range(2, d.kv_heads + 1) if d.kv_heads % g == 0]
 
 
-def block_peak(d: AttentionDims, stream_elems: int, row_extra: int, tier: str, chunk: int, groups: int = 1) -> int:
+def block_peak(d: AttentionDims, stream_elems: int, row_extra: int, tier: Tier, chunk: int, groups: int = 1) -> int:
     """A streamed block: residual copies + global K/V + one chunk's transients.
 
     ``stream_elems`` counts the residual streams' elements (they are copied once); ``row_extra`` the elements per
@@ -263,8 +281,8 @@ def plan_block(d: AttentionDims, stream_elems: int, row_extra: int, row_extra_sl
     stock = stock_peak if stock_peak is not None else block_stock_peak(d, row_extra)
     forced = chunk_tokens is not None
 
-    def make(tier: str, chunk: int, sl: int = 0, groups: int = 1) -> Plan:
-        if tier == "L0":
+    def make(tier: Tier, chunk: int, sl: int = 0, groups: int = 1) -> Plan:
+        if tier == Tier.L0:
             return Plan(tier, d.rows, d.rows, 0, stock, stock)
         if not forced:
             chunk = quantize_chunk(chunk, d.rows, quantum)
@@ -274,36 +292,36 @@ def plan_block(d: AttentionDims, stream_elems: int, row_extra: int, row_extra_sl
                     head_groups=groups)
 
     if head_groups is not None and head_groups > 1 and can_group and d.kv_heads % head_groups == 0:
-        return make("L3", chunk_tokens or DEFAULT_CHUNK_TOKENS, ffn_slice or 0, head_groups)
+        return make(Tier.L3, chunk_tokens or DEFAULT_CHUNK_TOKENS, ffn_slice or 0, head_groups)
     if ffn_slice is not None:
-        return make("L2", chunk_tokens or DEFAULT_CHUNK_TOKENS, ffn_slice)
+        return make(Tier.L2, chunk_tokens or DEFAULT_CHUNK_TOKENS, ffn_slice)
     if chunk_tokens is not None or budget is None:
         return _fixed(d.rows, chunk_tokens, make)
     if stock <= budget:
-        return make("L0", d.rows)
+        return make(Tier.L0, d.rows)
     for floor in dict.fromkeys((max(min_chunk, MIN_CHUNK_TOKENS), MIN_CHUNK_TOKENS)):
-        chunk = _largest_chunk(lambda c: block_peak(d, stream_elems, row_extra, "L1", c), d.rows, budget, floor)
+        chunk = _largest_chunk(lambda c: block_peak(d, stream_elems, row_extra, Tier.L1, c), d.rows, budget, floor)
         if chunk is not None:
-            return make("L1", chunk)
+            return make(Tier.L1, chunk)
         for sl in (4096, 2048, 1024, 512, 256):
-            chunk = _largest_chunk(lambda c: block_peak(d, stream_elems, row_extra_sliced(sl), "L2", c), d.rows,
+            chunk = _largest_chunk(lambda c: block_peak(d, stream_elems, row_extra_sliced(sl), Tier.L2, c), d.rows,
                                    budget, floor)
             if chunk is not None:
-                return make("L2", chunk, sl)
+                return make(Tier.L2, chunk, sl)
         for groups in (head_group_options(d) if can_group else []):
             for sl in (0, 4096, 1024, 256):
                 extra = row_extra_sliced(sl) if sl else row_extra
-                chunk = _largest_chunk(lambda c: block_peak(d, stream_elems, extra, "L3", c, groups), d.rows,
+                chunk = _largest_chunk(lambda c: block_peak(d, stream_elems, extra, Tier.L3, c, groups), d.rows,
                                        budget, floor)
                 if chunk is not None:
-                    return make("L3", chunk, sl, groups)
+                    return make(Tier.L3, chunk, sl, groups)
     residual = stream_elems * d.elem
     kv = 2 * d.batch * d.kv_rows * d.kv_heads * d.head_dim * d.elem
-    floor = block_peak(d, stream_elems, row_extra_sliced(256), "L2", MIN_CHUNK_TOKENS)
+    floor = block_peak(d, stream_elems, row_extra_sliced(256), Tier.L2, MIN_CHUNK_TOKENS)
     parts = f"global K and V {fmt_bytes(kv)}, residual copy {fmt_bytes(residual)}"
     groups = head_group_options(d)[-1:] if can_group else []
-    if groups and block_peak(d, stream_elems, row_extra_sliced(256), "L3", MIN_CHUNK_TOKENS, groups[0]) < floor:
-        floor = block_peak(d, stream_elems, row_extra_sliced(256), "L3", MIN_CHUNK_TOKENS, groups[0])
+    if groups and block_peak(d, stream_elems, row_extra_sliced(256), Tier.L3, MIN_CHUNK_TOKENS, groups[0]) < floor:
+        floor = block_peak(d, stream_elems, row_extra_sliced(256), Tier.L3, MIN_CHUNK_TOKENS, groups[0])
         out = d.batch * d.rows * d.heads * d.head_dim * d.elem
         parts = (f"with {groups[0]} head groups: attention output {fmt_bytes(out)}, K and V of one group "
                  f"{fmt_bytes(kv // groups[0])}, residual copy {fmt_bytes(residual)}")
@@ -317,29 +335,29 @@ def plan_rows(rows: int, row_bytes: int, transient_per_elem: int, *, chunk_token
     many copies of one chunk."""
     stock = rows * row_bytes * transient_per_elem
 
-    def make(tier: str, chunk: int) -> Plan:
+    def make(tier: Tier, chunk: int) -> Plan:
         chunk = min(chunk, rows)
-        peak = stock if tier == "L0" else rows * row_bytes + chunk * row_bytes * transient_per_elem
+        peak = stock if tier == Tier.L0 else rows * row_bytes + chunk * row_bytes * transient_per_elem
         return Plan(tier, rows, chunk, 0, peak, stock)
 
     if chunk_tokens is not None or budget is None:
         return _fixed(rows, chunk_tokens, make)
     if stock <= budget:
-        return make("L0", rows)
+        return make(Tier.L0, rows)
     chunk = _largest_chunk(lambda c: rows * row_bytes + c * row_bytes * transient_per_elem, rows, budget)
     if chunk is None:
         raise BudgetError(f"row-local module over {rows} rows: budget {fmt_bytes(budget)} is below its output "
                           f"({fmt_bytes(rows * row_bytes)}) plus one chunk")
-    return make("L1", chunk)
+    return make(Tier.L1, chunk)
 
 
 def plan_graph(rows: int, fixed: int, transient, stock: int, *, chunk_tokens: int | None = None,
                budget: int | None = None, min_chunk: int = MIN_CHUNK_TOKENS, quantum: int = 1) -> Plan:
     """A captured block: whole buffers (``fixed``: K and V, the outputs) plus ``transient(chunk)``, one chunk's
     values at their worst moment, both read off the graph."""
-    def make(tier: str, chunk: int) -> Plan:
-        if tier == "L0":
-            return Plan("L0", rows, rows, 0, stock, stock)
+    def make(tier: Tier, chunk: int) -> Plan:
+        if tier == Tier.L0:
+            return Plan(Tier.L0, rows, rows, 0, stock, stock)
         if chunk_tokens is None:
             chunk = quantize_chunk(chunk, rows, quantum)
         chunk = min(chunk, rows)
@@ -348,11 +366,11 @@ def plan_graph(rows: int, fixed: int, transient, stock: int, *, chunk_tokens: in
     if chunk_tokens is not None or budget is None:
         return _fixed(rows, chunk_tokens, make)
     if stock <= budget:
-        return make("L0", rows)
+        return make(Tier.L0, rows)
     for floor in dict.fromkeys((max(min_chunk, MIN_CHUNK_TOKENS), MIN_CHUNK_TOKENS)):
         chunk = _largest_chunk(lambda c: fixed + transient(c), rows, budget, floor)
         if chunk is not None:
-            return make("L1", chunk)
+            return make(Tier.L1, chunk)
     least = fixed + transient(min(rows, MIN_CHUNK_TOKENS))
     raise BudgetError(f"captured block over {rows} rows: {fmt_bytes(budget)} left for it is below the smallest peak "
                       f"streamplan can reach ({fmt_bytes(least)}: global K, V and the outputs {fmt_bytes(fixed)}, "

@@ -116,7 +116,7 @@ def recognize_wan_block(name: str, module: nn.Module) -> BlockSpec | Skip | None
     (attn1, _), (ffn,) = found
     runner = MLPRunner(ffn)
     return BlockSpec(module, "diffusers.WanTransformerBlock", attn1, [ffn],
-                     bind=lambda args, kwargs: _bind_wan_block(module, runner, args, kwargs), runners=[runner])
+                     bind=lambda args, kwargs: _bind_wan_block(module, runner, args, kwargs))
 
 
 # -------------------------------------------------------------------------------------------------------- Flux
@@ -214,7 +214,7 @@ def recognize_flux_block(name: str, module: nn.Module) -> BlockSpec | Skip | Non
         (attn,), (ff, ff_ctx) = found
         runners = [MLPRunner(ff), MLPRunner(ff_ctx)]
         return BlockSpec(module, "diffusers.FluxTransformerBlock", attn, [ff, ff_ctx],
-                         bind=lambda args, kwargs: _bind_flux_block(module, *runners, args, kwargs), runners=runners)
+                         bind=lambda args, kwargs: _bind_flux_block(module, *runners, args, kwargs))
     if not _ada_norm_ok(module.norm, "AdaLayerNormZeroSingle"):
         return skip("a norm streamplan does not know")
     if type(module.proj_mlp) is not nn.Linear or type(module.act_mlp) is not nn.GELU:

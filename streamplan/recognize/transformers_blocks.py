@@ -60,4 +60,4 @@ def recognize_llama_layer(name: str, module: nn.Module) -> BlockSpec | Skip | No
         return skip(f"{bad.reason if isinstance(bad, Skip) else 'a child is not recognised'}")
     runner = MLPRunner(mlp)
     return BlockSpec(module, f"transformers.{type(module).__name__}", attn, [mlp],
-                     bind=lambda args, kwargs: _bind_layer(module, runner, args, kwargs), runners=[runner])
+                     bind=lambda args, kwargs: _bind_layer(module, runner, args, kwargs))
