@@ -14,12 +14,14 @@ __version__ = "0.1.0"
 
 # public name -> the submodule that defines it
 _EXPORTS = {
-    "apply": "api", "StreamHandle": "api", "verify": "verify", "measure_peak": "meter", "parse_budget": "budget",
+    "apply": "api", "StreamHandle": "api", "BlockStreamer": "api", "verify": "verify", "measure_peak": "meter",
+    "parse_budget": "budget",
     "BudgetError": "planner", "register_consumer": "consumers", "unregister_consumer": "consumers",
     "ConsumerCaps": "consumers", "AttentionConsumer": "consumers",
 }
 
-__all__ = ["apply", "verify", "StreamHandle", "measure_peak", "parse_budget", "BudgetError", "register_consumer",
+__all__ = ["apply", "verify", "StreamHandle", "BlockStreamer", "measure_peak", "parse_budget", "BudgetError",
+           "register_consumer",
            "unregister_consumer", "ConsumerCaps", "AttentionConsumer"]
 
 

@@ -703,6 +703,46 @@ def _supersede(root: nn.Module) -> list["StreamHandle"]:
     return superseded
 
 
+def _options(budget, chunk_tokens, ffn_slice, head_groups, reserve, self_check) -> StreamOptions:
+    chunk_tokens = _positive_int(chunk_tokens, "chunk_tokens")
+    ffn_slice = _positive_int(ffn_slice, "ffn_slice")
+    head_groups = _positive_int(head_groups, "head_groups")
+    reserve = parse_budget(reserve, None, arg="reserve", allow_zero=True)
+    if isinstance(budget, str) and budget.strip().lower() == "auto":
+        parsed: int | str | None = "auto"   # resolved when each operation is planned, from what is free then
+    else:
+        parsed = parse_budget(budget, None)
+    return StreamOptions(parsed, reserve, chunk_tokens, ffn_slice, bool(self_check), head_groups)
+
+
+class BlockStreamer:
+    """Streams the calls one caller makes to a block, without installing anything on the block: for hosts that call
+    blocks themselves and keep their modules shared (ComfyUI's block replacements, one per patched model clone).
+    The block goes through its captured graph; what cannot stream runs the block's stock forward, reported."""
+
+    def __init__(self, module: nn.Module, budget: int | str | None = "auto", chunk_tokens: int | None = None, *,
+                 reserve: int | str = DEFAULT_RESERVE, self_check: bool = False, name: str = ""):
+        if not isinstance(module, nn.Module):
+            raise ValueError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+        from .recognize.generic import recognize_generic
+        options = _options(budget, chunk_tokens, None, None, reserve, self_check)
+        spec = recognize_generic(name, module)
+        self.handle = StreamHandle(module, options, [spec] if isinstance(spec, Skip) else [])
+        self.entry = None
+        if not isinstance(spec, Skip):
+            self.entry = Installed(name, module, spec, module.forward, _MISSING)
+            self.handle.installed[name] = self.entry
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.entry is None or _BYPASS.active or self.entry.module.training:
+            return self.handle.root(*args, **kwargs)
+        with _outermost(args, kwargs):
+            return self.handle._run(self.entry, args, kwargs)
+
+    def report(self) -> str:
+        return self.handle.report()
+
+
 def apply(module: nn.Module, budget: int | str | None = "auto", chunk_tokens: int | None = None, *,
           ffn_slice: int | None = None, head_groups: int | None = None, reserve: int | str = DEFAULT_RESERVE,
           self_check: bool = False, capture: str = "fallback") -> StreamHandle:
@@ -720,17 +760,9 @@ def apply(module: nn.Module, budget: int | str | None = "auto", chunk_tokens: in
     """
     if not isinstance(module, nn.Module):
         raise ValueError(f"module must be a torch.nn.Module, got {type(module).__name__}")
-    chunk_tokens = _positive_int(chunk_tokens, "chunk_tokens")
-    ffn_slice = _positive_int(ffn_slice, "ffn_slice")
-    head_groups = _positive_int(head_groups, "head_groups")
-    reserve = parse_budget(reserve, None, arg="reserve", allow_zero=True)
-    if isinstance(budget, str) and budget.strip().lower() == "auto":
-        parsed: int | str | None = "auto"   # resolved when each operation is planned, from what is free then
-    else:
-        parsed = parse_budget(budget, None)
+    options = _options(budget, chunk_tokens, ffn_slice, head_groups, reserve, self_check)
     if capture not in CAPTURE_MODES:
         raise ValueError(f"capture must be one of {', '.join(CAPTURE_MODES)}; got {capture!r}")
-    options = StreamOptions(parsed, reserve, chunk_tokens, ffn_slice, bool(self_check), head_groups)
     superseded = _supersede(module)
     specs, skipped = recognize(module, capture)
     for name, spec in list(specs.items()):

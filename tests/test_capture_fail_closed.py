@@ -93,3 +93,18 @@ def test_training_mode_keeps_the_captured_block_stock():
         block(torch.randn(1, 200, 32))
     assert "in training mode: ran stock" in handle.report()
     handle.remove()
+
+
+@torch.no_grad()
+def test_a_block_streamer_streams_calls_without_touching_the_module():
+    block = Block().eval()
+    x = torch.randn(1, 200, 32)
+    ref = block(x)
+    streamer = streamplan.BlockStreamer(block, chunk_tokens=64)
+    out = streamer(x)
+    assert torch.allclose(out, ref, rtol=1e-5, atol=1e-6)
+    assert "forward" not in block.__dict__                      # nothing installed on the shared module
+    assert "L1" in streamer.report() and "captured in" in streamer.report()
+    block.eval().mlp[0].register_forward_hook(lambda m, i, o: o)
+    hooked = streamplan.BlockStreamer(block, chunk_tokens=64)   # a hook inside: the stock forward, and why
+    assert torch.equal(hooked(x), block(x)) and "has forward hooks" in hooked.report()
