@@ -7,6 +7,7 @@ import json
 import logging
 import threading
 import weakref
+from types import SimpleNamespace
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -547,8 +548,11 @@ class StreamHandle:
             self._note(entry, f"ran stock: {why}")
             return entry.stock(*args, **kwargs)
         o = self.options
-        if o.ffn_slice or o.head_groups:
-            self._note(entry, "ffn_slice / head_groups are not available on the captured-graph path: row chunks only")
+        regions = found.mlp_regions
+        if o.head_groups:
+            self._note(entry, "head_groups (L3) is not available on the captured-graph path yet")
+        if o.ffn_slice and not regions:
+            self._note(entry, "ffn_slice: no linear -> elementwise -> linear MLP found in the graph to slice")
         donate = {}
         out0 = an.outputs[0] if an.outputs else None
         r0 = an.rows.get(out0) if out0 is not None else None
@@ -565,9 +569,13 @@ class StreamHandle:
             order = [n for n in cap.graph.nodes if n.op == "call_function" and n not in an.ignored]
             quantum = wave_quantum(torch.cuda.get_device_properties(device).multi_processor_count,
                                    qv.shape[0] * qv.shape[1]) if device.type == "cuda" else 1
-            return plan_graph(rows, mem.kv_bytes + mem.out_bytes, mem.transient, mem.stock(order),
+            ws = _workspace_row_bytes(consumer, SimpleNamespace(heads=qv.shape[1], head_dim=qv.shape[-1],
+                                                                causal=att.causal, mask=None), qv.element_size())
+            return plan_graph(rows, mem.kv_bytes + mem.out_bytes,
+                              lambda c, sl: mem.transient(c, sl, regions) + ws * min(c, rows), mem.stock(order),
                               chunk_tokens=o.chunk_tokens, budget=budget,
-                              min_chunk=UTILISATION_FLOOR.get(device.type, 0), quantum=quantum)
+                              min_chunk=UTILISATION_FLOOR.get(device.type, 0), quantum=quantum,
+                              ffn=max((r.ffn for r in regions), default=0), ffn_slice=o.ffn_slice)
 
         plan = self._plan(entry, sig, make_plan, args, kwargs, device)
         if plan.tier == Tier.L0:
@@ -576,7 +584,8 @@ class StreamHandle:
         def attend(q, k, v, *, q_offset, causal, scale):
             return consumer.attend(q, k, v, q_offset=q_offset, causal=causal, mask=None, scale=scale)
 
-        run = GraphRun(cap, an, found.phases, module, args, kwargs, rows, attend)
+        run = GraphRun(cap, an, found.phases, module, args, kwargs, rows, attend,
+                       ffn_slice=plan.ffn_slice if plan.tier == Tier.L2 else 0, regions=regions)
         run.build_kv(plan.chunk)
         return run.run_q(plan.chunk, donate)
 

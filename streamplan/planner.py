@@ -351,27 +351,45 @@ def plan_rows(rows: int, row_bytes: int, transient_per_elem: int, *, chunk_token
     return make(Tier.L1, chunk)
 
 
+SLICE_FOR_CHUNKS_BELOW = 4   # a captured block's planner slices its MLP when row chunks alone stay under 4x the floor
+
+
 def plan_graph(rows: int, fixed: int, transient, stock: int, *, chunk_tokens: int | None = None,
-               budget: int | None = None, min_chunk: int = MIN_CHUNK_TOKENS, quantum: int = 1) -> Plan:
-    """A captured block: whole buffers (``fixed``: K and V, the outputs) plus ``transient(chunk)``, one chunk's
-    values at their worst moment, both read off the graph."""
-    def make(tier: Tier, chunk: int) -> Plan:
+               budget: int | None = None, min_chunk: int = MIN_CHUNK_TOKENS, quantum: int = 1,
+               ffn: int = 0, ffn_slice: int | None = None) -> Plan:
+    """A captured block: whole buffers (``fixed``: K and V, the outputs) plus ``transient(chunk, ffn_slice)``, one
+    chunk's values at their worst moment, both read off the graph. ``ffn``: the widest feature-sliceable MLP (0: none),
+    for L2."""
+    def make(tier: Tier, chunk: int, sl: int = 0) -> Plan:
         if tier == Tier.L0:
             return Plan(Tier.L0, rows, rows, 0, stock, stock)
         if chunk_tokens is None:
             chunk = quantize_chunk(chunk, rows, quantum)
         chunk = min(chunk, rows)
-        return Plan(tier, rows, chunk, 0, fixed + transient(chunk), stock)
+        return Plan(tier, rows, chunk, sl, fixed + transient(chunk, sl), stock)
 
+    if ffn_slice is not None and ffn:
+        return make(Tier.L2, chunk_tokens or DEFAULT_CHUNK_TOKENS, min(ffn_slice, ffn))
     if chunk_tokens is not None or budget is None:
         return _fixed(rows, chunk_tokens, make)
     if stock <= budget:
         return make(Tier.L0, rows)
     for floor in dict.fromkeys((max(min_chunk, MIN_CHUNK_TOKENS), MIN_CHUNK_TOKENS)):
-        chunk = _largest_chunk(lambda c: fixed + transient(c), rows, budget, floor)
+        chunk = _largest_chunk(lambda c: fixed + transient(c, 0), rows, budget, floor)
+        if chunk is not None and chunk < rows and chunk < SLICE_FOR_CHUNKS_BELOW * floor and ffn > 4096:
+            # small row chunks cost time (per-chunk work, text rows recomputed); slicing the MLP buys larger ones
+            wider = _largest_chunk(lambda c: fixed + transient(c, 4096), rows, budget, floor)
+            if wider is not None and wider >= 2 * chunk:
+                return make(Tier.L2, wider, 4096)
         if chunk is not None:
             return make(Tier.L1, chunk)
-    least = fixed + transient(min(rows, MIN_CHUNK_TOKENS))
+        for sl in (4096, 2048, 1024, 512, 256) if ffn else ():
+            if sl >= ffn:
+                continue
+            chunk = _largest_chunk(lambda c: fixed + transient(c, sl), rows, budget, floor)
+            if chunk is not None:
+                return make(Tier.L2, chunk, sl)
+    least = fixed + transient(min(rows, MIN_CHUNK_TOKENS), 256 if ffn > 256 else 0)
     raise BudgetError(f"captured block over {rows} rows: {fmt_bytes(budget)} left for it is below the smallest peak "
                       f"streamplan can reach ({fmt_bytes(least)}: global K, V and the outputs {fmt_bytes(fixed)}, "
                       f"and one {MIN_CHUNK_TOKENS}-row chunk)")

@@ -2,6 +2,7 @@
 row-local ops and global attentions, and run in row chunks (see ``analyze`` and ``execute``)."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +20,12 @@ class Streamable:
     captured: Captured
     analysis: Analysis
     phases: Phases
+
+    @functools.cached_property
+    def mlp_regions(self) -> list:
+        """The graph's feature-sliceable MLPs (L2), found once per capture."""
+        from .mlp import find_regions
+        return find_regions(self.phases.q, self.analysis)
 
     @property
     def static_rows(self) -> int:

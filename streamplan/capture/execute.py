@@ -15,6 +15,7 @@ from torch.utils import _pytree as pytree
 from ..executors.chunks import MAX_SPLITS, _attempt
 from .analyze import Analysis, GlobalAttention, Rows
 from .export import Captured
+from .mlp import MLPRegion, run_region
 
 _VIEWS = {"view", "_unsafe_view", "permute", "transpose", "t", "unsqueeze", "squeeze", "expand", "alias", "slice",
           "select", "narrow", "split", "split_with_sizes", "chunk", "unbind", "unflatten", "detach", "view_as_complex",
@@ -107,10 +108,12 @@ def spans(rows: int, chunk: int) -> Iterator[tuple[int, int]]:
         a = b
 
 
-def _last_uses(nodes: list[fx.Node]) -> dict[int, list[fx.Node]]:
+def _last_uses(nodes: list[fx.Node], extra: dict | None = None) -> dict[int, list[fx.Node]]:
+    """After which node each value is used for the last time; ``extra`` adds inputs a node reads off the graph's edges
+    (a feature-sliced MLP's exit reads its region's inputs)."""
     last: dict[fx.Node, int] = {}
     for i, n in enumerate(nodes):
-        for m in n.all_input_nodes:
+        for m in [*n.all_input_nodes, *(extra or {}).get(n, ())]:
             last[m] = i
     frees: dict[int, list[fx.Node]] = {}
     for m, i in last.items():
@@ -138,8 +141,11 @@ class GraphRun:
     """One call of a captured block: its inputs bound, its constants computed, ready to run in chunks."""
 
     def __init__(self, cap: Captured, an: Analysis, ph: Phases, module: torch.nn.Module, args: tuple, kwargs: dict,
-                 rows: int, attend: Callable[..., torch.Tensor]):
+                 rows: int, attend: Callable[..., torch.Tensor], ffn_slice: int = 0,
+                 regions: list[MLPRegion] | None = None):
         self.cap, self.an, self.ph, self.rows, self.attend = cap, an, ph, rows, attend
+        self.ffn_slice = ffn_slice
+        self.regions = list(regions or []) if ffn_slice else []
         flat = pytree.tree_leaves((args, kwargs), is_leaf=lambda x: x is None)
         self.base: dict[fx.Node, Any] = {}
         placeholders = [n for n in cap.graph.nodes if n.op == "placeholder"]
@@ -188,11 +194,19 @@ class GraphRun:
         return self.attend(q, k, v, q_offset=a, causal=att.causal, scale=att.scale)
 
     def _run(self, nodes: list[fx.Node], env: dict, a: int, keep: set[fx.Node]) -> dict:
-        frees = _last_uses(nodes)
+        regions = {r.exit: r for r in self.regions}
+        inside = {n for r in self.regions for n in r.nodes}
+        if regions:   # a feature-sliced MLP runs at its exit: its inner nodes are skipped, their inputs used there
+            nodes = [n for n in nodes if n not in inside]
+        frees = _last_uses(nodes, extra={r.exit: [r.x, *(m for n in r.nodes for m in n.all_input_nodes)]
+                                         for r in self.regions})
         globals_ = {att.node: att for att in self.an.attentions}
         for i, node in enumerate(nodes):
             att = globals_.get(node)
-            env[node] = self._attention(att, env, a) if att is not None else self._call(node, env)
+            if node in regions:
+                env[node] = run_region(regions[node], env, self.ffn_slice)
+            else:
+                env[node] = self._attention(att, env, a) if att is not None else self._call(node, env)
             for m in frees.get(i, ()):
                 if m not in keep and m not in self.consts and m not in self.base:
                     env.pop(m, None)

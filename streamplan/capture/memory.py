@@ -42,8 +42,17 @@ class GraphMemory:
     def value(self, node: fx.Node, rows: int) -> int:
         return self.per_row.get(node, 0) * rows + self.static.get(node, 0)
 
-    def _phase(self, nodes: list[fx.Node], rows: int) -> int:
-        frees = _last_uses(nodes)
+    def _phase(self, nodes: list[fx.Node], rows: int, ffn_slice: int = 0, regions=()) -> int:
+        """Peak bytes of one chunk of ``rows`` through ``nodes``; with ``ffn_slice`` the MLP ``regions`` hold one slice
+        of their hidden features at a time (all of the region's values at that width, alive at once: a bound)."""
+        work = {}
+        if ffn_slice:
+            inside = {n for r in regions for n in r.nodes}
+            nodes = [n for n in nodes if n not in inside]
+            for r in regions:
+                frac = min(1.0, ffn_slice / r.ffn)
+                work[r.exit] = int(sum(self.value(n, rows) for n in r.nodes) * frac) + self.value(r.exit, rows)
+        frees = _last_uses(nodes, extra={r.exit: [r.x] for r in regions} if ffn_slice else None)
         owner: dict[fx.Node, fx.Node] = {}
         refs: dict[fx.Node, int] = {}
         live = peak = 0
@@ -56,7 +65,7 @@ class GraphMemory:
             else:
                 owner[n] = base
                 refs[base] += 1
-            peak = max(peak, live)
+            peak = max(peak, live + work.get(n, 0))
             for m in frees.get(i, ()):
                 if m in owner:
                     b = owner.pop(m)
@@ -65,9 +74,10 @@ class GraphMemory:
                         live -= self.value(b, rows)
         return peak
 
-    def transient(self, chunk: int) -> int:
+    def transient(self, chunk: int, ffn_slice: int = 0, regions=()) -> int:
         chunk = min(chunk, self.rows)
-        return max([self._phase(p, chunk) for p in self.phases.kv] + [self._phase(self.phases.q, chunk)])
+        return max([self._phase(p, chunk) for p in self.phases.kv]
+                   + [self._phase(self.phases.q, chunk, ffn_slice, regions)])
 
     def predicted(self, chunk: int) -> int:
         return self.kv_bytes + self.out_bytes + self.transient(chunk)

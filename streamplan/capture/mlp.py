@@ -1,0 +1,198 @@
+"""Feature-sliced MLPs in a captured graph (tier L2): a linear -> elementwise -> linear region found in the graph is
+run a slice of its hidden features at a time, each slice's contribution to the output projection accumulated, so the
+chunk never holds all hidden features at once."""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import fx
+
+from .analyze import Analysis, Rows, _name
+
+aten = torch.ops.aten
+_PASSING = {"_to_copy", "to", "type_as", "clone", "dropout", "alias", "contiguous", "detach"}
+_SPLITS = {"chunk", "split", "split_with_sizes"}
+
+
+@dataclass(eq=False)
+class MLPRegion:
+    x: fx.Node                                 # the rows every entry projects
+    entries: dict[fx.Node, int]                # entry linear -> how many ffn-wide parts its output holds
+    inner: list[fx.Node]                       # the elementwise nodes between, graph order
+    exit: fx.Node                              # the linear that contracts the hidden features
+    ffn: int
+    parts: dict[fx.Node, int] = field(default_factory=dict)   # every region node -> ffn-wide parts in its last dim
+
+    @property
+    def nodes(self) -> set[fx.Node]:
+        return set(self.entries) | set(self.inner)
+
+
+def _width(node: fx.Node) -> int | None:
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor) and val.dim():
+        size = val.shape[-1]
+        return None if isinstance(size, torch.SymInt) else int(size)
+    return None
+
+
+def _param_linear(node: fx.Node, an: Analysis) -> bool:
+    if node.op != "call_function" or node.target is not aten.linear.default:
+        return False
+    w = node.args[1]
+    return isinstance(w, fx.Node) and w.op == "placeholder" and isinstance(an.rows.get(node.args[0]), Rows)
+
+
+def find_regions(nodes: list[fx.Node], an: Analysis) -> list[MLPRegion]:
+    """Every MLP region among ``nodes`` (a phase's node list) that can be feature-sliced."""
+    order = {n: i for i, n in enumerate(nodes)}
+    regions, taken = [], set()
+    for exit_ in nodes:
+        if not _param_linear(exit_, an) or exit_ in taken:
+            continue
+        region = _region(exit_, order, an)
+        if region is not None and not (region.nodes & taken):
+            regions.append(region)
+            taken |= region.nodes | {region.exit}
+    return regions
+
+
+def _region(exit_: fx.Node, order: dict, an: Analysis) -> MLPRegion | None:
+    ffn = _width(exit_.args[0])
+    if not ffn or ffn < 2:
+        return None
+    # walk back from the exit's input through elementwise ops to linears on one x
+    inner, entries, todo, seen = [], {}, [exit_.args[0]], set()
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n not in order:
+            return None
+        if _param_linear(n, an):
+            w = _width(n)
+            if w is None or w % ffn:
+                return None
+            entries[n] = w // ffn
+            continue
+        name = _name(n.target)
+        if n.target is operator.getitem:
+            todo.append(n.args[0])
+        elif name in _SPLITS:
+            if (n.args[2] if len(n.args) > 2 else n.kwargs.get("dim", 0)) not in (-1, _ndim(n) - 1):
+                return None
+            todo.append(n.args[0])
+        elif name in _PASSING or torch.Tag.pointwise in getattr(n.target, "tags", ()):
+            for m in n.all_input_nodes:
+                if isinstance(an.rows.get(m), Rows) or m in order:
+                    todo.append(m)
+        else:
+            return None
+        inner.append(n)
+    xs = {e.args[0] for e in entries}
+    if len(xs) != 1 or not entries:
+        return None
+    region = MLPRegion(xs.pop(), entries, sorted(inner, key=order.get), exit_, ffn)
+    members = region.nodes | {exit_}
+    for n in region.nodes:   # nothing outside uses the hidden features
+        if any(u not in members for u in n.users):
+            return None
+    return region if _assign_parts(region, an) else None
+
+
+def _ndim(n: fx.Node) -> int:
+    val = n.args[0].meta.get("val")
+    return val.dim() if isinstance(val, torch.Tensor) else 0
+
+
+def _assign_parts(region: MLPRegion, an: Analysis) -> bool:
+    parts = dict(region.entries)
+    for n in region.inner:
+        name = _name(n.target)
+        if n.target is operator.getitem:
+            parts[n] = 1 if _name(n.args[0].target) in _SPLITS else parts.get(n.args[0], 0)
+            continue
+        src = [parts[m] for m in n.all_input_nodes if m in parts]
+        if not src or len(set(src)) != 1:
+            return False
+        if name in _SPLITS:
+            pieces = n.meta.get("val")
+            if not isinstance(pieces, (tuple, list)) or len(pieces) != src[0] or any(
+                    _w(p) != region.ffn for p in pieces):
+                return False
+            parts[n] = src[0]
+            continue
+        if _width(n) != src[0] * region.ffn:
+            return False
+        for m in n.all_input_nodes:   # other operands: broadcast along the features, or per-feature constants
+            if m in parts:
+                continue
+            if isinstance(an.rows.get(m), Rows) or m not in an.const and m.op != "placeholder":
+                return False
+            w = _width(m)
+            if w not in (None, 1, src[0] * region.ffn):
+                return False
+        parts[n] = src[0]
+    region.parts = parts
+    return True
+
+
+def _w(t) -> int | None:
+    size = t.shape[-1] if isinstance(t, torch.Tensor) and t.dim() else None
+    return None if size is None or isinstance(size, torch.SymInt) else int(size)
+
+
+def _feature_index(ffn: int, parts: int, a: int, b: int, device) -> torch.Tensor | slice:
+    if parts == 1:
+        return slice(a, b)
+    return torch.cat([torch.arange(j * ffn + a, j * ffn + b, device=device) for j in range(parts)])
+
+
+def _take(t: torch.Tensor, index, dim: int = -1) -> torch.Tensor:
+    if isinstance(index, slice):
+        return t.narrow(dim, index.start, index.stop - index.start)
+    return t.index_select(dim, index)
+
+
+def run_region(region: MLPRegion, env: dict, ffn_slice: int) -> torch.Tensor:
+    """The exit linear's value, built a slice of hidden features at a time."""
+    x = env[region.x]
+    w_out = env[region.exit.args[1]]
+    b_out = env[region.exit.args[2]] if len(region.exit.args) > 2 and region.exit.args[2] is not None else None
+    out = None
+    for a in range(0, region.ffn, ffn_slice):
+        b = min(a + ffn_slice, region.ffn)
+        local: dict[fx.Node, object] = {}
+        for e, parts in region.entries.items():
+            idx = _feature_index(region.ffn, parts, a, b, x.device)
+            w = _take(env[e.args[1]], idx, 0)
+            bias = e.args[2] if len(e.args) > 2 else None
+            local[e] = F.linear(x, w, None if bias is None else _take(env[bias], idx))
+        for n in region.inner:
+            parts = region.parts[n]
+
+            def arg(m, parts=parts, n=n, local=local):
+                if m in local:
+                    return local[m]
+                v = env[m]
+                if isinstance(v, torch.Tensor) and v.dim() and v.shape[-1] == parts * region.ffn and v.shape[-1] > 1:
+                    return _take(v, _feature_index(region.ffn, parts, a, b, v.device))
+                return v
+
+            args = fx.node.map_arg(n.args, arg)
+            kwargs = fx.node.map_arg(n.kwargs, arg)
+            name = _name(n.target)
+            if name == "split_with_sizes":
+                args = (args[0], [b - a] * len(args[1]), *args[2:])
+            elif name == "split":
+                args = (args[0], b - a, *args[2:])
+            local[n] = args[0][args[1]] if n.target is operator.getitem else n.target(*args, **kwargs)
+        h = local[region.exit.args[0]]  # noqa: F821 (local is rebuilt per slice; the closure above reads it)
+        part = F.linear(h, w_out[:, a:b], b_out if out is None else None)
+        out = part if out is None else out.add_(part)
+        del local, h, part
+    return out

@@ -1,0 +1,286 @@
+"""``patch``: a ComfyUI ``ModelPatcher`` clone whose diffusion-model blocks stream, installed through ComfyUI's own
+per-clone "dit" block replacements (``set_model_patch_replace``). Nothing is installed on the shared modules.
+
+How a replacement reaches the block: ComfyUI's model forwards (Wan, Flux, H3, LTXV, HunyuanVideo in 0.33.0) hand each
+block replacement ``{"original_block": block_wrap}``, a closure that calls the block module with the forward's own
+arguments (Wan's ``context_img_len``, Flux's ``modulation_dims``, ...). The replacement runs that same function with
+the closure's block module swapped for a streamed call (a new function object over the same code; the host's closure
+is not touched), so the block gets exactly the arguments the host would give it, and what comes back is the host's
+own output dict.
+"""
+from __future__ import annotations
+
+import logging
+import types
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+log = logging.getLogger("streamplan")
+
+LEFT_TO_EXISTING = "left to an existing block replacement"
+
+# "dit" block-replacement keys, and the diffusion model's block list each one indexes (ComfyUI 0.33.0: Wan and H3 use
+# ``blocks``, LTXV ``transformer_blocks``, Flux and HunyuanVideo ``double_blocks`` / ``single_blocks``)
+_BLOCK_LISTS = (("double_block", ("double_blocks", "blocks", "transformer_blocks")),
+                ("single_block", ("single_blocks",)))
+
+# transformer_options keys the 0.33.0 forwards set or read that change nothing inside a block's math (or that are
+# checked separately below); a key outside this list may be a custom node's switch read inside the block, so the block
+# stays stock, with the key named
+_INFO_KEYS = frozenset({
+    "cond_or_uncond", "uuids", "sigmas", "sample_sigmas", "patches", "patches_replace", "wrappers", "callbacks",
+    "prefetch_dynamic_vbars", "multigpu_thread_device", "grid_sizes", "total_blocks", "block_type", "block_index",
+    "img_slice", "block", "activations_shape", "rope_options", "reference_image_num_tokens", "transformer_index",
+    "original_shape",
+})
+# ``patches`` entries the forwards apply between blocks (outside the block call): harmless here
+_MODEL_LEVEL_PATCHES = frozenset({"double_block", "single_block", "post_input", "noise_refiner", "input_block_patch",
+                                  "output_block_patch"})
+
+
+@dataclass
+class Options:
+    budget: Any = "auto"
+    chunk_tokens: int | None = None
+    min_tokens: int = 4096
+    reserve: Any = None
+    self_check: bool = False
+
+
+@dataclass(eq=False)
+class BlockState:
+    """What one block of one patched clone did: its streamer (created at the first long enough call), call counts,
+    and the last reason it ran stock."""
+
+    key: tuple
+    streamer: Any = None
+    module_id: int | None = None
+    streamed_calls: int = 0
+    stock_calls: int = 0
+    short_calls: int = 0
+    stock_reasons: dict[str, int] = field(default_factory=dict)
+
+    def stock(self, reason: str) -> None:
+        self.stock_calls += 1
+        self.stock_reasons[reason] = self.stock_reasons.get(reason, 0) + 1
+
+
+@dataclass(eq=False)
+class PatchState:
+    """Shared by every block replacement one ``patch`` call installed; ``report`` reads it."""
+
+    options: Options
+    model_class: str
+    diffusion_model: nn.Module                                # the shared model the clone runs (not changed)
+    blocks: dict[tuple, BlockState] = field(default_factory=dict)
+    left: dict[tuple, str] = field(default_factory=dict)     # key -> what holds it (foreign replacement)
+    replaced_own: int = 0                                     # keys an earlier streamplan patch held, re-planned
+
+
+def _rows(args: dict) -> int | None:
+    x = args.get("img")
+    if x is None or not hasattr(x, "dim") or x.dim() < 2:
+        return None
+    return int(x.shape[1]) if x.dim() == 3 else int(x.shape[-2])
+
+
+def _unsupported_options(options: dict) -> str | None:
+    """Why the block cannot stream under these transformer_options (fail closed), or None."""
+    if "optimized_attention_override" in options:
+        return ("an optimized_attention_override is set (a registered attention function or a node's override): "
+                "not streamed in this version")
+    patches = options.get("patches") or {}
+    inner = sorted(k for k, v in patches.items() if v and k not in _MODEL_LEVEL_PATCHES)
+    if inner:
+        return f"block-level patches in transformer_options: {', '.join(inner)}"
+    replace = options.get("patches_replace") or {}
+    inner = sorted(k for k, v in replace.items() if v and k != "dit")
+    if inner:
+        return f"attention replacements in transformer_options: {', '.join(inner)}"
+    unknown = sorted(str(k) for k in options if k not in _INFO_KEYS and k != "optimized_attention_override")
+    if unknown:
+        return f"transformer_options key(s) streamplan does not know: {', '.join(unknown)}"
+    return None
+
+
+class _StreamedCall:
+    """Stands in for the block module inside the host's ``block_wrap``: called with the host's arguments, it runs
+    the block through the clone's ``BlockStreamer`` (transformer_options already checked; the block gets a fresh
+    empty one, since nothing in it changes the block's math)."""
+
+    def __init__(self, block: BlockState, module: nn.Module, patch_state: PatchState):
+        self.block, self.module, self.patch_state = block, module, patch_state
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        for name in ("attn_mask", "mask"):
+            if kwargs.get(name) is not None:
+                self.block.stock("an attention mask is passed to the block")
+                return self.module(*args, **kwargs)
+        if "transformer_options" in kwargs:
+            kwargs["transformer_options"] = {}
+        if self.block.streamer is None or self.block.module_id != id(self.module):
+            import streamplan
+            o = self.patch_state.options
+            extra = {} if o.reserve is None else {"reserve": o.reserve}
+            self.block.streamer = streamplan.BlockStreamer(
+                self.module, o.budget, o.chunk_tokens, self_check=o.self_check, name=_key_name(self.block.key),
+                **extra)
+            self.block.module_id = id(self.module)
+        self.block.streamed_calls += 1
+        return self.block.streamer(*args, **kwargs)
+
+
+def _key_name(key: tuple) -> str:
+    return f"{key[0]}.{key[1]}"
+
+
+class StreamedBlock:
+    """The "dit" block replacement ``patch`` installs for one block index."""
+
+    def __init__(self, state: PatchState, key: tuple, list_name: str):
+        self.state, self.key, self.list_name = state, key, list_name
+
+    def __call__(self, args: dict, extra: dict) -> dict:
+        original = extra["original_block"]
+        block = self.state.blocks[self.key]
+        rows = _rows(args)
+        if rows is None or rows < self.state.options.min_tokens:
+            block.short_calls += 1
+            return original(args)
+        why = _unsupported_options(args.get("transformer_options") or {})
+        if why is None and args.get("attn_mask") is not None:
+            why = "an attention mask is passed to the block"
+        swapped = None
+        if why is None:
+            swapped = self._swap(original, block)
+            if isinstance(swapped, str):
+                why, swapped = swapped, None
+        if why is not None:
+            block.stock(why)
+            return original(args)
+        return swapped(args)
+
+    def _swap(self, original: Any, block: BlockState):
+        """``original`` with its block module replaced by the streamed call, or why it cannot be."""
+        code, cells = getattr(original, "__code__", None), getattr(original, "__closure__", None)
+        if code is None or not cells:
+            return "original_block is not a closure over the block module (unknown forward)"
+        found = [i for i, c in enumerate(cells) if isinstance(_cell(c), nn.Module)]
+        if len(found) != 1:
+            return f"original_block closes over {len(found)} modules, expected the block alone (unknown forward)"
+        module = _cell(cells[found[0]])
+        blocks = getattr(self.state.diffusion_model, self.list_name, None)
+        if blocks is None or len(blocks) <= self.key[1] or blocks[self.key[1]] is not module:
+            return f"original_block calls a module other than {self.list_name}[{self.key[1]}] (unknown forward)"
+        if module.training:
+            return "the block is in training mode"
+        new_cells = list(cells)
+        new_cells[found[0]] = types.CellType(_StreamedCall(block, module, self.state))
+        fn = types.FunctionType(code, original.__globals__, original.__name__, original.__defaults__,
+                                tuple(new_cells))
+        fn.__kwdefaults__ = original.__kwdefaults__
+        return fn
+
+def _cell(c) -> Any:
+    try:
+        return c.cell_contents
+    except ValueError:   # an empty cell
+        return None
+
+
+def _diffusion_model(model_patcher) -> nn.Module:
+    model = model_patcher.model
+    return getattr(model, "diffusion_model", model)
+
+
+def block_keys(diffusion_model: nn.Module) -> list[tuple[tuple, str, nn.Module]]:
+    """((block_name, index), "list[index]", module) for every block the model's forward looks up in "dit"."""
+    out = []
+    for block_name, lists in _BLOCK_LISTS:
+        for attr in lists:
+            blocks = getattr(diffusion_model, attr, None)
+            if isinstance(blocks, nn.ModuleList) and len(blocks):
+                out += [((block_name, i), f"{attr}[{i}]", b) for i, b in enumerate(blocks)]
+                break
+    return out
+
+
+def patch(model_patcher, budget: int | str | None = "auto", chunk_tokens: int | None = None, *,
+          min_tokens: int = 4096, reserve: int | str | None = None, self_check: bool = False):
+    """A ``model_patcher.clone()`` whose diffusion-model blocks stream through ``streamplan.BlockStreamer``.
+
+    One "dit" block replacement per block index (``clone.set_model_patch_replace``): a call with at least
+    ``min_tokens`` sequence rows runs the block through a streamer (created at its first such call, kept by the clone);
+    shorter calls, and calls streamplan cannot stream (attention overrides, block-level patches, masks), run the
+    original block, counted in the report. A block whose replacement another node already holds is left to it.
+    ``budget``, ``chunk_tokens``, ``reserve`` and ``self_check`` are ``BlockStreamer``'s. The input patcher and the
+    shared modules are not changed. ``report(patched)`` says what happened.
+    """
+    import streamplan
+    if not hasattr(model_patcher, "clone") or not hasattr(model_patcher, "set_model_patch_replace"):
+        raise ValueError(f"model_patcher must be a ComfyUI ModelPatcher, got {type(model_patcher).__name__}")
+    if isinstance(min_tokens, bool) or not isinstance(min_tokens, int) or min_tokens < 0:
+        raise ValueError(f"min_tokens must be an int >= 0, got {min_tokens!r}")
+    budget = streamplan.parse_budget(budget) if isinstance(budget, str) and budget != "auto" else budget
+    # the streamer checks the rest of the arguments: build one (on no module call) so bad values fail here
+    streamplan.BlockStreamer(nn.Identity(), budget, chunk_tokens, self_check=self_check,
+                             **({} if reserve is None else {"reserve": reserve}))
+    dm = _diffusion_model(model_patcher)
+    state = PatchState(Options(budget, chunk_tokens, min_tokens, reserve, self_check), type(dm).__name__, dm)
+    clone = model_patcher.clone()
+    existing = (clone.model_options.get("transformer_options", {}).get("patches_replace", {}).get("dit", {}))
+    for key, where, module in block_keys(dm):
+        held = existing.get(key)
+        if held is not None and not isinstance(held, StreamedBlock):
+            state.left[key] = getattr(held, "__qualname__", type(held).__qualname__)
+            continue
+        if isinstance(held, StreamedBlock):
+            state.replaced_own += 1
+        state.blocks[key] = BlockState(key)
+        clone.set_model_patch_replace(StreamedBlock(state, key, where.split("[")[0]), "dit", key[0], key[1])
+    if not state.blocks and not state.left:
+        log.info("streamplan.comfy: %s has no block list streamplan knows; the clone is unchanged",
+                 type(dm).__name__)
+    return clone
+
+
+def _states(patched) -> list[PatchState]:
+    dit = patched.model_options.get("transformer_options", {}).get("patches_replace", {}).get("dit", {})
+    seen: list[PatchState] = []
+    for fn in dit.values():
+        if isinstance(fn, StreamedBlock) and all(fn.state is not s for s in seen):
+            seen.append(fn.state)
+    return seen
+
+
+def report(patched) -> str:
+    """Every block's story in a patched clone: streamed (with its streamer's report), stock and why, or left to
+    another node's block replacement."""
+    states = _states(patched)
+    if not states:
+        return "streamplan.comfy: this model has no streamplan block replacements (not patched, or replaced since)"
+    lines = []
+    for st in states:
+        o = st.options
+        lines.append(f"streamplan.comfy report for {st.model_class}: {len(st.blocks)} block(s) patched, "
+                     f"{len(st.left)} {LEFT_TO_EXISTING}")
+        lines.append(f"  budget {o.budget!r}, chunk_tokens {o.chunk_tokens}, min_tokens {o.min_tokens}, "
+                     f"reserve {o.reserve!r}, self_check {o.self_check}")
+        if st.replaced_own:
+            lines.append(f"  re-planned {st.replaced_own} block(s) an earlier streamplan patch held")
+        for key, holder in st.left.items():
+            lines.append(f"  {_key_name(key)}: {LEFT_TO_EXISTING} ({holder})")
+        for key, b in st.blocks.items():
+            parts = []
+            if b.streamed_calls:
+                parts.append(f"{b.streamed_calls} call(s) through the streamer")
+            if b.short_calls:
+                parts.append(f"{b.short_calls} call(s) under min_tokens ran stock")
+            for why, n in b.stock_reasons.items():
+                parts.append(f"{n} call(s) stock: {why}")
+            lines.append(f"  {_key_name(key)}: " + ("; ".join(parts) if parts else "not called yet"))
+            if b.streamer is not None:
+                lines += ["    " + line for line in b.streamer.report().splitlines()]
+    return "\n".join(lines)

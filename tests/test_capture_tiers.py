@@ -1,0 +1,67 @@
+"""Tiers on the captured-graph path: L2 feature-sliced MLPs found in the graph (linear -> elementwise -> linear),
+exact against the real modules, lower peaks than L1 at the same chunk, and chosen by the planner when row chunks
+alone cannot meet the budget."""
+import pytest
+import torch
+
+import streamplan
+from conftest import rel_err
+from streamplan.planner import Plan, Tier, plan_graph
+
+N = 1200
+
+
+def _h3():
+    from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3TransformerBlock
+    block = MiniMaxH3TransformerBlock(64, 4, 16, 512, 32, 1e-6, 1e-6).eval()
+    return block, (torch.randn(1, N, 64), torch.randn(2, 32), torch.randint(0, 6, (N,)),
+                   (torch.randn(N, 16), torch.randn(N, 16)))
+
+
+def _wan():
+    from diffusers.models.transformers.transformer_wan import WanTransformerBlock
+    block = WanTransformerBlock(64, 512, 4, cross_attn_norm=True).eval()
+    f = torch.randn(1, N, 1, 16)
+    return block, (torch.randn(1, N, 64), torch.randn(1, 7, 64), torch.randn(1, 6, 64), (f.cos(), f.sin()))
+
+
+def _llama():
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+                      attn_implementation="sdpa")
+    layer = LlamaDecoderLayer(cfg, layer_idx=0).eval()
+    x = torch.randn(1, N, 64)
+    cos, sin = LlamaRotaryEmbedding(cfg)(x, torch.arange(N)[None])
+    return layer, (x,), {"position_embeddings": (cos, sin)}
+
+
+@pytest.mark.parametrize("make", [_h3, _wan, _llama], ids=["h3-swiglu", "wan-gelu-tanh", "llama-gated-separate"])
+@torch.no_grad()
+def test_feature_sliced_mlp_in_the_graph_is_exact_and_smaller(make):
+    block, args, *rest = make()
+    kwargs = rest[0] if rest else {}
+    first = lambda out: out[0] if isinstance(out, tuple) else out  # noqa: E731
+    ref, stock_peak = streamplan.measure_peak(lambda: first(block(*args, **kwargs)))
+    peaks = {}
+    for mode in (dict(chunk_tokens=400), dict(chunk_tokens=400, ffn_slice=128)):
+        handle = streamplan.apply(block, capture="prefer", **mode)
+        out, peaks[len(mode)] = streamplan.measure_peak(lambda: first(block(*args, **kwargs)))
+        (plan,) = handle.plans[""]
+        assert plan.tier == (Tier.L2 if "ffn_slice" in mode else Tier.L1), handle.report()
+        assert rel_err(out, ref) <= 1e-5
+        assert plan.predicted_peak >= 0.9 * peaks[len(mode)]     # the model does not promise less than happens
+        handle.remove()
+    assert peaks[2] < peaks[1] < stock_peak, peaks
+
+
+def test_the_planner_climbs_to_l2_when_row_chunks_alone_cannot_meet_the_budget():
+    fixed = 1000
+    transient = lambda c, sl: c * (10 if not sl else 2)  # noqa: E731  (bytes per row, whole vs sliced hidden)
+    plan = plan_graph(8192, fixed, transient, 10**9, budget=fixed + 4096, min_chunk=1024, ffn=4096)
+    assert plan.tier == Tier.L2 and plan.ffn_slice < 4096 and plan.chunk >= 1024
+    plan = plan_graph(8192, fixed, transient, 10**9, budget=fixed + 20480, min_chunk=1024, ffn=4096)
+    assert plan.tier == Tier.L1 and plan.chunk >= 1024
+    with pytest.raises(streamplan.BudgetError, match="smallest peak"):
+        plan_graph(8192, fixed, transient, 10**9, budget=fixed + 100, min_chunk=1024, ffn=4096)
+    assert isinstance(plan, Plan)

@@ -1,0 +1,201 @@
+"""streamplan.comfy against a real ComfyUI (0.33.0, see tests/comfy_support.py): tiny random-weight Wan and Flux
+diffusion models inside real ``BaseModel``s and ``ModelPatcher``s, run the way ComfyUI's sampling runs them
+(``BaseModel.apply_model`` with the patcher's ``transformer_options``), stock against ``streamplan.comfy.patch``."""
+from __future__ import annotations
+
+import copy
+import sys
+
+import pytest
+import torch
+
+import streamplan
+from comfy_support import comfyui
+from conftest import rel_err
+
+CPU = torch.device("cpu")
+
+
+def _analyze_module():
+    import streamplan.capture.analyze  # noqa: F401 -- the package attribute ``analyze`` is the function
+    return sys.modules["streamplan.capture.analyze"]
+
+
+@pytest.fixture
+def kitchen_rope_row_local(monkeypatch):
+    """ComfyUI 0.33.0 runs rope through comfy_kitchen's custom ops (``torch.ops.comfy_kitchen.apply_rope1`` /
+    ``apply_rope``), which streamplan's capture analysis does not know yet, so every comfy Wan and Flux block stays
+    stock naming that op (``test_kitchen_rope_keeps_blocks_stock``). To test the ComfyUI plumbing end to end, this
+    fixture lets the analysis treat them as row-local (they are: each row is rotated by its own row of the table)
+    for one test, and puts the set back after it."""
+    analyze = _analyze_module()
+    monkeypatch.setattr(analyze, "_PASS", analyze._PASS | {"apply_rope1", "apply_rope"})
+
+
+def _random_(model: torch.nn.Module) -> None:
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():   # comfy.ops layers skip init: every weight is uninitialised memory
+            p.copy_(torch.randn(p.shape, generator=g) * (0.2 if p.dim() > 1 else 0.05))
+
+
+def _config(comfy, unet: dict, latent_format):
+    class Config(comfy.supported_models_base.BASE):
+        unet_config = {}
+        unet_extra_config = {}
+        sampling_settings = {"shift": 1.0}
+        supported_inference_dtypes = [torch.float32]
+    Config.latent_format = latent_format
+    return Config(unet)
+
+
+def wan_patcher(layers: int = 2):
+    comfy = comfyui()
+    unet = {"image_model": "wan2.1", "model_type": "t2v", "dim": 64, "ffn_dim": 128, "num_heads": 4,
+            "num_layers": layers, "in_dim": 4, "out_dim": 4, "text_dim": 32, "freq_dim": 32, "eps": 1e-6,
+            "patch_size": (1, 2, 2)}
+    base = comfy.model_base.WAN21(_config(comfy, unet, comfy.latent_formats.Wan21))
+    _random_(base)
+    x = torch.randn(1, 4, 3, 32, 32)            # 3 x 16 x 16 = 768 tokens
+    cond = {"c_crossattn": torch.randn(1, 7, 32)}
+    return comfy.model_patcher.ModelPatcher(base, load_device=CPU, offload_device=CPU), x, cond
+
+
+def flux_patcher():
+    comfy = comfyui()
+    unet = {"image_model": "flux", "in_channels": 4, "out_channels": 4, "vec_in_dim": 16, "context_in_dim": 32,
+            "hidden_size": 64, "mlp_ratio": 2.0, "num_heads": 4, "depth": 2, "depth_single_blocks": 2,
+            "axes_dim": [4, 6, 6], "theta": 10000, "patch_size": 2, "qkv_bias": True, "guidance_embed": False,
+            "txt_ids_dims": []}
+    base = comfy.model_base.Flux(_config(comfy, unet, comfy.latent_formats.Flux))
+    _random_(base)
+    x = torch.randn(1, 4, 48, 48)               # 24 x 24 = 576 image tokens
+    cond = {"c_crossattn": torch.randn(1, 9, 32), "y": torch.randn(1, 16)}
+    return comfy.model_patcher.ModelPatcher(base, load_device=CPU, offload_device=CPU), x, cond
+
+
+MODELS = {"wan": wan_patcher, "flux": flux_patcher}
+
+
+def sample_call(patcher, x, cond):
+    """One model call the way ComfyUI's samplers make it: ``apply_model`` with a copy of the patcher's
+    ``transformer_options`` (comfy.samplers.calc_cond_batch)."""
+    options = patcher.model_options["transformer_options"].copy()
+    options["cond_or_uncond"] = [0]
+    options["sigmas"] = torch.tensor([0.7])
+    with torch.no_grad():
+        return patcher.model.apply_model(x, torch.tensor([0.7]), transformer_options=options, **cond)
+
+
+def _forwards_installed(model: torch.nn.Module) -> list[str]:
+    return [n for n, m in model.named_modules() if "forward" in m.__dict__]
+
+
+@pytest.mark.parametrize("which", sorted(MODELS))
+def test_patch_streams_every_block(which, kitchen_rope_row_local):
+    import streamplan.comfy as sc
+    base, x, cond = MODELS[which]()
+    before = copy.copy(base.model_options["transformer_options"])
+    stock, stock_peak = streamplan.measure_peak(sample_call, base, x, cond)
+    patched = sc.patch(base, budget=None, chunk_tokens=64, min_tokens=0)
+    out, peak = streamplan.measure_peak(sample_call, patched, x, cond)
+    assert rel_err(out, stock) <= 1e-5
+    text = sc.report(patched)
+    keys = sc.block_keys(base.model.diffusion_model)
+    assert len(keys) == (2 if which == "wan" else 4)
+    for key, _, _ in keys:
+        section = text.split(f"  {key[0]}.{key[1]}: ", 1)[1].split("\n  double_block.")[0].split("\n  single_block.")[0]
+        assert "1 call(s) through the streamer" in section, text
+        assert " L1 " in section, text
+    assert peak < stock_peak, (peak, stock_peak)
+    # the base patcher and the shared model are as they were
+    assert base.model_options["transformer_options"] == before
+    assert "patches_replace" not in base.model_options["transformer_options"]
+    assert patched.model is base.model
+    assert _forwards_installed(base.model) == []
+    again = sample_call(base, x, cond)
+    assert torch.equal(again, stock)
+
+
+def test_kitchen_rope_keeps_blocks_stock():
+    """Without the analysis knowing comfy_kitchen's rope ops, every block runs stock, exactly, with the op named."""
+    import streamplan.comfy as sc
+    base, x, cond = wan_patcher()
+    stock = sample_call(base, x, cond)
+    patched = sc.patch(base, budget=None, chunk_tokens=64, min_tokens=0)
+    out = sample_call(patched, x, cond)
+    assert torch.equal(out, stock)
+    text = sc.report(patched)
+    if "apply_rope1" not in text:
+        pytest.fail("comfy Wan blocks no longer stop at comfy_kitchen's rope: drop the kitchen_rope_row_local "
+                    "fixture from the tests and this test\n" + text)
+    assert text.count("ran stock: op apply_rope1") == 2, text
+
+
+def test_min_tokens_keeps_short_calls_stock():
+    import streamplan.comfy as sc
+    base, x, cond = wan_patcher()
+    stock = sample_call(base, x, cond)
+    patched = sc.patch(base, budget=None, chunk_tokens=64)      # min_tokens 4096 > 768
+    assert torch.equal(sample_call(patched, x, cond), stock)
+    text = sc.report(patched)
+    assert text.count("1 call(s) under min_tokens ran stock") == 2, text
+    assert "through the streamer" not in text
+
+
+def test_foreign_block_replacement_is_left_in_place(kitchen_rope_row_local):
+    import streamplan.comfy as sc
+    base, x, cond = wan_patcher()
+    calls = []
+
+    def foreign(args, extra):
+        calls.append(args["img"].shape)
+        return extra["original_block"](args)
+
+    other = base.clone()
+    other.set_model_patch_replace(foreign, "dit", "double_block", 1)
+    stock = sample_call(base, x, cond)
+    patched = sc.patch(other, budget=None, chunk_tokens=64, min_tokens=0)
+    assert patched.model_options["transformer_options"]["patches_replace"]["dit"][("double_block", 1)] is foreign
+    out = sample_call(patched, x, cond)
+    assert rel_err(out, stock) <= 1e-5
+    assert len(calls) == 1
+    text = sc.report(patched)
+    assert f"double_block.1: {sc.LEFT_TO_EXISTING} (" in text and "foreign" in text, text
+    assert "double_block.0: 1 call(s) through the streamer" in text, text
+
+
+def test_fail_closed_cases(kitchen_rope_row_local):
+    """An attention override, a block-level patch and an unknown transformer_options key keep the block stock,
+    exactly, with the reason in the report."""
+    import streamplan.comfy as sc
+    base, x, cond = wan_patcher(layers=1)
+    stock = sample_call(base, x, cond)
+    patched = sc.patch(base, budget=None, chunk_tokens=64, min_tokens=0)
+
+    def override(func, *args, **kwargs):
+        return func(*args, **kwargs)
+
+    def attn2(p):
+        return p["x"]
+
+    cases = [({"optimized_attention_override": override}, "optimized_attention_override"),
+             ({"patches": {"attn2_patch": [attn2]}}, "block-level patches in transformer_options: attn2_patch"),
+             ({"some_custom_switch": True}, "does not know: some_custom_switch")]
+    for extra, reason in cases:
+        run = patched.clone()
+        run.model_options["transformer_options"].update(extra)
+        assert torch.equal(sample_call(run, x, cond), stock), reason
+        assert reason in sc.report(run), sc.report(run)
+
+
+def test_patch_refuses_bad_arguments():
+    import streamplan.comfy as sc
+    base, _, _ = wan_patcher(layers=1)
+    with pytest.raises(ValueError, match="min_tokens"):
+        sc.patch(base, min_tokens=-1)
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        sc.patch(base, chunk_tokens=0)
+    with pytest.raises(ValueError, match="ModelPatcher"):
+        sc.patch(base.model)
+    assert "patches_replace" not in base.model_options["transformer_options"]
