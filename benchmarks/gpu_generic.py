@@ -130,7 +130,7 @@ def _diff(out, ref) -> float:
     return max(d["rel"] for d in compare_outputs(out, ref).values())
 
 
-def run_block(case: str, n: int, chunks: list[int], held: bool) -> list[dict]:
+def run_block(case: str, n: int, chunks: list[int], held: bool, hand: bool = True) -> list[dict]:
     torch.manual_seed(0)
     name, block, inputs, floor = BLOCKS[case](n)
     block = block.cuda().to(BF16).eval()
@@ -146,7 +146,7 @@ def run_block(case: str, n: int, chunks: list[int], held: bool) -> list[dict]:
         rows.append({**base, "mode": "stock", "KB_per_token": kb(stock_peak), "time_s": stock_t, "time_ratio": 1.0,
                      "stock_flash_vs_default_rel_diff": noise})
         print(rows[-1], flush=True)
-        paths = [("captured", "prefer")] + ([("hand", "off")] if case in HAND else [])
+        paths = [("captured", "prefer")] + ([("hand", "off")] if case in HAND and hand else [])
         modes = [(f"chunk {c}", dict(chunk_tokens=c)) for c in chunks]
         if held:
             modes.append(("planner held to 1.15x floor", dict(budget=None)))
@@ -172,6 +172,7 @@ def run_block(case: str, n: int, chunks: list[int], held: bool) -> list[dict]:
                 plans = handle.plans.get("", [])
                 plan = plans[0] if plans else None
                 rows.append({**base, "mode": f"{path} {label}", "KB_per_token": kb(peak), "peak_vs_floor": peak / floor,
+                             "ffn_slice": plan.ffn_slice if plan else None,
                              "predicted_KB_per_token": kb(plan.predicted_peak) if plan else None,
                              "tier": plan.tier if plan else None, "chunk": plan.chunk if plan else None,
                              "time_s": t, "time_ratio": t / stock_t, "rel_diff": diff,
@@ -270,6 +271,10 @@ def main() -> int:
     elif what == "blocks":
         for case in cases:
             rows += run_block(case, n, [16384], held=True)
+            write_results(f"gpu_generic_{what}_{n}", {**info, "rows": rows})
+    elif what == "held":       # the planner held to 1.15x the floor, captured path only
+        for case in cases:
+            rows += run_block(case, n, [], held=True, hand=False)
             write_results(f"gpu_generic_{what}_{n}", {**info, "rows": rows})
     elif what == "model":
         rows += run_model(n)
