@@ -22,7 +22,14 @@ def _analyze_module():
 
 
 @pytest.fixture
-def kitchen_rope_row_local(monkeypatch):
+def fresh_captures(monkeypatch):
+    """Captures (and their analyses) are cached per block class for the process: each test here starts empty."""
+    import streamplan.capture  # noqa: F401 -- sys.modules holds it after this
+    monkeypatch.setattr(sys.modules["streamplan.capture"], "_CACHE", {})
+
+
+@pytest.fixture
+def kitchen_rope_row_local(monkeypatch, fresh_captures):
     """ComfyUI 0.33.0 runs rope through comfy_kitchen's custom ops (``torch.ops.comfy_kitchen.apply_rope1`` /
     ``apply_rope``), which streamplan's capture analysis does not know yet, so every comfy Wan and Flux block stays
     stock naming that op (``test_kitchen_rope_keeps_blocks_stock``). To test the ComfyUI plumbing end to end, this
@@ -74,9 +81,6 @@ def flux_patcher():
     return comfy.model_patcher.ModelPatcher(base, load_device=CPU, offload_device=CPU), x, cond
 
 
-MODELS = {"wan": wan_patcher, "flux": flux_patcher}
-
-
 def sample_call(patcher, x, cond):
     """One model call the way ComfyUI's samplers make it: ``apply_model`` with a copy of the patcher's
     ``transformer_options`` (comfy.samplers.calc_cond_batch)."""
@@ -91,10 +95,9 @@ def _forwards_installed(model: torch.nn.Module) -> list[str]:
     return [n for n, m in model.named_modules() if "forward" in m.__dict__]
 
 
-@pytest.mark.parametrize("which", sorted(MODELS))
-def test_patch_streams_every_block(which, kitchen_rope_row_local):
+def test_patch_streams_every_wan_block(kitchen_rope_row_local):
     import streamplan.comfy as sc
-    base, x, cond = MODELS[which]()
+    base, x, cond = wan_patcher()
     before = copy.copy(base.model_options["transformer_options"])
     stock, stock_peak = streamplan.measure_peak(sample_call, base, x, cond)
     patched = sc.patch(base, budget=None, chunk_tokens=64, min_tokens=0)
@@ -102,7 +105,7 @@ def test_patch_streams_every_block(which, kitchen_rope_row_local):
     assert rel_err(out, stock) <= 1e-5
     text = sc.report(patched)
     keys = sc.block_keys(base.model.diffusion_model)
-    assert len(keys) == (2 if which == "wan" else 4)
+    assert len(keys) == 2
     for key, _, _ in keys:
         section = text.split(f"  {key[0]}.{key[1]}: ", 1)[1].split("\n  double_block.")[0].split("\n  single_block.")[0]
         assert "1 call(s) through the streamer" in section, text
@@ -117,7 +120,31 @@ def test_patch_streams_every_block(which, kitchen_rope_row_local):
     assert torch.equal(again, stock)
 
 
-def test_kitchen_rope_keeps_blocks_stock():
+def test_flux_blocks_reach_the_streamer(kitchen_rope_row_local):
+    """Flux's double and single blocks reach their streamers through the host's own block_wrap and come back
+    exact; they stay stock for now: comfy_kitchen's two-output ``apply_rope`` (q and k at once) is not an op the
+    capture analysis knows, and the fixture covers only single-output ops."""
+    import streamplan.comfy as sc
+    base, x, cond = flux_patcher()
+    before = copy.copy(base.model_options["transformer_options"])
+    stock = sample_call(base, x, cond)
+    patched = sc.patch(base, budget=None, chunk_tokens=64, min_tokens=0)
+    out = sample_call(patched, x, cond)
+    assert rel_err(out, stock) <= 1e-5
+    text = sc.report(patched)
+    keys = [k for k, _, _ in sc.block_keys(base.model.diffusion_model)]
+    assert keys == [("double_block", 0), ("double_block", 1), ("single_block", 0), ("single_block", 1)]
+    for name, index in keys:
+        assert f"{name}.{index}: 1 call(s) through the streamer" in text, text
+    if "op apply_rope (several outputs)" not in text:
+        pytest.fail("comfy Flux blocks no longer stop at comfy_kitchen's apply_rope: assert they stream (L1, peak "
+                    "down) here\n" + text)
+    assert text.count("ran stock: op apply_rope (several outputs)") == 4, text
+    assert base.model_options["transformer_options"] == before
+    assert _forwards_installed(base.model) == []
+
+
+def test_kitchen_rope_keeps_blocks_stock(fresh_captures):
     """Without the analysis knowing comfy_kitchen's rope ops, every block runs stock, exactly, with the op named."""
     import streamplan.comfy as sc
     base, x, cond = wan_patcher()
@@ -199,3 +226,55 @@ def test_patch_refuses_bad_arguments():
     with pytest.raises(ValueError, match="ModelPatcher"):
         sc.patch(base.model)
     assert "patches_replace" not in base.model_options["transformer_options"]
+
+
+def test_stream_blocks_node_function(kitchen_rope_row_local):
+    from streamplan.comfy.nodes import stream_blocks
+    base, x, cond = wan_patcher()
+    stock = sample_call(base, x, cond)
+    patched, text = stream_blocks(base, "none", 64, 0, "", False)
+    assert patched is not base and "double_block.0: not called yet" in text
+    assert rel_err(sample_call(patched, x, cond), stock) <= 1e-5
+    from streamplan.comfy import report
+    assert "double_block.1: 1 call(s) through the streamer" in report(patched)
+    patched, text = stream_blocks(base, "auto", 0, 4096, "1GiB", True)
+    assert "budget 'auto'" in text and "reserve '1GiB'" in text and "self_check True" in text
+    with pytest.raises(ValueError):
+        stream_blocks(base, "lots", 0, 0, "", False)
+
+
+def test_node_schema_and_execute(kitchen_rope_row_local):
+    comfyui()
+    try:
+        from comfy_api.latest import io
+    except Exception as exc:  # noqa: BLE001 -- the vendored tree lacks ComfyUI's server-side modules
+        pytest.skip(f"comfy_api.latest does not import here: {type(exc).__name__}: {exc}")
+    import asyncio
+
+    from streamplan.comfy import nodes
+    (node,) = nodes.node_classes()
+    schema = node.GET_SCHEMA()
+    assert schema.node_id == nodes.NODE_ID
+    assert [i.id for i in schema.inputs] == ["model", "budget", "chunk_tokens", "min_tokens", "reserve", "self_check"]
+    assert [type(o).__qualname__ for o in schema.outputs] == ["Model.Output", "String.Output"]
+    base, x, cond = wan_patcher()
+    out = node.execute(model=base, budget="none", chunk_tokens=64, min_tokens=0, reserve="", self_check=False)
+    patched, text = out.result
+    assert "2 block(s) patched" in text
+    assert rel_err(sample_call(patched, x, cond), sample_call(base, x, cond)) <= 1e-5
+    ext = asyncio.run(nodes.comfy_entrypoint())
+    assert asyncio.run(ext.get_node_list())[0].GET_SCHEMA().node_id == nodes.NODE_ID
+    assert isinstance(io.ComfyNode, type)
+
+
+def test_custom_nodes_entry_imports_without_comfyui():
+    """ComfyUI loads custom_nodes/<dir>/__init__.py under a name made of its path; the entry must import and offer
+    ``comfy_entrypoint`` without ComfyUI's API (it is imported when ComfyUI awaits the entrypoint)."""
+    import importlib.util
+    import inspect
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location(str(root).replace(".", "_x_"), root / "__init__.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert inspect.iscoroutinefunction(module.comfy_entrypoint)

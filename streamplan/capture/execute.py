@@ -17,6 +17,7 @@ from .analyze import Analysis, GlobalAttention, Rows
 from .export import Captured
 from .mlp import MLPRegion, run_region
 
+_LAYOUT = {"cat", "concat", "slice", "narrow", "split", "split_with_sizes", "chunk", "tensor_split"}
 _VIEWS = {"view", "_unsafe_view", "permute", "transpose", "t", "unsqueeze", "squeeze", "expand", "alias", "slice",
           "select", "narrow", "split", "split_with_sizes", "chunk", "unbind", "unflatten", "detach", "view_as_complex",
           "view_as_real", "movedim", "flatten", "reshape", "contiguous", "dropout", "expand_as", "lift_fresh_copy"}
@@ -122,9 +123,10 @@ def _last_uses(nodes: list[fx.Node], extra: dict | None = None) -> dict[int, lis
 
 
 def _write_rows(dst: torch.Tensor, src: torch.Tensor, r: Rows, total: int, a: int, b: int, first: bool) -> None:
-    """Chunk rows [a:b) (with its static rows around them) into a whole buffer of ``total`` dynamic rows."""
+    """Chunk rows [a:b) into a whole buffer of ``total`` dynamic rows: with its static rows around them on the first
+    chunk, the dynamic rows alone after it."""
     d = r.dim
-    dst.narrow(d, r.pre + a, b - a).copy_(src.narrow(d, r.pre, b - a))
+    dst.narrow(d, r.pre + a, b - a).copy_(src.narrow(d, r.pre if first else 0, b - a))
     if first and r.pre:
         dst.narrow(d, 0, r.pre).copy_(src.narrow(d, 0, r.pre))
     if first and r.post:
@@ -160,10 +162,61 @@ class GraphRun:
                 self.base[node] = cap.program.constants[ref]
         self.kv: dict[fx.Node, tuple[torch.Tensor, torch.Tensor]] = {}
         self.consts: dict[fx.Node, Any] = {}
+        self._static_rows_once(cap)
         env = dict(self.base)
         for node in ph.const:
             env[node] = self._call(node, env)
         self.consts = {n: env[n] for n in ph.const}
+
+    # -- static rows once ------------------------------------------------------------------------------------
+    def _static_rows_once(self, cap: Captured) -> None:
+        """Where static rows (text joined to image rows) exist, only the first chunk of a phase computes them; later
+        chunks run the dynamic rows alone: values without dynamic rows come from the first chunk (they are the same
+        in every chunk), joins and cuts along the rows pass the dynamic rows through, and sizes that count rows
+        count the chunk's own."""
+        an = self.an
+        rows = [r for v in an.rows.values() for r in (v if isinstance(v, list) else [v]) if isinstance(r, Rows)]
+        self.static_mode = any(r.pre or r.post for r in rows)
+        self.cache: dict[fx.Node, Any] = {}
+        if not self.static_mode:
+            return
+        nodes = [n for n in cap.graph.nodes if n.op == "call_function" and n not in an.ignored]
+        self.static_only = {n for n in nodes if an.rows.get(n) is None and n not in an.const
+                            and not isinstance(n.meta.get("val"), (torch.SymInt, int, float, bool))}
+        outputs = {o for o in an.outputs if isinstance(o, fx.Node)}
+        self.wanted = {n for n in self.static_only if n in outputs or any(u not in self.static_only for u in n.users)}
+        self.layout = set()
+        for n in nodes:
+            name = getattr(getattr(n.target, "_overloadpacket", None), "__name__", "")
+            if name not in _LAYOUT or n in self.static_only:
+                continue
+            src = n.args[0][0] if name in ("cat", "concat") else n.args[0]
+            dim = n.args[1] if len(n.args) > 1 and name in ("cat", "concat") else (
+                n.args[2] if name in ("split", "split_with_sizes", "chunk", "tensor_split") and len(n.args) > 2
+                else n.args[1] if name in ("slice", "narrow") and len(n.args) > 1 else n.kwargs.get("dim", 0))
+            ins = [t for t in (n.args[0] if name in ("cat", "concat") else [n.args[0]])
+                   if isinstance(an.rows.get(t), Rows)]
+            if not ins or not isinstance(src, fx.Node):
+                continue
+            r = an.rows[ins[0]]
+            if isinstance(dim, int) and (dim + ins[0].meta["val"].dim() if dim < 0 else dim) == r.dim:
+                self.layout.add(n)
+
+    def _dynamic(self, node: fx.Node, env: dict, rows: int) -> Any:
+        """A node's value on a chunk of dynamic rows alone (``rows`` of them)."""
+        if node in self.static_only:
+            return self.cache.get(node)
+        val = node.meta.get("val")
+        if isinstance(val, torch.SymInt) and self.cap.row_symbol in val.node.expr.free_symbols:
+            return rows
+        if node in self.layout:
+            if node.args and isinstance(node.args[0], (list, tuple)):    # cat along the rows: the dynamic part
+                return env[next(t for t in node.args[0] if isinstance(self.an.rows.get(t), Rows))]
+            out = self.an.rows.get(node)
+            if isinstance(out, list):                                     # split along the rows
+                return [env[node.args[0]] if isinstance(r, Rows) else None for r in out]
+            return env[node.args[0]]                                      # slice keeping the dynamic rows
+        return self._call(node, env)
 
     # -- one node ---------------------------------------------------------------------------------------------
     @staticmethod
@@ -174,11 +227,13 @@ class GraphRun:
             return args[0][args[1]]
         return node.target(*args, **kwargs)
 
-    def _inputs(self, a: int, b: int) -> dict:
+    def _inputs(self, a: int, b: int, dynamic: bool = False) -> dict:
         env = dict(self.consts)
         for node, value in self.base.items():
             r = self.an.rows.get(node)
-            if isinstance(r, Rows) and (r.pre or r.post):   # an input with static rows joined: keep them whole
+            if isinstance(r, Rows) and (r.pre or r.post) and dynamic:
+                env[node] = value.narrow(r.dim, r.pre + a, b - a)
+            elif isinstance(r, Rows) and (r.pre or r.post):   # an input with static rows joined: keep them whole
                 parts = [value.narrow(r.dim, 0, r.pre)] if r.pre else []
                 parts.append(value.narrow(r.dim, r.pre + a, b - a))
                 if r.post:
@@ -193,7 +248,8 @@ class GraphRun:
         q = env[att.q]
         return self.attend(q, k, v, q_offset=a, causal=att.causal, scale=att.scale)
 
-    def _run(self, nodes: list[fx.Node], env: dict, a: int, keep: set[fx.Node]) -> dict:
+    def _run(self, nodes: list[fx.Node], env: dict, a: int, keep: set[fx.Node], rows: int | None = None) -> dict:
+        """Run ``nodes`` on one chunk; ``rows`` set: the chunk's dynamic rows alone (static rows done once)."""
         regions = {r.exit: r for r in self.regions}
         inside = {n for r in self.regions for n in r.nodes}
         if regions:   # a feature-sliced MLP runs at its exit: its inner nodes are skipped, their inputs used there
@@ -205,8 +261,14 @@ class GraphRun:
             att = globals_.get(node)
             if node in regions:
                 env[node] = run_region(regions[node], env, self.ffn_slice)
+            elif att is not None:
+                env[node] = self._attention(att, env, a)
+            elif rows is not None:
+                env[node] = self._dynamic(node, env, rows)
             else:
-                env[node] = self._attention(att, env, a) if att is not None else self._call(node, env)
+                env[node] = self._call(node, env)
+                if self.static_mode and node in self.wanted:
+                    self.cache[node] = env[node]
             for m in frees.get(i, ()):
                 if m not in keep and m not in self.consts and m not in self.base:
                     env.pop(m, None)
@@ -218,7 +280,8 @@ class GraphRun:
             bufs: list[torch.Tensor] = []
 
             def work(a: int, b: int, att=att, nodes=nodes, bufs=bufs) -> None:
-                env = self._run(nodes, self._inputs(a, b), a, {att.k, att.v})
+                dyn = self.static_mode and a > 0
+                env = self._run(nodes, self._inputs(a, b, dyn), a, {att.k, att.v}, b - a if dyn else None)
                 kc, vc = env[att.k], env[att.v]
                 if not bufs:
                     bufs += [_whole(kc, att.kv_rows, self.rows), _whole(vc, att.kv_rows, self.rows)]
@@ -235,12 +298,15 @@ class GraphRun:
         keep = {o for o in self.an.outputs if isinstance(o, fx.Node)}
 
         def work(a: int, b: int) -> None:
-            env = self._run(self.ph.q, self._inputs(a, b), a, keep)
+            dyn = self.static_mode and a > 0
+            env = self._run(self.ph.q, self._inputs(a, b, dyn), a, keep, b - a if dyn else None)
             for i, o in enumerate(self.an.outputs):
                 if not isinstance(o, fx.Node):
                     outs[i] = o
                     continue
                 val = env[o] if o in env else self.consts.get(o, self.base.get(o))
+                if val is None and o in self.cache:
+                    val = self.cache[o]
                 r = self.an.rows.get(o)
                 if isinstance(r, Rows):
                     if outs[i] is None:

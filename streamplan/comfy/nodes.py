@@ -1,0 +1,82 @@
+"""The ComfyUI nodes (V3 schema, ``comfy_api.latest``): "Stream Blocks" patches a MODEL so its diffusion-model
+blocks stream (``streamplan.comfy.patch``) and returns the patched MODEL with a report of the settings and blocks.
+
+``stream_blocks`` is the node's whole behaviour as a plain function; the node class is built when ComfyUI's
+``comfy_api`` imports (``comfy_entrypoint``, ``node_classes``)."""
+from __future__ import annotations
+
+from .patch import patch, report
+
+NODE_ID = "StreamplanStreamBlocks"
+DISPLAY_NAME = "Stream Blocks (streamplan)"
+CATEGORY = "advanced/model"
+
+
+def _budget(text: str):
+    text = (text or "").strip()
+    if text.lower() in ("", "auto"):
+        return "auto"
+    if text.lower() == "none":
+        return None
+    return text
+
+
+def stream_blocks(model, budget: str = "auto", chunk_tokens: int = 0, min_tokens: int = 4096, reserve: str = "",
+                  self_check: bool = False):
+    """(patched clone, report text). ``budget``: "auto", "none" (stream every long enough call at the default
+    chunk) or a size ("12GiB"); ``chunk_tokens`` 0 lets the planner choose; ``reserve`` "" keeps the library
+    default."""
+    patched = patch(model, _budget(budget), chunk_tokens or None, min_tokens=min_tokens,
+                    reserve=(reserve.strip() or None) if isinstance(reserve, str) else reserve,
+                    self_check=self_check)
+    return patched, report(patched)
+
+
+def node_classes():
+    """The node classes (imports ``comfy_api``: call it inside ComfyUI or a test that has it)."""
+    from comfy_api.latest import io
+
+    class StreamBlocks(io.ComfyNode):
+        @classmethod
+        def define_schema(cls):
+            return io.Schema(
+                node_id=NODE_ID,
+                display_name=DISPLAY_NAME,
+                category=CATEGORY,
+                description=("Runs every block of the diffusion model over the sequence in row chunks (same math, "
+                             "less activation memory) once a call has at least min_tokens rows. Blocks that cannot "
+                             "stream run stock; the report says which and why."),
+                inputs=[
+                    io.Model.Input("model"),
+                    io.String.Input("budget", default="auto",
+                                    tooltip='"auto" (free device memory less reserve), "none", or a size: "12GiB"'),
+                    io.Int.Input("chunk_tokens", default=0, min=0, max=1 << 24, step=256,
+                                 tooltip="rows per chunk; 0 lets the planner choose"),
+                    io.Int.Input("min_tokens", default=4096, min=0, max=1 << 24, step=256,
+                                 tooltip="shorter calls run the stock block"),
+                    io.String.Input("reserve", default="",
+                                    tooltip='kept free under budget "auto" ("2GiB"); empty: the library default'),
+                    io.Boolean.Input("self_check", default=False,
+                                     tooltip="run the first streamed call stock too and report the difference"),
+                ],
+                outputs=[io.Model.Output(display_name="model"), io.String.Output(display_name="report")],
+            )
+
+        @classmethod
+        def execute(cls, model, budget="auto", chunk_tokens=0, min_tokens=4096, reserve="", self_check=False):
+            patched, text = stream_blocks(model, budget, chunk_tokens, min_tokens, reserve, self_check)
+            return io.NodeOutput(patched, text)
+
+    return [StreamBlocks]
+
+
+async def comfy_entrypoint():
+    from comfy_api.latest import ComfyExtension
+
+    classes = node_classes()
+
+    class StreamplanExtension(ComfyExtension):
+        async def get_node_list(self):
+            return classes
+
+    return StreamplanExtension()
