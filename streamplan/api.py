@@ -536,7 +536,7 @@ class StreamHandle:
             return entry.stock(*args, **kwargs)
         an, cap = found.analysis, found.captured
         if fresh or not any(n.startswith("captured") for n in entry.runtime_notes):
-            static = f"; {found.static_rows} static rows recomputed in every chunk" if found.static_rows else ""
+            static = f"; {found.static_rows} static rows joined (computed once per phase)" if found.static_rows else ""
             self._note(entry, f"captured in {cap.seconds:.2f} s: {an.ops} ops, {len(an.attentions)} global "
                        f"attention(s){static}")
         consumer = consumer_for("sdpa")

@@ -107,6 +107,11 @@ def _torchvision() -> str | None:
         return ("torchvision does not import (" + _state.get("torchvision_error", "not installed")
                 + ") and STREAMPLAN_COMFY_NO_TORCHVISION_PLACEHOLDER is set")
     if _state.get("torchvision") != "placeholder":
+        for lib in ("transformers", "diffusers"):   # they note once whether torchvision exists: before the placeholder
+            try:
+                importlib.import_module(f"{lib}.utils.import_utils")
+            except Exception:  # noqa: BLE001 -- a library missing here simply has nothing to note
+                pass
         sys.meta_path.insert(0, _TorchvisionPlaceholder())
         _state["torchvision"] = "placeholder"
     return None
@@ -152,5 +157,18 @@ def _load():
         import comfy.ldm.flux.model  # noqa: F401
     except Exception as exc:  # noqa: BLE001 -- whatever fails to import, the tests skip saying so
         return f"ComfyUI at {src} does not import here: {type(exc).__name__}: {exc}"
+    finally:
+        _drop_placeholder()
     import comfy
     return comfy
+
+
+def _drop_placeholder() -> None:
+    """Once ComfyUI has imported, the placeholder leaves sys.modules and the import path (ComfyUI's modules keep the
+    references they took): other libraries imported later (diffusers checks torchvision's version) never see it."""
+    if _state.get("torchvision") != "placeholder":
+        return
+    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _TorchvisionPlaceholder)]
+    for name in [n for n in sys.modules if n == "torchvision" or n.startswith("torchvision.")]:
+        del sys.modules[name]
+    importlib.invalidate_caches()

@@ -65,7 +65,7 @@ def test_the_plain_block_streams_and_reports_its_capture_time():
     ("cumsum", "cumsum along the rows"),
     ("positions", "builds per-row values from the row count"),
     ("random", "random op"),
-    ("in-place-input", "mul_ writes into a value every chunk shares"),
+    ("in-place-input", "mul_ writes into the block's input before its attention reads it"),
     ("row-count-branch", "capture failed"),
 ])
 def test_what_is_not_row_local_stays_stock_and_says_what(extra, reason):

@@ -28,17 +28,6 @@ def fresh_captures(monkeypatch):
     monkeypatch.setattr(sys.modules["streamplan.capture"], "_CACHE", {})
 
 
-@pytest.fixture
-def kitchen_rope_row_local(monkeypatch, fresh_captures):
-    """ComfyUI 0.33.0 runs rope through comfy_kitchen's custom ops (``torch.ops.comfy_kitchen.apply_rope1`` /
-    ``apply_rope``), which streamplan's capture analysis does not know yet, so every comfy Wan and Flux block stays
-    stock naming that op (``test_kitchen_rope_keeps_blocks_stock``). To test the ComfyUI plumbing end to end, this
-    fixture lets the analysis treat them as row-local (they are: each row is rotated by its own row of the table)
-    for one test, and puts the set back after it."""
-    analyze = _analyze_module()
-    monkeypatch.setattr(analyze, "_PASS", analyze._PASS | {"apply_rope1", "apply_rope"})
-
-
 def _random_(model: torch.nn.Module) -> None:
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -95,7 +84,7 @@ def _forwards_installed(model: torch.nn.Module) -> list[str]:
     return [n for n, m in model.named_modules() if "forward" in m.__dict__]
 
 
-def test_patch_streams_every_wan_block(kitchen_rope_row_local):
+def test_patch_streams_every_wan_block(fresh_captures):
     import streamplan.comfy as sc
     base, x, cond = wan_patcher()
     before = copy.copy(base.model_options["transformer_options"])
@@ -120,43 +109,25 @@ def test_patch_streams_every_wan_block(kitchen_rope_row_local):
     assert torch.equal(again, stock)
 
 
-def test_flux_blocks_reach_the_streamer(kitchen_rope_row_local):
-    """Flux's double and single blocks reach their streamers through the host's own block_wrap and come back
-    exact; they stay stock for now: comfy_kitchen's two-output ``apply_rope`` (q and k at once) is not an op the
-    capture analysis knows, and the fixture covers only single-output ops."""
+def test_patch_streams_every_flux_block(fresh_captures):
+    """Flux's double and single blocks (comfy_kitchen's rope, the image stream updated in place as ComfyUI does,
+    text rows joined to the image rows) stream through the host's own block_wrap and come back exact."""
     import streamplan.comfy as sc
     base, x, cond = flux_patcher()
     before = copy.copy(base.model_options["transformer_options"])
-    stock = sample_call(base, x, cond)
+    stock, stock_peak = streamplan.measure_peak(sample_call, base, x, cond)
     patched = sc.patch(base, budget=None, chunk_tokens=64, min_tokens=0)
-    out = sample_call(patched, x, cond)
+    out, peak = streamplan.measure_peak(sample_call, patched, x, cond)
     assert rel_err(out, stock) <= 1e-5
     text = sc.report(patched)
     keys = [k for k, _, _ in sc.block_keys(base.model.diffusion_model)]
     assert keys == [("double_block", 0), ("double_block", 1), ("single_block", 0), ("single_block", 1)]
     for name, index in keys:
         assert f"{name}.{index}: 1 call(s) through the streamer" in text, text
-    if "op apply_rope (several outputs)" not in text:
-        pytest.fail("comfy Flux blocks no longer stop at comfy_kitchen's apply_rope: assert they stream (L1, peak "
-                    "down) here\n" + text)
-    assert text.count("ran stock: op apply_rope (several outputs)") == 4, text
+    assert text.count(": L1 rows=") == 4 and "ran stock" not in text, text
+    assert peak < stock_peak, (peak, stock_peak)
     assert base.model_options["transformer_options"] == before
     assert _forwards_installed(base.model) == []
-
-
-def test_kitchen_rope_keeps_blocks_stock(fresh_captures):
-    """Without the analysis knowing comfy_kitchen's rope ops, every block runs stock, exactly, with the op named."""
-    import streamplan.comfy as sc
-    base, x, cond = wan_patcher()
-    stock = sample_call(base, x, cond)
-    patched = sc.patch(base, budget=None, chunk_tokens=64, min_tokens=0)
-    out = sample_call(patched, x, cond)
-    assert torch.equal(out, stock)
-    text = sc.report(patched)
-    if "apply_rope1" not in text:
-        pytest.fail("comfy Wan blocks no longer stop at comfy_kitchen's rope: drop the kitchen_rope_row_local "
-                    "fixture from the tests and this test\n" + text)
-    assert text.count("ran stock: op apply_rope1") == 2, text
 
 
 def test_min_tokens_keeps_short_calls_stock():
@@ -170,7 +141,7 @@ def test_min_tokens_keeps_short_calls_stock():
     assert "through the streamer" not in text
 
 
-def test_foreign_block_replacement_is_left_in_place(kitchen_rope_row_local):
+def test_foreign_block_replacement_is_left_in_place(fresh_captures):
     import streamplan.comfy as sc
     base, x, cond = wan_patcher()
     calls = []
@@ -192,7 +163,7 @@ def test_foreign_block_replacement_is_left_in_place(kitchen_rope_row_local):
     assert "double_block.0: 1 call(s) through the streamer" in text, text
 
 
-def test_fail_closed_cases(kitchen_rope_row_local):
+def test_fail_closed_cases(fresh_captures):
     """An attention override, a block-level patch and an unknown transformer_options key keep the block stock,
     exactly, with the reason in the report."""
     import streamplan.comfy as sc
@@ -228,7 +199,7 @@ def test_patch_refuses_bad_arguments():
     assert "patches_replace" not in base.model_options["transformer_options"]
 
 
-def test_stream_blocks_node_function(kitchen_rope_row_local):
+def test_stream_blocks_node_function(fresh_captures):
     from streamplan.comfy.nodes import stream_blocks
     base, x, cond = wan_patcher()
     stock = sample_call(base, x, cond)
@@ -243,7 +214,7 @@ def test_stream_blocks_node_function(kitchen_rope_row_local):
         stream_blocks(base, "lots", 0, 0, "", False)
 
 
-def test_node_schema_and_execute(kitchen_rope_row_local):
+def test_node_schema_and_execute(fresh_captures):
     comfyui()
     try:
         from comfy_api.latest import io

@@ -56,11 +56,20 @@ def streamable(module: nn.Module, args: tuple, kwargs: dict, rows: int) -> tuple
     if isinstance(an, str):
         found: Streamable | str = f"{an} (captured in {cap.seconds:.2f} s)"
     else:
-        found = Streamable(cap, an, phases(cap, an))
+        ph = phases(cap, an)
+        twice = an.input_writes & {n for kv in ph.kv for n in kv}
+        found = Streamable(cap, an, ph) if not twice else (
+            f"{_op(next(iter(twice)))} writes into the block's input before its attention reads it (chunked, that "
+            f"write would run in both phases)")
         if any(k == "constant" for k, _ in cap.inputs):
             cap.notes.insert(0, str(id(module)))
     _CACHE[key] = found
     return found, True
+
+
+def _op(node) -> str:
+    packet = getattr(node.target, "_overloadpacket", None)
+    return packet.__name__ if packet is not None else str(node.target)
 
 
 __all__ = ["Streamable", "streamable", "rows_of_call", "Captured", "Analysis"]

@@ -51,6 +51,7 @@ class Analysis:
     outputs: list[Any]                       # the output node's flat arguments
     ops: int = 0
     notes: list[str] = field(default_factory=list)
+    input_writes: set = field(default_factory=set)   # in-place writes into the block's own inputs (as stock does)
 
 
 class NotRowLocal(Exception):
@@ -65,6 +66,9 @@ _PASS = {"view", "reshape", "_unsafe_view", "unflatten", "flatten", "permute", "
          "view_as_complex", "view_as_real", "movedim", "dropout", "native_dropout", "fill", "zeros_like", "ones_like",
          "empty_like", "full_like", "masked_fill", "where", "real", "imag", "conj", "_conj", "resolve_conj",
          "resolve_neg", "stack", "repeat_interleave", "copy"}
+_VIEW_NAMES = {"view", "_unsafe_view", "permute", "transpose", "t", "unsqueeze", "squeeze", "expand", "alias", "slice",
+               "select", "narrow", "split", "split_with_sizes", "chunk", "unbind", "unflatten", "detach", "movedim",
+               "view_as_complex", "view_as_real", "flatten", "reshape"}
 _RESHAPES = {"view", "reshape", "_unsafe_view", "unflatten", "flatten"}
 _DIMMED = {"slice", "narrow", "select", "split", "split_with_sizes", "chunk", "unbind", "cat", "concat", "index_select",
            "tensor_split"}
@@ -75,6 +79,12 @@ _NORMS = {"layer_norm", "native_layer_norm", "rms_norm", "_fused_rms_norm"}
 _MATMUL = {"linear", "matmul", "mm", "bmm", "addmm", "baddbmm"}
 _CREATE = {"new_zeros", "new_ones", "new_full", "new_empty", "zeros", "ones", "full", "empty"}
 _SDPA = {"scaled_dot_product_attention"}
+# custom ops known to be row-local: each output row is its input rows' own (rotary with a per-row table, norms over
+# a head's features), by (namespace, name); their outputs carry their inputs' rows
+ROW_LOCAL_OPS = {
+    ("comfy_kitchen", "apply_rope1"), ("comfy_kitchen", "apply_rope"),
+    ("comfy_kitchen", "rms_rope_split_half1"), ("comfy_kitchen", "rms_rope_split_half"),
+}
 
 
 def _name(target) -> str:
@@ -109,6 +119,7 @@ class _Analyzer:
         self.const: set[fx.Node] = set()
         self.attentions: list[GlobalAttention] = []
         self.ignored: set[fx.Node] = set()
+        self.input_writes: set[fx.Node] = set()
 
     # -- symbolic helpers ---------------------------------------------------------------------------------------
     def expr(self, size) -> sympy.Expr:
@@ -210,6 +221,14 @@ class _Analyzer:
         if self.random(node):
             raise NotRowLocal(f"random op {name}")
         inputs = self.in_rows(node)
+        if (getattr(target, "namespace", None), name) in ROW_LOCAL_OPS and inputs:
+            pre, post = self.same_layout(name, inputs)
+            vals = list(val) if isinstance(val, (tuple, list)) else [val]
+            outs = [self.out_rows(node, v, pre, post) if isinstance(v, torch.Tensor) else None for v in vals]
+            if any(o is None for o, v in zip(outs, vals) if isinstance(v, torch.Tensor)):
+                raise NotRowLocal(f"{name} drops the rows")
+            self.rows[node] = outs if isinstance(val, (tuple, list)) else outs[0]
+            return
         if name in _SDPA:
             self.rows[node] = self.attention(node, val)
             return
@@ -243,8 +262,16 @@ class _Analyzer:
         tr = self.rows.get(target)
         if not isinstance(tr, Rows):
             raise NotRowLocal(f"{name} writes rows into a value without rows")
-        if target in self.const or target in self.user_inputs:
+        root = target
+        while root.op == "call_function" and root.all_input_nodes and (
+                _name(root.target) in _VIEW_NAMES or root.target is operator.getitem):
+            root = root.all_input_nodes[0]
+        if root in self.const or target in self.const:
             raise NotRowLocal(f"{name} writes into a value every chunk shares")
+        if root in self.user_inputs:   # the block updates its input in place, as stock does, row by row
+            if tr.pre or tr.post:
+                raise NotRowLocal(f"{name} writes into an input joined with static rows")
+            self.input_writes.add(node)
         pre, post = self.same_layout(name, inputs)
         for n, r in inputs:
             if n.meta["val"].dim() - r.dim != val.dim() - tr.dim:
@@ -517,4 +544,4 @@ def analyze(graph: fx.Graph, symbol, user_inputs: set[fx.Node]) -> Analysis | st
         if isinstance(o, fx.Node) and isinstance(an.rows.get(o), list):
             return "an output is a tuple with rows"
     ops = sum(1 for n in graph.nodes if n.op == "call_function")
-    return Analysis(an.rows, an.const, an.ignored, an.attentions, outs, ops)
+    return Analysis(an.rows, an.const, an.ignored, an.attentions, outs, ops, input_writes=an.input_writes)

@@ -289,7 +289,7 @@ class GraphRun:
                 _write_rows(bufs[1], vc, att.kv_rows, self.rows, a, b, a == 0)
 
             for a, b in spans(self.rows, chunk):
-                _attempt(work, a, b, MAX_SPLITS)
+                _attempt(work, a, b, 0 if self.an.input_writes else MAX_SPLITS)  # input writes: no retry
             self.kv[att.node] = (bufs[0], bufs[1])
 
     def run_q(self, chunk: int, donate: dict[int, torch.Tensor]) -> Any:
@@ -316,6 +316,6 @@ class GraphRun:
                     outs[i] = val
 
         for a, b in spans(self.rows, chunk):
-            _attempt(work, a, b, MAX_SPLITS)
+            _attempt(work, a, b, 0 if self.an.input_writes else MAX_SPLITS)  # input writes: no retry
         self.kv.clear()
         return pytree.tree_unflatten(outs, self.cap.out_spec)
