@@ -518,7 +518,7 @@ class StreamHandle:
         """A block streamed from its captured graph (``streamplan.capture``)."""
         from .capture import rows_of_call, streamable
         from .capture.execute import GraphRun
-        from .capture.memory import graph_memory
+        from .capture.memory import _numel as numel_besides, graph_memory
 
         module = entry.module
         tensors = [t for t in pytree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
@@ -549,8 +549,10 @@ class StreamHandle:
             return entry.stock(*args, **kwargs)
         o = self.options
         regions = found.mlp_regions
-        if o.head_groups:
-            self._note(entry, "head_groups (L3) is not available on the captured-graph path yet")
+        groups = _graph_head_groups(found)
+        if o.head_groups and o.head_groups not in groups:
+            self._note(entry, f"head_groups={o.head_groups} (L3) not used: the graph allows "
+                       f"{list(groups) or 'none (one global attention without static rows or input writes is needed)'}")
         if o.ffn_slice and not regions:
             self._note(entry, "ffn_slice: no linear -> elementwise -> linear MLP found in the graph to slice")
         donate = {}
@@ -571,11 +573,14 @@ class StreamHandle:
                                    qv.shape[0] * qv.shape[1]) if device.type == "cuda" else 1
             ws = _workspace_row_bytes(consumer, SimpleNamespace(heads=qv.shape[1], head_dim=qv.shape[-1],
                                                                 causal=att.causal, mask=None), qv.element_size())
+            out_val = an.attentions[0].node.meta["val"]
+            attn_out = numel_besides(out_val, 2) * rows * out_val.element_size() if groups else 0
             return plan_graph(rows, mem.kv_bytes + mem.out_bytes,
                               lambda c, sl: mem.transient(c, sl, regions) + ws * min(c, rows), mem.stock(order),
                               chunk_tokens=o.chunk_tokens, budget=budget,
                               min_chunk=UTILISATION_FLOOR.get(device.type, 0), quantum=quantum,
-                              ffn=max((r.ffn for r in regions), default=0), ffn_slice=o.ffn_slice)
+                              ffn=max((r.ffn for r in regions), default=0), ffn_slice=o.ffn_slice,
+                              kv=mem.kv_bytes, attn_out=attn_out, groups=groups, head_groups=o.head_groups)
 
         plan = self._plan(entry, sig, make_plan, args, kwargs, device)
         if plan.tier == Tier.L0:
@@ -585,8 +590,11 @@ class StreamHandle:
             return consumer.attend(q, k, v, q_offset=q_offset, causal=causal, mask=None, scale=scale)
 
         run = GraphRun(cap, an, found.phases, module, args, kwargs, rows, attend,
-                       ffn_slice=plan.ffn_slice if plan.tier == Tier.L2 else 0, regions=regions)
-        run.build_kv(plan.chunk)
+                       ffn_slice=plan.ffn_slice if plan.tier in (Tier.L2, Tier.L3) else 0, regions=regions)
+        if plan.tier == Tier.L3:
+            run.build_grouped(plan.chunk, plan.head_groups)
+        else:
+            run.build_kv(plan.chunk)
         return run.run_q(plan.chunk, donate)
 
     @staticmethod
@@ -686,6 +694,21 @@ class StreamHandle:
 
     def __repr__(self) -> str:  # noqa: D105
         return f"<StreamHandle {len(self.installed)} streamed, {len(self.skipped)} left stock>"
+
+
+def _graph_head_groups(found) -> tuple[int, ...]:
+    """Head-group counts L3 can use on a captured block: one global attention, its rows without static ones, no
+    writes into the block's inputs (each group reruns the projections), and groups dividing the K/V heads."""
+    an = found.analysis
+    if len(an.attentions) != 1 or an.input_writes or found.static_rows:
+        return ()
+    att = an.attentions[0]
+    if att.q_rows is None or (att.q_rows.pre, att.q_rows.post) != (0, 0) or att.q_rows.dim != 2:
+        return ()
+    kv_heads, heads = att.k.meta["val"].shape[1], att.q.meta["val"].shape[1]
+    if not isinstance(kv_heads, int) or not isinstance(heads, int):
+        return ()
+    return tuple(g for g in (2, 4, 8, 16, 32, 64) if g <= kv_heads and kv_heads % g == 0 and heads % g == 0)
 
 
 _HANDLERS: dict[type, Callable[..., Any]] = {   # how each kind of spec runs; a new spec type registers here

@@ -356,18 +356,26 @@ SLICE_FOR_CHUNKS_BELOW = 4   # a captured block's planner slices its MLP when ro
 
 def plan_graph(rows: int, fixed: int, transient, stock: int, *, chunk_tokens: int | None = None,
                budget: int | None = None, min_chunk: int = MIN_CHUNK_TOKENS, quantum: int = 1,
-               ffn: int = 0, ffn_slice: int | None = None) -> Plan:
+               ffn: int = 0, ffn_slice: int | None = None, kv: int = 0, attn_out: int = 0,
+               groups: tuple[int, ...] = (), head_groups: int | None = None) -> Plan:
     """A captured block: whole buffers (``fixed``: K and V, the outputs) plus ``transient(chunk, ffn_slice)``, one
     chunk's values at their worst moment, both read off the graph. ``ffn``: the widest feature-sliceable MLP (0: none),
-    for L2."""
-    def make(tier: Tier, chunk: int, sl: int = 0) -> Plan:
+    for L2. L3 (``groups``: the head-group counts the graph allows): K and V of one group of heads at a time
+    (``kv`` of ``fixed`` divided by the groups) and the attention output whole (``attn_out``)."""
+    def peak(chunk: int, sl: int = 0, g: int = 1) -> int:
+        grouped = (kv - kv // g - attn_out) if g > 1 else 0
+        return fixed - grouped + transient(chunk, sl)
+
+    def make(tier: Tier, chunk: int, sl: int = 0, g: int = 1) -> Plan:
         if tier == Tier.L0:
             return Plan(Tier.L0, rows, rows, 0, stock, stock)
         if chunk_tokens is None:
             chunk = quantize_chunk(chunk, rows, quantum)
         chunk = min(chunk, rows)
-        return Plan(tier, rows, chunk, sl, fixed + transient(chunk, sl), stock)
+        return Plan(tier, rows, chunk, sl, peak(chunk, sl, g), stock, head_groups=g)
 
+    if head_groups is not None and head_groups > 1 and head_groups in groups:
+        return make(Tier.L3, chunk_tokens or DEFAULT_CHUNK_TOKENS, min(ffn_slice or 0, ffn), head_groups)
     if ffn_slice is not None and ffn:
         return make(Tier.L2, chunk_tokens or DEFAULT_CHUNK_TOKENS, min(ffn_slice, ffn))
     if chunk_tokens is not None or budget is None:
@@ -389,7 +397,15 @@ def plan_graph(rows: int, fixed: int, transient, stock: int, *, chunk_tokens: in
             chunk = _largest_chunk(lambda c: fixed + transient(c, sl), rows, budget, floor)
             if chunk is not None:
                 return make(Tier.L2, chunk, sl)
-    least = fixed + transient(min(rows, MIN_CHUNK_TOKENS), 256 if ffn > 256 else 0)
+        for g in groups:
+            for sl in (0, 4096, 1024, 256) if ffn else (0,):
+                if sl >= ffn and sl:
+                    continue
+                chunk = _largest_chunk(lambda c: peak(c, sl, g), rows, budget, floor)
+                if chunk is not None:
+                    return make(Tier.L3, chunk, sl, g)
+    least = min([fixed + transient(min(rows, MIN_CHUNK_TOKENS), 256 if ffn > 256 else 0)]
+                + [peak(min(rows, MIN_CHUNK_TOKENS), 256 if ffn > 256 else 0, g) for g in groups])
     raise BudgetError(f"captured block over {rows} rows: {fmt_bytes(budget)} left for it is below the smallest peak "
                       f"streamplan can reach ({fmt_bytes(least)}: global K, V and the outputs {fmt_bytes(fixed)}, "
                       f"and one {MIN_CHUNK_TOKENS}-row chunk)")

@@ -65,3 +65,34 @@ def test_the_planner_climbs_to_l2_when_row_chunks_alone_cannot_meet_the_budget()
     with pytest.raises(streamplan.BudgetError, match="smallest peak"):
         plan_graph(8192, fixed, transient, 10**9, budget=fixed + 100, min_chunk=1024, ffn=4096)
     assert isinstance(plan, Plan)
+
+
+@pytest.mark.parametrize("make, smaller", [(_h3, True), (_wan, True), (_llama, False)],
+                         ids=["h3", "wan", "llama-gqa-causal"])
+@torch.no_grad()
+def test_head_grouped_kv_in_the_graph_is_exact_and_smaller(make, smaller):
+    block, args, *rest = make()
+    kwargs = rest[0] if rest else {}
+    first = lambda out: out[0] if isinstance(out, tuple) else out  # noqa: E731
+    ref = first(block(*args, **kwargs))
+    peaks = {}
+    for groups in (None, 2):
+        handle = streamplan.apply(block, capture="prefer", chunk_tokens=400, head_groups=groups)
+        out, peaks[groups] = streamplan.measure_peak(lambda: first(block(*args, **kwargs)))
+        (plan,) = handle.plans[""]
+        assert plan.tier == (Tier.L3 if groups else Tier.L1) and plan.head_groups == (groups or 1), handle.report()
+        assert rel_err(out, ref) <= 1e-5
+        handle.remove()
+    # GQA with 2 K/V heads: half the K/V is less than the whole attention output L3 keeps; exactness is the point
+    assert peaks[2] < peaks[None] if smaller else peaks[2] <= peaks[None] * 1.2, peaks
+
+
+def test_the_planner_climbs_to_head_groups_below_the_floor():
+    kv, out, attn = 8000, 1000, 2000
+    transient = lambda c, sl: c * 2  # noqa: E731
+    plan = plan_graph(4096, kv + out, transient, 10**9, budget=out + attn + kv // 4 + 1024 * 2, min_chunk=1024,
+                      kv=kv, attn_out=attn, groups=(2, 4, 8))
+    assert plan.tier == Tier.L3 and plan.head_groups in (4, 8)
+    with pytest.raises(streamplan.BudgetError):
+        plan_graph(4096, kv + out, transient, 10**9, budget=out + attn // 2, min_chunk=1024, kv=kv, attn_out=attn,
+                   groups=(2, 4, 8))

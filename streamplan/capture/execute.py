@@ -5,7 +5,7 @@ buffers (phase Q). Freed as soon as their last user has run, as the stock graph 
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import torch
@@ -30,6 +30,7 @@ class Phases:
     const: list[fx.Node]
     kv: list[list[fx.Node]]          # per global attention, in graph order
     q: list[fx.Node]
+    writes: dict = field(default_factory=dict)   # in-place writes each node depends on (``_writes``)
 
 
 def _op_name(node: fx.Node) -> str:
@@ -95,7 +96,7 @@ def phases(cap: Captured, an: Analysis) -> Phases:
               for att in an.attentions}
     need = _ancestors([o for o in an.outputs if isinstance(o, fx.Node)] + list(extra.get(output, ())), stop, extra,
                       q_only)
-    return Phases(const, kv, [n for n in order if n in need])
+    return Phases(const, kv, [n for n in order if n in need], extra)
 
 
 def spans(rows: int, chunk: int) -> Iterator[tuple[int, int]]:
@@ -161,6 +162,7 @@ class GraphRun:
             else:
                 self.base[node] = cap.program.constants[ref]
         self.kv: dict[fx.Node, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.attn_out: dict[fx.Node, torch.Tensor] = {}
         self.consts: dict[fx.Node, Any] = {}
         self._static_rows_once(cap)
         env = dict(self.base)
@@ -244,6 +246,9 @@ class GraphRun:
         return env
 
     def _attention(self, att: GlobalAttention, env: dict, a: int) -> torch.Tensor:
+        if att.node in self.attn_out:   # L3: the attention's output was built head group by head group
+            o = self.attn_out[att.node]
+            return o.narrow(att.q_rows.dim, a, self._span[1] - a)
         k, v = self.kv[att.node]
         q = env[att.q]
         return self.attend(q, k, v, q_offset=a, causal=att.causal, scale=att.scale)
@@ -292,14 +297,58 @@ class GraphRun:
                 _attempt(work, a, b, 0 if self.an.input_writes else MAX_SPLITS)  # input writes: no retry
             self.kv[att.node] = (bufs[0], bufs[1])
 
+    def build_grouped(self, chunk: int, groups: int) -> None:
+        """L3: the attention's K and V built and attended for ``groups`` groups of heads in turn, each group's output
+        written into one whole attention output; phase Q then reads its rows. K and V of one group exist at a time
+        (the projections before them run once per group)."""
+        att, kv_nodes = self.an.attentions[0], self.ph.kv[0]
+        q_nodes = [n for n in self.ph.q if n in _ancestors([att.q], self._stop(), self.ph.writes, {})]
+        out = None
+        for g in range(groups):
+            bufs: list[torch.Tensor] = []
+            for a, b in spans(self.rows, chunk):
+                env = self._run(kv_nodes, self._inputs(a, b), a, {att.k, att.v})
+                kc, vc = env[att.k], env[att.v]
+                hk = kc.shape[1] // groups
+                kc, vc = kc[:, g * hk:(g + 1) * hk], vc[:, g * hk:(g + 1) * hk]
+                if not bufs:
+                    bufs += [_whole(kc, att.kv_rows, self.rows), _whole(vc, att.kv_rows, self.rows)]
+                _write_rows(bufs[0], kc, att.kv_rows, self.rows, a, b, True)
+                _write_rows(bufs[1], vc, att.kv_rows, self.rows, a, b, True)
+                del env, kc, vc
+            for a, b in spans(self.rows, chunk):
+                q = self._run(q_nodes, self._inputs(a, b), a, {att.q})[att.q]
+                h = q.shape[1] // groups
+                o = self.attend(q[:, g * h:(g + 1) * h], bufs[0], bufs[1], q_offset=a, causal=att.causal,
+                                scale=att.scale)
+                if out is None:
+                    shape = list(o.shape)
+                    shape[1], shape[2] = q.shape[1], self.rows
+                    out = o.new_empty(shape)
+                out[:, g * h:(g + 1) * h, a:b] = o
+                del q, o
+            del bufs
+        self.attn_out[att.node] = out
+
+    def _stop(self) -> set[fx.Node]:
+        return set(self.an.const) | {n for n in self.cap.graph.nodes if n.op == "placeholder"}
+
     def run_q(self, chunk: int, donate: dict[int, torch.Tensor]) -> Any:
         """Phase Q; ``donate`` maps an output index to a tensor of the same shape that may be overwritten."""
         outs: list[Any] = [None] * len(self.an.outputs)
         keep = {o for o in self.an.outputs if isinstance(o, fx.Node)}
 
+        nodes = self.ph.q
+        if self.attn_out:   # L3: the attention reads its rows of the whole output: Q is not computed again
+            att = self.an.attentions[0]
+            need = _ancestors([o for o in self.an.outputs if isinstance(o, fx.Node)], self._stop(), self.ph.writes,
+                              {att.node: []})
+            nodes = [n for n in nodes if n in need]
+
         def work(a: int, b: int) -> None:
             dyn = self.static_mode and a > 0
-            env = self._run(self.ph.q, self._inputs(a, b, dyn), a, keep, b - a if dyn else None)
+            self._span = (a, b)
+            env = self._run(nodes, self._inputs(a, b, dyn), a, keep, b - a if dyn else None)
             for i, o in enumerate(self.an.outputs):
                 if not isinstance(o, fx.Node):
                     outs[i] = o
