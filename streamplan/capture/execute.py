@@ -99,12 +99,14 @@ def phases(cap: Captured, an: Analysis) -> Phases:
     return Phases(const, kv, [n for n in order if n in need], extra)
 
 
-def spans(rows: int, chunk: int) -> Iterator[tuple[int, int]]:
-    """Row chunks of at most ``chunk`` rows, never a last chunk of one row (a captured graph assumes two or more)."""
+def spans(rows: int, chunk: int, least: int = 2) -> Iterator[tuple[int, int]]:
+    """Row chunks of ``chunk`` rows (at least ``least``), never a last chunk under ``least`` rows: a captured graph
+    holds for two rows or more, or for as many as its trace assumed."""
+    chunk = max(chunk, least)
     a = 0
     while a < rows:
         b = min(a + chunk, rows)
-        if rows - b == 1:
+        if 0 < rows - b < least:
             b = rows
         yield a, b
         a = b
@@ -148,6 +150,9 @@ class GraphRun:
                  regions: list[MLPRegion] | None = None):
         self.cap, self.an, self.ph, self.rows, self.attend = cap, an, ph, rows, attend
         self.ffn_slice = ffn_slice
+        # a chunk that runs out of memory is retried in halves, unless the block writes into its inputs (a half-done
+        # chunk would leave them changed) or its capture holds only from more rows than a half might have
+        self._retries = 0 if an.input_writes or cap.min_rows > 2 else MAX_SPLITS
         self.regions = list(regions or []) if ffn_slice else []
         flat = pytree.tree_leaves((args, kwargs), is_leaf=lambda x: x is None)
         self.base: dict[fx.Node, Any] = {}
@@ -293,8 +298,8 @@ class GraphRun:
                 _write_rows(bufs[0], kc, att.kv_rows, self.rows, a, b, a == 0)
                 _write_rows(bufs[1], vc, att.kv_rows, self.rows, a, b, a == 0)
 
-            for a, b in spans(self.rows, chunk):
-                _attempt(work, a, b, 0 if self.an.input_writes else MAX_SPLITS)  # input writes: no retry
+            for a, b in spans(self.rows, chunk, self.cap.min_rows):
+                _attempt(work, a, b, self._retries)
             self.kv[att.node] = (bufs[0], bufs[1])
 
     def build_grouped(self, chunk: int, groups: int) -> None:
@@ -306,7 +311,7 @@ class GraphRun:
         out = None
         for g in range(groups):
             bufs: list[torch.Tensor] = []
-            for a, b in spans(self.rows, chunk):
+            for a, b in spans(self.rows, chunk, self.cap.min_rows):
                 env = self._run(kv_nodes, self._inputs(a, b), a, {att.k, att.v})
                 kc, vc = env[att.k], env[att.v]
                 hk = kc.shape[1] // groups
@@ -316,7 +321,7 @@ class GraphRun:
                 _write_rows(bufs[0], kc, att.kv_rows, self.rows, a, b, True)
                 _write_rows(bufs[1], vc, att.kv_rows, self.rows, a, b, True)
                 del env, kc, vc
-            for a, b in spans(self.rows, chunk):
+            for a, b in spans(self.rows, chunk, self.cap.min_rows):
                 q = self._run(q_nodes, self._inputs(a, b), a, {att.q})[att.q]
                 h = q.shape[1] // groups
                 o = self.attend(q[:, g * h:(g + 1) * h], bufs[0], bufs[1], q_offset=a, causal=att.causal,
@@ -364,7 +369,7 @@ class GraphRun:
                 else:
                     outs[i] = val
 
-        for a, b in spans(self.rows, chunk):
-            _attempt(work, a, b, 0 if self.an.input_writes else MAX_SPLITS)  # input writes: no retry
+        for a, b in spans(self.rows, chunk, self.cap.min_rows):
+            _attempt(work, a, b, self._retries)
         self.kv.clear()
         return pytree.tree_unflatten(outs, self.cap.out_spec)

@@ -15,6 +15,7 @@ from torch.utils import _pytree as pytree
 log = logging.getLogger("streamplan")
 
 MAX_ROWS = 1 << 26
+MIN_ROWS_RETRY = 256
 
 
 @dataclass(eq=False)
@@ -29,6 +30,7 @@ class Captured:
     row_symbol: Any                   # the sympy symbol of the row count
     seconds: float
     analysis: Any = None              # filled by capture.analyze (an Analysis, or the reason it cannot stream)
+    min_rows: int = 2                 # the fewest rows the capture is valid for: no chunk is smaller
     notes: list[str] = field(default_factory=list)
 
 
@@ -104,8 +106,8 @@ def capture(module: nn.Module, args: tuple, kwargs: dict, rows: int) -> Captured
     from torch.export import Dim, export
     from torch.export.graph_signature import InputKind
 
-    dim = Dim("rows", min=2, max=MAX_ROWS)
     offsets = joined_offsets(args, kwargs, rows)
+    dim = None
 
     def dyn(leaf, joined: bool):
         if isinstance(leaf, torch.Tensor):
@@ -142,17 +144,26 @@ def capture(module: nn.Module, args: tuple, kwargs: dict, rows: int) -> Captured
         # rows (Flux's rotary over text + image), then, if that fails, with the exact row count alone
         tries = (True, False) if any(_size_key(s, rows, offsets) not in ("N", s) for leaf in pytree.tree_leaves(
             (args, kwargs)) if isinstance(leaf, torch.Tensor) for s in leaf.shape) else (False,)
-        for joined in tries:
+        # a trace may assume more rows than two (a kernel's block size: "128/5 <= rows" seen with torch 2.11 on
+        # CUDA): then the capture is retried valid from MIN_ROWS_RETRY rows on, and chunks never go below that
+        lows = (2, MIN_ROWS_RETRY) if rows >= 2 * MIN_ROWS_RETRY else (2,)
+        attempts = [(joined, lo) for lo in lows for joined in tries]
+        first_error: Exception | None = None
+        for i, (joined, lo) in enumerate(attempts):
+            dim = Dim("rows", min=lo, max=MAX_ROWS)
             dynamic = {k: pytree.tree_map(lambda x: dyn(x, joined), v,
                                           is_leaf=lambda x: isinstance(x, torch.Tensor) or x is None)
                        for k, v in bound.items()}
             try:
                 with torch.no_grad():
                     program = export(module, tuple(args), dict(kwargs), dynamic_shapes=dynamic, strict=False)
+                min_rows = lo
                 break
             except Exception as exc:  # noqa: BLE001 -- any capture failure keeps the module stock, with the reason
-                if joined:
+                if i + 1 < len(attempts):
+                    first_error = first_error or exc
                     continue
+                exc = first_error or exc
                 text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
                 return f"capture failed ({type(exc).__name__}: {text[:200]})"
     finally:
@@ -190,4 +201,4 @@ def capture(module: nn.Module, args: tuple, kwargs: dict, rows: int) -> Captured
     log.info("streamplan: captured %s in %.2f s (%d graph nodes)", type(module).__name__, seconds,
              len(program.graph.nodes))
     return Captured(program, program.graph, inputs, program.call_spec.in_spec, program.call_spec.out_spec, symbol,
-                    seconds)
+                    seconds, min_rows=min_rows)

@@ -1,0 +1,230 @@
+"""H200: streamplan.comfy.patch on a real ComfyUI 0.33.0 (.vendor/comfyui) WanModel, 1 layer at Wan2.1-14B width, bf16.
+
+Whole ``BaseModel.apply_model`` calls as ComfyUI's samplers make them: stock (the plain ModelPatcher) against ``patch``
+(a) at fixed 16384-token chunks, (b) with the budget held to 1.15x the block's floor (residual + K + V). Per row: peak
+KB/token above what was allocated before the call (inputs, weights), median time of 2 after a warm-up, relative
+difference to stock, ``streamplan.comfy.report``. Budget (b): patch's BlockStreamer reads a byte budget as the block
+call's live inputs (on CUDA also what the block allocated since its call began) plus its activation room, so it gets
+the bytes of blocks[0]'s input storages (x, context, e0, freqs; read by a pre-hook in a stock call) + 1.15 x floor.
+
+    python benchmarks/gpu_comfy.py --tokens 217088
+    python benchmarks/gpu_comfy.py --smoke          # tiny sizes on CPU: the script end to end
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import importlib.abc
+import importlib.machinery
+import math
+import os
+import statistics
+import sys
+import time
+import traceback
+import types
+
+import torch
+
+import streamplan
+from common import cuda_peak, cuda_time, device_info, write_results
+from streamplan.verify import compare_outputs
+
+COMFY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".vendor", "comfyui")
+
+
+class _Missing:   # handed out by the torchvision placeholder (as tests/comfy_support.py): fails when used
+    def __init__(self, name):
+        self._name = name
+
+    def __call__(self, *a, **k):
+        raise ImportError(f"{self._name}: torchvision is not installed (placeholder)")
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _Missing(f"{self._name}.{name}")
+
+
+class _Placeholder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, fullname, path, target=None):
+        if fullname.split(".")[0] == "torchvision":
+            return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+
+    def create_module(self, spec):
+        module = types.ModuleType(spec.name)
+        module.__path__ = []
+        module.__getattr__ = _Missing(spec.name).__getattr__
+        return module
+
+    def exec_module(self, module):
+        return None
+
+
+def _drop_torchvision():
+    for name in [n for n in sys.modules if n.split(".")[0] == "torchvision"]:
+        del sys.modules[name]
+
+
+def import_comfy(cpu: bool):
+    """ComfyUI's model code with PyTorch SDPA attention; a torchvision placeholder only where torchvision fails."""
+    placeholder = None
+    try:
+        import torchvision  # noqa: F401
+    except Exception:  # noqa: BLE001 -- missing, or a wheel that does not load beside this torch
+        _drop_torchvision()
+        for lib in ("transformers", "diffusers"):   # they note once whether torchvision exists: before the placeholder
+            with contextlib.suppress(Exception):
+                importlib.import_module(f"{lib}.utils.import_utils")
+        placeholder = _Placeholder()
+        sys.meta_path.insert(0, placeholder)
+    sys.path.insert(0, os.path.abspath(COMFY))
+    from comfy.cli_args import args
+    args.cpu, args.use_pytorch_cross_attention = cpu, True    # before model_management and attention import
+    for module in ("model_management", "model_patcher", "model_base", "latent_formats", "supported_models_base",
+                   "ldm.wan.model", "ldm.modules.attention"):
+        importlib.import_module(f"comfy.{module}")
+    if placeholder is not None:   # ComfyUI keeps what it took; libraries imported later never see the placeholder
+        sys.meta_path.remove(placeholder)
+        _drop_torchvision()
+    return sys.modules["comfy"]
+
+
+def latent_grid(n: int, max_frames: int = 128) -> tuple[int, int, int]:
+    """(frames, h, w) after the 2x2 patch with frames*h*w closest to n (then the squarest, then fewest frames)."""
+    best = None
+    for f in range(1, max_frames + 1):
+        s = n / f
+        for h in {max(1, math.floor(math.sqrt(s))), max(1, math.ceil(math.sqrt(s)))}:
+            w = max(1, round(s / h))
+            best = min(best or ((n, n, n), (f, h, w)), ((abs(f * h * w - n), abs(h - w), f), (f, h, w)))
+    return best[1]
+
+
+def build(comfy, dev, dtype, smoke: bool, n: int, text: int):
+    dims = (dict(dim=64, ffn_dim=128, num_heads=4, text_dim=32, freq_dim=32) if smoke else
+            dict(dim=5120, ffn_dim=13824, num_heads=40, text_dim=4096, freq_dim=256))
+    unet = {"image_model": "wan2.1", "model_type": "t2v", "num_layers": 1, "in_dim": 16, "out_dim": 16, "eps": 1e-6,
+            "patch_size": (1, 2, 2), "dtype": dtype, **dims}
+
+    class Config(comfy.supported_models_base.BASE):
+        unet_config, unet_extra_config, sampling_settings = {}, {}, {"shift": 1.0}
+        supported_inference_dtypes = [dtype]
+        latent_format = comfy.latent_formats.Wan21
+    base = comfy.model_base.WAN21(Config(unet), device=dev)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in base.named_parameters():   # comfy.ops layers skip init: every weight is uninitialised memory
+            p.copy_(float(p.dim() == 1 and name.endswith("weight")) + torch.randn_like(p) * 0.02)  # norms near 1
+    f, h, w = latent_grid(n)
+    g = torch.Generator(device=dev).manual_seed(1)
+    x = torch.randn(1, 16, f, 2 * h, 2 * w, device=dev, generator=g)
+    cond = {"c_crossattn": torch.randn(1, text, dims["text_dim"], device=dev, dtype=dtype, generator=g)}
+    return comfy.model_patcher.ModelPatcher(base, load_device=dev, offload_device=dev), x, cond, (f, h, w), dims["dim"]
+
+
+def sample_call(patcher, x, cond):
+    """One model call as comfy.samplers.calc_cond_batch makes it."""
+    options = patcher.model_options["transformer_options"].copy()
+    options["cond_or_uncond"], options["sigmas"] = [0], torch.tensor([0.7], device=x.device)
+    with torch.no_grad():
+        return patcher.model.apply_model(x, torch.tensor([0.7], device=x.device), transformer_options=options, **cond)
+
+
+def block_input_bytes(patcher, x, cond) -> int:
+    """Bytes of the distinct tensor storages blocks[0] receives (what BlockStreamer counts as its live inputs)."""
+    seen: dict[int, int] = {}
+
+    def hook(_module, args, kwargs):
+        for v in [*args, *kwargs.values()]:
+            if isinstance(v, torch.Tensor):
+                seen[v.untyped_storage().data_ptr()] = v.untyped_storage().nbytes()
+    handle = patcher.model.diffusion_model.blocks[0].register_forward_pre_hook(hook, with_kwargs=True)
+    sample_call(patcher, x, cond)
+    handle.remove()
+    return sum(seen.values())
+
+
+def wall_time(fn, repeats: int = 2) -> float:
+    """Median wall seconds of ``fn`` over ``repeats`` runs after one warm-up (the CPU smoke's cuda_time)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--tokens", type=int, default=None, help="block sequence length (default 217088; smoke 4096)")
+    p.add_argument("--text", type=int, default=None, help="text tokens (default 512; smoke 16)")
+    p.add_argument("--chunk", type=int, default=None, help="chunk_tokens of mode (a) (default 16384; smoke 512)")
+    p.add_argument("--smoke", action="store_true", help="tiny sizes on CPU")
+    a = p.parse_args()
+    cuda, dtype = not a.smoke, torch.bfloat16
+    n, text = a.tokens or (4096 if a.smoke else 217088), a.text or (16 if a.smoke else 512)
+    chunk, dev = a.chunk or (512 if a.smoke else 16384), torch.device("cpu" if a.smoke else "cuda")
+    info = device_info() if cuda else {"device": "cpu (smoke)", "torch": torch.__version__}
+    print(info, flush=True)
+    comfy = import_comfy(cpu=not cuda)
+    import streamplan.comfy as sc
+    if cuda:
+        peak_of, time_of = cuda_peak, (lambda fn: cuda_time(fn, repeats=2))
+    else:   # smoke on CPU: the profiler's peak, wall time
+        peak_of, time_of = (lambda fn: streamplan.measure_peak(fn, device="cpu")), wall_time
+
+    stock, x, cond, (f, h, w), dim = build(comfy, dev, dtype, a.smoke, n, text)
+    tokens = f * h * w
+    print(f"latent {list(x.shape)} -> {f} x {h} x {w} = {tokens} block tokens (asked {n}), {text} text tokens",
+          flush=True)
+    floor = tokens * (dim + 2 * dim) * 2   # residual + K + V, bf16
+    inputs = block_input_bytes(stock, x, cond)
+    budget = int(inputs + 1.15 * floor)
+    kb = lambda b: b / tokens / 1024  # noqa: E731
+    base = {"model": f"comfy WanModel 1 layer (dim {dim}), bf16, ComfyUI 0.33.0 apply_model", "tokens": tokens,
+            "latent": list(x.shape), "text_tokens": text, "floor_KB_per_token": kb(floor)}
+    payload = {**info, "attention": comfy.ldm.modules.attention.optimized_attention.__name__,
+               "block_input_bytes": inputs, "budget_bytes": budget, "budget_note": "BlockStreamer budget = block "
+               "call's live inputs + activation room; passed block_input_bytes (x, context, e0, freqs storages) + "
+               "1.15 x floor", "peak_note": "whole apply_model (patch embedding, text/time embeddings, head "
+               "included), above what was allocated before the call (inputs, weights)", "rows": []}
+    name = f"gpu_comfy_{'smoke_' if a.smoke else ''}{tokens}"
+
+    def emit(row):
+        payload["rows"].append(row)
+        print({k: v for k, v in row.items() if k != "report"}, flush=True)
+        if "report" in row:
+            print(row["report"], flush=True)
+        write_results(name, payload)   # rewritten after every row: a run cut short keeps what it measured
+
+    ref, stock_peak = peak_of(lambda: sample_call(stock, x, cond))
+    stock_t = time_of(lambda: sample_call(stock, x, cond))
+    emit({**base, "mode": "stock", "KB_per_token": kb(stock_peak), "peak_vs_floor": stock_peak / floor,
+          "time_s": stock_t, "time_ratio": 1.0})
+    for label, kw in ((f"patch chunk_tokens={chunk}, min_tokens=0, budget=None",
+                       dict(budget=None, chunk_tokens=chunk, min_tokens=0)),
+                      ("patch budget held to 1.15x floor, min_tokens=0", dict(budget=budget, min_tokens=0))):
+        try:
+            patched = sc.patch(stock, **kw)
+            out, peak = peak_of(lambda: sample_call(patched, x, cond))
+            diff = compare_outputs(out, ref)["output"]["rel"]
+            del out
+            t = time_of(lambda: sample_call(patched, x, cond))
+            emit({**base, "mode": label, "KB_per_token": kb(peak), "peak_vs_floor": peak / floor,
+                  "peak_vs_stock": peak / stock_peak if stock_peak else None, "time_s": t, "time_ratio": t / stock_t,
+                  "rel_diff": diff, "report": sc.report(patched)})
+        except Exception as exc:  # noqa: BLE001 -- the row says what failed; the other mode still runs
+            traceback.print_exc()
+            emit({**base, "mode": label, "error": f"{type(exc).__name__}: {exc}"[:600]})
+        patched = None
+        if cuda:
+            torch.cuda.empty_cache()
+    print(write_results(name, payload))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
