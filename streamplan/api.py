@@ -530,7 +530,8 @@ class StreamHandle:
         rows = rows_of_call(args, kwargs)
         if rows is None or rows < 2:
             return entry.stock(*args, **kwargs)
-        found, fresh = streamable(module, args, kwargs, rows)
+        with bypass():   # the capture traces the stock forwards of any streamed children
+            found, fresh = streamable(module, args, kwargs, rows)
         if isinstance(found, str):
             self._note(entry, f"ran stock: {found}")
             return entry.stock(*args, **kwargs)

@@ -175,12 +175,23 @@ def test_whole_flux_model_streams_its_blocks():
 
 
 @torch.no_grad()
-def test_unknown_block_falls_back_to_its_attention_and_mlp():
-    block = WanTransformerBlock(64, 128, 4, added_kv_proj_dim=32).eval()   # I2V cross-attention: not handled yet
+def test_a_block_the_hand_path_refuses_streams_from_its_graph_and_keeps_its_parts():
+    """Wan I2V (image-context cross-attention) is not handled by the hand-written Wan path: the block streams from
+    its captured graph, and its attention and MLP keep their own specs for calls the graph cannot take."""
+    block = WanTransformerBlock(64, 128, 4, added_kv_proj_dim=64).eval()
+    rotary = (torch.randn(1, 100, 1, 16), torch.randn(1, 100, 1, 16))
+    args = (torch.randn(1, 100, 64), torch.randn(1, 4 + 512, 64), torch.randn(1, 6, 64), rotary)
+    ref = block(*args)
     handle = streamplan.apply(block, chunk_tokens=16)
-    assert set(handle.installed) == {"attn1", "ffn"}
-    text = handle.report()
-    assert "stock     <root>" in text and "I2V" in text
+    assert set(handle.installed) == {"", "attn1", "ffn"}
+    assert isinstance(handle.installed[""].spec, streamplan.ir.GraphSpec)
+    assert rel_err(block(*args), ref) <= 1e-5
+    (plan,) = handle.plans[""]
+    assert plan.tier == "L1" and plan.chunk == 16, handle.report()
+    assert not handle.plans["ffn"]            # the graph ran the block: its parts were not called
+    assert "(else its parts)" in handle.report()
+    handle.remove()
+    assert torch.equal(block(*args), ref)
 
 
 @torch.no_grad()

@@ -106,6 +106,10 @@ def capture(module: nn.Module, args: tuple, kwargs: dict, rows: int) -> Captured
     from torch.export import Dim, export
     from torch.export.graph_signature import InputKind
 
+    odd = [type(leaf).__name__ for leaf in pytree.tree_leaves((args, kwargs))
+           if not isinstance(leaf, (torch.Tensor, int, float, bool, str, type(None)))]
+    if odd:   # a cache object, say: export takes tensors and plain values only
+        return f"an argument of type {odd[0]} the capture cannot take (a cache: calls with one run stock)"
     offsets = joined_offsets(args, kwargs, rows)
     dim = None
 

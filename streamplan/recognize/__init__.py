@@ -47,11 +47,20 @@ def recognize(root: nn.Module, capture: str = "fallback") -> tuple[
         if model is not None:
             (skipped.append if isinstance(model, Skip) else lambda s: specs.__setitem__(name, s))(model)
             continue
-        if id(module) in candidates and (capture == "prefer" or all(rec(name, module) is None for rec in RECOGNIZERS)):
+        hand = {rec: rec(name, module) for rec in RECOGNIZERS} if id(module) in candidates else {}
+        if id(module) in candidates and (capture == "prefer" or all(v is None for v in hand.values())):
             found = recognize_generic(name, module)   # a block no hand-written recognizer knows: from its graph
             (skipped.append if isinstance(found, Skip) else lambda s: specs.__setitem__(name, s))(found)
             claimed.append(name)
             continue
+        if (hand and not any(v is not None and not isinstance(v, Skip) for v in hand.values())
+                and any(isinstance(hand[rec], Skip) for rec in BLOCK_RECOGNIZERS)):
+            # a block a hand-written recognizer knows the family of but not this forward (Mistral, Qwen, Gemma, ...):
+            # from its graph, with its children's own specs installed too for calls the graph cannot take (a cache)
+            found = recognize_generic(name, module, fallback=True)
+            if not isinstance(found, Skip):
+                specs[name] = found
+                continue
         for rec in RECOGNIZERS:
             found = rec(name, module)
             if found is None:
