@@ -1,6 +1,7 @@
-"""streamplan.comfy against a real ComfyUI (0.33.0, see tests/comfy_support.py): tiny random-weight Wan and Flux
-diffusion models inside real ``BaseModel``s and ``ModelPatcher``s, run the way ComfyUI's sampling runs them
-(``BaseModel.apply_model`` with the patcher's ``transformer_options``), stock against ``streamplan.comfy.patch``."""
+"""streamplan.comfy against a real ComfyUI (0.33.0, see tests/comfy_support.py): tiny random-weight Wan, Flux,
+HunyuanVideo, LTX-Video and MiniMax-H3 diffusion models inside real ``BaseModel``s and ``ModelPatcher``s, run the way
+ComfyUI's sampling runs them (``BaseModel.apply_model`` with the patcher's ``transformer_options``), stock against
+``streamplan.comfy.patch``."""
 from __future__ import annotations
 
 import copy
@@ -70,6 +71,59 @@ def flux_patcher():
     return comfy.model_patcher.ModelPatcher(base, load_device=CPU, offload_device=CPU), x, cond
 
 
+def _conds(base, **kwargs):
+    """The model's conditioning the way ComfyUI builds it (``BaseModel.extra_conds``), unwrapped for one call."""
+    return {k: v.cond for k, v in base.extra_conds(device=CPU, **kwargs).items()}
+
+
+def h3_patcher():
+    """MiniMax-H3 (audio + video packed into one sequence): the sampler's packed latent and ``latent_shapes``."""
+    comfy = comfyui()   # comfy.model_base imported comfy.utils
+    unet = {"image_model": "minimax_h3", "hidden_size": 64, "num_layers": 2, "token_refiner_num_layers": 1,
+            "num_attention_heads": 2, "attention_head_dim": 32, "ffn_hidden_size": 128, "latents_dim": 4,
+            "audio_latents_dim": 4, "text_dim": 32, "timestep_input_dim": 32, "time_embed_hidden_size": 64,
+            "time_embed_dim": 32, "rope_inv_freq_len": 4}
+    base = comfy.model_base.MiniMaxH3(_config(comfy, unet, comfy.latent_formats.MiniMaxH3AV))
+    _random_(base)
+    with torch.no_grad():   # a buffer, left uninitialised like the weights
+        base.diffusion_model.rope.inv_freq.copy_(1.0 / 100.0 ** (torch.arange(4) / 4))
+    video, audio = torch.randn(1, 4, 3, 16, 16), torch.randn(1, 4, 2, 40)   # 192 video + 80 audio rows, 7 text
+    x, shapes = comfy.utils.pack_latents([video, audio])
+    cond = _conds(base, cross_attn=torch.randn(1, 7, 32), latent_shapes=shapes)
+    return comfy.model_patcher.ModelPatcher(base, load_device=CPU, offload_device=CPU), x, cond
+
+
+def ltxv_patcher(text_mask: bool = False):
+    comfy = comfyui()
+    unet = {"image_model": "ltxv", "in_channels": 8, "cross_attention_dim": 64, "attention_head_dim": 16,
+            "num_attention_heads": 4, "caption_channels": 32, "num_layers": 2}
+    base = comfy.model_base.LTXV(_config(comfy, unet, comfy.latent_formats.LTXV))
+    _random_(base)
+    x = torch.randn(1, 8, 3, 16, 16)            # 3 x 16 x 16 = 768 tokens
+    mask = torch.ones(1, 7)
+    mask[:, 5:] = 0                             # padded text, as ComfyUI's T5 encoder gives it
+    cond = _conds(base, cross_attn=torch.randn(1, 7, 32), attention_mask=mask if text_mask else None)
+    cond.setdefault("attention_mask", None)     # LTXV's forward takes it positionally
+    return comfy.model_patcher.ModelPatcher(base, load_device=CPU, offload_device=CPU), x, cond
+
+
+def hunyuan_video_patcher(text_mask: bool = False):
+    comfy = comfyui()
+    unet = {"image_model": "hunyuan_video", "in_channels": 4, "out_channels": 4, "vec_in_dim": 16,
+            "context_in_dim": 32, "hidden_size": 64, "mlp_ratio": 2.0, "num_heads": 4, "depth": 2,
+            "depth_single_blocks": 2, "axes_dim": [4, 6, 6], "theta": 256, "patch_size": [1, 2, 2],
+            "qkv_bias": True, "guidance_embed": True, "byt5": False, "meanflow": False,
+            "use_cond_type_embedding": False, "vision_in_dim": None, "meanflow_sum": False}
+    base = comfy.model_base.HunyuanVideo(_config(comfy, unet, comfy.latent_formats.HunyuanVideo))
+    _random_(base)
+    x = torch.randn(1, 4, 3, 16, 16)            # 3 x 8 x 8 = 192 image tokens, 9 text
+    mask = torch.ones(1, 9, dtype=torch.long)
+    mask[:, 6:] = 0
+    cond = _conds(base, cross_attn=torch.randn(1, 9, 32), pooled_output=torch.randn(1, 16),
+                  attention_mask=mask if text_mask else None)
+    return comfy.model_patcher.ModelPatcher(base, load_device=CPU, offload_device=CPU), x, cond
+
+
 def sample_call(patcher, x, cond):
     """One model call the way ComfyUI's samplers make it: ``apply_model`` with a copy of the patcher's
     ``transformer_options`` (comfy.samplers.calc_cond_batch)."""
@@ -128,6 +182,96 @@ def test_patch_streams_every_flux_block(fresh_captures):
     assert peak < stock_peak, (peak, stock_peak)
     assert base.model_options["transformer_options"] == before
     assert _forwards_installed(base.model) == []
+
+
+def _block_lines(text: str) -> dict[str, str]:
+    """``"double_block.0"`` -> that block's section of a report (its line and its streamer's report)."""
+    out, name = {}, None
+    for line in text.splitlines():
+        if line.startswith("  ") and not line.startswith("   ") and line[2:].split(":")[0].count(".") == 1:
+            name = line[2:].split(":")[0]
+            out[name] = line
+        elif name is not None:
+            out[name] += "\n" + line
+    return out
+
+
+def test_patch_streams_every_hunyuan_video_block(fresh_captures):
+    """HunyuanVideo (Flux's double and single stream blocks under its own forward, "attention_mask" in the args
+    dict): every block streams without a text mask; with one (a mask over the joint rows' keys) each stays stock."""
+    import streamplan.comfy as sc
+    base, x, cond = hunyuan_video_patcher()
+    before = copy.copy(base.model_options["transformer_options"])
+    stock, stock_peak = streamplan.measure_peak(sample_call, base, x, cond)
+    patched = sc.patch(base, budget=None, chunk_tokens=64, min_tokens=0)
+    out, peak = streamplan.measure_peak(sample_call, patched, x, cond)
+    assert rel_err(out, stock) <= 1e-5
+    text = sc.report(patched)
+    keys = [k for k, _, _ in sc.block_keys(base.model.diffusion_model)]
+    assert keys == [("double_block", 0), ("double_block", 1), ("single_block", 0), ("single_block", 1)]
+    sections = _block_lines(text)
+    for name, index in keys:
+        section = sections[f"{name}.{index}"]
+        assert section.startswith(f"  {name}.{index}: 1 call(s) through the streamer"), text
+        assert ": L1 rows=" in section, text
+    assert peak < stock_peak, (peak, stock_peak)
+    assert base.model_options["transformer_options"] == before
+    assert _forwards_installed(base.model) == []
+
+    masked, x, cond = hunyuan_video_patcher(text_mask=True)
+    stock = sample_call(masked, x, cond)
+    patched = sc.patch(masked, budget=None, chunk_tokens=64, min_tokens=0)
+    assert torch.equal(sample_call(patched, x, cond), stock)
+    text = sc.report(patched)
+    assert text.count("1 call(s) stock: an attention mask is passed to the block") == 4, text
+    assert "through the streamer" not in text, text
+
+
+def test_ltxv_blocks_stay_stock(fresh_captures):
+    """LTX-Video's BasicTransformerBlock captures, but its AdaLN norm is comfy_kitchen's fused ``rms_adaln``, an op
+    streamplan does not know to be row-local: each block runs stock through its streamer, exactly, saying so. (When
+    that op is known row-local, this becomes a streaming test.) With ComfyUI's T5 text mask (``attention_mask``, a
+    cross-attention key mask) the block stays stock before the streamer, on the mask rule."""
+    import streamplan.comfy as sc
+    base, x, cond = ltxv_patcher()
+    stock = sample_call(base, x, cond)
+    patched = sc.patch(base, budget=None, chunk_tokens=64, min_tokens=0)
+    assert torch.equal(sample_call(patched, x, cond), stock)
+    text = sc.report(patched)
+    keys = [k for k, _, _ in sc.block_keys(base.model.diffusion_model)]
+    assert keys == [("double_block", 0), ("double_block", 1)]
+    sections = _block_lines(text)
+    for name, index in keys:
+        section = sections[f"{name}.{index}"]
+        assert "ran stock: op rms_adaln is not one streamplan knows to be row-local" in section, text
+        assert ": L1 rows=" not in section, text
+
+    masked, x, cond = ltxv_patcher(text_mask=True)
+    stock = sample_call(masked, x, cond)
+    patched = sc.patch(masked, budget=None, chunk_tokens=64, min_tokens=0)
+    assert torch.equal(sample_call(patched, x, cond), stock)
+    text = sc.report(patched)
+    assert text.count("1 call(s) stock: an attention mask is passed to the block") == 2, text
+    assert "through the streamer" not in text, text
+
+
+def test_h3_blocks_stay_stock(fresh_captures):
+    """MiniMax-H3's DiTBlock takes its packed sequence as [rows, features] (no batch) with the modulation applied
+    per segment of rows at fixed bounds: each block stays stock, exactly, with the reason."""
+    import streamplan.comfy as sc
+    base, x, cond = h3_patcher()
+    shifts = {"minimax_h3_sigma_shift_video": 5.0, "minimax_h3_sigma_shift_audio": 2.0}
+    stock_run = base.clone()   # ComfyUI's H3 sampling node sets its timestep shifts here: read before the blocks
+    stock_run.model_options["transformer_options"].update(shifts)
+    stock = sample_call(stock_run, x, cond)
+    run = sc.patch(base, budget=None, chunk_tokens=64, min_tokens=0).clone()
+    run.model_options["transformer_options"].update(shifts)
+    assert torch.equal(sample_call(run, x, cond), stock)
+    text = sc.report(run)
+    assert [k for k, _, _ in sc.block_keys(base.model.diffusion_model)] == [("double_block", 0), ("double_block", 1)]
+    assert text.count("1 call(s) stock: the block's hidden states are 2-D (279, 64), not [batch, rows, "
+                      "features]") == 2, text
+    assert "through the streamer" not in text and "does not know" not in text, text
 
 
 def test_min_tokens_keeps_short_calls_stock():

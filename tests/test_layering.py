@@ -24,9 +24,9 @@ EXECUTOR_MODULES = {"streamplan.capture.execute": {"executors", "ir", "planner"}
                     "streamplan.capture.memory": {"ir"}}
 # remaining back-edges: family files that keep a model forward or block binder which calls into executors
 KNOWN_BACK_EDGES = {
-    ("streamplan.recognize.diffusers_blocks", "streamplan.executors"),
-    ("streamplan.recognize.transformers_blocks", "streamplan.executors"),
-    ("streamplan.recognize.diffusers_models", "streamplan.executors"),
+    ("streamplan.recognize.diffusers_wan", "streamplan.executors"),
+    ("streamplan.recognize.diffusers_flux", "streamplan.executors"),
+    ("streamplan.recognize.transformers_llama", "streamplan.executors"),
     ("streamplan.recognize.diffusers_h3", "streamplan.executors"),
 }
 

@@ -6,16 +6,14 @@ from typing import Callable
 from torch import nn
 
 from ..ir import AttentionSpec, BlockSpec, GraphSpec, MLPSpec, ModelSpec, Skip
-from .diffusers_attention import recognize_attention, recognize_flux_attention, recognize_wan_attention
-from .diffusers_blocks import recognize_flux_block, recognize_wan_block
+from .diffusers_attention import recognize_attention
+from .diffusers_flux import recognize_flux_attention, recognize_flux_block
 from .diffusers_mlp import recognize_feedforward
 from .diffusers_h3 import recognize_h3_model
-from .diffusers_models import recognize_wan_model
+from .diffusers_wan import recognize_wan_attention, recognize_wan_block, recognize_wan_model
 from .generic import block_candidates, recognize_generic
 from .row_local import recognize_row_local
-from .transformers_attention import recognize_llama_attention
-from .transformers_blocks import recognize_llama_layer
-from .transformers_mlp import recognize_gated_mlp
+from .transformers_llama import recognize_gated_mlp, recognize_llama_attention, recognize_llama_layer
 
 Recognizer = Callable[[str, nn.Module], "MLPSpec | AttentionSpec | BlockSpec | ModelSpec | Skip | None"]
 
