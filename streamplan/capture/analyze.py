@@ -85,6 +85,9 @@ ROW_LOCAL_OPS = {
     ("comfy_kitchen", "apply_rope1"), ("comfy_kitchen", "apply_rope"),
     ("comfy_kitchen", "rms_rope_split_half1"), ("comfy_kitchen", "rms_rope_split_half"),
 }
+# custom norms over the last dimension with elementwise modulation (comfy_kitchen's fused AdaLN: norm(x) * (1 + scale)
+# + shift): row-local when the rows are not the normalised dimension and the modulation broadcasts row to row
+ROW_LOCAL_NORMS = {("comfy_kitchen", "rms_adaln"), ("comfy_kitchen", "adaln")}
 
 
 def _name(target) -> str:
@@ -221,6 +224,17 @@ class _Analyzer:
         if self.random(node):
             raise NotRowLocal(f"random op {name}")
         inputs = self.in_rows(node)
+        if (getattr(target, "namespace", None), name) in ROW_LOCAL_NORMS and inputs:
+            x_node, x = inputs[0]
+            if x_node is not node.args[0] or x.dim == x_node.meta["val"].dim() - 1:
+                raise NotRowLocal(f"{name} over the rows")
+            pre, post = self.same_layout(name, inputs)
+            out = self.out_rows(node, val, pre, post)
+            for n, r in inputs:
+                if out is None or n.meta["val"].dim() - r.dim != val.dim() - out.dim:
+                    raise NotRowLocal(f"{name} broadcasts rows against another dimension")
+            self.rows[node] = out
+            return
         if (getattr(target, "namespace", None), name) in ROW_LOCAL_OPS and inputs:
             pre, post = self.same_layout(name, inputs)
             vals = list(val) if isinstance(val, (tuple, list)) else [val]

@@ -37,10 +37,6 @@ _INFO_KEYS = frozenset({
     # MiniMax-H3's timestep shifts (ComfyUI's H3 sampling node): its forward reads them before the blocks
     "minimax_h3_sigma_shift_video", "minimax_h3_sigma_shift_audio",
 })
-# the block arguments that carry an attention mask: the "dit" args dict's (Flux ``attn_mask``, HunyuanVideo
-# ``attention_mask``, LTXV ``attention_mask`` / ``self_attention_mask``) and the block call's keywords
-_MASK_ARGS = ("attn_mask", "attention_mask", "self_attention_mask")
-_MASK_KWARGS = ("attn_mask", "mask", "attention_mask", "self_attention_mask")
 # ``patches`` entries the forwards apply between blocks (outside the block call): harmless here
 _MODEL_LEVEL_PATCHES = frozenset({"double_block", "single_block", "post_input", "noise_refiner", "input_block_patch",
                                   "output_block_patch"})
@@ -120,10 +116,6 @@ class _StreamedCall:
         self.block, self.module, self.patch_state = block, module, patch_state
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        for name in _MASK_KWARGS:
-            if kwargs.get(name) is not None:
-                self.block.stock("an attention mask is passed to the block")
-                return self.module(*args, **kwargs)
         if "transformer_options" in kwargs:
             kwargs["transformer_options"] = {}
         if self.block.streamer is None or self.block.module_id != id(self.module):
@@ -155,9 +147,9 @@ class StreamedBlock:
         if rows is None or rows < self.state.options.min_tokens:
             block.short_calls += 1
             return original(args)
+        # attention masks go through: the capture streams a mask over text keys (cross-attention) and keeps a block
+        # stock, naming it, when a mask spans the rows' own keys
         why = _unsupported_options(args.get("transformer_options") or {})
-        if why is None and any(args.get(name) is not None for name in _MASK_ARGS):
-            why = "an attention mask is passed to the block"
         if why is None and args["img"].dim() != 3:
             # MiniMax-H3 packs one sample's rows as [rows, features]; the streamer's capture takes the rows from a
             # [batch, rows, features] input and would run such a call stock without a word
