@@ -279,6 +279,9 @@ def report(patched) -> str:
             parts = []
             if b.streamed_calls:
                 parts.append(f"{b.streamed_calls} call(s) through the streamer")
+                entry = b.streamer.entry if b.streamer is not None else None
+                if entry is None or any(n.startswith("ran stock") for n in entry.runtime_notes):
+                    parts.append("which ran stock at least once (the reason is below)")
             if b.short_calls:
                 parts.append(f"{b.short_calls} call(s) under min_tokens ran stock")
             for why, n in b.stock_reasons.items():
