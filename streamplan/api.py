@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves as pytree_leaves
 
 from .budget import DEFAULT_RESERVE, auto_budget, parse_budget
-from .consumers import consumer_for, unsupported
+from .consumers import consumer_for, graph_consumer, unsupported
 from .executors.attention import run_attention
 from .executors.block import donated, run_block
 from .executors.chunks import drain_retries
@@ -540,7 +540,7 @@ class StreamHandle:
             static = f"; {found.static_rows} static rows joined (computed once per phase)" if found.static_rows else ""
             self._note(entry, f"captured in {cap.seconds:.2f} s: {an.ops} ops, {len(an.attentions)} global "
                        f"attention(s){static}")
-        consumer = consumer_for("sdpa")
+        consumer = graph_consumer()
         att = an.attentions[0]
         qv, kv_ = att.q.meta["val"], att.k.meta["val"]
         why = unsupported(consumer, heads=qv.shape[1], kv_heads=kv_.shape[1], head_dim=qv.shape[-1],

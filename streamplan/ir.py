@@ -200,3 +200,15 @@ class GraphSpec:
 
     module: nn.Module
     label: str
+
+
+# Custom ops (by namespace and name) a library's recognizer declares row-local, for the captured-graph analysis:
+# "rows": every output row is its inputs' own rows (rotary with a per-row table, norms over a head's features);
+# "norm": a norm over the last dimension with elementwise modulation (rows must not be that dimension).
+ROW_LOCAL_CUSTOM_OPS: dict[tuple[str, str], Literal["rows", "norm"]] = {}
+
+
+def register_row_local_op(namespace: str, name: str, kind: Literal["rows", "norm"]) -> None:
+    if kind not in ("rows", "norm"):
+        raise ValueError(f"kind must be 'rows' or 'norm', got {kind!r}")
+    ROW_LOCAL_CUSTOM_OPS[(namespace, name)] = kind

@@ -138,6 +138,21 @@ def _forwards_installed(model: torch.nn.Module) -> list[str]:
     return [n for n, m in model.named_modules() if "forward" in m.__dict__]
 
 
+def _stream_and_compare(base, x, cond):
+    """Stock, then ``patch(...)`` with 64-row chunks: the output within fp32 rel 1e-5, the peak down, the base patcher
+    and the shared model as they were. Returns (patched, its report, the patched model's block keys)."""
+    import streamplan.comfy as sc
+    before = copy.copy(base.model_options["transformer_options"])
+    stock, stock_peak = streamplan.measure_peak(sample_call, base, x, cond)
+    patched = sc.patch(base, budget=None, chunk_tokens=64, min_tokens=0)
+    out, peak = streamplan.measure_peak(sample_call, patched, x, cond)
+    assert rel_err(out, stock) <= 1e-5
+    assert peak < stock_peak, (peak, stock_peak)
+    assert base.model_options["transformer_options"] == before
+    assert _forwards_installed(base.model) == []
+    return patched, sc.report(patched), [k for k, _, _ in sc.block_keys(base.model.diffusion_model)]
+
+
 def test_patch_streams_every_wan_block(fresh_captures):
     import streamplan.comfy as sc
     base, x, cond = wan_patcher()
@@ -166,22 +181,11 @@ def test_patch_streams_every_wan_block(fresh_captures):
 def test_patch_streams_every_flux_block(fresh_captures):
     """Flux's double and single blocks (comfy_kitchen's rope, the image stream updated in place as ComfyUI does,
     text rows joined to the image rows) stream through the host's own block_wrap and come back exact."""
-    import streamplan.comfy as sc
-    base, x, cond = flux_patcher()
-    before = copy.copy(base.model_options["transformer_options"])
-    stock, stock_peak = streamplan.measure_peak(sample_call, base, x, cond)
-    patched = sc.patch(base, budget=None, chunk_tokens=64, min_tokens=0)
-    out, peak = streamplan.measure_peak(sample_call, patched, x, cond)
-    assert rel_err(out, stock) <= 1e-5
-    text = sc.report(patched)
-    keys = [k for k, _, _ in sc.block_keys(base.model.diffusion_model)]
+    patched, text, keys = _stream_and_compare(*flux_patcher())
     assert keys == [("double_block", 0), ("double_block", 1), ("single_block", 0), ("single_block", 1)]
     for name, index in keys:
         assert f"{name}.{index}: 1 call(s) through the streamer" in text, text
     assert text.count(": L1 rows=") == 4 and "ran stock" not in text, text
-    assert peak < stock_peak, (peak, stock_peak)
-    assert base.model_options["transformer_options"] == before
-    assert _forwards_installed(base.model) == []
 
 
 def _block_lines(text: str) -> dict[str, str]:
@@ -200,23 +204,13 @@ def test_patch_streams_every_hunyuan_video_block(fresh_captures):
     """HunyuanVideo (Flux's double and single stream blocks under its own forward, "attention_mask" in the args
     dict): every block streams without a text mask; with one (a mask over the joint rows' keys) each stays stock."""
     import streamplan.comfy as sc
-    base, x, cond = hunyuan_video_patcher()
-    before = copy.copy(base.model_options["transformer_options"])
-    stock, stock_peak = streamplan.measure_peak(sample_call, base, x, cond)
-    patched = sc.patch(base, budget=None, chunk_tokens=64, min_tokens=0)
-    out, peak = streamplan.measure_peak(sample_call, patched, x, cond)
-    assert rel_err(out, stock) <= 1e-5
-    text = sc.report(patched)
-    keys = [k for k, _, _ in sc.block_keys(base.model.diffusion_model)]
+    patched, text, keys = _stream_and_compare(*hunyuan_video_patcher())
     assert keys == [("double_block", 0), ("double_block", 1), ("single_block", 0), ("single_block", 1)]
     sections = _block_lines(text)
     for name, index in keys:
         section = sections[f"{name}.{index}"]
         assert section.startswith(f"  {name}.{index}: 1 call(s) through the streamer"), text
         assert ": L1 rows=" in section, text
-    assert peak < stock_peak, (peak, stock_peak)
-    assert base.model_options["transformer_options"] == before
-    assert _forwards_installed(base.model) == []
 
     masked, x, cond = hunyuan_video_patcher(text_mask=True)
     stock = sample_call(masked, x, cond)
@@ -230,20 +224,12 @@ def test_patch_streams_every_hunyuan_video_block(fresh_captures):
 def test_patch_streams_every_ltxv_block(fresh_captures):
     """LTX-Video's BasicTransformerBlock (comfy_kitchen's fused ``rms_adaln``, cross-attention to text) streams, with
     and without ComfyUI's T5 text mask (a mask over the text keys of its cross-attention, not over the rows)."""
-    import streamplan.comfy as sc
     for text_mask in (False, True):
-        base, x, cond = ltxv_patcher(text_mask=text_mask)
-        stock, stock_peak = streamplan.measure_peak(sample_call, base, x, cond)
-        patched = sc.patch(base, budget=None, chunk_tokens=64, min_tokens=0)
-        out, peak = streamplan.measure_peak(sample_call, patched, x, cond)
-        assert rel_err(out, stock) <= 1e-5
-        text = sc.report(patched)
-        keys = [k for k, _, _ in sc.block_keys(base.model.diffusion_model)]
+        patched, text, keys = _stream_and_compare(*ltxv_patcher(text_mask=text_mask))
         assert keys == [("double_block", 0), ("double_block", 1)]
         sections = _block_lines(text)
         for name, index in keys:
             assert ": L1 rows=" in sections[f"{name}.{index}"], text
-        assert peak < stock_peak, (peak, stock_peak)
 
 
 def test_h3_blocks_stay_stock(fresh_captures):

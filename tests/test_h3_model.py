@@ -18,19 +18,19 @@ def _model(layers=2):
         freq_dim=32, time_embed_hidden_dim=64, time_embed_dim=32, rope_freq_dim=2).eval()
 
 
-def _inputs(batch=1):
-    n = TEXT + COND + AUDIO + TARGET
+def _inputs(batch=1, target=TARGET):
+    n = TEXT + COND + AUDIO + target
     text = torch.arange(0, TEXT)
     cond = torch.arange(TEXT, TEXT + COND)
     audio = torch.arange(TEXT + COND, TEXT + COND + AUDIO)
-    target = torch.arange(TEXT + COND + AUDIO, n)
-    video = torch.cat([cond, target])
+    target_rows = torch.arange(TEXT + COND + AUDIO, n)
+    video = torch.cat([cond, target_rows])
     tags = torch.zeros(n, dtype=torch.long)
     tags[text], tags[audio] = 1, 2
     ts_idx = torch.zeros(n, dtype=torch.long)            # two noise levels: conditioning rows clean, the rest noisy
-    ts_idx[audio], ts_idx[target] = 1, 1
+    ts_idx[audio], ts_idx[target_rows] = 1, 1
     pos = torch.randint(0, 8, (n, 3))
-    return dict(hidden_states=torch.randn(batch, COND + TARGET, 16), audio_hidden_states=torch.randn(batch, AUDIO, 8),
+    return dict(hidden_states=torch.randn(batch, COND + target, 16), audio_hidden_states=torch.randn(batch, AUDIO, 8),
                 encoder_hidden_states=torch.randn(batch, TEXT, 48), timestep=torch.tensor([0.0, 0.7]),
                 timestep_indices=ts_idx, token_tags=tags, position_ids=pos, video_indices=video, audio_indices=audio,
                 text_indices=text)
@@ -58,13 +58,8 @@ def test_h3_model_streams_both_outputs_exactly_and_restores(mode):
 
 @torch.no_grad()
 def test_h3_model_peak_is_near_the_floor_at_longer_sequences():
-    global TARGET
     model = _model(layers=1)
-    saved, TARGET = TARGET, 1400
-    try:
-        kw = _inputs()
-    finally:
-        TARGET = saved
+    kw = _inputs(target=1400)
     n = kw["position_ids"].shape[0]
     ref, stock_peak = streamplan.measure_peak(lambda: model(**kw))
     handle = streamplan.apply(model, chunk_tokens=128)
@@ -95,13 +90,8 @@ def test_h3_model_forward_of_another_version_stays_stock(monkeypatch):
 
 @torch.no_grad()
 def test_h3_model_under_a_budget_plans_chunks_that_keep_to_it():
-    global TARGET
     model = _model(layers=2)
-    saved, TARGET = TARGET, 1400
-    try:
-        kw = _inputs()
-    finally:
-        TARGET = saved
+    kw = _inputs(target=1400)
     ref, stock_peak = streamplan.measure_peak(lambda: model(**kw))
     inputs = sum(t.numel() * t.element_size() for t in kw.values())
     budget = inputs + int(0.6 * stock_peak)

@@ -8,7 +8,7 @@ from typing import Any
 
 from torch import nn
 
-from .analyze import Analysis, analyze
+from .analyze import Analysis, _name, analyze
 from .execute import Phases, phases
 from .export import Captured, capture, rows_of_call, signature
 
@@ -39,13 +39,11 @@ def streamable(module: nn.Module, args: tuple, kwargs: dict, rows: int) -> tuple
     """The capture for this call (cached per class and input signature), or why it cannot stream; and whether this
     call captured (rather than reusing a capture)."""
     key = signature(module, args, kwargs, rows)
-    if key in _CACHE:
-        found = _CACHE[key]
-        if isinstance(found, Streamable) and found.captured.inputs and any(
-                k == "constant" for k, _ in found.captured.inputs) and found.captured.notes[:1] != [str(id(module))]:
-            pass  # a constant tensor captured from another instance: capture this one on its own below
-        else:
-            return found, False
+    # a capture that lifted a constant tensor (an unregistered tensor attribute) holds that instance's value: it is
+    # kept under the instance as well, and other instances capture on their own
+    for k in (key + (id(module),), key):
+        if k in _CACHE:
+            return _CACHE[k], False
     cap = capture(module, args, kwargs, rows)
     if isinstance(cap, str):
         _CACHE[key] = cap
@@ -59,17 +57,12 @@ def streamable(module: nn.Module, args: tuple, kwargs: dict, rows: int) -> tuple
         ph = phases(cap, an)
         twice = an.input_writes & {n for kv in ph.kv for n in kv}
         found = Streamable(cap, an, ph) if not twice else (
-            f"{_op(next(iter(twice)))} writes into the block's input before its attention reads it (chunked, that "
-            f"write would run in both phases)")
-        if any(k == "constant" for k, _ in cap.inputs):
-            cap.notes.insert(0, str(id(module)))
+            f"{_name(next(iter(twice)).target)} writes into the block's input before its attention reads it "
+            f"(chunked, that write would run in both phases)")
+    if any(k == "constant" for k, _ in cap.inputs):
+        key = key + (id(module),)
     _CACHE[key] = found
     return found, True
-
-
-def _op(node) -> str:
-    packet = getattr(node.target, "_overloadpacket", None)
-    return packet.__name__ if packet is not None else str(node.target)
 
 
 __all__ = ["Streamable", "streamable", "rows_of_call", "Captured", "Analysis"]

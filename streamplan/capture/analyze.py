@@ -16,6 +16,8 @@ import sympy
 import torch
 from torch import fx
 
+from ..ir import ROW_LOCAL_CUSTOM_OPS
+
 aten = torch.ops.aten
 
 
@@ -66,9 +68,11 @@ _PASS = {"view", "reshape", "_unsafe_view", "unflatten", "flatten", "permute", "
          "view_as_complex", "view_as_real", "movedim", "dropout", "native_dropout", "fill", "zeros_like", "ones_like",
          "empty_like", "full_like", "masked_fill", "where", "real", "imag", "conj", "_conj", "resolve_conj",
          "resolve_neg", "stack", "repeat_interleave", "copy"}
-_VIEW_NAMES = {"view", "_unsafe_view", "permute", "transpose", "t", "unsqueeze", "squeeze", "expand", "alias", "slice",
-               "select", "narrow", "split", "split_with_sizes", "chunk", "unbind", "unflatten", "detach", "movedim",
-               "view_as_complex", "view_as_real", "flatten", "reshape"}
+# ops whose output shares its input's storage (a write into one reaches the other; the memory model counts no bytes)
+VIEW_OPS = {"view", "_unsafe_view", "permute", "transpose", "t", "unsqueeze", "squeeze", "expand", "expand_as", "alias",
+            "slice", "select", "narrow", "split", "split_with_sizes", "chunk", "unbind", "unflatten", "detach",
+            "movedim", "view_as_complex", "view_as_real", "flatten", "reshape", "contiguous", "dropout",
+            "lift_fresh_copy"}
 _RESHAPES = {"view", "reshape", "_unsafe_view", "unflatten", "flatten"}
 _DIMMED = {"slice", "narrow", "select", "split", "split_with_sizes", "chunk", "unbind", "cat", "concat", "index_select",
            "tensor_split"}
@@ -79,15 +83,6 @@ _NORMS = {"layer_norm", "native_layer_norm", "rms_norm", "_fused_rms_norm"}
 _MATMUL = {"linear", "matmul", "mm", "bmm", "addmm", "baddbmm"}
 _CREATE = {"new_zeros", "new_ones", "new_full", "new_empty", "zeros", "ones", "full", "empty"}
 _SDPA = {"scaled_dot_product_attention"}
-# custom ops known to be row-local: each output row is its input rows' own (rotary with a per-row table, norms over
-# a head's features), by (namespace, name); their outputs carry their inputs' rows
-ROW_LOCAL_OPS = {
-    ("comfy_kitchen", "apply_rope1"), ("comfy_kitchen", "apply_rope"),
-    ("comfy_kitchen", "rms_rope_split_half1"), ("comfy_kitchen", "rms_rope_split_half"),
-}
-# custom norms over the last dimension with elementwise modulation (comfy_kitchen's fused AdaLN: norm(x) * (1 + scale)
-# + shift): row-local when the rows are not the normalised dimension and the modulation broadcasts row to row
-ROW_LOCAL_NORMS = {("comfy_kitchen", "rms_adaln"), ("comfy_kitchen", "adaln")}
 
 
 def _name(target) -> str:
@@ -191,7 +186,7 @@ class _Analyzer:
         dims = self.row_dims(val)
         if len(dims) > 1:
             raise NotRowLocal(f"input {node.name} has {len(dims)} row dimensions (a mask over rows x rows?)")
-        if dims and dims[0][1]:   # rows joined to static ones (Flux's rotary over text + image): which side is a guess
+        if dims and dims[0][1]:   # rows joined to static ones (a table over text + image rows): side guessed
             c = dims[0][1]
             self.rows[node] = Rows(dims[0][0], 0, c) if node in self.post_inputs else Rows(dims[0][0], c, 0)
             self.joined.add(node)
@@ -224,7 +219,7 @@ class _Analyzer:
         if self.random(node):
             raise NotRowLocal(f"random op {name}")
         inputs = self.in_rows(node)
-        if (getattr(target, "namespace", None), name) in ROW_LOCAL_NORMS and inputs:
+        if ROW_LOCAL_CUSTOM_OPS.get((getattr(target, "namespace", None), name)) == "norm" and inputs:
             x_node, x = inputs[0]
             if x_node is not node.args[0] or x.dim == x_node.meta["val"].dim() - 1:
                 raise NotRowLocal(f"{name} over the rows")
@@ -235,7 +230,7 @@ class _Analyzer:
                     raise NotRowLocal(f"{name} broadcasts rows against another dimension")
             self.rows[node] = out
             return
-        if (getattr(target, "namespace", None), name) in ROW_LOCAL_OPS and inputs:
+        if ROW_LOCAL_CUSTOM_OPS.get((getattr(target, "namespace", None), name)) == "rows" and inputs:
             pre, post = self.same_layout(name, inputs)
             vals = list(val) if isinstance(val, (tuple, list)) else [val]
             outs = [self.out_rows(node, v, pre, post) if isinstance(v, torch.Tensor) else None for v in vals]
@@ -278,7 +273,7 @@ class _Analyzer:
             raise NotRowLocal(f"{name} writes rows into a value without rows")
         root = target
         while root.op == "call_function" and root.all_input_nodes and (
-                _name(root.target) in _VIEW_NAMES or root.target is operator.getitem):
+                _name(root.target) in VIEW_OPS or root.target is operator.getitem):
             root = root.all_input_nodes[0]
         if root in self.const or target in self.const:
             raise NotRowLocal(f"{name} writes into a value every chunk shares")

@@ -13,15 +13,11 @@ from torch import fx
 from torch.utils import _pytree as pytree
 
 from ..executors.chunks import MAX_SPLITS, _attempt
-from .analyze import Analysis, GlobalAttention, Rows
+from .analyze import VIEW_OPS, Analysis, GlobalAttention, Rows, _name
 from .export import Captured
 from .mlp import MLPRegion, run_region
 
 _LAYOUT = {"cat", "concat", "slice", "narrow", "split", "split_with_sizes", "chunk", "tensor_split"}
-_VIEWS = {"view", "_unsafe_view", "permute", "transpose", "t", "unsqueeze", "squeeze", "expand", "alias", "slice",
-          "select", "narrow", "split", "split_with_sizes", "chunk", "unbind", "unflatten", "detach", "view_as_complex",
-          "view_as_real", "movedim", "flatten", "reshape", "contiguous", "dropout", "expand_as", "lift_fresh_copy"}
-
 
 @dataclass(eq=False)
 class Phases:
@@ -33,11 +29,6 @@ class Phases:
     writes: dict = field(default_factory=dict)   # in-place writes each node depends on (``_writes``)
 
 
-def _op_name(node: fx.Node) -> str:
-    packet = getattr(node.target, "_overloadpacket", None)
-    return packet.__name__ if packet is not None else getattr(node.target, "__name__", "")
-
-
 def _writes(order: list[fx.Node], base: dict[fx.Node, fx.Node] | None = None) -> dict[fx.Node, set[fx.Node]]:
     """For every node, the in-place writes before it into storage it reads (``copy_`` into slices of an
     ``empty_like``): data flow the graph's edges do not show, but a phase that needs the value needs the writes.
@@ -47,10 +38,10 @@ def _writes(order: list[fx.Node], base: dict[fx.Node, fx.Node] | None = None) ->
     extra: dict[fx.Node, set[fx.Node]] = {}
     for n in order:
         ins = n.all_input_nodes
-        name = _op_name(n)
+        name = _name(n.target)
         reads = {base.get(m, m) for m in ins}
         extra[n] = {w for b in reads for w in writes.get(b, [])}
-        if ins and (name in _VIEWS or n.target is operator.getitem or name.endswith("_")):
+        if ins and (name in VIEW_OPS or n.target is operator.getitem or name.endswith("_")):
             base[n] = base.get(ins[0], ins[0])
         if name.endswith("_") and ins:
             writes.setdefault(base[n], []).append(n)
@@ -154,6 +145,9 @@ class GraphRun:
         # chunk would leave them changed) or its capture holds only from more rows than a half might have
         self._retries = 0 if an.input_writes or cap.min_rows > 2 else MAX_SPLITS
         self.regions = list(regions or []) if ffn_slice else []
+        self._region_at = {r.exit: r for r in self.regions}
+        self._attention_at = {att.node: att for att in an.attentions}
+        self._schedules: dict[tuple, tuple[list[fx.Node], dict]] = {}
         flat = pytree.tree_leaves((args, kwargs), is_leaf=lambda x: x is None)
         self.base: dict[fx.Node, Any] = {}
         placeholders = [n for n in cap.graph.nodes if n.op == "placeholder"]
@@ -260,13 +254,8 @@ class GraphRun:
 
     def _run(self, nodes: list[fx.Node], env: dict, a: int, keep: set[fx.Node], rows: int | None = None) -> dict:
         """Run ``nodes`` on one chunk; ``rows`` set: the chunk's dynamic rows alone (static rows done once)."""
-        regions = {r.exit: r for r in self.regions}
-        inside = {n for r in self.regions for n in r.nodes}
-        if regions:   # a feature-sliced MLP runs at its exit: its inner nodes are skipped, their inputs used there
-            nodes = [n for n in nodes if n not in inside]
-        frees = _last_uses(nodes, extra={r.exit: [r.x, *(m for n in r.nodes for m in n.all_input_nodes)]
-                                         for r in self.regions})
-        globals_ = {att.node: att for att in self.an.attentions}
+        nodes, frees = self._schedule(nodes)
+        regions, globals_ = self._region_at, self._attention_at
         for i, node in enumerate(nodes):
             att = globals_.get(node)
             if node in regions:
@@ -283,6 +272,19 @@ class GraphRun:
                 if m not in keep and m not in self.consts and m not in self.base:
                     env.pop(m, None)
         return env
+
+    def _schedule(self, nodes: list[fx.Node]) -> tuple[list[fx.Node], dict[int, list[fx.Node]]]:
+        """A phase's nodes as this call runs them (a feature-sliced MLP runs at its exit: its inner nodes are skipped,
+        their inputs used there) and when each value is freed: worked out once per call, not per chunk."""
+        key = tuple(nodes)
+        found = self._schedules.get(key)
+        if found is None:
+            inside = {n for r in self.regions for n in r.nodes}
+            run = [n for n in nodes if n not in inside] if inside else nodes
+            frees = _last_uses(run, extra={r.exit: [r.x, *(m for n in r.nodes for m in n.all_input_nodes)]
+                                           for r in self.regions})
+            found = self._schedules[key] = (run, frees)
+        return found
 
     # -- the phases ---------------------------------------------------------------------------------------------
     def build_kv(self, chunk: int) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,9 +29,7 @@ class Captured:
     out_spec: Any
     row_symbol: Any                   # the sympy symbol of the row count
     seconds: float
-    analysis: Any = None              # filled by capture.analyze (an Analysis, or the reason it cannot stream)
     min_rows: int = 2                 # the fewest rows the capture is valid for: no chunk is smaller
-    notes: list[str] = field(default_factory=list)
 
 
 def rows_of_call(args: tuple, kwargs: dict) -> int | None:
@@ -43,7 +41,7 @@ def rows_of_call(args: tuple, kwargs: dict) -> int | None:
 
 
 def joined_offsets(args: tuple, kwargs: dict, rows: int) -> set[int]:
-    """Static row counts that may be joined to the rows in an input (Flux's rotary tables cover text + image rows:
+    """Static row counts that may be joined to the rows in an input (a rotary table may cover text + image rows:
     ``[T + N, d]``): the sequence lengths (dim 1) of the call's other 3-D tensors."""
     return {leaf.shape[1] for leaf in pytree.tree_leaves((args, kwargs))
             if isinstance(leaf, torch.Tensor) and leaf.dim() == 3 and 0 < leaf.shape[1] != rows}

@@ -11,7 +11,8 @@ import torch
 from torch import fx
 
 from .analyze import Analysis, Rows, _name
-from .execute import _VIEWS, Phases, _last_uses
+from .analyze import VIEW_OPS
+from .execute import Phases, _last_uses
 
 
 def _numel(val, dim: int | None) -> int:
@@ -110,7 +111,7 @@ def graph_memory(an: Analysis, ph: Phases, rows: int, donated_outputs: set[int])
         name = _name(n.target)
         same_dtype = all(isinstance(m.meta.get("val"), torch.Tensor) and isinstance(val, torch.Tensor)
                          and m.meta["val"].dtype == val.dtype for m in n.all_input_nodes[:1])
-        allocates[n] = not (name in _VIEWS or n.target is operator.getitem or name.endswith("_")
+        allocates[n] = not (name in VIEW_OPS or n.target is operator.getitem or name.endswith("_")
                             or (name in ("to", "_to_copy", "type_as") and same_dtype))
     kv = 0
     for att in an.attentions:

@@ -31,8 +31,9 @@ class MLPRegion:
         return set(self.entries) | set(self.inner)
 
 
-def _width(node: fx.Node) -> int | None:
-    val = node.meta.get("val")
+def _width(node) -> int | None:
+    """The last dimension of a node's value (or of a tensor), when it is a plain number."""
+    val = node.meta.get("val") if isinstance(node, fx.Node) else node
     if isinstance(val, torch.Tensor) and val.dim():
         size = val.shape[-1]
         return None if isinstance(size, torch.SymInt) else int(size)
@@ -122,7 +123,7 @@ def _assign_parts(region: MLPRegion, an: Analysis) -> bool:
         if name in _SPLITS:
             pieces = n.meta.get("val")
             if not isinstance(pieces, (tuple, list)) or len(pieces) != src[0] or any(
-                    _w(p) != region.ffn for p in pieces):
+                    _width(p) != region.ffn for p in pieces):
                 return False
             parts[n] = src[0]
             continue
@@ -139,11 +140,6 @@ def _assign_parts(region: MLPRegion, an: Analysis) -> bool:
         parts[n] = src[0]
     region.parts = parts
     return True
-
-
-def _w(t) -> int | None:
-    size = t.shape[-1] if isinstance(t, torch.Tensor) and t.dim() else None
-    return None if size is None or isinstance(size, torch.SymInt) else int(size)
 
 
 def _feature_index(ffn: int, parts: int, a: int, b: int, device) -> torch.Tensor | slice:

@@ -61,6 +61,15 @@ def consumer_for(backend: str) -> AttentionConsumer | None:
     return _REGISTRY.by_backend.get(backend)
 
 
+# a captured graph's attention is ATen's scaled_dot_product_attention: whoever serves PyTorch SDPA serves it
+GRAPH_BACKEND = "sdpa"
+
+
+def graph_consumer() -> AttentionConsumer | None:
+    """The consumer for the attention nodes of captured graphs (``register_consumer("sdpa", ...)`` replaces it)."""
+    return consumer_for(GRAPH_BACKEND)
+
+
 def unsupported(consumer: AttentionConsumer, *, heads: int, kv_heads: int, head_dim: int, causal: bool,
                 mask: torch.Tensor | None, dtype: torch.dtype) -> str | None:
     """Why this consumer cannot take this call in bounded Q chunks, or None."""
@@ -85,4 +94,5 @@ for _name in ("sdpa", "eager", "native"):   # eager attention is the same math a
     register_consumer(_name, SDPA)
 
 __all__ = ["ConsumerCaps", "AttentionConsumer", "register_consumer", "unregister_consumer", "consumer_for",
+           "graph_consumer",
            "unsupported", "SDPA"]

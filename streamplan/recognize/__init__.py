@@ -6,6 +6,7 @@ from typing import Callable
 from torch import nn
 
 from ..ir import AttentionSpec, BlockSpec, GraphSpec, MLPSpec, ModelSpec, Skip
+from . import comfy_kitchen_ops  # noqa: F401  (declares comfy_kitchen's row-local ops)
 from .diffusers_attention import recognize_attention
 from .diffusers_flux import recognize_flux_attention, recognize_flux_block
 from .diffusers_mlp import recognize_feedforward

@@ -13,8 +13,8 @@ from torch import nn
 from ..executors.block import donate
 from ..executors.chunks import for_chunks
 from ..ir import ModelSpec, Skip
-from .checks import call_args, stock_problem
-from .diffusers_models import KNOWN_FORWARDS, _own_forward_problem
+from .checks import stock_problem
+from .diffusers_models import KNOWN_FORWARDS, _own_forward_problem, model_call
 
 _MODULE = "diffusers.models.transformers.transformer_minimax_h3"
 _ARGS = ("hidden_states", "audio_hidden_states", "encoder_hidden_states", "timestep", "timestep_indices", "token_tags",
@@ -23,11 +23,9 @@ KNOWN_FORWARDS["MiniMaxH3Transformer3DModel"] = {"f4de984e8443866c": "diffusers 
 
 
 def _call(args: tuple, kwargs: dict) -> dict | str:
-    call = call_args(_ARGS, args, kwargs)
+    call = model_call(_ARGS, args, kwargs)
     if isinstance(call, str):
         return call
-    if call.get("attention_kwargs"):
-        return "attention_kwargs are given (a LoRA scale)"
     missing = [k for k in _ARGS[:10] if not isinstance(call.get(k), torch.Tensor)]
     if missing:
         return f"tensor arguments missing: {missing}"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from .checks import source_fingerprint, stock_problem
+from .checks import call_args, source_fingerprint, stock_problem
 
 
 # The source of each model forward streamplan reimplements, by the library version it was written against. A model
@@ -25,3 +25,14 @@ def _own_forward_problem(module: nn.Module, cls: type) -> str | None:
     return stock_problem(module, subtree=False)
 
 
+
+
+def model_call(names: tuple[str, ...], args: tuple, kwargs: dict) -> dict | str:
+    """A model forward's arguments by name, or why the call keeps the stock forward (``attention_kwargs`` carry a LoRA
+    scale the stock forward applies)."""
+    call = call_args(names, args, kwargs)
+    if isinstance(call, str):
+        return call
+    if call.get("attention_kwargs"):
+        return "attention_kwargs are given (a LoRA scale)"
+    return call

@@ -18,7 +18,7 @@ from ..ir import AttentionCall, AttentionSpec, BlockCall, BlockSpec, ModelSpec, 
 from .checks import call_args, stock_problem
 from .diffusers_attention import _active_backend, _known_attention
 from .diffusers_blocks import _children, _row_norm
-from .diffusers_models import KNOWN_FORWARDS, _own_forward_problem
+from .diffusers_models import KNOWN_FORWARDS, _own_forward_problem, model_call
 from .rows import fused_parts, rows_of
 
 KNOWN_FORWARDS["WanTransformer3DModel"] = {"24661a03f570e853": "diffusers 0.42.1"}
@@ -194,12 +194,7 @@ _WAN_ARGS = ("hidden_states", "timestep", "encoder_hidden_states", "encoder_hidd
 
 
 def _wan_call(args: tuple, kwargs: dict) -> dict | str:
-    call = call_args(_WAN_ARGS, args, kwargs)
-    if isinstance(call, str):
-        return call
-    if call.get("attention_kwargs"):
-        return "attention_kwargs are given"
-    return call
+    return model_call(_WAN_ARGS, args, kwargs)
 
 
 def _wan_forward(model, args: tuple, kwargs: dict, chunk: Callable[[], int]):
