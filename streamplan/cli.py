@@ -17,9 +17,9 @@ from typing import Callable
 
 DESCRIPTION = (
     "streamplan runs long-sequence transformer inference in bounded activation memory, with the model's own math. "
-    "It recognises the transformer structures of diffusers and transformers models (blocks, attention, MLPs), runs "
-    "them over the sequence in bounded chunks, and leaves stock what it does not understand. In Python: "
-    "`handle = streamplan.apply(model)`. The commands below show it at work; `streamplan COMMAND --help` lists each "
+    "It finds the transformer blocks of a model (captured to a graph, or by hand-written recognizers for known "
+    "families), runs them over the sequence in bounded chunks, and leaves stock what it does not understand. "
+    "In Python: `handle = streamplan.apply(model)`. The commands below show it at work; `streamplan COMMAND --help` lists each "
     "command's options.")
 
 # torch-free catalogues of what the commands can build (tests keep them equal to the modules that build them)
