@@ -19,8 +19,8 @@ DESCRIPTION = (
     "streamplan runs long-sequence transformer inference in bounded activation memory, with the model's own math. "
     "It finds the transformer blocks of a model (captured to a graph, or by hand-written recognizers for known "
     "families), runs them over the sequence in bounded chunks, and leaves stock what it does not understand. "
-    "In Python: `handle = streamplan.apply(model)`. The commands below show it at work; `streamplan COMMAND --help` lists each "
-    "command's options.")
+    "In Python: `handle = streamplan.apply(model)`. The commands below show it at work; "
+    "`streamplan COMMAND --help` lists each command's options.")
 
 # torch-free catalogues of what the commands can build (tests keep them equal to the modules that build them)
 DEMO_CASES = {
