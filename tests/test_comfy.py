@@ -232,23 +232,71 @@ def test_patch_streams_every_ltxv_block(fresh_captures):
             assert ": L1 rows=" in sections[f"{name}.{index}"], text
 
 
-def test_h3_blocks_stay_stock(fresh_captures):
-    """MiniMax-H3's DiTBlock takes its packed sequence as [rows, features] (no batch) with the modulation applied
-    per segment of rows at fixed bounds: each block stays stock, exactly, with the reason."""
+_H3_SHIFTS = {"minimax_h3_sigma_shift_video": 5.0, "minimax_h3_sigma_shift_audio": 2.0}
+
+
+def _h3_run(patcher, **options):
+    """A clone of ``patcher`` the way ComfyUI's H3 sampling node leaves it (its timestep shifts in
+    transformer_options, read by the model forward before the blocks), plus ``options``."""
+    run = patcher.clone()
+    run.model_options["transformer_options"].update(_H3_SHIFTS, **options)
+    return run
+
+
+def test_h3_blocks_stream(fresh_captures):
+    """MiniMax-H3's DiTBlock (2-D packed rows, modulation per segment of rows at Python bounds, comfy_kitchen's fused
+    in-place q/k RMSNorm + split-half rope, the residual updated in place) streams from its captured graph: 64-row
+    chunks that cut across the text/audio/video segments, bit-identical to ComfyUI's own forward, peak down."""
     import streamplan.comfy as sc
     base, x, cond = h3_patcher()
-    shifts = {"minimax_h3_sigma_shift_video": 5.0, "minimax_h3_sigma_shift_audio": 2.0}
-    stock_run = base.clone()   # ComfyUI's H3 sampling node sets its timestep shifts here: read before the blocks
-    stock_run.model_options["transformer_options"].update(shifts)
-    stock = sample_call(stock_run, x, cond)
-    run = sc.patch(base, budget=None, chunk_tokens=64, min_tokens=0).clone()
-    run.model_options["transformer_options"].update(shifts)
-    assert torch.equal(sample_call(run, x, cond), stock)
+    before = copy.copy(base.model_options["transformer_options"])
+    stock, stock_peak = streamplan.measure_peak(sample_call, _h3_run(base), x, cond)
+    run = _h3_run(sc.patch(base, budget=None, chunk_tokens=64, min_tokens=0))
+    out, peak = streamplan.measure_peak(sample_call, run, x, cond)
+    assert torch.equal(out, stock)
+    assert peak < stock_peak, (peak, stock_peak)
     text = sc.report(run)
     assert [k for k, _, _ in sc.block_keys(base.model.diffusion_model)] == [("double_block", 0), ("double_block", 1)]
-    assert text.count("1 call(s) stock: the block's hidden states are 2-D (279, 64), not [batch, rows, "
-                      "features]") == 2, text
-    assert "through the streamer" not in text and "does not know" not in text, text
+    sections = _block_lines(text)
+    for name in ("double_block.0", "double_block.1"):
+        assert sections[name].startswith(f"  {name}: 1 call(s) through the streamer"), text
+        assert ": L1 rows=279 chunk=64" in sections[name] and "ran stock" not in sections[name], text
+    assert base.model_options["transformer_options"] == before
+    assert _forwards_installed(base.model) == []
+    assert torch.equal(sample_call(_h3_run(base), x, cond), stock)
+
+
+def test_h3_segments_as_rows():
+    """The per-segment bounds become one table row per packed row, or the reason they cannot."""
+    from streamplan.recognize.comfy_h3 import segment_rows
+    rows = segment_rows([(0, 2, 1), (2, 5, 3)], 5, CPU)
+    assert rows.tolist() == [[1, 1, 3, 3, 3]]
+    assert "cover 4 rows of 5" in segment_rows([(0, 4, 0)], 5, CPU)
+    assert "not contiguous" in segment_rows([(0, 2, 0), (3, 5, 1)], 5, CPU)
+    assert "not contiguous" in segment_rows([(0, 2.0, 0)], 2, CPU)
+    assert "not a list" in segment_rows(None, 2, CPU)
+
+
+def test_h3_unknown_forward_stays_stock(fresh_captures, monkeypatch):
+    """A segment helper that is not ComfyUI 0.33.0's (a node pack replacing it, another ComfyUI version) keeps every
+    block stock, exactly, with the reason."""
+    import comfy.ldm.minimax.model as h3
+
+    import streamplan.comfy as sc
+    base, x, cond = h3_patcher()
+    stock_gate = h3._mod_gate
+
+    def _mod_gate(x, gate, other, segments):
+        return stock_gate(x, gate, other, segments)
+
+    monkeypatch.setattr(h3, "_mod_gate", _mod_gate)
+    stock = sample_call(_h3_run(base), x, cond)
+    run = _h3_run(sc.patch(base, budget=None, chunk_tokens=64, min_tokens=0))
+    assert torch.equal(sample_call(run, x, cond), stock)
+    text = sc.report(run)
+    assert text.count("1 call(s) stock: _mod_gate is not the code streamplan follows (ComfyUI 0.33.0's): unknown "
+                      "forward") == 2, text
+    assert "through the streamer" not in text
 
 
 def test_min_tokens_keeps_short_calls_stock():

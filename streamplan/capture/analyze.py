@@ -90,6 +90,19 @@ def _name(target) -> str:
     return packet.__name__ if packet is not None else getattr(target, "__name__", str(target))
 
 
+def written_args(node: fx.Node) -> list[fx.Node]:
+    """The arguments an op writes into, by its schema (``Tensor(a!)``): an in-place op's first, or several (a fused
+    kernel that updates Q and K in place)."""
+    schema = getattr(node.target, "_schema", None)
+    out = []
+    for i, a in enumerate(schema.arguments if schema is not None else ()):
+        if a.alias_info is not None and a.alias_info.is_write:
+            v = node.args[i] if i < len(node.args) else node.kwargs.get(a.name)
+            if isinstance(v, fx.Node):
+                out.append(v)
+    return out
+
+
 def bind(node: fx.Node) -> dict[str, Any]:
     """An ATen call's arguments by schema name, defaults filled."""
     schema = node.target._schema
@@ -236,6 +249,8 @@ class _Analyzer:
             outs = [self.out_rows(node, v, pre, post) if isinstance(v, torch.Tensor) else None for v in vals]
             if any(o is None for o, v in zip(outs, vals) if isinstance(v, torch.Tensor)):
                 raise NotRowLocal(f"{name} drops the rows")
+            for w in written_args(node):   # an in-place kernel (comfy_kitchen's fused q/k norm + rope)
+                self.written(node, w, name)
             self.rows[node] = outs if isinstance(val, (tuple, list)) else outs[0]
             return
         if name in _SDPA:
@@ -267,7 +282,16 @@ class _Analyzer:
     def in_place(self, node, name, inputs, val) -> Rows | None:
         """An op writing into its first argument (``copy_`` into a slice of a fresh tensor, ``mul_``): row-local when
         it writes rows into the same rows of a per-call value, never into a value shared by every chunk."""
-        target = node.args[0]
+        tr = self.written(node, node.args[0], name)
+        pre, post = self.same_layout(name, inputs)
+        for n, r in inputs:
+            if n.meta["val"].dim() - r.dim != val.dim() - tr.dim:
+                raise NotRowLocal(f"{name} writes rows into other rows")
+        return Rows(tr.dim, pre, post)
+
+    def written(self, node: fx.Node, target: fx.Node, name: str) -> Rows:
+        """Where ``node`` writes into ``target`` in place: it must have rows and be a per-call value (a write into the
+        block's own input is recorded); its rows."""
         tr = self.rows.get(target)
         if not isinstance(tr, Rows):
             raise NotRowLocal(f"{name} writes rows into a value without rows")
@@ -281,11 +305,7 @@ class _Analyzer:
             if tr.pre or tr.post:
                 raise NotRowLocal(f"{name} writes into an input joined with static rows")
             self.input_writes.add(node)
-        pre, post = self.same_layout(name, inputs)
-        for n, r in inputs:
-            if n.meta["val"].dim() - r.dim != val.dim() - tr.dim:
-                raise NotRowLocal(f"{name} writes rows into other rows")
-        return Rows(tr.dim, pre, post)
+        return tr
 
     def random(self, node: fx.Node) -> bool:
         target = node.target
@@ -382,6 +402,8 @@ class _Analyzer:
             if x.dim in {self.norm_dim(d, x_val.dim()) for d in dims} or not dims:
                 raise NotRowLocal(f"{name} over the rows")
             return self.out_rows(node, val, x.pre, x.post)
+        if name == "index":
+            return self.gather(args, val)
         if name == "embedding":
             idx = self.rows.get(args["indices"])
             if isinstance(self.rows.get(args["weight"]), Rows) or not isinstance(idx, Rows):
@@ -390,6 +412,23 @@ class _Analyzer:
         if name in _CREATE:   # x.new_empty(shape), new_zeros, ...: a fresh tensor, nothing read from x's rows
             return self.out_rows(node, val, 0, 0)
         raise NotRowLocal(f"op {name} is not one streamplan knows to be row-local")
+
+    def gather(self, args, val) -> Rows | None:
+        """``table[idx]`` (``aten.index`` with one integer index tensor): rows of a table without rows picked per row
+        (MiniMax-H3's AdaLN rows by each row's segment, ``scale[mod_rows]``) is row-local, like ``embedding``."""
+        indices = list(args["indices"] or [])
+        if isinstance(self.rows.get(args["self"]), Rows):
+            raise NotRowLocal("index of a value with rows (a gather across rows)")
+        if any(isinstance(self.rows.get(i), Rows) for i in indices[1:]) or not indices or \
+                not isinstance(self.rows.get(indices[0]), Rows):
+            raise NotRowLocal("index with per-row indices other than into the first dimension")
+        if indices[0].meta["val"].dtype == torch.bool:
+            raise NotRowLocal("index by a boolean mask over the rows")
+        r = self.rows[indices[0]]
+        out = self.out_rows(node=indices[0], val=val, pre=r.pre, post=r.post)
+        if out is None or out.dim != r.dim:
+            raise NotRowLocal("index moves the rows")
+        return out
 
     @staticmethod
     def prefix(val, dim: int):

@@ -13,7 +13,7 @@ from torch import fx
 from torch.utils import _pytree as pytree
 
 from ..executors.chunks import MAX_SPLITS, _attempt
-from .analyze import VIEW_OPS, Analysis, GlobalAttention, Rows, _name
+from .analyze import VIEW_OPS, Analysis, GlobalAttention, Rows, _name, written_args
 from .export import Captured
 from .mlp import MLPRegion, run_region
 
@@ -43,8 +43,9 @@ def _writes(order: list[fx.Node], base: dict[fx.Node, fx.Node] | None = None) ->
         extra[n] = {w for b in reads for w in writes.get(b, [])}
         if ins and (name in VIEW_OPS or n.target is operator.getitem or name.endswith("_")):
             base[n] = base.get(ins[0], ins[0])
-        if name.endswith("_") and ins:
-            writes.setdefault(base[n], []).append(n)
+        if name.endswith("_") and ins:   # into every argument it writes (by its schema), else its first
+            for w in written_args(n) or ins[:1]:
+                writes.setdefault(base.get(w, w), []).append(n)
     return extra
 
 
@@ -120,11 +121,18 @@ def _write_rows(dst: torch.Tensor, src: torch.Tensor, r: Rows, total: int, a: in
     """Chunk rows [a:b) into a whole buffer of ``total`` dynamic rows: with its static rows around them on the first
     chunk, the dynamic rows alone after it."""
     d = r.dim
-    dst.narrow(d, r.pre + a, b - a).copy_(src.narrow(d, r.pre if first else 0, b - a))
+    to, rows = dst.narrow(d, r.pre + a, b - a), src.narrow(d, r.pre if first else 0, b - a)
+    if not _same_elements(to, rows):   # a donated input the block updated in place is its own output already
+        to.copy_(rows)
     if first and r.pre:
         dst.narrow(d, 0, r.pre).copy_(src.narrow(d, 0, r.pre))
     if first and r.post:
         dst.narrow(d, r.pre + total, r.post).copy_(src.narrow(d, r.pre + (b - a), r.post))
+
+
+def _same_elements(x: torch.Tensor, y: torch.Tensor) -> bool:
+    return x.data_ptr() == y.data_ptr() and x.shape == y.shape and all(
+        n == 1 or a == b for n, a, b in zip(x.shape, x.stride(), y.stride()))
 
 
 def _whole(like: torch.Tensor, r: Rows, total: int) -> torch.Tensor:

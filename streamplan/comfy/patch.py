@@ -17,6 +17,10 @@ from typing import Any
 
 from torch import nn
 
+from ..consumers import ConsumerCaps, graph_consumer_scope
+from ..consumers.comfy import OVERRIDE_KEY, ComfyAttention, override_problem
+from .blocks import BlockCalls, block_calls
+
 log = logging.getLogger("streamplan")
 
 LEFT_TO_EXISTING = "left to an existing block replacement"
@@ -58,6 +62,8 @@ class BlockState:
 
     key: tuple
     streamer: Any = None
+    streamed: Any = None                                      # the module the streamer runs (the block or an adapter)
+    consumer: str = ""                                        # who attended the last streamed call's chunks
     module_id: int | None = None
     streamed_calls: int = 0
     stock_calls: int = 0
@@ -88,11 +94,15 @@ def _rows(args: dict) -> int | None:
     return int(x.shape[1]) if x.dim() == 3 else int(x.shape[-2])
 
 
-def _unsupported_options(options: dict) -> str | None:
+def _unsupported_options(options: dict, calls: BlockCalls) -> str | None:
     """Why the block cannot stream under these transformer_options (fail closed), or None."""
-    if "optimized_attention_override" in options:
-        return ("an optimized_attention_override is set (a registered attention function or a node's override): "
-                "not streamed in this version")
+    if OVERRIDE_KEY in options:
+        if not calls.host_attention:
+            return ("an optimized_attention_override is set (a registered attention function or a node's override): "
+                    "streamed only for blocks whose stock runs keep it (MiniMax-H3 today)")
+        why = override_problem(options)
+        if why:
+            return why
     patches = options.get("patches") or {}
     inner = sorted(k for k, v in patches.items() if v and k not in _MODEL_LEVEL_PATCHES)
     if inner:
@@ -101,33 +111,46 @@ def _unsupported_options(options: dict) -> str | None:
     inner = sorted(k for k, v in replace.items() if v and k != "dit")
     if inner:
         return f"attention replacements in transformer_options: {', '.join(inner)}"
-    unknown = sorted(str(k) for k in options if k not in _INFO_KEYS and k != "optimized_attention_override")
+    unknown = sorted(str(k) for k in options if k not in _INFO_KEYS and k != OVERRIDE_KEY)
     if unknown:
         return f"transformer_options key(s) streamplan does not know: {', '.join(unknown)}"
     return None
 
 
+# ComfyUI's attention for the streamed chunks: no causal masks, no masks, no grouped K/V heads (its functions take
+# the heads of Q); every dtype its kernels take
+COMFY_CAPS = ConsumerCaps(q_offset=False, gqa=False, masks=frozenset())
+
+
 class _StreamedCall:
     """Stands in for the block module inside the host's ``block_wrap``: called with the host's arguments, it runs
-    the block through the clone's ``BlockStreamer`` (transformer_options already checked; the block gets a fresh
-    empty one, since nothing in it changes the block's math)."""
+    the block through the clone's ``BlockStreamer`` (over what the block's class registered in ``blocks``), with the
+    attention of every streamed chunk going to ComfyUI's ``optimized_attention`` under the call's
+    transformer_options."""
 
-    def __init__(self, block: BlockState, module: nn.Module, patch_state: PatchState):
-        self.block, self.module, self.patch_state = block, module, patch_state
+    def __init__(self, block: BlockState, module: nn.Module, patch_state: PatchState, calls: BlockCalls):
+        self.block, self.module, self.patch_state, self.calls = block, module, patch_state, calls
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if "transformer_options" in kwargs:
-            kwargs["transformer_options"] = {}
         if self.block.streamer is None or self.block.module_id != id(self.module):
             import streamplan
             o = self.patch_state.options
             extra = {} if o.reserve is None else {"reserve": o.reserve}
+            self.block.streamed = self.calls.streamed(self.module)
             self.block.streamer = streamplan.BlockStreamer(
-                self.module, o.budget, o.chunk_tokens, self_check=o.self_check, name=_key_name(self.block.key),
-                **extra)
+                self.block.streamed, o.budget, o.chunk_tokens, self_check=o.self_check,
+                name=_key_name(self.block.key), **extra)
             self.block.module_id = id(self.module)
+        consumer = ComfyAttention(COMFY_CAPS, kwargs.get("transformer_options") or {}, self.block.key[1])
+        with graph_consumer_scope(consumer):
+            out = self.calls.call(self.block.streamer, self.block.streamed, args, kwargs)
+        if isinstance(out, str):
+            self.block.stock(out)
+            return self.module(*args, **kwargs)
         self.block.streamed_calls += 1
-        return self.block.streamer(*args, **kwargs)
+        self.block.consumer = "external consumer (streamed contract)" if consumer.contract is not None else (
+            "comfy optimized_attention")
+        return out
 
 
 def _key_name(key: tuple) -> str:
@@ -149,24 +172,25 @@ class StreamedBlock:
             return original(args)
         # attention masks go through: the capture streams a mask over text keys (cross-attention) and keeps a block
         # stock, naming it, when a mask spans the rows' own keys
-        why = _unsupported_options(args.get("transformer_options") or {})
-        if why is None and args["img"].dim() != 3:
-            # MiniMax-H3 packs one sample's rows as [rows, features]; the streamer's capture takes the rows from a
-            # [batch, rows, features] input and would run such a call stock without a word
-            why = (f"the block's hidden states are {args['img'].dim()}-D {tuple(args['img'].shape)}, not "
-                   f"[batch, rows, features]: the capture cannot find the rows")
-        swapped = None
+        swapped = self._swap(original, block)
+        why = swapped if isinstance(swapped, str) else None
         if why is None:
-            swapped = self._swap(original, block)
-            if isinstance(swapped, str):
-                why, swapped = swapped, None
+            swapped, calls = swapped
+            why = _unsupported_options(args.get("transformer_options") or {}, calls)
+            if why is None and args["img"].dim() != calls.img_dims:
+                # the streamer's capture takes the rows from a [batch, rows, features] input and would run such a
+                # call stock without a word; a family with other hidden states registers its calls (``blocks``)
+                why = (f"the block's hidden states are {args['img'].dim()}-D {tuple(args['img'].shape)}, not "
+                       f"[batch, rows, features], and its class registered no adapter: the capture cannot find "
+                       f"the rows")
         if why is not None:
             block.stock(why)
             return original(args)
         return swapped(args)
 
     def _swap(self, original: Any, block: BlockState):
-        """``original`` with its block module replaced by the streamed call, or why it cannot be."""
+        """(``original`` with its block module replaced by the streamed call, the block's registered calls), or why
+        it cannot be."""
         code, cells = getattr(original, "__code__", None), getattr(original, "__closure__", None)
         if code is None or not cells:
             return "original_block is not a closure over the block module (unknown forward)"
@@ -179,12 +203,13 @@ class StreamedBlock:
             return f"original_block calls a module other than {self.list_name}[{self.key[1]}] (unknown forward)"
         if module.training:
             return "the block is in training mode"
+        calls = block_calls(module)
         new_cells = list(cells)
-        new_cells[found[0]] = types.CellType(_StreamedCall(block, module, self.state))
+        new_cells[found[0]] = types.CellType(_StreamedCall(block, module, self.state, calls))
         fn = types.FunctionType(code, original.__globals__, original.__name__, original.__defaults__,
                                 tuple(new_cells))
         fn.__kwdefaults__ = original.__kwdefaults__
-        return fn
+        return fn, calls
 
 def _cell(c) -> Any:
     try:

@@ -5,8 +5,10 @@ diffusers' active attention backend). A backend with no registered consumer gets
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Iterator, Protocol
 
 import torch
 
@@ -65,9 +67,25 @@ def consumer_for(backend: str) -> AttentionConsumer | None:
 GRAPH_BACKEND = "sdpa"
 
 
+_SCOPED: ContextVar[AttentionConsumer | None] = ContextVar("streamplan_graph_consumer", default=None)
+
+
 def graph_consumer() -> AttentionConsumer | None:
-    """The consumer for the attention nodes of captured graphs (``register_consumer("sdpa", ...)`` replaces it)."""
-    return consumer_for(GRAPH_BACKEND)
+    """The consumer for the attention nodes of captured graphs: the one a host scoped to this call
+    (``graph_consumer_scope``), else the SDPA one (``register_consumer("sdpa", ...)`` replaces it)."""
+    scoped = _SCOPED.get()
+    return scoped if scoped is not None else consumer_for(GRAPH_BACKEND)
+
+
+@contextmanager
+def graph_consumer_scope(consumer: AttentionConsumer) -> Iterator[None]:
+    """Within this context captured graphs attend through ``consumer``: a host that knows the attention backend of
+    the blocks it calls, per call (ComfyUI: ``optimized_attention`` with that call's transformer_options)."""
+    token = _SCOPED.set(consumer)
+    try:
+        yield
+    finally:
+        _SCOPED.reset(token)
 
 
 def unsupported(consumer: AttentionConsumer, *, heads: int, kv_heads: int, head_dim: int, causal: bool,
@@ -94,5 +112,5 @@ for _name in ("sdpa", "eager", "native"):   # eager attention is the same math a
     register_consumer(_name, SDPA)
 
 __all__ = ["ConsumerCaps", "AttentionConsumer", "register_consumer", "unregister_consumer", "consumer_for",
-           "graph_consumer",
+           "graph_consumer", "graph_consumer_scope",
            "unsupported", "SDPA"]

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from ..ir import register_row_local_op
 
-for _name in ("apply_rope1", "apply_rope", "rms_rope_split_half1", "rms_rope_split_half"):
+# the in-place forms (``_``) write the same rows into their q and k arguments (MiniMax-H3's DiTBlock at inference);
+# the analysis checks those are per-call values with rows
+for _name in ("apply_rope1", "apply_rope", "rms_rope_split_half1", "rms_rope_split_half", "rms_rope_split_half1_",
+              "rms_rope_split_half_"):
     register_row_local_op("comfy_kitchen", _name, "rows")
 for _name in ("rms_adaln", "adaln"):
     register_row_local_op("comfy_kitchen", _name, "norm")

@@ -1,0 +1,82 @@
+"""ComfyUI's attention as a consumer of streamed Q chunks, for the blocks of a ``streamplan.comfy.patch`` clone.
+
+Each Q chunk goes to ``comfy.ldm.modules.attention.optimized_attention`` (whatever ComfyUI selected: Sage, flash,
+PyTorch, ...) with the call's ``transformer_options``, so an ``optimized_attention_override`` that ComfyUI's
+``ModelPatcher.set_model_optimized_attention`` installed for a registered attention function still serves it. Those
+functions attend each query row on its own, so a bounded Q chunk against the whole K and V is exact.
+
+Any other override is opaque (it may need every query row at once, or count calls): it is served only if it opts in
+to the streamed contract (``supports_streamed_h3_qkv = True`` and ``consume(q_chunk=, global_k=, global_v=, q_start=,
+q_total=, layer_index=, transformer_options=)`` returning ``q_chunk``'s shape; tensors ``[batch, heads, rows,
+head_dim]``); otherwise the block stays stock, saying so (``override_problem``).
+
+Nothing here imports ComfyUI until a chunk is attended (or an override is judged)."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+CONTRACT_FLAG = "supports_streamed_h3_qkv"
+OVERRIDE_KEY = "optimized_attention_override"
+
+
+def override_problem(options: dict) -> str | None:
+    """Why this call's attention override cannot take bounded Q chunks, or None (no override, a registered
+    attention function set through ComfyUI, or an override that opted in to the streamed contract)."""
+    override = options.get(OVERRIDE_KEY)
+    if override is None or _opted_in(override) or _registered_function(override) is not None:
+        return None
+    name = getattr(override, "__qualname__", type(override).__qualname__)
+    return (f"an opaque optimized_attention_override ({name}) may need every query row at once: the block stays "
+            f"stock (an override opts in with {CONTRACT_FLAG} = True and consume(...))")
+
+
+def _opted_in(override: Any) -> bool:
+    return getattr(override, CONTRACT_FLAG, False) is True and callable(getattr(override, "consume", None))
+
+
+def _registered_function(override: Any):
+    """The registered attention function that ComfyUI's ``set_model_optimized_attention`` closure calls, or None."""
+    import comfy.ldm.modules.attention as attention
+    import comfy.model_patcher as model_patcher
+
+    setter = getattr(model_patcher.ModelPatcher, "set_model_optimized_attention", None)
+    code, cells = getattr(override, "__code__", None), getattr(override, "__closure__", None) or ()
+    if setter is None or code is None or code not in setter.__code__.co_consts or len(cells) != 1:
+        return None
+    try:
+        fn = cells[0].cell_contents
+    except ValueError:
+        return None
+    known = list(attention.REGISTERED_ATTENTION_FUNCTIONS.values()) + [attention.optimized_attention]
+    return fn if any(fn is k for k in known) else None
+
+
+class ComfyAttention:
+    """One block call's attention: ``attend`` takes a Q chunk ``[B, H, c, D]`` and the whole K, V ``[B, H, N, D]``."""
+
+    name = "comfyui"
+
+    def __init__(self, caps, transformer_options: dict, layer_index: int):
+        self.caps = caps
+        self.options = transformer_options
+        self.layer_index = layer_index
+        override = transformer_options.get(OVERRIDE_KEY)
+        self.contract = override if override is not None and _opted_in(override) else None
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_offset: int, causal: bool,
+               mask: torch.Tensor | None, scale: float | None) -> torch.Tensor:
+        if causal or mask is not None:   # caps refuse both; a call that gets here anyway is a bug upstream
+            raise ValueError("ComfyUI's attention consumer takes neither causal attention nor masks")
+        if self.contract is not None:
+            out = self.contract.consume(q_chunk=q, global_k=k, global_v=v, q_start=q_offset, q_total=k.shape[-2],
+                                        layer_index=self.layer_index, transformer_options=self.options)
+            if not isinstance(out, torch.Tensor) or out.shape != q.shape:
+                raise ValueError(f"{type(self.contract).__qualname__}.consume returned "
+                                 f"{getattr(out, 'shape', type(out).__name__)}, expected q_chunk's {tuple(q.shape)}")
+            return out
+        from comfy.ldm.modules.attention import optimized_attention
+        extra = {} if scale is None else {"scale": scale}
+        return optimized_attention(q, k, v, q.shape[1], skip_reshape=True, skip_output_reshape=True,
+                                   transformer_options=self.options, **extra)

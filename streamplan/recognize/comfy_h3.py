@@ -1,0 +1,128 @@
+"""ComfyUI's MiniMax-H3 ``DiTBlock`` (``comfy.ldm.minimax.model``): its packed sequence is one sample's rows as
+``[rows, features]`` (no batch), and its AdaLN modulation is applied per segment of rows at Python bounds
+(``mod_segments``: ``(start, stop, table_row)``), in place. Neither has rows the capture can follow, so the block is
+presented to it as ``[1, rows, features]`` with the segments as one per-row index into the modulation tables: the
+block's own forward then runs with a single "segment" ``(None, None, index)``, whose slices take every row and whose
+table lookup is a per-row gather (the same values, element by element). Everything else the capture traces from the
+block's own code (fused QKV, comfy_kitchen's in-place q/k RMSNorm + split-half rope, SwiGLU, the residual updated in
+place).
+
+That substitution is only as good as the forward it is made for: ``DiTBlock.forward`` and its two segment helpers are
+fingerprinted (their syntax trees, so comments and layout do not count) against ComfyUI 0.33.0; any other code keeps
+the block stock, saying so."""
+from __future__ import annotations
+
+import ast
+import hashlib
+import inspect
+import textwrap
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+CLASS_PATH = "comfy.ldm.minimax.model.DiTBlock"
+# sha256 (first 16 hex digits) of ast.dump of each function, as in ComfyUI 0.33.0
+KNOWN = {"DiTBlock.forward": "50e281499bebe77c", "_mod_scale_shift": "40eb553d8260d18b",
+         "_mod_gate": "d8298030cc1e89de"}
+_HELPERS = ("_mod_scale_shift", "_mod_gate")
+_SEEN: dict[Any, str | None] = {}
+
+
+def fingerprint(fn: Callable) -> str | None:
+    """The function's syntax tree, hashed (None where its source cannot be read)."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    return hashlib.sha256(ast.dump(tree).encode()).hexdigest()[:16]
+
+
+def forward_problem(block: nn.Module) -> str | None:
+    """Why this block's forward is not the one the per-row substitution was checked against, or None."""
+    fwd = type(block).forward
+    helpers = tuple(fwd.__globals__.get(h) for h in _HELPERS)
+    key = (fwd, helpers)
+    if key not in _SEEN:
+        found = {"DiTBlock.forward": fingerprint(fwd)}
+        found.update((h, fingerprint(f) if callable(f) else None) for h, f in zip(_HELPERS, helpers))
+        odd = [k for k, v in found.items() if v != KNOWN[k]]
+        _SEEN[key] = (f"{', '.join(odd)} {'is' if len(odd) == 1 else 'are'} not the code streamplan follows "
+                      f"(ComfyUI 0.33.0's): unknown forward") if odd else None
+    return _SEEN[key]
+
+
+def segment_rows(mod_segments: Any, rows: int, device: torch.device) -> torch.Tensor | str:
+    """``[(start, stop, table_row), ...]`` covering rows 0..rows contiguously -> each row's table row ``[1, rows]``
+    (int64), or why the segments are not that."""
+    index = torch.empty(1, rows, dtype=torch.int64)
+    at = 0
+    try:
+        for a, b, row in mod_segments:
+            if not all(isinstance(v, int) and not isinstance(v, bool) for v in (a, b, row)) or a != at or b < a:
+                return f"mod_segments are not contiguous int (start, stop, row) triples from row 0 ({a, b, row})"
+            index[0, a:b] = row
+            at = b
+    except (TypeError, ValueError):
+        return "mod_segments is not a list of (start, stop, row) triples"
+    if at != rows:
+        return f"mod_segments cover {at} rows of {rows}"
+    return index.to(device)
+
+
+class PackedRows(nn.Module):
+    """The block as the capture sees it: ``x`` ``[1, rows, features]`` (a view of the host's packed rows, updated
+    in place as the block does), ``mod_rows`` ``[1, rows]`` each row's modulation-table row. Run eagerly (a call the
+    streamer runs stock), the block gets the host's own segments and transformer_options (``host``, set per call)."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+        self.training = False          # the block's own flag is checked by the caller; never flipped here
+        self.host: tuple[list, dict] | None = None
+
+    def forward(self, x: torch.Tensor, t_emb: torch.Tensor, mod_rows: torch.Tensor,
+                rope_freqs: torch.Tensor) -> torch.Tensor:
+        if self.host is not None and not torch.compiler.is_exporting():
+            segments, options = self.host
+            return self.block(x[0], t_emb, segments, rope_freqs, transformer_options=options).unsqueeze(0)
+        return self.block(x[0], t_emb, [(None, None, mod_rows[0])], rope_freqs,
+                          transformer_options={"optimized_attention_override": _trace_attention}).unsqueeze(0)
+
+
+def _trace_attention(func: Callable, *args: Any, **kwargs: Any) -> Any:
+    """At capture only: ComfyUI's own PyTorch attention, whatever ``optimized_attention`` is set to (Sage's kernels
+    do not trace), so the graph holds an SDPA where the block attends; each streamed Q chunk then goes to the
+    attention consumer the host picked (ComfyUI's ``optimized_attention``)."""
+    from comfy.ldm.modules.attention import attention_pytorch
+    return attention_pytorch(*args, **kwargs)
+
+
+def stream_call(streamer: Callable, adapter: PackedRows, args: tuple, kwargs: dict) -> Any:
+    """One host call of the block (``block(x, t_emb, mod_segments, rope_freqs, transformer_options=...)``) through
+    ``streamer`` (a ``BlockStreamer`` over ``adapter``): the output (the host's ``x``, updated in place as the stock
+    block does), or a string saying why this call must run stock."""
+    from ..executors.donation import donate
+
+    block = adapter.block
+    why = forward_problem(block)
+    if why:
+        return why
+    try:
+        bound = inspect.signature(type(block).forward).bind(block, *args, **kwargs).arguments
+    except TypeError as exc:
+        return f"the call does not match DiTBlock.forward ({exc})"
+    x, t_emb, rope = bound["x"], bound["t_emb"], bound.get("rope_freqs")
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        return f"x is not [rows, features] ({getattr(x, 'shape', type(x).__name__)})"
+    index = segment_rows(bound["mod_segments"], x.shape[0], x.device)
+    if isinstance(index, str):
+        return index
+    x3 = x.unsqueeze(0)
+    adapter.host = (bound["mod_segments"], bound.get("transformer_options") or {})
+    try:
+        with donate(x3):   # the block updates x in place and the host rebinds its rows to the output
+            out = streamer(x3, t_emb, index, rope)
+    finally:
+        adapter.host = None
+    return out[0]
