@@ -280,6 +280,7 @@ def test_h3_segments_as_rows():
 def test_h3_unknown_forward_stays_stock(fresh_captures, monkeypatch):
     """A segment helper that is not ComfyUI 0.33.0's (a node pack replacing it, another ComfyUI version) keeps every
     block stock, exactly, with the reason."""
+    comfyui()
     import comfy.ldm.minimax.model as h3
 
     import streamplan.comfy as sc
@@ -297,6 +298,123 @@ def test_h3_unknown_forward_stays_stock(fresh_captures, monkeypatch):
     assert text.count("1 call(s) stock: _mod_gate is not the code streamplan follows (ComfyUI 0.33.0's): unknown "
                       "forward") == 2, text
     assert "through the streamer" not in text
+
+
+def _attention_spy(calls: list):
+    """ComfyUI's PyTorch attention, recording how many query rows each call attends."""
+    import comfy.ldm.modules.attention as attention
+
+    def streamplan_spy(q, k, v, heads, **kwargs):
+        calls.append(q.shape[-2])
+        return attention.attention_pytorch(q, k, v, heads, **kwargs)
+
+    return streamplan_spy
+
+
+def test_chunks_attend_through_comfy_optimized_attention(fresh_captures, monkeypatch):
+    """With no override, every streamed Q chunk of a Wan and of an H3 block goes to
+    ``comfy.ldm.modules.attention.optimized_attention`` (what ComfyUI selected at start-up: Sage, flash, PyTorch)."""
+    comfyui()
+    import comfy.ldm.modules.attention as attention
+
+    import streamplan.comfy as sc
+    calls: list = []
+    monkeypatch.setattr(attention, "optimized_attention", _attention_spy(calls))   # the blocks' own imports: stock
+    base, x, cond = wan_patcher()
+    stock = sample_call(base, x, cond)
+    assert calls == []
+    patched = sc.patch(base, budget=None, chunk_tokens=64, min_tokens=0)
+    assert rel_err(sample_call(patched, x, cond), stock) <= 1e-5
+    assert calls == [64] * 12 * 2, calls                  # 768 rows in 64-row chunks, two blocks
+    assert sc.report(patched).count("attention chunks to ComfyUI optimized_attention") == 2
+
+    calls.clear()
+    base, x, cond = h3_patcher()
+    stock = sample_call(_h3_run(base), x, cond)
+    run = _h3_run(sc.patch(base, budget=None, chunk_tokens=64, min_tokens=0))
+    assert torch.equal(sample_call(run, x, cond), stock)
+    assert calls == [64, 64, 64, 64, 23] * 2, calls       # 279 packed rows
+
+
+def test_h3_registered_attention_function_serves_chunks(fresh_captures, monkeypatch):
+    """An attention function registered with ComfyUI and set on the model with ``set_model_optimized_attention``
+    (ComfyUI's own override) attends every streamed Q chunk of H3's blocks; a Wan block, whose stock runs inside the
+    streamer would not keep the override, stays stock with the reason."""
+    comfyui()
+    import comfy.ldm.modules.attention as attention
+
+    import streamplan.comfy as sc
+    calls: list = []
+    spy = _attention_spy(calls)
+    monkeypatch.setitem(attention.REGISTERED_ATTENTION_FUNCTIONS, "streamplan_spy", spy)
+    base, x, cond = h3_patcher()
+    stock_run = _h3_run(base)
+    stock_run.set_model_optimized_attention(spy)
+    stock = sample_call(stock_run, x, cond)
+    assert calls == [279, 279], calls                     # the two DiT blocks (the text was refined in extra_conds)
+    calls.clear()
+    run = _h3_run(sc.patch(base, budget=None, chunk_tokens=64, min_tokens=0))
+    run.set_model_optimized_attention(spy)
+    out = sample_call(run, x, cond)
+    assert rel_err(out, stock) <= 1e-5
+    assert calls == [64, 64, 64, 64, 23] * 2, calls
+    text = sc.report(run)
+    assert text.count("attention chunks to ComfyUI optimized_attention (override: streamplan_spy)") == 2, text
+
+    base, x, cond = wan_patcher(layers=1)
+    stock = sample_call(base, x, cond)
+    run = sc.patch(base, budget=None, chunk_tokens=64, min_tokens=0)
+    run.set_model_optimized_attention(spy)
+    assert torch.equal(sample_call(run, x, cond), stock)
+    assert "1 call(s) stock: an optimized_attention_override is set" in sc.report(run)
+
+
+class _StreamedConsumer:
+    """An external attention consumer that opted in to the streamed contract (as the H3-Optimizations pack's do):
+    ``consume`` gets each Q chunk with the whole K and V; called as an override, it is ComfyUI's function."""
+
+    supports_streamed_h3_qkv = True
+
+    def __init__(self):
+        self.chunks: list = []
+
+    def __call__(self, func, *args, **kwargs):
+        return func(*args, **kwargs)
+
+    def consume(self, *, q_chunk, global_k, global_v, q_start, q_total, layer_index, transformer_options):
+        self.chunks.append((layer_index, q_start, q_chunk.shape[-2], q_total))
+        assert "optimized_attention_override" in transformer_options
+        return torch.nn.functional.scaled_dot_product_attention(q_chunk, global_k, global_v)
+
+
+def test_h3_streamed_contract_consumer(fresh_captures):
+    import streamplan.comfy as sc
+    consumer = _StreamedConsumer()
+    base, x, cond = h3_patcher()
+    stock = sample_call(_h3_run(base, optimized_attention_override=consumer), x, cond)
+    assert consumer.chunks == []
+    run = _h3_run(sc.patch(base, budget=None, chunk_tokens=64, min_tokens=0), optimized_attention_override=consumer)
+    assert rel_err(sample_call(run, x, cond), stock) <= 1e-5
+    assert consumer.chunks == [(i, a, min(64, 279 - a), 279) for i in (0, 1) for a in range(0, 279, 64)]
+    assert sc.report(run).count("attention chunks to _StreamedConsumer.consume (streamed contract)") == 2
+
+
+def test_h3_opaque_override_stays_stock(fresh_captures):
+    """An override that did not opt in may need every query row at once: the H3 blocks stay stock, exactly."""
+    import streamplan.comfy as sc
+
+    def node_override(func, *args, **kwargs):
+        return func(*args, **kwargs)
+
+    base, x, cond = h3_patcher()
+    stock = sample_call(_h3_run(base, optimized_attention_override=node_override), x, cond)
+    run = _h3_run(sc.patch(base, budget=None, chunk_tokens=64, min_tokens=0),
+                  optimized_attention_override=node_override)
+    assert torch.equal(sample_call(run, x, cond), stock)
+    text = sc.report(run)
+    assert text.count("1 call(s) stock: an opaque optimized_attention_override "
+                      "(test_h3_opaque_override_stays_stock.<locals>.node_override) may need every query row at "
+                      "once") == 2, text
 
 
 def test_min_tokens_keeps_short_calls_stock():

@@ -148,8 +148,7 @@ class _StreamedCall:
             self.block.stock(out)
             return self.module(*args, **kwargs)
         self.block.streamed_calls += 1
-        self.block.consumer = "external consumer (streamed contract)" if consumer.contract is not None else (
-            "comfy optimized_attention")
+        self.block.consumer = consumer.label
         return out
 
 
@@ -304,6 +303,8 @@ def report(patched) -> str:
             parts = []
             if b.streamed_calls:
                 parts.append(f"{b.streamed_calls} call(s) through the streamer")
+                if b.consumer:
+                    parts.append(f"attention chunks to {b.consumer}")
                 entry = b.streamer.entry if b.streamer is not None else None
                 if entry is None or any(n.startswith("ran stock") for n in entry.runtime_notes):
                     parts.append("which ran stock at least once (the reason is below)")

@@ -65,6 +65,16 @@ class ComfyAttention:
         override = transformer_options.get(OVERRIDE_KEY)
         self.contract = override if override is not None and _opted_in(override) else None
 
+    @property
+    def label(self) -> str:
+        """Who attends the chunks, for reports."""
+        if self.contract is not None:
+            return f"{type(self.contract).__qualname__}.consume (streamed contract)"
+        override = self.options.get(OVERRIDE_KEY)
+        fn = _registered_function(override) if override is not None else None
+        return f"ComfyUI optimized_attention (override: {fn.__name__})" if fn is not None else (
+            "ComfyUI optimized_attention")
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_offset: int, causal: bool,
                mask: torch.Tensor | None, scale: float | None) -> torch.Tensor:
         if causal or mask is not None:   # caps refuse both; a call that gets here anyway is a bug upstream
