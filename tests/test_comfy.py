@@ -501,6 +501,20 @@ def test_stream_blocks_node_function(fresh_captures):
         stream_blocks(base, "lots", 0, 0, "", False)
 
 
+def test_stream_report_node_function(fresh_captures):
+    """"Stream Report" after a run: the samples pass through, the report says what each block did."""
+    from streamplan.comfy.nodes import stream_blocks, stream_report
+    base, x, cond = h3_patcher()
+    patched, _ = stream_blocks(base, "none", 64, 0, "", False)
+    latent = {"samples": x}
+    samples, text = stream_report(patched, latent)
+    assert samples is latent and text.count(": not called yet") == 2, text
+    sample_call(_h3_run(patched), x, cond)
+    samples, text = stream_report(patched, latent)
+    assert text.count("1 call(s) through the streamer; attention chunks to ComfyUI optimized_attention") == 2, text
+    assert stream_report(base, latent)[1].startswith("streamplan.comfy: this model has no streamplan block")
+
+
 def test_node_schema_and_execute(fresh_captures):
     comfyui()
     try:
@@ -510,7 +524,7 @@ def test_node_schema_and_execute(fresh_captures):
     import asyncio
 
     from streamplan.comfy import nodes
-    (node,) = nodes.node_classes()
+    node, report_node = nodes.node_classes()
     schema = node.GET_SCHEMA()
     assert schema.node_id == nodes.NODE_ID
     assert [i.id for i in schema.inputs] == ["model", "budget", "chunk_tokens", "min_tokens", "reserve", "self_check"]
@@ -520,8 +534,14 @@ def test_node_schema_and_execute(fresh_captures):
     patched, text = out.result
     assert "2 block(s) patched" in text
     assert rel_err(sample_call(patched, x, cond), sample_call(base, x, cond)) <= 1e-5
+    schema = report_node.GET_SCHEMA()
+    assert schema.node_id == nodes.REPORT_NODE_ID and [i.id for i in schema.inputs] == ["model", "samples"]
+    latent = {"samples": x}
+    out = report_node.execute(model=patched, samples=latent)
+    assert out.result[0] is latent and "double_block.0: 1 call(s) through the streamer" in out.result[1]
     ext = asyncio.run(nodes.comfy_entrypoint())
-    assert asyncio.run(ext.get_node_list())[0].GET_SCHEMA().node_id == nodes.NODE_ID
+    assert [n.GET_SCHEMA().node_id for n in asyncio.run(ext.get_node_list())] == [nodes.NODE_ID,
+                                                                                   nodes.REPORT_NODE_ID]
     assert isinstance(io.ComfyNode, type)
 
 

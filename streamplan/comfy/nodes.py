@@ -1,14 +1,18 @@
 """The ComfyUI nodes (V3 schema, ``comfy_api.latest``): "Stream Blocks" patches a MODEL so its diffusion-model
-blocks stream (``streamplan.comfy.patch``) and returns the patched MODEL with a report of the settings and blocks.
+blocks stream (``streamplan.comfy.patch``) and returns the patched MODEL with a report of the settings and blocks;
+"Stream Report" reads, after a sampler has run, what each block did (streamed, with which plan and whose attention,
+or stock and why).
 
-``stream_blocks`` is the node's whole behaviour as a plain function; the node class is built when ComfyUI's
-``comfy_api`` imports (``comfy_entrypoint``, ``node_classes``)."""
+``stream_blocks`` and ``stream_report`` are the nodes' whole behaviour as plain functions; the node classes are built
+when ComfyUI's ``comfy_api`` imports (``comfy_entrypoint``, ``node_classes``)."""
 from __future__ import annotations
 
 from .patch import patch, report
 
 NODE_ID = "StreamplanStreamBlocks"
 DISPLAY_NAME = "Stream Blocks (streamplan)"
+REPORT_NODE_ID = "StreamplanStreamReport"
+REPORT_DISPLAY_NAME = "Stream Report (streamplan)"
 CATEGORY = "advanced/model"
 
 
@@ -30,6 +34,12 @@ def stream_blocks(model, budget: str = "auto", chunk_tokens: int = 0, min_tokens
                     reserve=(reserve.strip() or None) if isinstance(reserve, str) else reserve,
                     self_check=self_check)
     return patched, report(patched)
+
+
+def stream_report(model, samples=None):
+    """(``samples`` unchanged, the report text of a MODEL that "Stream Blocks" patched). ``samples`` is the sampler's
+    output: wiring it in makes ComfyUI run this after the sampler, so the report covers that run."""
+    return samples, report(model)
 
 
 def node_classes():
@@ -67,7 +77,29 @@ def node_classes():
             patched, text = stream_blocks(model, budget, chunk_tokens, min_tokens, reserve, self_check)
             return io.NodeOutput(patched, text)
 
-    return [StreamBlocks]
+    class StreamReport(io.ComfyNode):
+        @classmethod
+        def define_schema(cls):
+            return io.Schema(
+                node_id=REPORT_NODE_ID,
+                display_name=REPORT_DISPLAY_NAME,
+                category=CATEGORY,
+                description=("What each block of a streamed MODEL did in the runs so far: streamed (plan, chunk, "
+                             "predicted peak, who attended the chunks) or stock and why. Wire the sampler's output "
+                             "through it so it runs after the sampler."),
+                inputs=[io.Model.Input("model", tooltip='the MODEL output of "Stream Blocks"'),
+                        io.Latent.Input("samples", tooltip="the sampler's output (passed through unchanged)")],
+                outputs=[io.Latent.Output(display_name="samples"), io.String.Output(display_name="report")],
+                is_output_node=True,
+                not_idempotent=True,
+            )
+
+        @classmethod
+        def execute(cls, model, samples):
+            samples, text = stream_report(model, samples)
+            return io.NodeOutput(samples, text, ui={"text": [text]})
+
+    return [StreamBlocks, StreamReport]
 
 
 async def comfy_entrypoint():
