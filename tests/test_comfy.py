@@ -556,3 +556,35 @@ def test_custom_nodes_entry_imports_without_comfyui():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     assert inspect.iscoroutinefunction(module.comfy_entrypoint)
+
+
+def test_example_workflows_name_real_nodes():
+    """examples/*.json (ComfyUI's API format): every node is ours, with our inputs, or a node of ComfyUI 0.33.0's
+    source; every link points at a node of the workflow; each workflow streams its model and reports after sampling."""
+    import inspect
+    import json
+    import re
+    from pathlib import Path
+
+    from comfy_support import source_dir
+    from streamplan.comfy import nodes
+    src = source_dir()
+    if isinstance(src, str):
+        pytest.skip(src)
+    text = (src / "nodes.py").read_text() + "".join(p.read_text() for p in (src / "comfy_extras").glob("*.py"))
+    ours = {nodes.NODE_ID: nodes.stream_blocks, nodes.REPORT_NODE_ID: nodes.stream_report}
+    files = sorted((Path(__file__).resolve().parent.parent / "examples").glob("*.json"))
+    assert [f.name for f in files] == ["minimax_h3_stream_blocks_api.json", "wan_stream_blocks_api.json"]
+    for f in files:
+        graph = json.loads(f.read_text())
+        for nid, node in graph.items():
+            kind = node["class_type"]
+            if kind in ours:
+                assert set(node["inputs"]) == set(inspect.signature(ours[kind]).parameters), (f.name, nid)
+            else:
+                assert re.search(rf'node_id="{kind}"|^class {kind}\b', text, re.M), (f.name, kind)
+            for value in node["inputs"].values():
+                if isinstance(value, list):
+                    assert value[0] in graph and isinstance(value[1], int), (f.name, nid, value)
+        kinds = [n["class_type"] for n in graph.values()]
+        assert kinds.count(nodes.NODE_ID) == 1 and kinds.count(nodes.REPORT_NODE_ID) == 1, f.name
