@@ -3,9 +3,11 @@ capture cannot take as ComfyUI calls it (MiniMax-H3: 2-D packed rows, per-segmen
 (``streamplan.recognize.comfy_h3``) and every other block is streamed as it is called."""
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import torch
 from torch import nn
 
 from ..recognize import comfy_h3
@@ -49,5 +51,35 @@ def block_calls(module: nn.Module) -> BlockCalls:
     return _REGISTRY.get(class_path(module), DEFAULT)
 
 
-register_block_calls(comfy_h3.CLASS_PATH, BlockCalls(comfy_h3.PackedRows, comfy_h3.stream_call, img_dims=2,
+def _h3_call(streamer: Callable, adapter: comfy_h3.PackedRows, args: tuple, kwargs: dict) -> Any:
+    """One host call of the block (``block(x, t_emb, mod_segments, rope_freqs, transformer_options=...)``) through
+    ``streamer`` (a ``BlockStreamer`` over ``adapter``): the output (the host's ``x``, updated in place as the stock
+    block does), or a string saying why this call must run stock."""
+    from ..executors.donation import donate
+
+    block = adapter.block
+    why = comfy_h3.forward_problem(block)
+    if why:
+        return why
+    try:
+        bound = inspect.signature(type(block).forward).bind(block, *args, **kwargs).arguments
+    except TypeError as exc:
+        return f"the call does not match DiTBlock.forward ({exc})"
+    x, t_emb, rope = bound["x"], bound["t_emb"], bound.get("rope_freqs")
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        return f"x is not [rows, features] ({getattr(x, 'shape', type(x).__name__)})"
+    index = comfy_h3.segment_rows(bound["mod_segments"], x.shape[0], x.device)
+    if isinstance(index, str):
+        return index
+    x3 = x.unsqueeze(0)
+    adapter.host = (bound["mod_segments"], bound.get("transformer_options") or {})
+    try:
+        with donate(x3):   # the block updates x in place and the host rebinds its rows to the output
+            out = streamer(x3, t_emb, index, rope)
+    finally:
+        adapter.host = None
+    return out[0]
+
+
+register_block_calls(comfy_h3.CLASS_PATH, BlockCalls(comfy_h3.PackedRows, _h3_call, img_dims=2,
                                                      host_attention=True))

@@ -96,33 +96,3 @@ def _trace_attention(func: Callable, *args: Any, **kwargs: Any) -> Any:
     attention consumer the host picked (ComfyUI's ``optimized_attention``)."""
     from comfy.ldm.modules.attention import attention_pytorch
     return attention_pytorch(*args, **kwargs)
-
-
-def stream_call(streamer: Callable, adapter: PackedRows, args: tuple, kwargs: dict) -> Any:
-    """One host call of the block (``block(x, t_emb, mod_segments, rope_freqs, transformer_options=...)``) through
-    ``streamer`` (a ``BlockStreamer`` over ``adapter``): the output (the host's ``x``, updated in place as the stock
-    block does), or a string saying why this call must run stock."""
-    from ..executors.donation import donate
-
-    block = adapter.block
-    why = forward_problem(block)
-    if why:
-        return why
-    try:
-        bound = inspect.signature(type(block).forward).bind(block, *args, **kwargs).arguments
-    except TypeError as exc:
-        return f"the call does not match DiTBlock.forward ({exc})"
-    x, t_emb, rope = bound["x"], bound["t_emb"], bound.get("rope_freqs")
-    if not isinstance(x, torch.Tensor) or x.dim() != 2:
-        return f"x is not [rows, features] ({getattr(x, 'shape', type(x).__name__)})"
-    index = segment_rows(bound["mod_segments"], x.shape[0], x.device)
-    if isinstance(index, str):
-        return index
-    x3 = x.unsqueeze(0)
-    adapter.host = (bound["mod_segments"], bound.get("transformer_options") or {})
-    try:
-        with donate(x3):   # the block updates x in place and the host rebinds its rows to the output
-            out = streamer(x3, t_emb, index, rope)
-    finally:
-        adapter.host = None
-    return out[0]
