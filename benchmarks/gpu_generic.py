@@ -20,7 +20,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import streamplan
 from common import cuda_peak, cuda_time, device_info, write_results
-from streamplan.executors.block import donate
+from streamplan.executors.donation import donate
 from streamplan.verify import compare_outputs
 
 BF16 = torch.bfloat16

@@ -18,13 +18,14 @@ from torch.utils._pytree import tree_leaves as pytree_leaves
 from .budget import DEFAULT_RESERVE, auto_budget, parse_budget
 from .consumers import consumer_for, graph_consumer, unsupported
 from .executors.attention import run_attention
-from .executors.block import donated, run_block
+from .executors.donation import donated
 from .executors.chunks import drain_retries
-from .executors.mlp import feature_slicing, run_mlp, run_seq_chunked
-from .ir import AttentionCall, AttentionSpec, BlockCall, BlockSpec, GraphSpec, MLPSpec, ModelSpec, RowLocalSpec, Skip
+from .executors.mlp import run_mlp, run_seq_chunked
+from .ir import (AttentionCall, AttentionSpec, GraphSpec, MLPSpec, ModelSpec, RowLocalSpec, Skip, adapt_call,
+                 block_backend)
 from .budget import fmt_bytes
-from .planner import (DEFAULT_CHUNK_TOKENS, UTILISATION_FLOOR, AttentionDims, BudgetError, Plan, mlp_row_elems,
-                      plan_attention, plan_block, plan_graph, plan_mlp, plan_rows, wave_quantum, Tier)
+from .planner import (DEFAULT_CHUNK_TOKENS, UTILISATION_FLOOR, AttentionDims, BudgetError, Plan,
+                      plan_attention, plan_graph, plan_mlp, plan_rows, wave_quantum, Tier)
 from .verify import compare_outputs, private_copy
 from .stock_watch import StockWatch, activation_bytes, matters, watch_candidates
 from .recognize import CAPTURE_MODES, recognize
@@ -51,7 +52,7 @@ class StreamOptions:
 class Installed:
     name: str
     module: nn.Module
-    spec: MLPSpec | AttentionSpec | BlockSpec
+    spec: MLPSpec | AttentionSpec | GraphSpec
     stock: Callable[..., Any]
     previous: Any  # what module.__dict__["forward"] held before, or _MISSING
     wrapper: Any = None  # the forward streamplan installed
@@ -156,18 +157,6 @@ def _workspace_row_bytes(consumer, call: AttentionCall, elem: int) -> int:
                    masked=call.mask is not None)
 
 
-def _block_row_extra(spec: BlockSpec, call: BlockCall):
-    """Elements per row of a block's suffix transients (fp32 residual math, the MLP), whole and feature-sliced."""
-    dim = call.streams[0].x.shape[-1]
-    # fp32 residual/modulation math: counted once in the 4 * dim below; in a 2-byte dtype each is two elements
-    fp32 = call.fp32_row_elems * max(0, 4 // call.streams[0].x.element_size() - 1)
-    if call.mlp_rows_elems:
-        whole = call.mlp_rows_elems + 4 * dim + fp32
-        return whole, lambda s: whole
-    whole = max((mlp_row_elems(m, m.ffn) for m in spec.mlps), default=0) + 4 * dim + fp32
-    return whole, lambda s: max((mlp_row_elems(m, min(s, m.ffn)) for m in spec.mlps), default=0) + 4 * dim + fp32
-
-
 def _restore(module: nn.Module, wrapper: Any, previous: Any) -> None:
     """Put back what ``module.forward`` held before streamplan, unless someone wrapped it since (then theirs stays:
     it still calls ours, which now runs stock via the bypass-free stock path)."""
@@ -245,7 +234,7 @@ class StreamHandle:
         self._root_wrapper: Any = None
 
     # -- installation -------------------------------------------------------------------------------
-    def _install(self, name: str, spec: MLPSpec | AttentionSpec | BlockSpec) -> None:
+    def _install(self, name: str, spec: MLPSpec | AttentionSpec | GraphSpec) -> None:
         module = spec.module
         previous = module.__dict__.get("forward", _MISSING)
         stock = module.forward
@@ -395,41 +384,9 @@ class StreamHandle:
         if isinstance(call, str):
             self._note(entry, f"ran stock: {call}")
             return None
-        if self._unsupported(entry, consumer, call.attention if isinstance(call, BlockCall) else call):
+        if self._unsupported(entry, consumer, call):
             return None
         return consumer, call
-
-    def _run_block(self, entry: Installed, args: tuple, kwargs: dict) -> Any:
-        spec: BlockSpec = entry.spec
-        bound = self._bind(entry, spec.attention, args, kwargs)
-        if bound is None:
-            return entry.stock(*args, **kwargs)
-        consumer, call = bound
-        att = call.attention
-        o = self.options
-        in_place = tuple(donated(s.x) for s in call.streams)
-        device = call.streams[0].x.device
-        sig = (_shapes(args, kwargs), att.dtype, device.type, in_place)
-
-        def make_plan(budget: int | None) -> Plan:   # shapes and memory terms: only at the first call per signature
-            dims = _attention_dims(spec.attention, att, consumer)
-            stream_elems = sum(0 if d else s.x.numel() for s, d in zip(call.streams, in_place))
-            extra, extra_sliced = _block_row_extra(spec, call)
-            return plan_block(
-                dims, stream_elems, extra, extra_sliced, chunk_tokens=o.chunk_tokens,
-                ffn_slice=o.ffn_slice if spec.mlps else None, budget=budget, q_align=consumer.caps.q_align,
-                stock_peak=(call.stock_rows_elems * dims.batch * dims.rows * dims.elem) or None,
-                head_groups=o.head_groups, can_group=att.cache_update is None and att.kv_whole is None,
-                min_chunk=UTILISATION_FLOOR.get(device.type, 0), quantum=_wave_quantum(device, att))
-
-        plan = self._plan(entry, sig, make_plan, args, kwargs, device)
-        if o.head_groups and plan.tier != Tier.L0 and plan.head_groups == 1:
-            self._note(entry, "head-grouped K/V (L3) not used: the call needs whole K/V (a KV cache or cross-attention)"
-                       " or the K/V heads do not divide into that many groups")
-        if plan.tier == Tier.L0:
-            return entry.stock(*args, **kwargs)
-        with feature_slicing(plan.ffn_slice if plan.tier in (Tier.L2, Tier.L3) else 0):
-            return run_block(call, consumer, plan.chunk, plan.head_groups)
 
     def _available(self, args: tuple, kwargs: dict, device: torch.device | None) -> tuple[int | None, int]:
         """(bytes this call may use, bytes alive around it). A byte budget covers the model's inputs and what the
@@ -521,36 +478,51 @@ class StreamHandle:
         from .capture.memory import _numel as numel_besides, graph_memory
 
         module = entry.module
+        stock = functools.partial(entry.stock, *args, **kwargs)
+        adapted = adapt_call(module, args, kwargs)   # a cache object, say: the call as the graph takes it
+        if isinstance(adapted, str):
+            self._note(entry, f"ran stock: {adapted}")
+            return stock()
+        args, kwargs = (adapted.args, adapted.kwargs) if adapted is not None else (args, kwargs)
         tensors = [t for t in pytree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         if not tensors:
-            return entry.stock(*args, **kwargs)
+            return stock()
         if _needs_grad(module, tensors[0]):
             self._note(entry, "autograd is recording: ran stock (streamed executors are for inference)")
-            return entry.stock(*args, **kwargs)
+            return stock()
         rows = rows_of_call(args, kwargs)
         if rows is None or rows < 2:
-            return entry.stock(*args, **kwargs)
+            return stock()
+        backend = block_backend(module)
+        consumer = graph_consumer(backend)
+        if consumer is None:
+            self._note(entry, f"attention backend {backend!r} has no streamplan consumer: ran stock")
+            return stock()
         with bypass():   # the capture traces the stock forwards of any streamed children
             found, fresh = streamable(module, args, kwargs, rows)
         if isinstance(found, str):
             self._note(entry, f"ran stock: {found}")
-            return entry.stock(*args, **kwargs)
+            return stock()
         an, cap = found.analysis, found.captured
         if fresh or not any(n.startswith("captured") for n in entry.runtime_notes):
             static = f"; {found.static_rows} static rows joined (computed once per phase)" if found.static_rows else ""
             self._note(entry, f"captured in {cap.seconds:.2f} s: {an.ops} ops, {len(an.attentions)} global "
                        f"attention(s){static}")
-        consumer = graph_consumer()
-        att = an.attentions[0]
-        qv, kv_ = att.q.meta["val"], att.k.meta["val"]
-        why = unsupported(consumer, heads=qv.shape[1], kv_heads=kv_.shape[1], head_dim=qv.shape[-1],
-                          causal=att.causal, mask=None, dtype=qv.dtype) if consumer is not None else "no SDPA consumer"
-        if why:
-            self._note(entry, f"ran stock: {why}")
-            return entry.stock(*args, **kwargs)
+        att = an.attentions[0] if an.attentions else None   # none: every op row-local (cross-attention, an MLP)
+        if att is not None:
+            qv, kv_ = att.q.meta["val"], att.k.meta["val"]
+            why = unsupported(consumer, heads=qv.shape[1], kv_heads=kv_.shape[1], head_dim=qv.shape[-1],
+                              causal=att.causal, mask=None, dtype=qv.dtype)
+            if why:
+                self._note(entry, f"ran stock: {why}")
+                return stock()
         o = self.options
         regions = found.mlp_regions
-        groups = _graph_head_groups(found)
+        groups = _graph_head_groups(found) if adapted is None else ()   # L3 keeps no whole K/V to hand back
+        if adapted is not None and (len(an.attentions) != 1 or an.attentions[0].k.meta["val"].shape[1]
+                                    != adapted.kv_heads):
+            self._note(entry, "ran stock: the graph's K/V are not the ones its cache would hold")
+            return stock()
         if o.head_groups and o.head_groups not in groups:
             self._note(entry, f"head_groups={o.head_groups} (L3) not used: the graph allows "
                        f"{list(groups) or 'none (one global attention without static rows or input writes is needed)'}")
@@ -570,12 +542,15 @@ class StreamHandle:
         def make_plan(budget: int | None) -> Plan:
             mem = graph_memory(an, found.phases, rows, set(donate))
             order = [n for n in cap.graph.nodes if n.op == "call_function" and n not in an.ignored]
-            quantum = wave_quantum(torch.cuda.get_device_properties(device).multi_processor_count,
-                                   qv.shape[0] * qv.shape[1]) if device.type == "cuda" else 1
-            ws = _workspace_row_bytes(consumer, SimpleNamespace(heads=qv.shape[1], head_dim=qv.shape[-1],
-                                                                causal=att.causal, mask=None), qv.element_size())
-            out_val = an.attentions[0].node.meta["val"]
-            attn_out = numel_besides(out_val, 2) * rows * out_val.element_size() if groups else 0
+            quantum, ws, attn_out = 1, 0, 0
+            if att is not None:
+                if device.type == "cuda":
+                    quantum = wave_quantum(torch.cuda.get_device_properties(device).multi_processor_count,
+                                           qv.shape[0] * qv.shape[1])
+                ws = _workspace_row_bytes(consumer, SimpleNamespace(heads=qv.shape[1], head_dim=qv.shape[-1],
+                                                                    causal=att.causal, mask=None), qv.element_size())
+                out_val = att.node.meta["val"]
+                attn_out = numel_besides(out_val, 2) * rows * out_val.element_size() if groups else 0
             return plan_graph(rows, mem.kv_bytes + mem.out_bytes,
                               lambda c, sl: mem.transient(c, sl, regions) + ws * min(c, rows), mem.stock(order),
                               chunk_tokens=o.chunk_tokens, budget=budget,
@@ -585,7 +560,7 @@ class StreamHandle:
 
         plan = self._plan(entry, sig, make_plan, args, kwargs, device)
         if plan.tier == Tier.L0:
-            return entry.stock(*args, **kwargs)
+            return stock()
 
         def attend(q, k, v, *, q_offset, causal, scale):
             return consumer.attend(q, k, v, q_offset=q_offset, causal=causal, mask=None, scale=scale)
@@ -596,7 +571,11 @@ class StreamHandle:
             run.build_grouped(plan.chunk, plan.head_groups)
         else:
             run.build_kv(plan.chunk)
-        return run.run_q(plan.chunk, donate)
+        kv = run.kv[att.node] if adapted is not None else None   # phase Q lets go of its buffers: keep them
+        out = run.run_q(plan.chunk, donate)
+        if kv is not None:
+            adapted.fill(*kv)
+        return out
 
     @staticmethod
     def _note(entry: Installed, note: str) -> None:
@@ -667,8 +646,11 @@ class StreamHandle:
             header = (f"  {'module':<{nw}} {'as':<{lw}} {'tier':<4} {'chunk':>6} {'ffn':>6} {'predicted':>11} "
                       f"{'stock est.':>11}")
             lines += [header, "  " + "-" * (len(header) - 2)]
+        graphs = [n for n, e in self.installed.items() if isinstance(e.spec, GraphSpec)]
         for name, e in self.installed.items():
             label = e.spec.label
+            if not e.plans and not e.runtime_notes and any(_inside(name, g) for g in graphs):
+                continue   # a block's part, idle while its graph takes every call: the block's label says so
             if not e.plans:
                 lines.append(f"  {name or '<root>':<{nw}} {label:<{lw}} (not called yet: planned at the first call)")
             for sig, plan in e.plans.items():
@@ -697,6 +679,10 @@ class StreamHandle:
         return f"<StreamHandle {len(self.installed)} streamed, {len(self.skipped)} left stock>"
 
 
+def _inside(name: str, parent: str) -> bool:
+    return name != parent and (not parent or name.startswith(parent + "."))
+
+
 def _graph_head_groups(found) -> tuple[int, ...]:
     """Head-group counts L3 can use on a captured block: one global attention, its rows without static ones, no
     writes into the block's inputs (each group reruns the projections), and groups dividing the K/V heads."""
@@ -713,7 +699,7 @@ def _graph_head_groups(found) -> tuple[int, ...]:
 
 
 _HANDLERS: dict[type, Callable[..., Any]] = {   # how each kind of spec runs; a new spec type registers here
-    ModelSpec: StreamHandle._run_model, BlockSpec: StreamHandle._run_block, AttentionSpec: StreamHandle._run_attention,
+    ModelSpec: StreamHandle._run_model, AttentionSpec: StreamHandle._run_attention,
     RowLocalSpec: StreamHandle._run_row_local, MLPSpec: StreamHandle._run_mlp, GraphSpec: StreamHandle._run_graph,
 }
 

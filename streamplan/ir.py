@@ -138,41 +138,6 @@ class AttentionSpec:
 
 
 @dataclass(eq=False)
-class Stream:
-    """One residual stream of a block (Wan: the video tokens; Flux: text and image).
-
-    prefix(x_rows, a, b) -> the attention input rows (norm, modulation); suffix(x_rows, h_rows, attn_rows, a, b)
-    -> the new residual rows after the attention output (gate, residual, and everything row-local after it:
-    cross-attention to a short sequence, the MLP with its own norm and gate).
-    """
-
-    x: torch.Tensor
-    prefix: Callable[[torch.Tensor, int, int], torch.Tensor]
-    suffix: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, int], torch.Tensor]
-
-
-@dataclass(eq=False)
-class BlockCall:
-    streams: list[Stream]            # stream i feeds attention segment i
-    attention: AttentionCall
-    finish: Callable[[list[torch.Tensor]], object]
-    mlp_rows_elems: int = 0          # elements per row of the chunk's MLP/cross-attention transients (for the plan)
-    stock_rows_elems: int = 0        # elements per row stock holds at its worst, where the generic model misses it
-    fp32_row_elems: int = 0          # per row, fp32 elements the suffix keeps alive at its worst (fp32 residual math)
-
-
-@dataclass(eq=False)
-class BlockSpec:
-    """A transformer block streamplan runs as phase KV, then one fused row-local pass per chunk."""
-
-    module: nn.Module
-    label: str
-    attention: AttentionSpec
-    mlps: list[MLPSpec]
-    bind: Callable[[tuple, dict], "BlockCall | str"]
-
-
-@dataclass(eq=False)
 class ModelSpec:
     """A whole model whose forward streamplan runs itself (with the model's own submodules): blocks may update
     the hidden states in place, and the output head runs in row chunks. Its blocks are recognised on their own."""
@@ -212,3 +177,52 @@ def register_row_local_op(namespace: str, name: str, kind: Literal["rows", "norm
     if kind not in ("rows", "norm"):
         raise ValueError(f"kind must be 'rows' or 'norm', got {kind!r}")
     ROW_LOCAL_CUSTOM_OPS[(namespace, name)] = kind
+
+
+# Who decides a captured block's attention kernel: a library whose modules dispatch attention through a backend of
+# their own (diffusers' attention backends) registers a probe ``(block) -> backend name | None``; a block whose
+# backend has no streamplan consumer runs stock, named, as a hand-written attention does.
+BACKEND_PROBES: list[Callable[[nn.Module], "str | None"]] = []
+
+
+def register_backend_probe(probe: Callable[[nn.Module], "str | None"]) -> None:
+    if probe not in BACKEND_PROBES:
+        BACKEND_PROBES.append(probe)
+
+
+def block_backend(block: nn.Module) -> str | None:
+    """The attention backend a block's own library dispatches to, where one says (None: plain PyTorch SDPA)."""
+    for probe in BACKEND_PROBES:
+        found = probe(block)
+        if found is not None:
+            return found
+    return None
+
+
+@dataclass(eq=False)
+class AdaptedCall:
+    """A call as a captured graph can take it: an object the graph cannot hold (a KV cache) taken out, and what the
+    stock call would have done with it done afterwards from the graph's own K and V ([B, Hkv, N, D])."""
+
+    args: tuple
+    kwargs: dict
+    kv_heads: int                                               # the K/V heads ``fill`` expects
+    fill: Callable[[torch.Tensor, torch.Tensor], None]
+
+
+# A library whose blocks take an object a capture cannot (transformers' caches) registers an adapter
+# ``(block, args, kwargs) -> AdaptedCall | reason | None`` (None: not this library's call).
+CALL_ADAPTERS: list[Callable[[nn.Module, tuple, dict], "AdaptedCall | str | None"]] = []
+
+
+def register_call_adapter(adapter: Callable[[nn.Module, tuple, dict], "AdaptedCall | str | None"]) -> None:
+    if adapter not in CALL_ADAPTERS:
+        CALL_ADAPTERS.append(adapter)
+
+
+def adapt_call(block: nn.Module, args: tuple, kwargs: dict) -> "AdaptedCall | str | None":
+    for adapter in CALL_ADAPTERS:
+        found = adapter(block, args, kwargs)
+        if found is not None:
+            return found
+    return None

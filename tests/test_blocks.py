@@ -16,16 +16,24 @@ def _max_rel(out, ref):
     return rel_err(out, ref)
 
 
+def _graphs(handle):
+    return {n: e for n, e in handle.installed.items() if isinstance(e.spec, streamplan.ir.GraphSpec)}
+
+
+def _quiet(handle, allow=()):
+    """No entry noted anything but its capture (and the reasons in ``allow``)."""
+    return all(n.startswith(("captured in", *allow)) for e in handle.installed.values() for n in e.runtime_notes)
+
+
 def _check(module, args, chunk, **kw):
     """Streamed matches stock, the inputs are untouched, and remove() gives stock back bit for bit."""
     before = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
     ref = module(*args)
     handle = streamplan.apply(module, chunk_tokens=chunk, **kw)
-    assert len(handle.installed) == 1, handle.report()
-    assert isinstance(handle.installed[""].spec, streamplan.ir.BlockSpec), handle.report()
+    assert isinstance(handle.installed[""].spec, streamplan.ir.GraphSpec), handle.report()   # parts: its fallback
     out = module(*args)
     entry = handle.installed[""]
-    assert not entry.runtime_notes, entry.runtime_notes
+    assert [n for n in entry.runtime_notes if not n.startswith("captured in")] == [], entry.runtime_notes
     assert all(p.tier in ("L1", "L2") for p in entry.plans.values())
     assert _max_rel(out, ref) <= 1e-5
     for a, b in zip(args, before):
@@ -106,12 +114,18 @@ def test_llama_decoder_layers_and_causal_lm(impl):
     for kw in ({}, {"attention_mask": mask}):
         ref = model(ids, **kw).logits
         handle = streamplan.apply(model, chunk_tokens=16)
-        assert sum(isinstance(e.spec, streamplan.ir.BlockSpec) for e in handle.installed.values()) == 3
+        assert len(_graphs(handle)) == 3, handle.report()
         assert isinstance(handle.installed["model.norm"].spec, streamplan.ir.RowLocalSpec)
         out = model(ids, **kw).logits
         keep = mask.bool() if kw else torch.ones_like(mask, dtype=torch.bool)
         assert rel_err(out[keep], ref[keep]) <= 1e-5
-        assert all(not e.runtime_notes for e in handle.installed.values())
+        # a padding mask (and eager's causal mask) is a [B, 1, N, N] mask over the rows: the graph leaves those
+        # calls to the layer's parts
+        masked = bool(kw) or impl == "eager"
+        assert _quiet(handle, ("ran stock: input attention_mask has 2 row dimensions",) if masked else ()), \
+            handle.report()
+        if masked:
+            assert handle.plans["model.layers.0.self_attn"] and handle.plans["model.layers.0.mlp"]
         handle.remove()
 
 
@@ -132,10 +146,10 @@ def test_whole_wan_model(batch):
     ref = model(x, t, enc).sample
     handle = streamplan.apply(model, chunk_tokens=16)
     assert isinstance(handle.installed[""].spec, streamplan.ir.ModelSpec)
-    assert len(handle.installed) == 4, handle.report()
+    assert len(_graphs(handle)) == 3, handle.report()
     out = model(x, t, enc).sample
     assert rel_err(out, ref) <= 1e-5 and torch.equal(x, x0)
-    assert all(not e.runtime_notes for e in handle.installed.values()), handle.report()
+    assert _quiet(handle), handle.report()
     handle.remove()
     assert torch.equal(model(x, t, enc).sample, ref)
 
@@ -151,7 +165,7 @@ def test_whole_wan_model_with_per_token_timesteps():
     handle = streamplan.apply(model, chunk_tokens=16)
     out = model(x, t, enc).sample
     assert rel_err(out, ref) <= 1e-5
-    assert all(not e.runtime_notes for e in handle.installed.values()), handle.report()
+    assert _quiet(handle), handle.report()
 
 
 @torch.no_grad()
@@ -165,31 +179,31 @@ def test_whole_flux_model_streams_its_blocks():
                 img_ids=torch.randint(0, 8, (n, 3)).float(), txt_ids=torch.zeros(t, 3))
     ref = model(**args).sample
     handle = streamplan.apply(model, chunk_tokens=16)
-    blocks = [e for e in handle.installed.values() if isinstance(e.spec, streamplan.ir.BlockSpec)]
+    blocks = list(_graphs(handle).values())
     assert len(blocks) == 4, handle.report()
     assert isinstance(handle.installed["norm_out"].spec, streamplan.ir.RowLocalSpec)  # the output head's norm
     out = model(**args).sample
     assert rel_err(out, ref) <= 1e-5
-    assert all(e.plans and not e.runtime_notes for e in blocks)
+    assert all(e.plans for e in blocks) and _quiet(handle), handle.report()
     assert handle.installed["norm_out"].plans
 
 
 @torch.no_grad()
-def test_a_block_the_hand_path_refuses_streams_from_its_graph_and_keeps_its_parts():
-    """Wan I2V (image-context cross-attention) is not handled by the hand-written Wan path: the block streams from
-    its captured graph, and its attention and MLP keep their own specs for calls the graph cannot take."""
+def test_an_i2v_block_streams_from_its_graph_and_keeps_its_parts():
+    """Wan I2V (image-context cross-attention): the block streams from its captured graph, and its MLP keeps its own
+    spec for calls the graph cannot take (folded into the block's line of the report while idle)."""
     block = WanTransformerBlock(64, 128, 4, added_kv_proj_dim=64).eval()
     rotary = (torch.randn(1, 100, 1, 16), torch.randn(1, 100, 1, 16))
     args = (torch.randn(1, 100, 64), torch.randn(1, 4 + 512, 64), torch.randn(1, 6, 64), rotary)
     ref = block(*args)
     handle = streamplan.apply(block, chunk_tokens=16)
-    assert set(handle.installed) == {"", "attn1", "ffn"}
+    assert set(handle.installed) == {"", "ffn"}
     assert isinstance(handle.installed[""].spec, streamplan.ir.GraphSpec)
     assert rel_err(block(*args), ref) <= 1e-5
     (plan,) = handle.plans[""]
     assert plan.tier == "L1" and plan.chunk == 16, handle.report()
     assert not handle.plans["ffn"]            # the graph ran the block: its parts were not called
-    assert "(else its parts)" in handle.report()
+    assert "(else its parts)" in handle.report() and "\n  ffn" not in handle.report()
     handle.remove()
     assert torch.equal(block(*args), ref)
 
@@ -234,7 +248,7 @@ def test_streamed_wan_block_peaks_near_its_floor():
 
 @torch.no_grad()
 def test_a_donated_block_input_is_updated_in_place_without_a_copy():
-    from streamplan.executors.block import donate
+    from streamplan.executors.donation import donate
     block = WanTransformerBlock(256, 1024, 4).eval()
     x = torch.randn(1, 4096, 256)
     enc, temb = torch.randn(1, 16, 256), torch.randn(1, 6, 256)
@@ -293,7 +307,7 @@ def test_a_model_forward_streamplan_does_not_follow_stays_stock(monkeypatch):
     monkeypatch.setitem(diffusers_models.KNOWN_FORWARDS, "WanTransformer3DModel", {"0" * 16: "another version"})
     model = _wan_model()
     handle = streamplan.apply(model, chunk_tokens=16)
-    assert "" not in handle.installed and len(handle.installed) == 3     # the blocks still stream
+    assert "" not in handle.installed and len(_graphs(handle)) == 3     # the blocks still stream
     assert "differs from the versions streamplan follows (another version)" in handle.report()
 
 
@@ -310,7 +324,7 @@ def test_composes_with_model_cpu_offload():
     handle = streamplan.apply(model, chunk_tokens=16)
     out = model(x, t, enc).sample
     assert rel_err(out, ref) <= 1e-5
-    assert {n for n in handle.installed} == {"blocks.0", "blocks.1", "blocks.2"}
+    assert set(_graphs(handle)) == {"blocks.0", "blocks.1", "blocks.2"}
     assert "accelerate hook" in handle.report()
     handle.remove()
     assert model.__dict__["forward"] is hooked

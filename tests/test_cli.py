@@ -77,7 +77,7 @@ def test_plan_prints_a_plan_without_running_anything(capsys):
 def test_plan_below_the_floor_says_what_dominates(capsys):
     assert main(["plan", "--family", "llama3-8b-layer", "--tokens", "131072", "--budget", "2GiB"]) == 2
     err = capsys.readouterr().err
-    assert "smallest peak" in err and "K and V" in err
+    assert "cannot hold it" in err and "K, V and the outputs" in err
 
 
 def test_plan_as_json(capsys):

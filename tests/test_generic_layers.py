@@ -91,8 +91,8 @@ def test_layer_stays_stock_with_reason(name):
         notes = " ".join(entry.runtime_notes)
         assert "ran stock" in notes and STOCK[name] in notes, handle.report()
         assert STOCK[name] in handle.report()
-        for o, r in zip(_tensors(out), _tensors(ref), strict=True):
-            assert torch.equal(o, r)
+        for o, r in zip(_tensors(out), _tensors(ref), strict=True):   # its parts may still stream on their own
+            assert _rel(o, r) <= 1e-5
     finally:
         handle.remove()
 
@@ -132,7 +132,7 @@ def test_whole_llama_model_every_layer_captured():
     try:
         with torch.no_grad():
             out = model(input_ids=ids, use_cache=False).last_hidden_state
-        layers = {n: e for n, e in handle.installed.items() if n.startswith("layers.")}
+        layers = {n: e for n, e in handle.installed.items() if isinstance(e.spec, GraphSpec)}
         assert sorted(layers) == ["layers.0", "layers.1", "layers.2"]
         for name, e in layers.items():
             assert isinstance(e.spec, GraphSpec), handle.report()
@@ -151,7 +151,7 @@ def test_catalogue_only_prints_a_row_per_class():
             ("LlamaDecoderLayer", "GPT2Block", "MistralDecoderLayer", "GPTBigCodeBlock")}
     assert all(rows.values()), proc.stdout
     assert "streams (captured, L1), exact to" in " ".join(rows["GPT2Block"])
-    assert "hand-written recognizer" in " ".join(rows["LlamaDecoderLayer"])
+    assert "streams (captured, L1), exact to" in " ".join(rows["LlamaDecoderLayer"])
     assert "stays stock" in " ".join(rows["MistralDecoderLayer"])     # its sliding-window case
     assert "no test case yet" in " ".join(rows["GPTBigCodeBlock"])
     assert proc.stderr.count("\n") >= 4                                # progress: a line per class

@@ -25,9 +25,8 @@ EXECUTOR_MODULES = {"streamplan.capture.execute": {"executors", "ir", "planner"}
 # remaining back-edges: family files that keep a model forward or block binder which calls into executors
 KNOWN_BACK_EDGES = {
     ("streamplan.recognize.diffusers_wan", "streamplan.executors"),
-    ("streamplan.recognize.diffusers_flux", "streamplan.executors"),
-    ("streamplan.recognize.transformers_llama", "streamplan.executors"),
     ("streamplan.recognize.diffusers_h3", "streamplan.executors"),
+    ("streamplan.recognize.transformers_decoders", "streamplan.executors"),
 }
 
 

@@ -12,6 +12,13 @@ from conftest import RecordingConsumer, rel_err
 MiB = 2**20
 
 
+def _block_tiers(handle) -> list[str]:
+    """The tiers of every planned block and part; a model forward streamplan follows (which donates its hidden states
+    and has no stock alternative of its own to plan) is not one of them."""
+    return [p.tier for name, plans in handle.plans.items()
+            if not isinstance(handle.installed[name].spec, streamplan.ir.ModelSpec) for p in plans]
+
+
 def _llama(layers=2, impl="sdpa"):
     cfg = LlamaConfig(hidden_size=256, intermediate_size=688, num_attention_heads=4, num_key_value_heads=2,
                       num_hidden_layers=layers, vocab_size=100, attn_implementation=impl)
@@ -68,7 +75,7 @@ def test_a_budget_above_stock_keeps_every_block_stock(llama_case):
     handle = streamplan.apply(model, budget=int(stock * 1.5))
     out = model(ids).last_hidden_state
     assert torch.equal(out, ref)
-    assert all(p.tier == "L0" for plans in handle.plans.values() for p in plans), handle.report()
+    assert set(_block_tiers(handle)) == {"L0"}, handle.report()
     handle.remove()
 
 
@@ -81,7 +88,7 @@ def test_a_budget_below_the_floor_raises_before_the_block_runs_and_changes_nothi
     with pytest.raises(streamplan.BudgetError) as err:
         model(ids)
     text = str(err.value)
-    assert "8.00 MiB" in text and "smallest peak" in text and "global K and V" in text and "layers.0" in text
+    assert "8.00 MiB" in text and "global K, V and the outputs" in text and "layers.0" in text, text
     handle.remove()
     assert torch.equal(ids, ids_before)
     assert all(torch.equal(p, params[n]) for n, p in model.named_parameters())
@@ -122,7 +129,7 @@ def test_auto_budget_on_cpu_plans_stock_when_memory_is_plentiful():
     ref = model(ids).last_hidden_state
     handle = streamplan.apply(model, budget="auto", reserve="1GiB")
     assert torch.equal(model(ids).last_hidden_state, ref)
-    assert all(p.tier == "L0" for plans in handle.plans.values() for p in plans)
+    assert set(_block_tiers(handle)) == {"L0"}, handle.report()
     assert "budget: auto" in handle.report()
 
 
@@ -192,7 +199,8 @@ def test_the_ladder_climbs_to_head_grouped_kv_when_whole_kv_does_not_fit():
     assert plan.tier == "L3" and plan.head_groups > 1, handle.report()
     assert rel_err(out, ref) <= 1e-5
     assert peak <= budget - live
-    assert abs(plan.predicted_peak - peak) <= 0.10 * peak, (plan.predicted_peak / MiB, peak / MiB)
+    # the graph's memory model bounds each MLP slice's values as alive at once: over, never under, by up to 15%
+    assert peak <= plan.predicted_peak <= 1.15 * peak, (plan.predicted_peak / MiB, peak / MiB)
 
 
 @torch.no_grad()
@@ -203,7 +211,7 @@ def test_the_default_is_the_auto_budget_and_costs_nothing_when_stock_fits():
     handle = streamplan.apply(model)
     assert handle.options.budget == "auto"
     assert torch.equal(model(ids).last_hidden_state, ref)
-    assert all(p.tier == "L0" for plans in handle.plans.values() for p in plans)
+    assert set(_block_tiers(handle)) == {"L0"}, handle.report()
 
 
 def test_planner_chosen_chunks_fill_whole_gpu_waves():

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
-from ..executors.chunks import MAX_SPLITS, _attempt
+from ..executors.chunks import MAX_SPLITS, _attempt, spans
 from .analyze import VIEW_OPS, Analysis, GlobalAttention, Rows, _name, written_args
 from .export import Captured
 from .mlp import MLPRegion, run_region
@@ -89,19 +89,6 @@ def phases(cap: Captured, an: Analysis) -> Phases:
     need = _ancestors([o for o in an.outputs if isinstance(o, fx.Node)] + list(extra.get(output, ())), stop, extra,
                       q_only)
     return Phases(const, kv, [n for n in order if n in need], extra)
-
-
-def spans(rows: int, chunk: int, least: int = 2) -> Iterator[tuple[int, int]]:
-    """Row chunks of ``chunk`` rows (at least ``least``), never a last chunk under ``least`` rows: a captured graph
-    holds for two rows or more, or for as many as its trace assumed."""
-    chunk = max(chunk, least)
-    a = 0
-    while a < rows:
-        b = min(a + chunk, rows)
-        if 0 < rows - b < least:
-            b = rows
-        yield a, b
-        a = b
 
 
 def _last_uses(nodes: list[fx.Node], extra: dict | None = None) -> dict[int, list[fx.Node]]:

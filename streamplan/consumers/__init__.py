@@ -70,11 +70,11 @@ GRAPH_BACKEND = "sdpa"
 _SCOPED: ContextVar[AttentionConsumer | None] = ContextVar("streamplan_graph_consumer", default=None)
 
 
-def graph_consumer() -> AttentionConsumer | None:
+def graph_consumer(backend: str | None = None) -> AttentionConsumer | None:
     """The consumer for the attention nodes of captured graphs: the one a host scoped to this call
-    (``graph_consumer_scope``), else the SDPA one (``register_consumer("sdpa", ...)`` replaces it)."""
+    (``graph_consumer_scope``), else the one registered for the block's own ``backend`` (None: PyTorch SDPA's)."""
     scoped = _SCOPED.get()
-    return scoped if scoped is not None else consumer_for(GRAPH_BACKEND)
+    return scoped if scoped is not None else consumer_for(backend or GRAPH_BACKEND)
 
 
 @contextmanager

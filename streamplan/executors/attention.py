@@ -7,26 +7,19 @@ from ..ir import AttentionCall
 from .chunks import for_chunks
 
 
-def _source_rows(i: int, seg, a: int, b: int) -> torch.Tensor:
-    return seg.source[:, a:b]
-
-
-def build_kv(call: AttentionCall, chunk: int, rows_of=_source_rows,
+def build_kv(call: AttentionCall, chunk: int,
              heads: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V as [B, Nk, Hkv, D] (or only K/V heads ``heads`` = (g0, g1)), written chunk by chunk into
-    whole-sequence buffers.
-
-    ``rows_of(i, segment, a, b)`` gives the attention input rows of segment i (a streamed block passes its prefix).
-    """
+    whole-sequence buffers."""
     if call.kv_whole is not None:
         return call.kv_whole()
     g0, g1 = heads or (0, call.kv_heads)
     shape = (call.batch, call.rows, g1 - g0, call.head_dim)
     buffers: list[torch.Tensor] = []
     start = 0
-    for i, seg in enumerate(call.segments):
-        def work(a: int, b: int, i=i, seg=seg, start=start) -> None:
-            k, v = seg.kv(rows_of(i, seg, a, b), a, b)
+    for seg in call.segments:
+        def work(a: int, b: int, seg=seg, start=start) -> None:
+            k, v = seg.kv(seg.source[:, a:b], a, b)
             if not buffers:
                 buffers.extend((k.new_empty(shape), v.new_empty(shape)))
             buffers[0][:, start + a:start + b] = k[:, :, g0:g1]
@@ -37,9 +30,9 @@ def build_kv(call: AttentionCall, chunk: int, rows_of=_source_rows,
     return buffers[0], buffers[1]
 
 
-def global_kv(call: AttentionCall, chunk: int, rows_of=_source_rows) -> tuple[torch.Tensor, torch.Tensor]:
+def global_kv(call: AttentionCall, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Phase KV: K and V for every row as [B, Hkv, Nk, D] (views), through the cache when the call has one."""
-    k_all, v_all = build_kv(call, chunk, rows_of)
+    k_all, v_all = build_kv(call, chunk)
     k, v = k_all.transpose(1, 2), v_all.transpose(1, 2)
     if call.cache_update is not None:
         k, v = call.cache_update(k, v)
@@ -68,8 +61,7 @@ def attend_rows(call: AttentionCall, consumer, k, v, seg, h: torch.Tensor, start
     return seg.out(o.transpose(1, 2), a, b)
 
 
-def head_grouped_outputs(call: AttentionCall, consumer, chunk: int, groups: int,
-                         rows_of=_source_rows) -> list[torch.Tensor]:
+def head_grouped_outputs(call: AttentionCall, consumer, chunk: int, groups: int) -> list[torch.Tensor]:
     """Tier L3: the attention output of every row, [B, rows, H, D] per segment, built one group of heads at a time,
     so only that group's K and V exist. Each chunk's projections are computed whole and sliced by heads (norms that
     span heads stay exact), once per group."""
@@ -80,11 +72,11 @@ def head_grouped_outputs(call: AttentionCall, consumer, chunk: int, groups: int,
     for g in range(groups):
         g0, g1 = g * per_kv, (g + 1) * per_kv
         h0, h1 = g0 * rep, g1 * rep
-        k_g, v_g = (t.transpose(1, 2) for t in build_kv(call, chunk, rows_of, (g0, g1)))
+        k_g, v_g = (t.transpose(1, 2) for t in build_kv(call, chunk, (g0, g1)))
         start = 0
         for i, seg in enumerate(call.segments):
             def q_work(a: int, b: int, i=i, seg=seg, start=start) -> None:
-                q = seg.q(rows_of(i, seg, a, b), a, b)[:, :, h0:h1].transpose(1, 2)
+                q = seg.q(seg.source[:, a:b], a, b)[:, :, h0:h1].transpose(1, 2)
                 o = consumer.attend(q, k_g, v_g, q_offset=start + a, causal=call.causal,  # noqa: F821 (del after)
                                     mask=_mask(call, start + a, start + b, h0, h1), scale=call.scale)
                 if outs[i] is None:

@@ -21,9 +21,17 @@ class _Events(threading.local):
 EVENTS = _Events()
 
 
-def spans(rows: int, chunk: int) -> Iterator[tuple[int, int]]:
-    for a in range(0, rows, chunk):
-        yield a, min(a + chunk, rows)
+def spans(rows: int, chunk: int, least: int = 1) -> Iterator[tuple[int, int]]:
+    """Row chunks of ``chunk`` rows, never a last one under ``least`` rows (joined to the one before): a captured
+    graph holds from two rows, or from as many as its trace assumed."""
+    chunk = max(chunk, least)
+    a = 0
+    while a < rows:
+        b = min(a + chunk, rows)
+        if 0 < rows - b < least:
+            b = rows
+        yield a, b
+        a = b
 
 
 def for_chunks(rows: int, chunk: int, work: Callable[[int, int], None]) -> None:

@@ -1,8 +1,6 @@
 """Streamed MLP execution: row chunks into one preallocated output, optionally feature-sliced."""
 from __future__ import annotations
 
-import contextlib
-import threading
 from typing import Callable
 
 import torch
@@ -63,40 +61,6 @@ def run_mlp(spec: MLPSpec, plan: Plan, stock: Callable[[torch.Tensor], torch.Ten
     else:
         out = run_row_chunked(stock, x2, plan.chunk)
     return out.view(*x.shape[:-1], out.shape[-1])
-
-
-class _Slicing(threading.local):
-    ffn_slice = 0
-
-
-_SLICING = _Slicing()
-
-
-@contextlib.contextmanager
-def feature_slicing(ffn_slice: int):
-    """Within this context the MLPs of a streamed block run feature-sliced (the plan's L2/L3 slice; 0: whole). The
-    executor enters it with the plan; nothing in a spec is written."""
-    previous, _SLICING.ffn_slice = _SLICING.ffn_slice, ffn_slice
-    try:
-        yield
-    finally:
-        _SLICING.ffn_slice = previous
-
-
-class MLPRunner:
-    """An MLP inside a streamed block: its own forward on the chunk, or feature-sliced when the running plan says
-    so (``feature_slicing``)."""
-
-    def __init__(self, spec: MLPSpec):
-        self.spec = spec
-
-    def __call__(self, h: torch.Tensor) -> torch.Tensor:
-        ffn_slice = _SLICING.ffn_slice
-        if not ffn_slice or torch.is_autocast_enabled():
-            return self.spec.module(h)
-        x2 = h.reshape(-1, h.shape[-1])
-        out = run_feature_sliced(self.spec, x2, x2.shape[0], ffn_slice)
-        return out.view(*h.shape[:-1], out.shape[-1])
 
 
 def run_seq_chunked(stock: Callable[..., torch.Tensor], x: torch.Tensor, chunk: int, rest: tuple,

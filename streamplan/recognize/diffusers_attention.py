@@ -7,7 +7,7 @@ import sys
 import torch
 from torch import nn
 
-from ..ir import AttentionCall, AttentionSpec, Segment, Skip
+from ..ir import AttentionCall, AttentionSpec, Segment, Skip, register_backend_probe
 from .checks import call_args, stock_problem
 
 
@@ -17,6 +17,28 @@ def _active_backend(processor) -> str:
     if backend is None:
         backend = _AttentionBackendRegistry.get_active_backend()[0]
     return getattr(backend, "value", str(backend))
+
+
+_NATIVE = "native"
+_EMPTY = (lambda: None).__code__
+
+
+def _diffusers_backend(block: nn.Module) -> str | None:
+    """The first diffusers attention backend other than native that a processor inside ``block`` would use."""
+    if "diffusers" not in sys.modules:
+        return None
+    for m in block.modules():
+        processor = getattr(m, "processor", None)
+        call = getattr(type(processor), "__call__", None)
+        if processor is None or "dispatch_attention_fn" not in getattr(call, "__code__", _EMPTY).co_names:
+            continue   # AttnProcessor2_0 and kin call PyTorch's SDPA themselves, whatever the backend
+        backend = _active_backend(processor)
+        if backend != _NATIVE:
+            return backend
+    return None
+
+
+register_backend_probe(_diffusers_backend)
 
 
 def _head_norm_ok(norm, head_dim: int) -> bool:
@@ -121,17 +143,3 @@ def recognize_attention(name: str, module: nn.Module) -> AttentionSpec | Skip | 
                          head_dim=D, dim_out=module.to_out[0].out_features,
                          bind=lambda args, kwargs: _bind_attention(module, args, kwargs),
                          backend=lambda: "native")
-
-
-def _known_attention(name: str, module: nn.Module, module_path: str, cls: str, processor: str):
-    """(the library module, None) for an untouched ``cls`` running ``processor``; (None, Skip) when it is that class
-    but not safe; None when it is not that class."""
-    mod = sys.modules.get(module_path)
-    if mod is None or type(module) is not getattr(mod, cls, None):
-        return None
-    problem = stock_problem(module, getattr(mod, cls).forward)
-    if problem is None and type(module.processor) is not getattr(mod, processor):
-        problem = f"processor {type(module.processor).__name__} is not one streamplan knows"
-    return (None, Skip(name, type(module).__name__, problem)) if problem else (mod, None)
-
-

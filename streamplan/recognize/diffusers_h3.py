@@ -10,7 +10,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..executors.block import donate
+from ..executors.donation import donate
 from ..executors.chunks import for_chunks
 from ..ir import ModelSpec, Skip
 from .checks import stock_problem

@@ -34,11 +34,9 @@ def _linear(m: nn.Module) -> bool:
                                                                                   lambda: 0)() == 2)
 
 
-def recognize_generic(name: str, module: nn.Module, fallback: bool = False) -> GraphSpec | Skip:
-    """``fallback``: the block's children keep their own specs for calls its graph cannot take."""
+def recognize_generic(name: str, module: nn.Module) -> GraphSpec | Skip:
     problem = stock_problem(module)
     if problem:
         return Skip(name, type(module).__name__, problem)
     lib = type(module).__module__.split(".")[0]
-    label = f"captured {lib}.{type(module).__name__}" + (" (else its parts)" if fallback else "")
-    return GraphSpec(module, label)
+    return GraphSpec(module, f"captured {lib}.{type(module).__name__}")

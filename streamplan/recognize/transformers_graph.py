@@ -1,0 +1,58 @@
+"""What transformers' decoder layers need on the captured path.
+
+The attention backend is the model config's ``_attn_implementation`` (its consumer serves the graph's attention). A
+layer called with an empty ``DynamicCache`` (prefill) is captured without it, and its cache is then filled from the
+graph's own K and V, as the stock attention would have done; a cache that already holds tokens (decoding, chunked
+prefill) or of another kind keeps the stock call, named."""
+from __future__ import annotations
+
+import sys
+
+import torch
+from torch import nn
+
+from ..ir import AdaptedCall, register_backend_probe, register_call_adapter
+
+
+def _layer_attention(block: nn.Module) -> nn.Module | None:
+    """The submodule that updates the cache: the one with an integer ``layer_idx``."""
+    return next((m for m in block.modules() if isinstance(getattr(m, "layer_idx", None), int)), None)
+
+
+def attention_backend(block: nn.Module) -> str | None:
+    if "transformers" not in sys.modules:
+        return None
+    attn = _layer_attention(block)
+    config = getattr(attn, "config", None)
+    if config is None or not type(attn).__module__.startswith("transformers."):
+        return None
+    return getattr(config, "_attn_implementation", None) or "eager"
+
+
+def adapt_cache_call(block: nn.Module, args: tuple, kwargs: dict) -> AdaptedCall | str | None:
+    if "transformers" not in sys.modules:
+        return None
+    from transformers.cache_utils import Cache
+    caches = [v for v in (*args, *kwargs.values()) if isinstance(v, Cache)]
+    if not caches:
+        return None
+    cache = caches[0]
+    if len(caches) > 1 or type(cache).__name__ != "DynamicCache":
+        return f"a {type(cache).__name__}: the graph fills an empty DynamicCache only"
+    attn = _layer_attention(block)
+    config = getattr(attn, "config", None)
+    if attn is None or config is None:
+        return "a cache, and no attention with a layer index and config to fill it for"
+    if cache.get_seq_length(attn.layer_idx) != 0:
+        return "a cache that already holds tokens (the graph streams prefill into an empty DynamicCache)"
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+    def fill(k: torch.Tensor, v: torch.Tensor) -> None:
+        cache.update(k, v, attn.layer_idx)
+
+    return AdaptedCall(tuple(None if a is cache else a for a in args),
+                       {n: (None if v is cache else v) for n, v in kwargs.items()}, kv_heads, fill)
+
+
+register_call_adapter(adapt_cache_call)
+register_backend_probe(attention_backend)
