@@ -17,8 +17,8 @@ from typing import Callable
 
 DESCRIPTION = (
     "streamplan runs long-sequence transformer inference in bounded activation memory, with the model's own math. "
-    "It finds the transformer blocks of a model (captured to a graph, or by hand-written recognizers for known "
-    "families), runs them over the sequence in bounded chunks, and leaves stock what it does not understand. "
+    "It finds the transformer blocks of a model (each captured to a graph and checked op by op), runs them over the "
+    "sequence in bounded chunks, and leaves stock what it does not understand. "
     "In Python: `handle = streamplan.apply(model)`. The commands below show it at work; "
     "`streamplan COMMAND --help` lists each command's options.")
 
