@@ -14,12 +14,13 @@ from .diffusers_wan import recognize_wan_model
 from .generic import block_candidates, recognize_generic
 from .row_local import recognize_row_local
 from . import transformers_graph  # noqa: F401  (transformers layers on the captured path: backend, cache)
+from .transformers_decoders import recognize_decoder_model
 from .transformers_llama import recognize_gated_mlp, recognize_llama_attention
 
 Recognizer = Callable[[str, nn.Module], "MLPSpec | AttentionSpec | ModelSpec | RowLocalSpec | Skip | None"]
 
 # whole models: their forward is replaced, and their blocks are still recognised on their own
-MODEL_RECOGNIZERS: list[Recognizer] = [recognize_wan_model, recognize_h3_model]
+MODEL_RECOGNIZERS: list[Recognizer] = [recognize_wan_model, recognize_h3_model, recognize_decoder_model]
 # parts: what a block's graph cannot take (a cache) or a module outside any block
 RECOGNIZERS: list[Recognizer] = [recognize_feedforward, recognize_gated_mlp, recognize_attention,
                                  recognize_llama_attention, recognize_row_local]

@@ -1,0 +1,215 @@
+"""H200: whole transformers causal LMs at long context (issue 16), Llama-3-8B width (4096, 32x128 heads, 8 K/V heads,
+SwiGLU 14336, vocab 128256), 32 layers, bf16, SDPA, random weights.
+
+prefill: ``model(ids, logits_to_keep=1, use_cache=False)``, stock beside streamplan (its model forward with the
+residual donated to every layer, layers from their captured graphs). Peak KB/token above weights and inputs against
+the floor (residual + one layer's K + V: 12.0 KB/token), time against stock, the last token's logits against stock's
+(and stock's own flash-vs-default difference). Every mode is one run of a few minutes at most; at 1M tokens each mode
+alone takes several (one pass of 32 layers' attention over 1M rows), so run them one command each there.
+
+generate: ``generate(max_new_tokens=16)`` greedy with transformers' offloaded cache, stock beside streamplan (the
+prefill streams: layers through their parts, the attention filling the cache; decoding steps run stock); tokens
+compared.
+
+    python benchmarks/gpu_llm.py smoke                            # 2 layers, 8192 tokens, every prefill mode
+    python benchmarks/gpu_llm.py prefill 131072                   # stock, chunk 16384, held to 1.15x the floor
+    python benchmarks/gpu_llm.py prefill 1048576 stock            # one mode per command at 1M tokens
+    python benchmarks/gpu_llm.py prefill 1048576 held
+    python benchmarks/gpu_llm.py generate 262144                  # stock and streamplan, offloaded cache
+
+An optional last argument ``layers=N`` changes the layer count (default 32). Results: ``$OUT/gpu_llm_<what>_<tokens>
+[_<modes>].json``, written after every row.
+"""
+from __future__ import annotations
+
+import gc
+import sys
+import time
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import streamplan
+from common import cuda_time, device_info, write_results
+from streamplan.verify import compare_outputs
+
+BF16 = torch.bfloat16
+HIDDEN, FFN, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 4096, 14336, 32, 8, 128, 128256
+FLOOR = (HIDDEN + 2 * KV_HEADS * HEAD_DIM) * 2          # bytes per token: residual + K + V, bf16
+CHUNK = 16384
+DEVICE = "cuda"
+GENERATE_CACHE = "offloaded"    # transformers' cache_implementation for generate
+PREFILL_MODES = ("stock", "chunk", "held")
+
+
+def build(layers: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(hidden_size=HIDDEN, intermediate_size=FFN, num_attention_heads=HEADS,
+                      num_key_value_heads=KV_HEADS, num_hidden_layers=layers, vocab_size=VOCAB,
+                      max_position_embeddings=1 << 21, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    with torch.device(DEVICE):   # initialised on the card: 8B random weights are slow to make on a CPU
+        return LlamaForCausalLM(cfg).to(BF16).eval()
+
+
+def _clean() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _logits_summary(logits: torch.Tensor) -> dict:
+    last = logits[0, -1].float()
+    return {"top5": last.topk(5).indices.tolist(), "head8": [round(v, 4) for v in last[:8].tolist()],
+            "norm": last.norm().item()}
+
+
+def _timed_peak(fn):
+    """(result, peak bytes, seconds) of one run: peak from the allocator (measure_peak synchronises)."""
+    start = time.perf_counter()
+    out, peak = streamplan.measure_peak(fn, device=DEVICE)
+    return out, peak, time.perf_counter() - start
+
+
+def _apply(model, mode: str, inputs: int, n: int):
+    if mode == "chunk":
+        return streamplan.apply(model, chunk_tokens=CHUNK)
+    if mode == "held":   # the planner given the inputs plus 1.15x the floor
+        return streamplan.apply(model, budget=int(inputs + 1.15 * FLOOR * n))
+    raise ValueError(f"unknown mode {mode!r}: one of {', '.join(PREFILL_MODES)}")
+
+
+def prefill(n: int, layers: int, modes: list[str], name: str) -> list[dict]:
+    model = build(layers)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    ids = torch.randint(0, VOCAB, (1, n), device=DEVICE, generator=torch.Generator(device=DEVICE).manual_seed(1))
+    call = lambda: model(ids, logits_to_keep=1, use_cache=False)  # noqa: E731
+    repeats = 2 if n <= 262144 else 0     # past 256k tokens one run is minutes: its own time is the time
+    base = {"case": f"llama3-8b-width-{layers}-layers", "tokens": n, "layers": layers, "weights_GiB": weights / 2**30,
+            "floor_KB_per_token": FLOOR / 1024, "transformers": __import__("transformers").__version__}
+    kb = lambda b: b / n / 1024  # noqa: E731
+    rows: list[dict] = []
+    ref = None
+    stock_t = None
+
+    def emit(row: dict) -> None:
+        rows.append({**base, **row})
+        print(rows[-1], flush=True)
+        write_results(name, {**device_info(), "rows": rows})
+
+    with torch.inference_mode():
+        if "stock" in modes:
+            _clean()
+            try:
+                out, peak, t = _timed_peak(call)
+                ref = out.logits
+                del out
+                stock_t = cuda_time(call, repeats=repeats, warmup=0) if repeats else t
+                noise = None
+                if repeats:
+                    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                        noise = compare_outputs(call().logits, ref)["output"]["rel"]
+                emit({"mode": "stock", "KB_per_token": kb(peak), "peak_vs_floor": peak / FLOOR / n, "time_s": stock_t,
+                      "stock_flash_vs_default_rel_diff": noise, "logits": _logits_summary(ref)})
+            except torch.OutOfMemoryError as exc:
+                emit({"mode": "stock", "error": "out of memory", "detail": str(exc)[:400],
+                      "max_allocated_GiB": torch.cuda.max_memory_allocated() / 2**30
+                      if torch.cuda.is_available() else None})
+            _clean()
+        for mode in [m for m in modes if m != "stock"]:
+            _clean()
+            handle = _apply(model, mode, ids.numel() * ids.element_size(), n)
+            try:
+                start = time.perf_counter()
+                out, peak, t = _timed_peak(call)
+                first_s = time.perf_counter() - start
+                logits = out.logits
+                del out
+                t = cuda_time(call, repeats=repeats, warmup=0) if repeats else t
+                layer_plans = [p for k, ps in handle.plans.items()
+                               if k.startswith("model.layers.") and k.count(".") == 2 for p in ps]
+                emit({"mode": f"streamplan {mode}", "KB_per_token": kb(peak), "peak_vs_floor": peak / FLOOR / n,
+                      "time_s": t, "time_ratio": t / stock_t if stock_t else None,
+                      "first_call_s_with_capture": first_s,
+                      "rel_diff": compare_outputs(logits, ref)["output"]["rel"] if ref is not None else None,
+                      "same_argmax": bool(torch.equal(logits.argmax(-1), ref.argmax(-1))) if ref is not None else None,
+                      "logits": _logits_summary(logits),
+                      "layer_tiers": sorted({f"{p.tier}/{p.chunk}" for p in layer_plans}),
+                      "model_forward_notes": [x for k in ("", "model") if k in handle.installed
+                                              for x in handle.installed[k].runtime_notes],
+                      "report": handle.report()})
+                del logits
+            except (torch.OutOfMemoryError, streamplan.BudgetError) as exc:
+                emit({"mode": f"streamplan {mode}", "error": type(exc).__name__, "detail": str(exc)[:400]})
+            finally:
+                handle.remove()
+    del model
+    _clean()
+    return rows
+
+
+def generate(n: int, layers: int, name: str, new_tokens: int = 16) -> list[dict]:
+    model = build(layers)
+    ids = torch.randint(0, VOCAB, (1, n), device=DEVICE, generator=torch.Generator(device=DEVICE).manual_seed(1))
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+              do_sample=False, cache_implementation=GENERATE_CACHE, pad_token_id=0)
+    call = lambda: model.generate(ids, **kw)  # noqa: E731
+    base = {"case": f"llama3-8b-width-{layers}-layers generate, {GENERATE_CACHE} cache", "tokens": n, "layers": layers,
+            "new_tokens": new_tokens, "floor_KB_per_token": FLOOR / 1024,
+            "transformers": __import__("transformers").__version__}
+    rows: list[dict] = []
+    ref = stock_t = None
+
+    def emit(row: dict) -> None:
+        rows.append({**base, **row})
+        print(rows[-1], flush=True)
+        write_results(name, {**device_info(), "rows": rows})
+
+    with torch.inference_mode():
+        _clean()
+        try:
+            ref, peak, stock_t = _timed_peak(call)
+            emit({"mode": "stock", "KB_per_token": peak / n / 1024, "time_s": stock_t,
+                  "tokens_out": ref[0, n:].tolist()})
+        except torch.OutOfMemoryError as exc:
+            emit({"mode": "stock", "error": "out of memory", "detail": str(exc)[:400]})
+        _clean()
+        handle = streamplan.apply(model, chunk_tokens=CHUNK)
+        try:
+            out, peak, t = _timed_peak(call)
+            emit({"mode": f"streamplan chunk {CHUNK}", "KB_per_token": peak / n / 1024, "time_s": t,
+                  "time_ratio": t / stock_t if stock_t else None, "tokens_out": out[0, n:].tolist(),
+                  "same_tokens": bool(torch.equal(out, ref)) if ref is not None else None,
+                  "report": handle.report()})
+        except (torch.OutOfMemoryError, streamplan.BudgetError) as exc:
+            emit({"mode": f"streamplan chunk {CHUNK}", "error": type(exc).__name__, "detail": str(exc)[:400]})
+        finally:
+            handle.remove()
+    return rows
+
+
+def main() -> int:
+    args = [a for a in sys.argv[1:] if not a.startswith("layers=")]
+    layers = next((int(a[7:]) for a in sys.argv[1:] if a.startswith("layers=")), 32)
+    print(device_info(), flush=True)
+    what = args[0] if args else "smoke"
+    if what == "smoke":
+        n = int(args[1]) if len(args) > 1 else 8192
+        prefill(n, min(layers, 2), list(PREFILL_MODES), f"gpu_llm_smoke_{n}")
+        generate(n, min(layers, 2), f"gpu_llm_smoke_generate_{n}", new_tokens=4)
+    elif what == "prefill":
+        n = int(args[1]) if len(args) > 1 else 131072
+        modes = args[2].split(",") if len(args) > 2 else list(PREFILL_MODES)
+        suffix = "" if len(args) <= 2 else "_" + "_".join(modes)
+        prefill(n, layers, modes, f"gpu_llm_prefill_{n}{suffix}" + ("" if layers == 32 else f"_{layers}l"))
+    elif what == "generate":
+        n = int(args[1]) if len(args) > 1 else 262144
+        generate(n, layers, f"gpu_llm_generate_{n}" + ("" if layers == 32 else f"_{layers}l"))
+    else:
+        print(__doc__)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

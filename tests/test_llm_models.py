@@ -1,0 +1,367 @@
+"""Whole transformers decoder models (``streamplan.recognize.transformers_decoders``): tiny random-weight causal LMs of
+each family, streamed against the real model's own forward (logits and cache contents), batch 2, padding, caches,
+``logits_to_keep``, the measured peak against the floor, the version fingerprint, and ``remove()``."""
+import copy
+import inspect
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import streamplan  # noqa: E402
+from conftest import rel_err  # noqa: E402
+from streamplan.recognize import transformers_decoders as decoders  # noqa: E402
+
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 64, 4, 2, 16, 128
+WINDOW = 32
+N, CHUNK = 200, 64
+COMMON = dict(hidden_size=HIDDEN, intermediate_size=128, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+              num_hidden_layers=2, vocab_size=VOCAB, head_dim=HEAD_DIM, pad_token_id=0, bos_token_id=1,
+              eos_token_id=2)
+FAMILIES = {   # name -> (model_type, config overrides, the layers whose calls stream from their graph at N tokens)
+    "llama": ("llama", {}, [0, 1]),
+    "mistral": ("mistral", dict(sliding_window=None), [0, 1]),
+    "qwen2": ("qwen2", {}, [0, 1]),
+    "qwen3": ("qwen3", {}, [0, 1]),
+    "phi3": ("phi3", dict(sliding_window=None), [0, 1]),
+    "gemma": ("gemma", {}, [0, 1]),
+    # eager attention (transformers refuses SDPA with soft-capping): every mask is materialised, its layers stay stock
+    "gemma2": ("gemma2", dict(sliding_window=WINDOW), []),
+    # layer 0 slides over a window shorter than N (a banded [N, N] mask: stock), layer 1 attends fully
+    "gemma3": ("gemma3_text", dict(sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"]), [1]),
+}
+CACHE = "cache" if "cache" in inspect.signature(transformers.LlamaForCausalLM.forward).parameters else \
+    "past_key_values"
+MASK_REASON = "2 row dimensions (a mask over rows x rows?)"
+
+
+def _lm(name: str, **over):
+    model_type, overrides, _ = FAMILIES[name]
+    torch.manual_seed(0)
+    cfg = transformers.AutoConfig.for_model(model_type, **{**COMMON, **overrides, **over})
+    impl = "eager" if model_type == "gemma2" else "sdpa"
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=impl).eval()
+    with torch.no_grad():   # norms away from one, so a norm applied twice or not at all shows
+        for pname, p in model.named_parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.2)
+    return model
+
+
+def _ids(batch=2, n=N):
+    return torch.randint(3, VOCAB, (batch, n), generator=torch.Generator().manual_seed(n))
+
+
+def _cache_of(out):
+    found = getattr(out, "cache", None)
+    return found if found is not None else out.past_key_values
+
+
+def _same_cache(a, b) -> None:
+    assert len(a.layers) == len(b.layers)
+    for la, lb in zip(a.layers, b.layers):
+        assert la.keys.shape == lb.keys.shape and la.values.shape == lb.values.shape
+        assert rel_err(la.keys, lb.keys) <= 1e-5 and rel_err(la.values, lb.values) <= 1e-5
+
+
+def _notes(handle, prefix: str) -> str:
+    return " ".join(n for name, e in handle.installed.items() if name.startswith(prefix) for n in e.runtime_notes)
+
+
+def _tiers(handle, name: str) -> list[str]:
+    return [p.tier for p in handle.plans.get(name, [])]
+
+
+def _streamed(handle, name: str) -> bool:
+    """The model forward at ``name`` streamed every call so far (none ran stock)."""
+    entry = handle.installed[name]
+    tiers = _tiers(handle, name)
+    return bool(tiers) and set(tiers) == {"L1"} and not any("ran stock" in n for n in entry.runtime_notes)
+
+
+def _restored(model, handle, ids, ref) -> None:
+    handle.remove()
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    with torch.no_grad():
+        assert torch.equal(model(ids, use_cache=False).logits, ref)
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+@torch.no_grad()
+def test_family_streams_exactly_and_restores(name):
+    model, ids = _lm(name), _ids()
+    ref = model(ids, use_cache=False).logits
+    handle = streamplan.apply(model, chunk_tokens=CHUNK)
+    out = model(ids, use_cache=False).logits
+    report = handle.report()
+    assert out.shape == ref.shape and rel_err(out, ref) <= 1e-5, (name, rel_err(out, ref))
+    assert _tiers(handle, "") == ["L1"] and _tiers(handle, "model") == ["L1"], report
+    assert "model forward ran stock" not in report
+    for i in range(2):
+        tiers = _tiers(handle, f"model.layers.{i}")
+        if i in FAMILIES[name][2]:
+            assert tiers == ["L1"] and handle.plans[f"model.layers.{i}"][0].rows == N, report
+        else:   # a materialised mask over rows x rows: the layer keeps its stock forward and says why
+            assert "L1" not in tiers and MASK_REASON in _notes(handle, f"model.layers.{i}"), report
+    _restored(model, handle, ids, ref)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3", "gemma3"])
+@pytest.mark.parametrize("given", [False, True], ids=["created", "given"])
+@torch.no_grad()
+def test_prefill_into_an_empty_dynamic_cache_then_decode(name, given):
+    """Each layer streams the call its own way (from its graph where the capture takes a cache, else its parts); the
+    cache holds what stock's holds, and the next decoding step (stock: one token) reads it to the same logits."""
+    model, ids = _lm(name), _ids()
+    cache = lambda: {CACHE: transformers.DynamicCache(config=model.config)} if given else {}  # noqa: E731
+    ref = model(ids, use_cache=True, **cache())
+    handle = streamplan.apply(model, chunk_tokens=CHUNK)
+    out = model(ids, use_cache=True, **cache())
+    assert rel_err(out.logits, ref.logits) <= 1e-5
+    _same_cache(_cache_of(out), _cache_of(ref))
+    assert _streamed(handle, "model"), handle.report()
+    nxt = _ids(n=1)
+    step = model(nxt, use_cache=True, **{CACHE: _cache_of(out)})
+    handle.remove()
+    step_ref = model(nxt, use_cache=True, **{CACHE: _cache_of(ref)})
+    assert rel_err(step.logits, step_ref.logits) <= 1e-5
+    _same_cache(_cache_of(step), _cache_of(step_ref))
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2"])
+@torch.no_grad()
+def test_padding_mask_batch_two(name):
+    """transformers builds the padded batch's mask as [B, 1, N, N] (stock does the same): the model forward streams,
+    the layers keep their stock forward (their attention parts stream where a hand-written spec knows them) and the
+    report says why. Logits of every real token and the cache match stock."""
+    model, ids = _lm(name), _ids()
+    mask = torch.ones_like(ids)
+    mask[0, :9] = 0          # left padding
+    mask[1, N - 13:] = 0     # right padding
+    ref = model(ids, attention_mask=mask, use_cache=True)
+    ref_nc = model(ids, attention_mask=mask, use_cache=False).logits
+    handle = streamplan.apply(model, chunk_tokens=CHUNK)
+    out = model(ids, attention_mask=mask, use_cache=True)
+    out_nc = model(ids, attention_mask=mask, use_cache=False).logits
+    keep = mask.bool()
+    assert rel_err(out.logits[keep], ref.logits[keep]) <= 1e-5
+    assert rel_err(out_nc[keep], ref_nc[keep]) <= 1e-5
+    _same_cache(_cache_of(out), _cache_of(ref))
+    assert _streamed(handle, "model"), handle.report()
+    for i in range(2):   # each layer streamed the padded call, or kept its stock forward over the mask and says so
+        assert _tiers(handle, f"model.layers.{i}") == ["L1"] or MASK_REASON in _notes(handle, f"model.layers.{i}")
+    handle.remove()
+
+
+@torch.no_grad()
+def test_generate_with_padding_gives_stock_tokens():
+    model = _lm("llama")
+    ids = _ids()
+    mask = torch.ones_like(ids)
+    mask[1, :11] = 0
+    kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    ref = model.generate(ids, **kw)
+    handle = streamplan.apply(model, chunk_tokens=CHUNK)
+    out = model.generate(ids, **kw)
+    assert torch.equal(out, ref)
+    assert _tiers(handle, "model")[0] == "L1"
+    assert "a decoding step" in _notes(handle, "model"), handle.report()
+    handle.remove()
+
+
+@pytest.mark.parametrize("keep", [1, 5, 0, "tensor"])
+@torch.no_grad()
+def test_logits_to_keep(keep):
+    model, ids = _lm("gemma3", final_logit_softcapping=2.0), _ids()   # soft-capped logits: in place here
+    model.lm_head.weight.mul_(50)   # logits of a few units: where soft-capping bends them
+    keep = torch.tensor([0, 7, 150, -1, 7]) if keep == "tensor" else keep
+    ref = model(ids, use_cache=False, logits_to_keep=keep).logits
+    handle = streamplan.apply(model, chunk_tokens=3)   # the final norm in 3-row chunks
+    out = model(ids, use_cache=False, logits_to_keep=keep).logits
+    assert out.shape == ref.shape and rel_err(out, ref) <= 1e-5
+    assert _tiers(handle, "") == ["L1"]
+    handle.remove()
+
+
+@torch.no_grad()
+def test_calls_the_head_cannot_take_run_stock_with_the_reason():
+    model, ids = _lm("llama"), _ids()
+    rows = torch.tensor([[1, 2], [3, 4]])
+    labels = _ids()
+    ref_rows = model(ids, use_cache=False, logits_to_keep=rows).logits
+    ref_loss = model(ids, use_cache=False, labels=labels).loss
+    handle = streamplan.apply(model, chunk_tokens=CHUNK)
+    assert torch.equal(model(ids, use_cache=False, logits_to_keep=rows).logits, ref_rows)
+    assert rel_err(model(ids, use_cache=False, labels=labels).loss, ref_loss) <= 1e-5
+    notes = _notes(handle, "")
+    assert "logits_to_keep is not an int or a 1-D tensor" in notes and "labels are given" in notes
+    assert _tiers(handle, "model") == ["L1"]   # the model under the stock head still streams
+    handle.remove()
+
+
+@torch.no_grad()
+def test_return_dict_false_and_inputs_embeds():
+    model, ids = _lm("qwen2"), _ids()
+    embeds = model.model.embed_tokens(ids)
+    before = embeds.clone()
+    ref = model(inputs_embeds=embeds, use_cache=False, return_dict=False)
+    base_ref = model.model(ids, use_cache=False, return_dict=False)
+    handle = streamplan.apply(model, chunk_tokens=CHUNK)
+    out = model(inputs_embeds=embeds, use_cache=False, return_dict=False)
+    base = model.model(ids, use_cache=False, return_dict=False)
+    assert isinstance(out, tuple) and len(out) == len(ref) and rel_err(out[0], ref[0]) <= 1e-5
+    assert isinstance(base, tuple) and len(base) == len(base_ref) and rel_err(base[0], base_ref[0]) <= 1e-5
+    assert torch.equal(embeds, before)   # the caller's embeddings are not the residual
+    assert _streamed(handle, "model"), handle.report()
+    handle.remove()
+
+
+@torch.no_grad()
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="transformers' offloaded cache moves layers to and from CUDA")
+def test_offloaded_cache_prefill():
+    model, ids = _lm("llama").cuda(), _ids().cuda()
+    cache = lambda: {CACHE: transformers.DynamicCache(config=model.config, offloading=True)}  # noqa: E731
+    ref = model(ids, use_cache=True, **cache())
+    handle = streamplan.apply(model, chunk_tokens=CHUNK)
+    out = model(ids, use_cache=True, **cache())
+    assert rel_err(out.logits, ref.logits) <= 1e-5
+    _same_cache(_cache_of(out), _cache_of(ref))
+    assert _streamed(handle, "model"), handle.report()
+    handle.remove()
+
+
+@torch.no_grad()
+def test_quantized_cache_prefill():
+    try:
+        transformers.QuantizedCache("fp8", _lm("llama").config)
+    except (ValueError, TypeError, ImportError) as exc:
+        pytest.skip(f"this transformers has no fp8 QuantizedCache: {exc}")
+    model, ids = _lm("llama"), _ids()
+    ref = model(ids, use_cache=True, **{CACHE: transformers.QuantizedCache("fp8", model.config)})
+    handle = streamplan.apply(model, chunk_tokens=CHUNK)
+    out_cache = transformers.QuantizedCache("fp8", model.config)
+    out = model(ids, use_cache=True, **{CACHE: out_cache})
+    assert rel_err(out.logits, ref.logits) <= 1e-5
+    for la, lb in zip(out_cache.layers, _cache_of(ref).layers):
+        for qa, qb in ((la._quantized_keys, lb._quantized_keys), (la._quantized_values, lb._quantized_values)):
+            assert rel_err(qa[0].float(), qb[0].float()) <= 1e-5 and torch.equal(qa[1], qb[1])
+    assert _streamed(handle, "model"), handle.report()
+    handle.remove()
+
+
+@torch.no_grad()
+def test_sliding_window_within_and_past_the_window():
+    """Within the window transformers hands no mask: every layer streams. Past it the banded mask is
+    [B, 1, N, N]: the layers keep their stock forward, and say why."""
+    model = _lm("mistral", sliding_window=WINDOW)
+    short, long = _ids(n=WINDOW - 2), _ids()
+    ref_short, ref_long = (model(x, use_cache=False).logits for x in (short, long))
+    handle = streamplan.apply(model, chunk_tokens=8)
+    assert rel_err(model(short, use_cache=False).logits, ref_short) <= 1e-5
+    assert _tiers(handle, "model.layers.0") == ["L1"]
+    assert rel_err(model(long, use_cache=False).logits, ref_long) <= 1e-5
+    assert MASK_REASON in _notes(handle, "model.layers.0"), handle.report()
+    assert _streamed(handle, "model"), handle.report()
+    handle.remove()
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+@torch.no_grad()
+def test_peak_is_near_the_floor(name):
+    """A prefill without cache (logits_to_keep=1) holds the residual, one layer's K and V, the rotary tables (a
+    quarter of the floor at this width, 4% at Llama-3-8B's) and one chunk's transients; stock holds several
+    residuals at once (the embeddings, each layer's input and output, the final norm's float32 copies)."""
+    n, chunk = 8192, 128
+    model, ids = _lm(name), _ids(batch=1, n=n)
+    call = lambda: model(ids, use_cache=False, logits_to_keep=1)  # noqa: E731
+    ref, stock_peak = streamplan.measure_peak(call)
+    handle = streamplan.apply(model, chunk_tokens=chunk)
+    out, peak = streamplan.measure_peak(call)
+    assert rel_err(out.logits, ref.logits) <= 1e-5
+    floor = n * (HIDDEN + 2 * KV_HEADS * HEAD_DIM) * 4        # residual + K + V, float32
+    rope = n * 2 * HEAD_DIM * 4 + n * 8                      # cos, sin and the position ids
+    # one 128-row chunk of a 64-wide layer's transients: an eighth of the floor here (a few percent at real widths);
+    # a second residual (a layer's output beside its input, or the embeddings kept) would be half the floor more
+    assert peak <= floor + rope + floor / 4, (peak / floor, stock_peak / floor)
+    assert stock_peak > 3 * peak, (peak / floor, stock_peak / floor)
+    handle.remove()
+
+
+@torch.no_grad()
+def test_prefill_peak_with_a_cache_is_the_cache_and_the_residual():
+    """Prefill into a DynamicCache: each layer's K and V stay, in the cache; beyond it only the residual and, while a
+    layer fills the cache, its K and V once more (transformers' DynamicLayer copies what it is given)."""
+    n, chunk = 8192, 128
+    model, ids = _lm("llama"), _ids(batch=1, n=n)
+    call = lambda: model(ids, use_cache=True, logits_to_keep=1)  # noqa: E731
+    ref, stock_peak = streamplan.measure_peak(call)
+    handle = streamplan.apply(model, chunk_tokens=chunk)
+    out, peak = streamplan.measure_peak(call)
+    assert rel_err(out.logits, ref.logits) <= 1e-5
+    _same_cache(_cache_of(out), _cache_of(ref))
+    residual, cache = n * HIDDEN * 4, 2 * n * 2 * KV_HEADS * HEAD_DIM * 4     # two layers' K and V, float32
+    rope = n * 2 * HEAD_DIM * 4 + n * 8
+    kv = n * 2 * KV_HEADS * HEAD_DIM * 4
+    assert peak <= residual + cache + kv + rope + residual / 4, (peak / residual, stock_peak / residual)
+    assert stock_peak > 2 * peak
+    handle.remove()
+
+
+@torch.no_grad()
+def test_forward_of_another_version_stays_stock(monkeypatch):
+    monkeypatch.setitem(decoders.FORWARDS, "LlamaModel", {"0000": "0.0"})
+    model, ids = _lm("llama"), _ids()
+    ref = model(ids, use_cache=False).logits
+    handle = streamplan.apply(model, chunk_tokens=CHUNK)
+    out = model(ids, use_cache=False).logits
+    report = handle.report()
+    assert "model forward left stock" in report and "differs from the transformers versions" in report, report
+    assert rel_err(out, ref) <= 1e-5
+    assert _tiers(handle, "model.layers.0") == ["L1"]   # the layers still stream, from their graphs
+    assert _tiers(handle, "") == ["L1"]                 # and the head, which calls the (stock) model
+    _restored(model, handle, ids, ref)
+
+
+@torch.no_grad()
+def test_output_flags_keep_the_model_forward_stock():
+    model, ids = _lm("llama"), _ids()
+    # asking for hidden states once installs transformers' capturing hooks for good: the reference runs on a copy
+    ref = copy.deepcopy(model)(ids, use_cache=False, output_hidden_states=True)
+    handle = streamplan.apply(model, chunk_tokens=CHUNK)
+    out = model(ids, use_cache=False, output_hidden_states=True)
+    assert rel_err(out.logits, ref.logits) <= 1e-5
+    assert "output_hidden_states asks for every layer's hidden states" in _notes(handle, "model"), handle.report()
+    assert "has forward hooks" in " ".join(s.reason for s in streamplan.apply(model).skipped)   # they stay
+    handle.remove()
+
+
+@torch.no_grad()
+def test_a_hook_added_after_apply_keeps_the_model_forward_stock():
+    model, ids = _lm("llama"), _ids()
+    ref = model(ids, use_cache=False).logits
+    handle = streamplan.apply(model, chunk_tokens=CHUNK)
+    seen = []
+    hook = model.model.layers[1].register_forward_hook(lambda m, a, o: seen.append(o))
+    try:
+        out = model(ids, use_cache=False).logits
+    finally:
+        hook.remove()
+    assert rel_err(out, ref) <= 1e-5 and len(seen) == 1
+    assert "layers.1 has forward hooks" in _notes(handle, "model"), handle.report()
+    assert not any(p.rows == CHUNK for p in handle.plans["model.norm"])   # stock: the final norm on every row
+    assert rel_err(model(ids, use_cache=False).logits, ref) <= 1e-5
+    assert any(p.rows == CHUNK for p in handle.plans["model.norm"])       # streamed again: in row chunks
+    handle.remove()
+
+
+def test_known_forwards_are_the_installed_ones():
+    """Each followed class's forward at the installed transformers is one of the fingerprints (a new pin must be
+    read and added, or its models stay stock)."""
+    from streamplan.recognize.checks import source_fingerprint
+    if transformers.__version__ not in decoders.CACHE_NAME:
+        pytest.skip(f"transformers {transformers.__version__} is not a version streamplan follows")
+    for cls_name, known in decoders.FORWARDS.items():
+        family = (decoders.MODELS.get(cls_name) or decoders.LMS[cls_name]).module
+        cls = getattr(__import__(f"transformers.models.{family}.modeling_{family}", fromlist=[cls_name]), cls_name)
+        assert known.get(source_fingerprint(cls.forward)) == transformers.__version__, cls_name
