@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves as pytree_leaves
 
+from . import hooks
 from .budget import DEFAULT_RESERVE, auto_budget, parse_budget
 from .consumers import consumer_for, graph_consumer, unsupported
 from .executors.attention import run_attention
@@ -159,13 +160,18 @@ def _workspace_row_bytes(consumer, call: AttentionCall, elem: int) -> int:
 
 def _restore(module: nn.Module, wrapper: Any, previous: Any) -> None:
     """Put back what ``module.forward`` held before streamplan, unless someone wrapped it since (then theirs stays:
-    it still calls ours, which now runs stock via the bypass-free stock path)."""
+    it still calls ours, which now runs stock via the bypass-free stock path). Inside a diffusers hook chain (installed
+    there, or moved there by hooks registered after ``apply``) only streamplan's link is taken out."""
     current = module.__dict__.get("forward", _MISSING)
+    if current is not wrapper and wrapper is not None and hooks.uninstall(
+            module, wrapper, type(module).forward.__get__(module) if previous is _MISSING else previous):
+        return
     if current is not wrapper and wrapper is not None:
         log.warning("streamplan: %s.forward was replaced after apply; leaving the newer forward in place",
                     type(module).__name__)
         return
-    if previous is _MISSING:
+    if previous is _MISSING or (getattr(previous, "__self__", None) is module
+                                and getattr(previous, "__func__", None) is type(module).forward):
         module.__dict__.pop("forward", None)
     else:
         module.forward = previous
@@ -251,7 +257,12 @@ class StreamHandle:
                 return self._run(entry, args, kwargs)
 
         setattr(streamed_forward, STREAMED_MARK, True)
-        module.forward = streamed_forward
+        inner = hooks.install(module, streamed_forward)   # inside the module's diffusers hooks, where stock ran
+        if inner is None:
+            module.forward = streamed_forward
+        else:   # the stock fallback is the link replaced, not the chain (which would come back here)
+            entry.stock = entry.previous = inner
+            entry.runtime_notes.append(f"runs inside diffusers hooks: {', '.join(hooks.hook_names(module))}")
         entry.wrapper = streamed_forward
         self.installed[name] = entry
 
@@ -472,7 +483,14 @@ class StreamHandle:
         return run_attention(call, consumer, plan.chunk, plan.head_groups)
 
     def _run_graph(self, entry: Installed, args: tuple, kwargs: dict) -> Any:
-        """A block streamed from its captured graph (``streamplan.capture``)."""
+        """A block streamed from its captured graph (``streamplan.capture``). The graph reads the block's weights
+        directly: hooks on leaves inside it (leaf-level offloading, layerwise casting) put them in place first."""
+        if not hooks.leaf_hooks(entry.module):
+            return self._run_graph_onloaded(entry, args, kwargs)
+        with hooks.onloaded(entry.module):
+            return self._run_graph_onloaded(entry, args, kwargs)
+
+    def _run_graph_onloaded(self, entry: Installed, args: tuple, kwargs: dict) -> Any:
         from .capture import rows_of_call, streamable
         from .capture.execute import GraphRun
         from .capture.memory import _numel as numel_besides, graph_memory
@@ -533,6 +551,10 @@ class StreamHandle:
         r0 = an.rows.get(out0) if out0 is not None else None
         if getattr(r0, "dim", None) == 1 and r0.pre + r0.post == 0:   # the output has the input's rows: donate
             x = next((t for t in tensors if donated(t)), None)
+            held = hooks.holding_inputs(module) if x is not None else None
+            if held:   # a cache hook compares the block's output with its input: that input must survive
+                self._note(entry, f"block input not donated: {held} keeps a reference to it")
+                x = None
             val = out0.meta["val"]
             if x is not None and x.dim() == val.dim() and x.shape[1] == rows and x.dtype == val.dtype:
                 donate[0] = x

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from torch.nn.modules import module as _module_globals
 
+from .. import hooks as diffusers_hooks
 from ..ir import Activation
 
 STREAMED_MARK = "__streamplan_streamed__"
@@ -39,9 +40,13 @@ def global_hook_problem() -> str | None:
     return None
 
 
-def stock_problem(module: nn.Module, expected_forward: Callable | None = None, *, subtree: bool = True) -> str | None:
+def stock_problem(module: nn.Module, expected_forward: Callable | None = None, *, subtree: bool = True,
+                  onloads: bool = False) -> str | None:
     """Why ``module`` cannot be streamed safely as a known structure, or None. ``subtree=False`` checks the module
-    alone (a model whose forward streamplan replaces; its children are judged on their own)."""
+    alone (a model whose forward streamplan replaces; its children are judged on their own). Known diffusers hooks on
+    the module itself are fine (streamplan runs inside them, ``streamplan.hooks``); on modules inside it only when their
+    weights are in place when read (``onloads``: the caller runs their weight hooks around its run, as a captured
+    graph does, or calls those modules through their own forwards); a path that reads them directly must not pass it."""
     if module.training:
         return "in training mode (streamplan is for inference: call .eval())"
     if expected_forward is not None and not (type(module).forward is expected_forward
@@ -53,7 +58,11 @@ def stock_problem(module: nn.Module, expected_forward: Callable | None = None, *
     for name, m in (module.named_modules() if subtree else [("", module)]):
         where = name or "the module"
         fwd = m.__dict__.get("forward")
-        if fwd is not None:
+        if fwd is not None and diffusers_hooks.registry(m) is not None:
+            problem = _diffusers_hooks_problem(module, m, where, onloads)
+            if problem:
+                return problem
+        elif fwd is not None:
             if getattr(fwd, STREAMED_MARK, False) and m is module:
                 return "already streamed by another streamplan handle"
             if getattr(m, "_hf_hook", None) is not None:
@@ -63,6 +72,18 @@ def stock_problem(module: nn.Module, expected_forward: Callable | None = None, *
         if hooks:
             return f"{where} has {', '.join(hooks)} streamplan does not know"
     return None
+
+
+def _diffusers_hooks_problem(module: nn.Module, m: nn.Module, where: str, onloads: bool) -> str | None:
+    if m is module:
+        if diffusers_hooks.streamed_inside(m):
+            return "already streamed by another streamplan handle"
+        return diffusers_hooks.hook_problem(m, diffusers_hooks.AROUND)
+    if not onloads:
+        names = ", ".join(diffusers_hooks.hook_names(m))
+        return f"{where} is wrapped by diffusers hooks ({names}) and this path reads its weights directly"
+    problem = diffusers_hooks.hook_problem(m, diffusers_hooks.WEIGHTS)
+    return f"{where}: {problem}" if problem else None
 
 
 def _elementwise_classes() -> tuple[type, ...]:

@@ -104,7 +104,8 @@ def recognize_wan_model(name: str, module: nn.Module) -> ModelSpec | Skip | None
     if problem:
         return skip(problem)
     for sub in ("rope", "patch_embedding", "condition_embedder", "norm_out", "proj_out"):
-        problem = stock_problem(getattr(module, sub))
+        # called through their own forwards: diffusers weight hooks inside them run as in stock (streamplan.hooks)
+        problem = stock_problem(getattr(module, sub), onloads=True)
         if problem:
             return skip(f"{sub}: {problem}")
     return ModelSpec(module, "diffusers.WanTransformer3DModel[donated blocks, streamed head]",

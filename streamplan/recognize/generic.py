@@ -35,7 +35,7 @@ def _linear(m: nn.Module) -> bool:
 
 
 def recognize_generic(name: str, module: nn.Module) -> GraphSpec | Skip:
-    problem = stock_problem(module)
+    problem = stock_problem(module, onloads=True)   # the graph run onloads hooked leaves (streamplan.hooks)
     if problem:
         return Skip(name, type(module).__name__, problem)
     lib = type(module).__module__.split(".")[0]

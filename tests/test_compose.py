@@ -1,0 +1,174 @@
+"""streamplan among what users already turn on (issue 13): diffusers hooks (group offloading, layerwise casting,
+first-block cache), checked against the same configuration without streamplan, on the real diffusers model."""
+import pytest
+import torch
+from diffusers import WanTransformer3DModel
+from diffusers.hooks import (FirstBlockCacheConfig, HookRegistry, ModelHook, PyramidAttentionBroadcastConfig,
+                             apply_first_block_cache, apply_group_offloading, apply_pyramid_attention_broadcast)
+
+import streamplan
+from conftest import rel_err
+from streamplan.recognize.checks import STREAMED_MARK
+
+BLOCKS = {"blocks.0", "blocks.1", "blocks.2"}
+
+
+def _wan_model():
+    return WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=16, in_channels=4,
+                                 out_channels=4, text_dim=32, freq_dim=32, ffn_dim=128, num_layers=3,
+                                 rope_max_seq_len=64).eval()
+
+
+def _block_level(m):
+    apply_group_offloading(m, onload_device="cpu", offload_device="cpu", offload_type="block_level",
+                           num_blocks_per_group=1)
+
+
+def _leaf_level(m):
+    apply_group_offloading(m, onload_device="cpu", offload_device="cpu", offload_type="leaf_level")
+
+
+def _casting(m):   # fp8 storage: a graph that read the stored weights would be far off (or fail)
+    m.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.float32)
+
+
+def _first_block_cache(m):
+    apply_first_block_cache(m, FirstBlockCacheConfig(threshold=0.05))
+
+
+CONFIGS = {"block_level": _block_level, "leaf_level": _leaf_level, "layerwise_casting": _casting,
+           "first_block_cache": _first_block_cache}
+INPUTS = (torch.Size([1, 4, 8, 32, 32]), 2048)   # 8 * 16 * 16 = 2048 rows
+
+
+def _steps(model, seed=0):
+    """Two denoising calls in one cache context, the second on a slightly moved input (the first-block cache then
+    reuses the tail blocks' residual): each call's output."""
+    g = torch.Generator().manual_seed(seed)
+    x, t, enc = torch.randn(INPUTS[0], generator=g), torch.tensor([10]), torch.randn(1, 7, 32, generator=g)
+    x2 = x + 1e-3 * torch.randn(INPUTS[0], generator=g)
+    outs = []
+    HookRegistry.check_if_exists_or_initialize(model).reset_stateful_hooks()   # as a pipeline does between runs
+    with torch.no_grad(), model.cache_context("cond"):
+        for xi in (x, x2):
+            outs.append(model(xi, t, enc).sample)
+    return outs
+
+
+def _inner_links(model):
+    """Every function the modules' diffusers hook chains end in."""
+    links = []
+    for m in model.modules():
+        reg = m.__dict__.get("_diffusers_hook")
+        for ref in getattr(reg, "_fn_refs", ()):
+            links += [ref.forward, ref.original_forward]
+    return links
+
+
+def _hook_orders(model):
+    return {n: list(m._diffusers_hook._hook_order) for n, m in model.named_modules()
+            if getattr(getattr(m, "_diffusers_hook", None), "_hook_order", None)}
+
+
+def _streamed(handle):
+    return {n for n, e in handle.installed.items() if isinstance(e.spec, streamplan.ir.GraphSpec)
+            and any(p.tier == "L1" for p in e.plans.values())}
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_streams_inside_diffusers_hooks(config):
+    torch.manual_seed(0)
+    model = _wan_model()
+    CONFIGS[config](model)
+    hooks_before = _hook_orders(model)
+    ref, ref_peak = streamplan.measure_peak(_steps, model)
+    handle = streamplan.apply(model, chunk_tokens=256)
+    out, peak = streamplan.measure_peak(_steps, model)
+    report = handle.report()
+    assert _streamed(handle) == BLOCKS, report
+    assert "" in handle.installed, report   # the model forward too (inside the root's hooks where it has any)
+    for o, r in zip(out, ref):
+        assert rel_err(o, r) <= 1e-5, report
+    assert peak < 0.75 * ref_peak, (peak, ref_peak, report)
+    handle.remove()
+    assert not any(getattr(f, STREAMED_MARK, False) for f in _inner_links(model))
+    assert _hook_orders(model) == hooks_before   # the user's hooks stay, in their order
+    again = _steps(model)
+    assert all(torch.equal(a, r) for a, r in zip(again, ref))
+
+
+def test_first_block_cache_skips_streamed_blocks():
+    """The cache decides whether a block runs: on the second call the tail blocks are skipped, streamed or not."""
+    model = _wan_model()
+    _first_block_cache(model)
+    handle = streamplan.apply(model, chunk_tokens=256)
+    calls = {n: 0 for n in BLOCKS}
+    for n in BLOCKS:
+        entry = handle.installed[n]
+        run = entry.wrapper
+
+        def counted(*a, _run=run, _n=n, **kw):
+            calls[_n] += 1
+            return _run(*a, **kw)
+        assert streamplan.hooks.uninstall(entry.module, run, counted)
+    _steps(model)
+    assert calls == {"blocks.0": 2, "blocks.1": 1, "blocks.2": 1}
+
+
+def test_hooks_added_after_apply_wrap_the_streamed_forward():
+    torch.manual_seed(0)
+    model = _wan_model()
+    handle = streamplan.apply(model, chunk_tokens=256)
+    _block_level(model)   # diffusers wraps whatever forward it finds: streamplan's, which stays innermost
+    ref_model = _wan_model()
+    ref_model.load_state_dict(model.state_dict())
+    _block_level(ref_model)
+    out, ref = _steps(model), _steps(ref_model)
+    assert all(rel_err(o, r) <= 1e-5 for o, r in zip(out, ref))
+    assert _streamed(handle) == BLOCKS, handle.report()
+    handle.remove()
+    assert not any(getattr(f, STREAMED_MARK, False) for f in _inner_links(model))
+    assert "group_offloading" in model.blocks[0]._diffusers_hook.hooks
+    assert all(torch.equal(a, r) for a, r in zip(_steps(model), ref))
+
+
+def test_removing_diffusers_hooks_after_apply_keeps_streaming():
+    torch.manual_seed(0)
+    model = _wan_model()
+    ref = _steps(model)
+    _first_block_cache(model)
+    handle = streamplan.apply(model, chunk_tokens=256)
+    for block in model.blocks:   # diffusers' own removal moves streamplan's link back to module.forward
+        for name in list(block._diffusers_hook._hook_order):
+            block._diffusers_hook.remove_hook(name)
+    assert getattr(model.blocks[0].__dict__["forward"], STREAMED_MARK, False)
+    out = _steps(model)
+    assert all(rel_err(o, r) <= 1e-5 for o, r in zip(out, ref))
+    handle.remove()
+    assert "forward" not in model.blocks[0].__dict__
+
+
+class _Scale(ModelHook):
+    """A user's own hook: streamplan cannot know what it does, so the block stays stock."""
+
+    def post_forward(self, module, output):
+        return output * 2
+
+
+def test_unknown_hooks_keep_blocks_stock_with_the_reason():
+    torch.manual_seed(0)
+    model = _wan_model()
+    HookRegistry.check_if_exists_or_initialize(model.blocks[1]).register_hook(_Scale(), "user_scale")
+    # pyramid attention broadcast hooks the attentions inside each block: a graph would bypass its reuse of outputs
+    apply_pyramid_attention_broadcast(model, PyramidAttentionBroadcastConfig(
+        spatial_attention_block_skip_range=2, spatial_attention_block_identifiers=("blocks.2",),
+        current_timestep_callback=lambda: 500))
+    ref = _steps(model)
+    handle = streamplan.apply(model, chunk_tokens=256)
+    report = handle.report()
+    assert _streamed(handle) <= {"blocks.0"}
+    assert "a diffusers hook streamplan does not know (user_scale: _Scale)" in report
+    assert "PyramidAttentionBroadcastHook" in report
+    out = _steps(model)
+    assert _streamed(handle) == {"blocks.0"}, report
+    assert all(rel_err(o, r) <= 1e-5 for o, r in zip(out, ref))
