@@ -9,6 +9,18 @@ the bytes of blocks[0]'s input storages (x, context, e0, freqs; read by a pre-ho
 
     python benchmarks/gpu_comfy.py --tokens 217088
     python benchmarks/gpu_comfy.py --smoke          # tiny sizes on CPU: the script end to end
+
+``--model h3``: ComfyUI's MiniMax-H3 (``comfy.model_base.MiniMaxH3``, ``comfy.ldm.minimax``), 1 DiTBlock at real width
+(hidden 5376, 56 heads x 128, SwiGLU 14336; token refiner and embedders as shipped), bf16, sampled the way ComfyUI
+samples its packed audio-video latent: ``comfy.utils.pack_latents([video, audio])``, conditioning from
+``BaseModel.extra_conds`` (refined text, ``latent_shapes``, the packed layout), sampling settings of
+``comfy.supported_models.MiniMaxH3`` (shift 12, audio_shift 3). ``--tokens`` counts every packed row the block sees:
+text (``--text``, 512) + audio (``--audio``, 2000: stereo, 1000 latent frames) + video rows (the 2x2-patched grid
+closest to the rest). Floor: residual + K + V = (5376 + 2 x 7168) x 2 bytes = 38.5 KB per row; budget (b) adds the bytes
+of blocks[0]'s input storages (h, t_emb, the rope rotation table) as for Wan. Written to gpu_comfy_h3_<rows>.json.
+
+    python benchmarks/gpu_comfy.py --model h3 --tokens 217088   # 512 text + 2000 audio + 106x44x46 video = 217056
+    python benchmarks/gpu_comfy.py --model h3 --smoke
 """
 from __future__ import annotations
 
@@ -124,6 +136,48 @@ def build(comfy, dev, dtype, smoke: bool, n: int, text: int):
     return comfy.model_patcher.ModelPatcher(base, load_device=dev, offload_device=dev), x, cond, (f, h, w), dims["dim"]
 
 
+H3_DIMS = dict(hidden_size=5376, num_attention_heads=56, attention_head_dim=128, ffn_hidden_size=14336)
+H3_SMOKE_DIMS = dict(hidden_size=64, num_attention_heads=2, attention_head_dim=32, ffn_hidden_size=128,
+                     token_refiner_num_layers=1, text_dim=32, timestep_input_dim=32, time_embed_hidden_size=64,
+                     time_embed_dim=32, rope_inv_freq_len=4)
+
+
+def build_h3(comfy, dev, dtype, smoke: bool, n: int, text: int, audio: int):
+    """MiniMax-H3 with 1 DiTBlock; the packed latent (video then audio) and its conditioning as ComfyUI samples it.
+    ``n`` counts every packed row: text + audio + video (video takes the patched grid closest to the rest)."""
+    importlib.import_module("comfy.ldm.minimax.model")
+    importlib.import_module("comfy.utils")
+    dims = H3_SMOKE_DIMS if smoke else H3_DIMS
+    unet = {"image_model": "minimax_h3", "num_layers": 1, "dtype": dtype, **dims}
+
+    class Config(comfy.supported_models_base.BASE):   # comfy.supported_models.MiniMaxH3's sampling settings
+        unet_config, unet_extra_config = {}, {}
+        sampling_settings = {"shift": 12.0, "audio_shift": 3.0}
+        supported_inference_dtypes = [dtype]
+        latent_format = comfy.latent_formats.MiniMaxH3AV
+    base = comfy.model_base.MiniMaxH3(Config(unet), device=dev)
+    model = base.diffusion_model
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in base.named_parameters():   # comfy.ops layers skip init: every weight is uninitialised memory
+            p.copy_(float(p.dim() == 1 and name.endswith("weight")) + torch.randn_like(p) * 0.02)  # norms near 1
+        inv = model.rope.inv_freq                  # a buffer, left uninitialised like the weights
+        inv.copy_(1.0 / 10000.0 ** (torch.arange(inv.numel(), device=inv.device, dtype=torch.float32) / inv.numel()))
+    if audio % 2:
+        raise SystemExit(f"--audio {audio}: stereo audio packs 2 rows per latent frame, give an even count")
+    f, h, w = latent_grid(max(1, n - text - audio))
+    g = torch.Generator(device=dev).manual_seed(1)
+    video = torch.randn(1, model.latents_dim, f, 2 * h, 2 * w, device=dev, generator=g)
+    sound = torch.randn(1, model.audio_latents_dim, 2, audio // 2, device=dev, generator=g)
+    x, shapes = comfy.utils.pack_latents([video, sound])
+    text_dim = dims.get("text_dim", 5120)
+    context = torch.randn(1, text, text_dim, device=dev, dtype=dtype, generator=g)
+    cond = {k: v.cond for k, v in base.extra_conds(device=dev, cross_attn=context, latent_shapes=shapes).items()}
+    patcher = comfy.model_patcher.ModelPatcher(base, load_device=dev, offload_device=dev)
+    widths = (dims["hidden_size"], dims["num_attention_heads"], dims["attention_head_dim"], dims["ffn_hidden_size"])
+    return patcher, x, cond, (f, h, w), widths, (list(video.shape), list(sound.shape))
+
+
 def sample_call(patcher, x, cond):
     """One model call as comfy.samplers.calc_cond_batch makes it."""
     options = patcher.model_options["transformer_options"].copy()
@@ -163,6 +217,9 @@ def main() -> int:
     p.add_argument("--text", type=int, default=None, help="text tokens (default 512; smoke 16)")
     p.add_argument("--chunk", type=int, default=None, help="chunk_tokens of mode (a) (default 16384; smoke 512)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes on CPU")
+    p.add_argument("--model", choices=("wan", "h3"), default="wan",
+                   help="wan: WanModel (default); h3: MiniMax-H3, --tokens counting every packed row")
+    p.add_argument("--audio", type=int, default=None, help="h3: audio rows, even (default 2000; smoke 80)")
     a = p.parse_args()
     cuda, dtype = not a.smoke, torch.bfloat16
     n, text = a.tokens or (4096 if a.smoke else 217088), a.text or (16 if a.smoke else 512)
@@ -176,22 +233,41 @@ def main() -> int:
     else:   # smoke on CPU: the profiler's peak, wall time
         peak_of, time_of = (lambda fn: streamplan.measure_peak(fn, device="cpu")), wall_time
 
-    stock, x, cond, (f, h, w), dim = build(comfy, dev, dtype, a.smoke, n, text)
-    tokens = f * h * w
-    print(f"latent {list(x.shape)} -> {f} x {h} x {w} = {tokens} block tokens (asked {n}), {text} text tokens",
-          flush=True)
-    floor = tokens * (dim + 2 * dim) * 2   # residual + K + V, bf16
+    extra = {}
+    if a.model == "h3":
+        audio = a.audio if a.audio is not None else (80 if a.smoke else 2000)
+        stock, x, cond, (f, h, w), (dim, heads, head_dim, ffn), (vshape, ashape) = build_h3(
+            comfy, dev, dtype, a.smoke, n, text, audio)
+        video_rows = f * h * w
+        tokens = text + audio + video_rows
+        print(f"video latent {vshape} -> {f} x {h} x {w} = {video_rows} video rows, audio latent {ashape} -> {audio} "
+              f"rows, {text} text rows: {tokens} packed rows (asked {n}); packed latent {list(x.shape)}", flush=True)
+        floor = tokens * (dim + 2 * heads * head_dim) * 2   # residual + K + V, bf16
+        model = (f"comfy MiniMaxH3Model 1 layer (hidden {dim}, {heads} heads x {head_dim}, SwiGLU {ffn}), bf16, "
+                 "ComfyUI 0.33.0 apply_model")
+        latent, inputs_named = list(vshape), "h, t_emb, rope rotation table"
+        extra = {"video_rows": video_rows, "audio_rows": audio, "text_rows": text, "video_latent": list(vshape),
+                 "audio_latent": list(ashape), "packed_latent": list(x.shape),
+                 "sampling": "ModelSamplingAV shift 12, audio_shift 3 (audio carried scaled onto the video schedule)"}
+        name = f"gpu_comfy_h3_{'smoke_' if a.smoke else ''}{tokens}"
+    else:
+        stock, x, cond, (f, h, w), dim = build(comfy, dev, dtype, a.smoke, n, text)
+        tokens = f * h * w
+        print(f"latent {list(x.shape)} -> {f} x {h} x {w} = {tokens} block tokens (asked {n}), {text} text tokens",
+              flush=True)
+        floor = tokens * (dim + 2 * dim) * 2   # residual + K + V, bf16
+        model = f"comfy WanModel 1 layer (dim {dim}), bf16, ComfyUI 0.33.0 apply_model"
+        latent, inputs_named = list(x.shape), "x, context, e0, freqs"
+        name = f"gpu_comfy_{'smoke_' if a.smoke else ''}{tokens}"
     inputs = block_input_bytes(stock, x, cond)
     budget = int(inputs + 1.15 * floor)
     kb = lambda b: b / tokens / 1024  # noqa: E731
-    base = {"model": f"comfy WanModel 1 layer (dim {dim}), bf16, ComfyUI 0.33.0 apply_model", "tokens": tokens,
-            "latent": list(x.shape), "text_tokens": text, "floor_KB_per_token": kb(floor)}
-    payload = {**info, "attention": comfy.ldm.modules.attention.optimized_attention.__name__,
+    base = {"model": model, "tokens": tokens, "latent": latent, "text_tokens": text, "floor_KB_per_token": kb(floor)}
+    payload = {**info, "attention": comfy.ldm.modules.attention.optimized_attention.__name__, **extra,
                "block_input_bytes": inputs, "budget_bytes": budget, "budget_note": "BlockStreamer budget = block "
-               "call's live inputs + activation room; passed block_input_bytes (x, context, e0, freqs storages) + "
+               f"call's live inputs + activation room; passed block_input_bytes ({inputs_named} storages) + "
                "1.15 x floor", "peak_note": "whole apply_model (patch embedding, text/time embeddings, head "
                "included), above what was allocated before the call (inputs, weights)", "rows": []}
-    name = f"gpu_comfy_{'smoke_' if a.smoke else ''}{tokens}"
 
     def emit(row):
         payload["rows"].append(row)
