@@ -8,34 +8,24 @@ block's own code (fused QKV, comfy_kitchen's in-place q/k RMSNorm + split-half r
 place).
 
 That substitution is only as good as the forward it is made for: ``DiTBlock.forward`` and its two segment helpers are
-fingerprinted (their syntax trees, so comments and layout do not count) against ComfyUI 0.33.0; any other code keeps
+fingerprinted (their source text) against ComfyUI 0.33.0; any other code keeps
 the block stock, saying so."""
 from __future__ import annotations
 
-import ast
-import hashlib
-import inspect
-import textwrap
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
+from .checks import source_fingerprint
+
 CLASS_PATH = "comfy.ldm.minimax.model.DiTBlock"
-# sha256 (first 16 hex digits) of ast.dump of each function, as in ComfyUI 0.33.0
-KNOWN = {"DiTBlock.forward": "50e281499bebe77c", "_mod_scale_shift": "40eb553d8260d18b",
-         "_mod_gate": "d8298030cc1e89de"}
+# source fingerprints (checks.source_fingerprint) of each function, as in ComfyUI 0.33.0. Not ast.dump: its text
+# changes with the Python version (3.12 added type_params), which kept H3 stock on the GPU machine's Python 3.12
+KNOWN = {"DiTBlock.forward": "45fdf1af8aaa9bbc", "_mod_scale_shift": "f6fe9eca0bfb3290",
+         "_mod_gate": "545028a63585bff7"}
 _HELPERS = ("_mod_scale_shift", "_mod_gate")
 _SEEN: dict[Any, str | None] = {}
-
-
-def fingerprint(fn: Callable) -> str | None:
-    """The function's syntax tree, hashed (None where its source cannot be read)."""
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
-    except (OSError, TypeError, SyntaxError):
-        return None
-    return hashlib.sha256(ast.dump(tree).encode()).hexdigest()[:16]
 
 
 def forward_problem(block: nn.Module) -> str | None:
@@ -44,8 +34,8 @@ def forward_problem(block: nn.Module) -> str | None:
     helpers = tuple(fwd.__globals__.get(h) for h in _HELPERS)
     key = (fwd, helpers)
     if key not in _SEEN:
-        found = {"DiTBlock.forward": fingerprint(fwd)}
-        found.update((h, fingerprint(f) if callable(f) else None) for h, f in zip(_HELPERS, helpers))
+        found = {"DiTBlock.forward": source_fingerprint(fwd)}
+        found.update((h, source_fingerprint(f) if callable(f) else None) for h, f in zip(_HELPERS, helpers))
         odd = [k for k, v in found.items() if v != KNOWN[k]]
         _SEEN[key] = (f"{', '.join(odd)} {'is' if len(odd) == 1 else 'are'} not the code streamplan follows "
                       f"(ComfyUI 0.33.0's): unknown forward") if odd else None
