@@ -250,6 +250,9 @@ class StreamHandle:
         def streamed_forward(*args: Any, **kwargs: Any) -> Any:
             if _BYPASS.active:
                 return entry.stock(*args, **kwargs)
+            if torch.compiler.is_compiling():   # inside a compiled module (its parts): dynamo would trace the chunks
+                self._note(entry, "called under torch.compile: ran stock")
+                return entry.stock(*args, **kwargs)
             if entry.module.training:   # checked per call: train() after apply must get the stock behaviour back
                 self._note(entry, "in training mode: ran stock (streamplan is for inference: call .eval())")
                 return entry.stock(*args, **kwargs)
@@ -262,7 +265,7 @@ class StreamHandle:
             module.forward = streamed_forward
         else:   # the stock fallback is the link replaced, not the chain (which would come back here)
             entry.stock = entry.previous = inner
-            entry.runtime_notes.append(f"runs inside diffusers hooks: {', '.join(hooks.hook_names(module))}")
+            entry.runtime_notes.append(f"runs inside hooks: {', '.join(hooks.hook_names(module))}")
         entry.wrapper = streamed_forward
         self.installed[name] = entry
 

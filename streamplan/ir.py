@@ -179,6 +179,15 @@ def register_row_local_op(namespace: str, name: str, kind: Literal["rows", "norm
     ROW_LOCAL_CUSTOM_OPS[(namespace, name)] = kind
 
 
+# Private attributes a module's forward reads as settings (peft: an adapter switched off, the active adapter's name),
+# declared by the library's recognizer file: a capture depends on their values (``capture.export.structure``).
+CAPTURE_STATE_ATTRS: set[str] = set()
+
+
+def register_capture_state(*names: str) -> None:
+    CAPTURE_STATE_ATTRS.update(names)
+
+
 # Who decides a captured block's attention kernel: a library whose modules dispatch attention through a backend of
 # their own (diffusers' attention backends) registers a probe ``(block) -> backend name | None``; a block whose
 # backend has no streamplan consumer runs stock, named, as a hand-written attention does.

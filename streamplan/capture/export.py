@@ -12,6 +12,8 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from ..ir import CAPTURE_STATE_ATTRS
+
 log = logging.getLogger("streamplan")
 
 MAX_ROWS = 1 << 26
@@ -76,6 +78,19 @@ def signature(module: nn.Module, args: tuple, kwargs: dict, rows: int) -> tuple:
 _SIMPLE = (int, float, bool, str, type(None))
 
 
+
+
+def _plain(v: object) -> object:
+    """A simple value, or a tuple, list or str-keyed dict of simple values, as something hashable; else None."""
+    if isinstance(v, _SIMPLE):
+        return (v,)
+    if isinstance(v, (tuple, list)) and all(isinstance(x, _SIMPLE) for x in v):
+        return tuple(v)
+    if isinstance(v, dict) and all(isinstance(a, str) and isinstance(x, _SIMPLE) for a, x in v.items()):
+        return tuple(sorted(v.items()))
+    return None
+
+
 def structure(module: nn.Module) -> tuple:
     """What else a capture depends on: every submodule's class and plain settings (eps, flags, activation names,
     its attention processor's class), parameters' and buffers' names, shapes and dtypes. Two blocks of one class
@@ -84,10 +99,14 @@ def structure(module: nn.Module) -> tuple:
     for name, m in module.named_modules():
         plain = []
         for k, v in sorted(vars(m).items()):
-            if k.startswith("_") or k == "training":
+            if k == "training":
                 continue
-            if isinstance(v, _SIMPLE) or (isinstance(v, tuple) and all(isinstance(x, _SIMPLE) for x in v)):
-                plain.append((k, v))
+            if k.startswith("_"):   # private state a library declares its forward reads (ir.register_capture_state)
+                if k in CAPTURE_STATE_ATTRS and _plain(v) is not None:
+                    plain.append((k, _plain(v)))
+                continue
+            if _plain(v) is not None:   # simple tables too (a LoRA layer's per-adapter scaling, baked into the graph)
+                plain.append((k, _plain(v)))
             elif not isinstance(v, (torch.Tensor, nn.Module, dict, list)) and not callable(v):
                 plain.append((k, type(v).__qualname__))   # a processor or config object: its class
             elif callable(v) and not isinstance(v, nn.Module):

@@ -7,6 +7,7 @@ from torch import nn
 
 from ..ir import AttentionSpec, GraphSpec, MLPSpec, ModelSpec, RowLocalSpec, Skip
 from . import comfy_kitchen_ops  # noqa: F401  (declares comfy_kitchen's row-local ops)
+from . import peft_layers  # noqa: F401  (declares the adapter state peft's layers read)
 from .diffusers_attention import recognize_attention
 from .diffusers_mlp import recognize_feedforward
 from .diffusers_h3 import recognize_h3_model

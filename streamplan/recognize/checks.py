@@ -57,6 +57,8 @@ def stock_problem(module: nn.Module, expected_forward: Callable | None = None, *
         return problem
     for name, m in (module.named_modules() if subtree else [("", module)]):
         where = name or "the module"
+        if getattr(m, "_compiled_call_impl", None) is not None:   # Module.compile / compile_repeated_blocks
+            return f"{where} is compiled (torch.compile): its calls run under dynamo, which would trace the chunk loops"
         fwd = m.__dict__.get("forward")
         if fwd is not None and diffusers_hooks.registry(m) is not None:
             problem = _diffusers_hooks_problem(module, m, where, onloads)
@@ -65,9 +67,14 @@ def stock_problem(module: nn.Module, expected_forward: Callable | None = None, *
         elif fwd is not None:
             if getattr(fwd, STREAMED_MARK, False) and m is module:
                 return "already streamed by another streamplan handle"
-            if getattr(m, "_hf_hook", None) is not None:
-                return f"forward of {where} is wrapped by an accelerate hook ({type(m._hf_hook).__name__})"
-            return f"forward of {where} is patched"
+            if getattr(m, "_hf_hook", None) is None:
+                return f"forward of {where} is patched"
+            # accelerate: sequential offload's AlignDevicesHook is sat inside (the module) or onloaded (its leaves)
+            problem = diffusers_hooks.accelerate_problem(m)
+            if problem or not (m is module or onloads):
+                return f"forward of {where} {problem or 'is wrapped by an accelerate hook (AlignDevicesHook)'}"
+            if m is module and diffusers_hooks.streamed_inside(m):
+                return "already streamed by another streamplan handle"
         hooks = _hooks(m)
         if hooks:
             return f"{where} has {', '.join(hooks)} streamplan does not know"
@@ -75,6 +82,8 @@ def stock_problem(module: nn.Module, expected_forward: Callable | None = None, *
 
 
 def _diffusers_hooks_problem(module: nn.Module, m: nn.Module, where: str, onloads: bool) -> str | None:
+    if getattr(m, "_hf_hook", None) is not None:   # which chain holds the other is not for streamplan to guess
+        return f"forward of {where} is wrapped by both accelerate and diffusers hooks"
     if m is module:
         if diffusers_hooks.streamed_inside(m):
             return "already streamed by another streamplan handle"
