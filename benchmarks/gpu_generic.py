@@ -2,9 +2,9 @@
 
 For each block: stock (peak KB/token above inputs and weights, time), the captured path at fixed chunks and held by
 the planner to 1.15x the floor (residual + K + V), with the block input copied (a lone block) and donated (as a
-streamed model forward gives it); output difference to stock beside stock's own flash-vs-default difference. Wan,
-Flux single and Llama also through their hand-written paths in the same run. The MiniMax-H3 2-layer model at the
-end: both outputs, stock vs streamed, and under a budget below the floor.
+streamed model forward gives it); output difference to stock beside stock's own flash-vs-default difference (the
+hand-written Wan, Flux and Llama block paths measured beside them until they were removed: results/*_217088.json).
+The MiniMax-H3 2-layer model at the end: both outputs, stock vs streamed, and under a budget below the floor.
 
     python benchmarks/gpu_generic.py smoke        # every case at 8192 tokens, one chunk
     python benchmarks/gpu_generic.py blocks 217088
@@ -119,7 +119,6 @@ def llama(n):
 
 BLOCKS = {"h3-block": h3_block, "hunyuan-double-block": hunyuan(False), "hunyuan-single-block": hunyuan(True),
           "ltx-block": ltx, "wan-14b-block": wan, "flux-single-block": flux_single, "llama3-8b-layer": llama}
-HAND = {"wan-14b-block", "flux-single-block", "llama3-8b-layer"}
 
 
 def _first(out):
@@ -130,7 +129,7 @@ def _diff(out, ref) -> float:
     return max(d["rel"] for d in compare_outputs(out, ref).values())
 
 
-def run_block(case: str, n: int, chunks: list[int], held: bool, hand: bool = True) -> list[dict]:
+def run_block(case: str, n: int, chunks: list[int], held: bool) -> list[dict]:
     torch.manual_seed(0)
     name, block, inputs, floor = BLOCKS[case](n)
     block = block.cuda().to(BF16).eval()
@@ -146,7 +145,7 @@ def run_block(case: str, n: int, chunks: list[int], held: bool, hand: bool = Tru
         rows.append({**base, "mode": "stock", "KB_per_token": kb(stock_peak), "time_s": stock_t, "time_ratio": 1.0,
                      "stock_flash_vs_default_rel_diff": noise})
         print(rows[-1], flush=True)
-        paths = [("captured", "prefer")] + ([("hand", "off")] if case in HAND and hand else [])
+        paths = [("captured", "prefer")]
         modes = [(f"chunk {c}", dict(chunk_tokens=c)) for c in chunks]
         if held:
             modes.append(("planner held to 1.15x floor", dict(budget=None)))
@@ -274,7 +273,7 @@ def main() -> int:
             write_results(f"gpu_generic_{what}_{n}", {**info, "rows": rows})
     elif what == "held":       # the planner held to 1.15x the floor, captured path only
         for case in cases:
-            rows += run_block(case, n, [], held=True, hand=False)
+            rows += run_block(case, n, [], held=True)
             write_results(f"gpu_generic_{what}_{n}", {**info, "rows": rows})
     elif what == "model":
         rows += run_model(n)
