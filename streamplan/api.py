@@ -30,7 +30,7 @@ from .planner import (DEFAULT_CHUNK_TOKENS, UTILISATION_FLOOR, AttentionDims, Bu
 from .verify import compare_outputs, private_copy
 from .stock_watch import StockWatch, activation_bytes, matters, watch_candidates
 from .recognize import CAPTURE_MODES, recognize
-from .recognize.checks import STREAMED_MARK
+from .recognize.checks import STREAMED_MARK, hooks_added_inside
 
 log = logging.getLogger("streamplan")
 
@@ -514,6 +514,10 @@ class StreamHandle:
         rows = rows_of_call(args, kwargs)
         if rows is None or rows < 2:
             return stock()
+        hooked = hooks_added_inside(module)
+        if hooked:
+            self._note(entry, f"ran stock: {hooked}")
+            return stock()
         backend = block_backend(module)
         consumer = graph_consumer(backend)
         if consumer is None:
@@ -799,8 +803,8 @@ def apply(module: nn.Module, budget: int | str | None = "auto", chunk_tokens: in
     ``head_groups`` forces head-grouped K/V (L3) with the K/V heads split into that many groups.
     ``reserve`` is kept free under ``budget="auto"``. ``self_check`` runs the first streamed call stock as well and
     logs (and reports) the difference. ``capture`` picks the way in for blocks: "fallback" (default) streams every
-    block no hand-written recognizer knows from its captured graph, "prefer" captures every block, "off" uses the
-    hand-written recognizers alone.
+    block from its captured graph unless a part recognizer knows the block itself (an MLP in a list of experts),
+    "prefer" captures every block, "off" captures nothing (hand-written parts and model forwards only).
     """
     if not isinstance(module, nn.Module):
         raise ValueError(f"module must be a torch.nn.Module, got {type(module).__name__}")

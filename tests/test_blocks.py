@@ -328,3 +328,20 @@ def test_composes_with_model_cpu_offload():
     assert "accelerate hook" in handle.report()
     handle.remove()
     assert model.__dict__["forward"] is hooked
+
+
+@torch.no_grad()
+def test_a_hook_added_inside_a_block_after_apply_runs_stock_and_sees_real_tensors():
+    """A capture would fire the hook on fake tensors and the graph would skip it afterwards: the call runs stock."""
+    block = _wan_block()
+    args = _wan_args(1, 70, False)
+    ref = block(*args)
+    handle = streamplan.apply(block, chunk_tokens=16)
+    seen = []
+    hook = block.attn1.to_k.register_forward_hook(lambda m, i, o: seen.append(type(o)))
+    out = block(*args)
+    hook.remove()
+    assert seen == [torch.Tensor] and rel_err(out, ref) <= 1e-5
+    assert "attn1.to_k has forward hooks at call time" in handle.report(), handle.report()
+    assert not handle.plans[""]
+    assert rel_err(block(*args), ref) <= 1e-5 and handle.plans[""]     # the hook gone: it streams

@@ -33,6 +33,16 @@ def _hooks(m: nn.Module) -> list[str]:
     return found
 
 
+def hooks_added_inside(module: nn.Module) -> str | None:
+    """PyTorch hooks on a block or its parts at call time (transformers adds output-capturing hooks when hidden states
+    are asked for): a capture would fire them on fake tensors, and a streamed graph would skip them."""
+    for name, m in module.named_modules():
+        found = _hooks(m)
+        if found:
+            return f"{name or 'the block'} has {', '.join(found)} at call time"
+    return None
+
+
 def global_hook_problem() -> str | None:
     for attr in ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_module_registration_hooks"):
         if attr != "_global_module_registration_hooks" and getattr(_module_globals, attr, None):
