@@ -342,6 +342,8 @@ class StreamHandle:
                                          "its own row loops (input projections, output head) in "
                                          + (f"{fixed}-row chunks" if fixed else "its blocks' smallest chunk")),
                           args, kwargs, tensors[0].device)
+        if plan.tier == Tier.L0:   # every block fitted stock at the first call: the stock forward, as stock
+            return entry.stock(*args, **kwargs)
 
         def chunk() -> int:
             """The model's own row loops: the given chunk, or under a budget its blocks' smallest planned chunk."""
@@ -359,6 +361,8 @@ class StreamHandle:
                 plan.rows, plan.predicted_peak = worst.rows, worst.predicted_total - plan.live_bytes
                 plan.stock_peak = max(p.live_bytes + p.stock_peak for p in inner) - plan.live_bytes
                 plan.predicted_peak, plan.stock_peak = max(0, plan.predicted_peak), max(0, plan.stock_peak)
+                if all(p.tier == Tier.L0 for p in inner):
+                    plan.tier, plan.note = Tier.L0, "model forward: every block fits stock here: the stock forward"
         return out
 
     def _self_check(self, entry: Installed, out: Any, ref: Any) -> None:
