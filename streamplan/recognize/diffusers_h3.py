@@ -14,7 +14,7 @@ from ..executors.donation import donate
 from ..executors.chunks import for_chunks
 from ..ir import ModelSpec, Skip
 from .checks import stock_problem
-from .diffusers_models import KNOWN_FORWARDS, _own_forward_problem, model_call
+from .diffusers_models import KNOWN_FORWARDS, _own_forward_problem, call_problem, model_call
 
 _MODULE = "diffusers.models.transformers.transformer_minimax_h3"
 _ARGS = ("hidden_states", "audio_hidden_states", "encoder_hidden_states", "timestep", "timestep_indices", "token_tags",
@@ -96,12 +96,7 @@ def _forward(model, args: tuple, kwargs: dict, chunk: Callable[[], int]):
 
 
 def _can_stream(model, args: tuple, kwargs: dict) -> str | None:
-    call = _call(args, kwargs)
-    if isinstance(call, str):
-        return call
-    if torch.is_grad_enabled() and model.gradient_checkpointing:
-        return "gradient checkpointing is active"
-    return None
+    return call_problem(model, _call(args, kwargs))
 
 
 def recognize_h3_model(name: str, module: nn.Module) -> ModelSpec | Skip | None:

@@ -3,6 +3,7 @@ and the check that a model's own forward is exactly one of them (the forwards th
 file: ``diffusers_wan.py``, ``diffusers_h3.py``)."""
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from .checks import call_args, source_fingerprint, stock_problem
@@ -36,3 +37,13 @@ def model_call(names: tuple[str, ...], args: tuple, kwargs: dict) -> dict | str:
     if call.get("attention_kwargs"):
         return "attention_kwargs are given (a LoRA scale)"
     return call
+
+
+def call_problem(model: nn.Module, call: dict | str) -> str | None:
+    """Why this call of a model keeps its stock forward: its arguments (``model_call``), or gradient checkpointing
+    (the stock forward's own recompute under autograd)."""
+    if isinstance(call, str):
+        return call
+    if torch.is_grad_enabled() and model.gradient_checkpointing:
+        return "gradient checkpointing is active"
+    return None

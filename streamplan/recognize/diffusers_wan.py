@@ -13,7 +13,7 @@ from ..executors.donation import donate
 from ..executors.chunks import for_chunks
 from ..ir import ModelSpec, Skip
 from .checks import stock_problem
-from .diffusers_models import KNOWN_FORWARDS, _own_forward_problem, model_call
+from .diffusers_models import KNOWN_FORWARDS, _own_forward_problem, call_problem, model_call
 from .rows import rows_of
 
 KNOWN_FORWARDS["WanTransformer3DModel"] = {"24661a03f570e853": "diffusers 0.42.1"}
@@ -85,10 +85,9 @@ def _wan_forward(model, args: tuple, kwargs: dict, chunk: Callable[[], int]):
 
 def _wan_can_stream(model, args: tuple, kwargs: dict) -> str | None:
     call = _wan_call(args, kwargs)
-    if isinstance(call, str):
-        return call
-    if torch.is_grad_enabled() and model.gradient_checkpointing:
-        return "gradient checkpointing is active"
+    problem = call_problem(model, call)
+    if problem:
+        return problem
     x = call.get("hidden_states")
     if not isinstance(x, torch.Tensor) or x.dim() != 5 or call.get("timestep") is None:
         return "hidden_states is not [batch, channels, frames, height, width]"
