@@ -36,6 +36,9 @@ class AttentionConsumer(Protocol):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_offset: int, causal: bool,
                mask: torch.Tensor | None, scale: float | None) -> torch.Tensor: ...
 
+    # with caps.kv_blocks_lse: one K/V block, its output and fp32 log-sum-exp (host-staged and compressed K/V stores)
+    # def attend_lse(self, q, k, v, *, causal, mask, scale) -> tuple[torch.Tensor, torch.Tensor]: ...
+
     # optional: bytes the consumer allocates per query row of a chunk, for the planner's memory model
     # def workspace_row_bytes(self, *, heads, head_dim, elem, causal, masked) -> int: ...
 
@@ -107,7 +110,7 @@ def unsupported(consumer: AttentionConsumer, *, heads: int, kv_heads: int, head_
     return None
 
 
-SDPA = SDPAConsumer(ConsumerCaps())
+SDPA = SDPAConsumer(ConsumerCaps(kv_blocks_lse=True))   # attend_lse: K/V in blocks, merged by log-sum-exp
 for _name in ("sdpa", "eager", "native"):   # eager attention is the same math as SDPA's
     register_consumer(_name, SDPA)
 

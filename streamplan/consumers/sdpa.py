@@ -67,6 +67,56 @@ def _causal_by_parts(q, k, v, q_offset: int, scale):
     return (o1.float() * w1 + o2.float() * w2).to(q.dtype)
 
 
+def _efficient_with_lse(q, k, v, causal: bool, scale):
+    """CUDA's memory-efficient kernel (takes fp32 too), its log-sum-exp cut to the query rows; None if it refuses."""
+    fn = getattr(torch.ops.aten, "_scaled_dot_product_efficient_attention", None)
+    if fn is None or q.device.type != "cuda":
+        return None
+    try:
+        out = fn(q, k, v, None, True, 0.0, causal, scale=scale)
+    except (RuntimeError, NotImplementedError):
+        return None
+    return out[0], out[1][..., :q.shape[-2]].reshape(q.shape[:3])
+
+
+MATH_SCORES = 1 << 26   # fp32 scores the math path holds at once (256 MiB): query rows are taken in pieces under it
+
+
+def _math_with_lse(q, k, v, causal: bool, mask, scale):
+    """fp32 attention of q [B, H, c, D] against one K/V block [B, Hkv, n, D] and its log-sum-exp, for what no fused
+    kernel takes (masks): scores of this block only, query rows in pieces, so memory is bounded. Causal is top-left
+    aligned."""
+    B, H, c, D = q.shape
+    piece = max(1, MATH_SCORES // max(1, B * H * k.shape[-2]))
+    if c > piece:
+        outs, lses = [], []
+        for r in range(0, c, piece):
+            m = None if mask is None else mask.expand(B, H, c, k.shape[-2])[:, :, r:r + piece]
+            o, lse = _math_rows(q[:, :, r:r + piece], k, v, r if causal else None, m, scale)
+            outs.append(o)
+            lses.append(lse)
+        return torch.cat(outs, 2), torch.cat(lses, 2)
+    return _math_rows(q, k, v, 0 if causal else None, mask, scale)
+
+
+def _math_rows(q, k, v, offset: int | None, mask, scale):
+    """The math path on query rows ``offset``.. of a top-left causal block (None: not causal)."""
+    B, H, c, D = q.shape
+    causal = offset is not None
+    Hkv, n = k.shape[1], k.shape[-2]
+    qf = q.float().reshape(B, Hkv, H // Hkv, c, D)
+    s = torch.matmul(qf, k.float().unsqueeze(2).transpose(-1, -2)) * (scale if scale is not None else D ** -0.5)
+    if causal:
+        s = s.masked_fill(torch.ones(c, n, dtype=torch.bool, device=q.device).triu(1 + offset), float("-inf"))
+    if mask is not None:   # broadcastable to [B, H, c, n]
+        m = mask.expand(B, H, c, n).reshape(B, Hkv, H // Hkv, c, n)
+        s = s.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else s + m.float()
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse).unsqueeze(-1))
+    out = torch.matmul(p, v.float().unsqueeze(2))
+    return out.reshape(B, H, c, D).to(q.dtype), lse.reshape(B, H, c)
+
+
 class SDPAConsumer:
     name = "sdpa"
 
@@ -76,6 +126,28 @@ class SDPAConsumer:
     def workspace_row_bytes(self, *, heads: int, head_dim: int, elem: int, causal: bool, masked: bool) -> int:
         """Per query row: an unmasked causal chunk after the first holds both partial outputs and the fp32 merge."""
         return heads * head_dim * (8 + 2 * elem) if causal and not masked else 0
+
+    def attend_lse(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
+                   mask: torch.Tensor | None, scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One K/V block (``kv_blocks_lse``): q [B, H, c, D] against k, v [B, Hkv, n, D] -> (output in q's dtype,
+        log-sum-exp [B, H, c] in fp32). ``causal``: top-left aligned (query i sees the block's keys 0..i); ``mask``:
+        [.., c, n], this block's columns. Fused kernels where they return their log-sum-exp, else fp32 math."""
+        B, H, c, D = q.shape
+        Hkv = k.shape[1]
+        if mask is None:
+            rep = H // Hkv
+            if rep > 1 and not causal:   # heads sharing a K/V head as rows of one call: exact without a mask
+                qg = _grouped(q, Hkv)
+                got = _fused_with_lse(qg, k, v, False, scale) or _efficient_with_lse(qg, k, v, False, scale)
+                if got is not None:
+                    return got[0].reshape(B, H, c, D), got[1].reshape(B, H, c)
+            else:   # one K/V head per Q head (a causal block's K/V heads repeated: the block's size, not the rows')
+                if rep > 1:
+                    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+                got = _fused_with_lse(q, k, v, causal, scale) or _efficient_with_lse(q, k, v, causal, scale)
+                if got is not None:
+                    return got[0], got[1].float()
+        return _math_with_lse(q, k, v, causal, mask, scale)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_offset: int, causal: bool,
                mask: torch.Tensor | None, scale: float | None) -> torch.Tensor:
