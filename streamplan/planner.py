@@ -44,8 +44,8 @@ class Tier(str, Enum):
     L1 = "L1"   # row-streamed
     L2 = "L2"   # + feature-sliced MLP
     L3 = "L3"   # + head-grouped K/V
-    L4 = "L4"   # host-staged K/V (not built yet)
-    L5 = "L5"   # approximate K/V stores (opt-in; not built yet)
+    L4 = "L4"   # host-staged K/V: exact, read back in blocks merged by log-sum-exp
+    L5 = "L5"   # approximate K/V stores (int8, fp8): opt-in only
 
     def __str__(self) -> str:
         return self.value
@@ -72,6 +72,9 @@ class Plan:
     head_groups: int = 1  # L3: K/V built and attended for kv_heads / head_groups heads at a time
     live_bytes: int = 0  # the call's inputs, alive throughout (a whole model's peak adds them)
     budget: int | None = None  # what this operation was allowed (the budget less the live inputs)
+    kv: str = "device"   # where K/V live between the phases: device, host (L4), int8 or fp8 (L5)
+    kv_block: int = 0    # L4/L5: K/V rows read back per block in phase Q
+    host_traffic: int = 0  # L4: bytes moved between host and device per call (K/V out once, back once per Q pass)
 
     @property
     def predicted_total(self) -> int:
@@ -87,7 +90,12 @@ class Plan:
             return f"L0 stock  rows={self.rows}  peak~{fmt_bytes(self.predicted_peak)}"
         sl = f"  ffn_slice={self.ffn_slice}" if self.ffn_slice and self.tier in (Tier.L2, Tier.L3) else ""
         hg = f"  head_groups={self.head_groups}" if self.head_groups > 1 else ""
-        return (f"{self.tier} rows={self.rows} chunk={self.chunk}{sl}{hg}  peak~{fmt_bytes(self.predicted_peak)}"
+        kv = ""
+        if self.kv != "device":
+            kv = f"  kv={self.kv} block={self.kv_block}"
+            kv += f" host traffic~{fmt_bytes(self.host_traffic)}" if self.host_traffic else ""
+            kv += " (approximate)" if self.tier == Tier.L5 else ""
+        return (f"{self.tier} rows={self.rows} chunk={self.chunk}{sl}{hg}{kv}  peak~{fmt_bytes(self.predicted_peak)}"
                 f" (stock {fmt_bytes(self.stock_peak)})")
 
 
@@ -267,28 +275,119 @@ def plan_rows(rows: int, row_bytes: int, transient_per_elem: int, *, chunk_token
     return make(Tier.L1, chunk)
 
 
+# L4/L5: K/V read back in blocks of these many rows (the largest that fits beside the largest Q chunk)
+KV_BLOCKS = (16384, 8192, 4096, 2048, 1024, 512, 256)
+DEFAULT_KV_BLOCK = 8192
+# Below the floor the planner weighs L3 against L4 by estimated extra time (seconds, from the shapes):
+HOST_BANDWIDTH = 54e9        # bytes/s each way, pinned, measured on the H200 (2026-11-30)
+ATTENTION_RATE = {"cuda": 5.5e14, "meta": 5.5e14}   # FLOP/s of bf16 attention on the H200 (cuDNN 570-620 TFLOP/s)
+# L3 measured on the H200 (MiniMax-H3 block, 217,088 rows, 8 head groups: 1.73x stock's time, attention ~94% of it):
+# each extra head group costs about a tenth of the attention's time (projections rerun, smaller attention calls)
+L3_GROUP_COST = 0.1
+
+
+@dataclass(frozen=True)
+class KVOption:
+    """A K/V store the planner may put a captured block's K/V in instead of whole device buffers (L4, L5): its
+    memory model (bytes kept on the device, bytes per block row while a block is attended, bytes per query row of the
+    log-sum-exp merge) and what it holds on the host."""
+
+    kind: str             # "host", "int8", "fp8" (executors.kv_store)
+    tier: Tier            # L4 exact, L5 approximate
+    resident: int         # K/V bytes the store keeps on the device
+    block_row: int        # device bytes per K/V block row (double buffers, expanded copies)
+    merge_row: int        # bytes per query row of the merge (fp32 accumulator, a block's partial output)
+    host_bytes: int = 0   # K/V bytes held in host memory
+
+
+@dataclass(frozen=True)
+class Costs:
+    """What the planner knows of a block's time when it weighs L3 against L4 (seconds; 0: unknown)."""
+
+    attention_s: float = 0.0   # all global attentions over all rows
+    device: str = "cuda"
+
+
+def host_traffic(option: KVOption, rows: int, chunk: int) -> int:
+    """K/V out to the host once in phase KV and back once per pass over Q (an upper bound for causal attention,
+    whose early chunks read fewer blocks)."""
+    if not option.host_bytes:
+        return 0
+    return option.host_bytes * (1 + -(-rows // max(1, chunk)))
+
+
+def l4_extra_seconds(option: KVOption, rows: int, chunk: int, costs: Costs) -> float:
+    """Copies out (on the compute stream) plus what of the copies back attention does not hide."""
+    out = option.host_bytes / HOST_BANDWIDTH
+    back = host_traffic(option, rows, chunk) / HOST_BANDWIDTH - out
+    return out + max(0.0, back - costs.attention_s)
+
+
 SLICE_FOR_CHUNKS_BELOW = 4   # a captured block's planner slices its MLP when row chunks alone stay under 4x the floor
 
 
 def plan_graph(rows: int, fixed: int, transient, stock: int, *, chunk_tokens: int | None = None,
                budget: int | None = None, min_chunk: int = MIN_CHUNK_TOKENS, quantum: int = 1,
                ffn: int = 0, ffn_slice: int | None = None, kv: int = 0, attn_out: int = 0,
-               groups: tuple[int, ...] = (), head_groups: int | None = None) -> Plan:
+               groups: tuple[int, ...] = (), head_groups: int | None = None, kv_options: tuple[KVOption, ...] = (),
+               kv_store: str = "device", costs: Costs = Costs()) -> Plan:
     """A captured block: whole buffers (``fixed``: K and V, the outputs) plus ``transient(chunk, ffn_slice)``, one
     chunk's values at their worst moment, both read off the graph. ``ffn``: the widest feature-sliceable MLP (0: none),
     for L2. L3 (``groups``: the head-group counts the graph allows): K and V of one group of heads at a time
-    (``kv`` of ``fixed`` divided by the groups) and the attention output whole (``attn_out``)."""
+    (``kv`` of ``fixed`` divided by the groups) and the attention output whole (``attn_out``).
+    L4/L5 (``kv_options``): K/V in a store (no whole K/V on the device: what the store keeps there, its block
+    buffers and the merge); ``kv_store`` other than "device" forces that store; "device" lets the planner stage K/V to
+    the host (L4, exact) below the floor, weighed against L3 by estimated time (``costs``); an approximate store (L5)
+    is used only when asked for."""
     def peak(chunk: int, sl: int = 0, g: int = 1) -> int:
         grouped = (kv - kv // g - attn_out) if g > 1 else 0
         return fixed - grouped + transient(chunk, sl)
 
-    def make(tier: Tier, chunk: int, sl: int = 0, g: int = 1) -> Plan:
+    def peak_kv(opt: KVOption, chunk: int, sl: int, blk: int) -> int:
+        c = min(chunk, rows)
+        return fixed - kv + opt.resident + min(blk, rows) * opt.block_row + transient(c, sl) + c * opt.merge_row
+
+    def make(tier: Tier, chunk: int, sl: int = 0, g: int = 1, opt: KVOption | None = None, blk: int = 0) -> Plan:
         if tier == Tier.L0:
             return Plan(Tier.L0, rows, rows, 0, stock, stock)
         if chunk_tokens is None:
             chunk = quantize_chunk(chunk, rows, quantum)
         chunk = min(chunk, rows)
+        if opt is not None:
+            blk = min(blk or DEFAULT_KV_BLOCK, rows)
+            return Plan(opt.tier, rows, chunk, sl, peak_kv(opt, chunk, sl, blk), stock, kv=opt.kind, kv_block=blk,
+                        host_traffic=host_traffic(opt, rows, chunk))
         return Plan(tier, rows, chunk, sl, peak(chunk, sl, g), stock, head_groups=g)
+
+    def fit_kv(opt: KVOption, floor: int) -> Plan | None:
+        """The largest Q chunk (then the largest K/V block) this store reaches under the budget."""
+        best = None
+        for sl in (0, 4096, 1024, 256) if ffn else (0,):
+            if sl and sl >= ffn:
+                continue
+            for blk in sorted({min(b, rows) for b in KV_BLOCKS}, reverse=True):
+                chunk = _largest_chunk(lambda c: peak_kv(opt, c, sl, blk), rows, budget, floor)
+                if chunk is not None and (best is None or chunk > best[0]):
+                    best = (chunk, sl, blk)
+            if best is not None:
+                break
+        return None if best is None else make(opt.tier, best[0], best[1], opt=opt, blk=best[2])
+
+    forced = next((o for o in kv_options if o.kind == kv_store), None) if kv_store != "device" else None
+    if kv_store != "device":
+        if forced is None:
+            raise ValueError(f"kv={kv_store!r}: no such K/V store for this block")
+        sl = min(ffn_slice, ffn) if ffn_slice is not None and ffn else 0
+        if chunk_tokens is not None or budget is None:
+            return make(forced.tier, chunk_tokens or DEFAULT_CHUNK_TOKENS, sl, opt=forced)
+        for floor in dict.fromkeys((max(min_chunk, MIN_CHUNK_TOKENS), MIN_CHUNK_TOKENS)):
+            plan = fit_kv(forced, floor)
+            if plan is not None:
+                return plan
+        least = peak_kv(forced, min(rows, MIN_CHUNK_TOKENS), 256 if ffn > 256 else 0, KV_BLOCKS[-1])
+        raise BudgetError(f"captured block over {rows} rows with kv={kv_store!r}: {fmt_bytes(budget)} left for it is "
+                          f"below the smallest peak that store reaches ({fmt_bytes(least)})")
+    exact_kv = [o for o in kv_options if o.tier == Tier.L4]
 
     if head_groups is not None and head_groups > 1 and head_groups in groups:
         return make(Tier.L3, chunk_tokens or DEFAULT_CHUNK_TOKENS, min(ffn_slice or 0, ffn), head_groups)
@@ -313,15 +412,29 @@ def plan_graph(rows: int, fixed: int, transient, stock: int, *, chunk_tokens: in
             chunk = _largest_chunk(lambda c: fixed + transient(c, sl), rows, budget, floor)
             if chunk is not None:
                 return make(Tier.L2, chunk, sl)
+        grouped = None
         for g in groups:
             for sl in (0, 4096, 1024, 256) if ffn else (0,):
                 if sl >= ffn and sl:
                     continue
                 chunk = _largest_chunk(lambda c: peak(c, sl, g), rows, budget, floor)
                 if chunk is not None:
-                    return make(Tier.L3, chunk, sl, g)
+                    grouped = make(Tier.L3, chunk, sl, g)
+                    break
+            if grouped is not None:
+                break
+        staged = [p for p in (fit_kv(o, floor) for o in exact_kv) if p is not None]
+        if grouped is not None or staged:
+            # the faster legal tier by estimated extra time: L3 reruns projections per group, L4 copies K/V
+            def extra(p: Plan) -> float:
+                if p.tier == Tier.L3:
+                    return (p.head_groups - 1) * L3_GROUP_COST * costs.attention_s
+                opt = next(o for o in exact_kv if o.kind == p.kv)
+                return l4_extra_seconds(opt, rows, p.chunk, costs)
+            return min([p for p in [grouped, *staged] if p is not None], key=extra)
     least = min([fixed + transient(min(rows, MIN_CHUNK_TOKENS), 256 if ffn > 256 else 0)]
-                + [peak(min(rows, MIN_CHUNK_TOKENS), 256 if ffn > 256 else 0, g) for g in groups])
+                + [peak(min(rows, MIN_CHUNK_TOKENS), 256 if ffn > 256 else 0, g) for g in groups]
+                + [peak_kv(o, min(rows, MIN_CHUNK_TOKENS), 256 if ffn > 256 else 0, KV_BLOCKS[-1]) for o in exact_kv])
     raise BudgetError(f"captured block over {rows} rows: {fmt_bytes(budget)} left for it is below the smallest peak "
                       f"streamplan can reach ({fmt_bytes(least)}: global K, V and the outputs {fmt_bytes(fixed)}, "
                       f"and one {MIN_CHUNK_TOKENS}-row chunk)")

@@ -13,6 +13,7 @@ from torch import fx
 from torch.utils import _pytree as pytree
 
 from ..executors.chunks import MAX_SPLITS, _attempt, spans
+from ..executors.kv_store import write_rows
 from .analyze import VIEW_OPS, Analysis, GlobalAttention, Rows, _name, written_args
 from .export import Captured
 from .mlp import MLPRegion, run_region
@@ -133,8 +134,13 @@ class GraphRun:
 
     def __init__(self, cap: Captured, an: Analysis, ph: Phases, module: torch.nn.Module, args: tuple, kwargs: dict,
                  rows: int, attend: Callable[..., torch.Tensor], ffn_slice: int = 0,
-                 regions: list[MLPRegion] | None = None):
+                 regions: list[MLPRegion] | None = None, kv_store: Callable[[GlobalAttention], Any] | None = None,
+                 attend_store: Callable[..., torch.Tensor] | None = None):
         self.cap, self.an, self.ph, self.rows, self.attend = cap, an, ph, rows, attend
+        # L4/L5: each global attention's K/V go into a store (``executors.kv_store``) made by ``kv_store`` and are
+        # attended block by block through ``attend_store(q, store, q_offset=, causal=, scale=)``
+        self.kv_store, self.attend_store = kv_store, attend_store
+        self.stores: dict[fx.Node, Any] = {}
         self.ffn_slice = ffn_slice
         # a chunk that runs out of memory is retried in halves, unless the block writes into its inputs (a half-done
         # chunk would leave them changed) or its capture holds only from more rows than a half might have
@@ -243,6 +249,9 @@ class GraphRun:
         if att.node in self.attn_out:   # L3: the attention's output was built head group by head group
             o = self.attn_out[att.node]
             return o.narrow(att.q_rows.dim, a, self._span[1] - a)
+        store = self.stores.get(att.node)
+        if store is not None:
+            return self.attend_store(env[att.q], store, q_offset=a, causal=att.causal, scale=att.scale)
         k, v = self.kv[att.node]
         q = env[att.q]
         return self.attend(q, k, v, q_offset=a, causal=att.causal, scale=att.scale)
@@ -285,11 +294,16 @@ class GraphRun:
     def build_kv(self, chunk: int) -> None:
         for att, nodes in zip(self.an.attentions, self.ph.kv):
             bufs: list[torch.Tensor] = []
+            store = self.kv_store(att) if self.kv_store is not None else None
 
-            def work(a: int, b: int, att=att, nodes=nodes, bufs=bufs) -> None:
+            def work(a: int, b: int, att=att, nodes=nodes, bufs=bufs, store=store) -> None:
                 dyn = self.static_mode and a > 0
                 env = self._run(nodes, self._inputs(a, b, dyn), a, {att.k, att.v}, b - a if dyn else None)
                 kc, vc = env[att.k], env[att.v]
+                if store is not None:
+                    r = att.kv_rows
+                    write_rows(store, kc, vc, r.pre, r.post, self.rows, a, b, a == 0)
+                    return
                 if not bufs:
                     bufs += [_whole(kc, att.kv_rows, self.rows), _whole(vc, att.kv_rows, self.rows)]
                 _write_rows(bufs[0], kc, att.kv_rows, self.rows, a, b, a == 0)
@@ -297,6 +311,10 @@ class GraphRun:
 
             for a, b in spans(self.rows, chunk, self.cap.min_rows):
                 _attempt(work, a, b, self._retries)
+            if store is not None:
+                store.finish()
+                self.stores[att.node] = store
+                continue
             self.kv[att.node] = (bufs[0], bufs[1])
 
     def build_grouped(self, chunk: int, groups: int) -> None:
@@ -369,4 +387,7 @@ class GraphRun:
         for a, b in spans(self.rows, chunk, self.cap.min_rows):
             _attempt(work, a, b, self._retries)
         self.kv.clear()
+        for store in self.stores.values():
+            store.release()
+        self.stores.clear()
         return pytree.tree_unflatten(outs, self.cap.out_spec)
