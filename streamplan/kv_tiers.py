@@ -1,0 +1,168 @@
+"""Below the floor on the captured-graph path (issue 14): what ``apply(..., kv=...)`` asks for, which K/V stores a
+captured block can use, their memory model for the planner (``planner.KVOption``), and running a block with its K/V
+in a store (``executors.kv_store``), the error of an approximate store measured against the exact run on its first
+call.
+
+``kv="device"`` (the default) is exact: K/V stay whole on the device wherever the budget allows; below the floor the
+planner may stage them to the host (L4, exact) or group heads (L3). ``kv="host"`` forces L4. ``kv="int8"`` and
+``kv="fp8"`` (L5) are approximate and used only when asked for."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from .executors.kv_store import APPROXIMATE, KV_KINDS, attend_blocks, make_store, store_kind
+from .planner import ATTENTION_RATE, Costs, KVOption, Tier
+
+log = logging.getLogger("streamplan")
+
+
+def check_kv(kv: Any) -> str:
+    """``kv`` validated: one of the store kinds, else a ValueError that names them."""
+    if not isinstance(kv, str) or kv.strip().lower() not in KV_KINDS:
+        raise ValueError(f"kv must be one of {', '.join(repr(k) for k in KV_KINDS)} (where K/V live between the "
+                         f"phases: 'device' exact, the default; 'host' exact, host-staged (L4); 'int8' or 'fp8' "
+                         f"compressed, approximate (L5)), got {kv!r}")
+    return kv.strip().lower()
+
+
+def kv_problem(found, consumer, adapted: Any = None) -> str | None:
+    """Why this captured block cannot keep its K/V in a store (L4/L5), or None."""
+    an = found.analysis
+    if not an.attentions:
+        return "no global attention (no whole K/V to stage)"
+    if not getattr(consumer.caps, "kv_blocks_lse", False) or not callable(getattr(consumer, "attend_lse", None)):
+        return (f"attention backend {consumer.name} does not attend K/V in blocks with a log-sum-exp "
+                f"(kv_blocks_lse): K/V stay whole on the device")
+    if adapted is not None:
+        return "the call's cache is filled from the whole K/V: they stay on the device"
+    for att in an.attentions:
+        k = att.k.meta["val"]
+        if k.dim() != 4 or att.kv_rows.dim != 2 or att.causal and (att.kv_rows.pre or att.kv_rows.post):
+            return "a global attention's K/V are not [batch, heads, rows, head_dim] over the rows alone"
+    return None
+
+
+def _ints(shape) -> list[int] | None:
+    out = []
+    for s in shape:
+        if not isinstance(s, int):
+            try:
+                s = int(s)
+            except (TypeError, ValueError):
+                return None
+        out.append(s)
+    return out
+
+
+def kv_options(found, rows: int, device: torch.device, kinds: tuple[str, ...]) -> tuple[KVOption, ...]:
+    """The memory model of each store kind in ``kinds`` for this block at ``rows`` rows."""
+    an = found.analysis
+    opts = []
+    for kind in kinds:
+        sk = store_kind(kind)
+        resident = host = block_row = merge_row = 0
+        for att in an.attentions:
+            kv_ = att.k.meta["val"]
+            q = att.q.meta["val"]
+            dims = _ints((kv_.shape[0], kv_.shape[1], kv_.shape[-1], q.shape[1]))
+            if dims is None:
+                return ()
+            B, Hkv, D, H = dims
+            e = kv_.element_size()
+            total = rows + att.kv_rows.pre + att.kv_rows.post
+            elems = 2 * B * Hkv * D                      # K and V, one row
+            resident += int(total * elems * sk.resident(e, D))
+            host += total * elems * e if sk.on_host else 0
+            if kind == "host":   # two block buffers in turn on CUDA; views of host rows in a CPU run
+                row = 2 * elems * e if device.type == "cuda" else 0
+            else:                # the block expanded (K and V in the compute dtype) and its fp32 working copies
+                row = elems * e + 3 * (elems // 2) * 4
+            block_row = max(block_row, row)
+            # phase Q: fp32 accumulator, a block's partial output, the result; phase KV: a chunk's rows-first copy
+            # and, compressing, its fp32 working copies
+            merge = B * H * D * (4 + 2 * e) + 8 * B * H
+            write = elems * e + (0 if sk.exact else 3 * elems * 4)
+            merge_row = max(merge_row, merge, write)
+        tier = Tier.L4 if sk.exact else Tier.L5
+        opts.append(KVOption(kind, tier, resident, block_row, merge_row, host))
+    return tuple(opts)
+
+
+def costs(found, rows: int, device: torch.device) -> Costs:
+    """Estimated attention time (FLOPs at the device's measured rate) for weighing L3 against L4."""
+    rate = ATTENTION_RATE.get(device.type)
+    if not rate:
+        return Costs(0.0, device.type)
+    flops = 0.0
+    for att in found.analysis.attentions:
+        q = _ints(att.q.meta["val"].shape[:2] + att.q.meta["val"].shape[-1:])
+        if q is None:
+            continue
+        B, H, D = q
+        keys = rows + att.kv_rows.pre + att.kv_rows.post
+        flops += 4.0 * B * H * D * rows * keys * (0.5 if att.causal else 1.0)
+    return Costs(flops / rate, device.type)
+
+
+def options_for(found, rows: int, device: torch.device, kv: str, consumer, adapted: Any = None
+                ) -> tuple[tuple[KVOption, ...], str | None]:
+    """The stores the planner may use for this call (the one asked for, or L4 below the floor when exact), and why
+    none can be used (None when they can)."""
+    why = kv_problem(found, consumer, adapted)
+    if why is not None:
+        return (), why
+    return kv_options(found, rows, device, (kv,) if kv != "device" else ("host",)), None
+
+
+def store_factory(kind: str, device: torch.device, block_rows: int) -> Callable[[Any], Any]:
+    return lambda att: make_store(kind, device, block_rows)
+
+
+def store_attend(consumer) -> Callable[..., torch.Tensor]:
+    def attend(q, store, *, q_offset, causal, scale):
+        return attend_blocks(consumer, q, store, q_offset=q_offset, causal=causal, scale=scale)
+    return attend
+
+
+@dataclass
+class KVError:
+    """An approximate store's output error against the exact run of the same call (the first call per shape)."""
+
+    kind: str
+    rel: float
+    max_abs: float
+
+    def describe(self) -> str:
+        return (f"kv={self.kind} (L5, approximate): output error against exact K/V on the first call: "
+                f"rel {self.rel:.2e}, max abs {self.max_abs:.2e}")
+
+
+def measure_error(kind: str, streamed: Any, exact: Any) -> KVError:
+    from .verify import compare_outputs
+    diffs = compare_outputs(streamed, exact)
+    rel = max((d["rel"] for d in diffs.values()), default=0.0)
+    max_abs = max((d["max_abs"] for d in diffs.values()), default=0.0)
+    return KVError(kind, rel, max_abs)
+
+
+def run_with_store(run, plan, device: torch.device, consumer, donate: dict, exact_run: Callable[[], Any] | None):
+    """Phase KV into the plan's store, phase Q against its blocks. ``exact_run`` (an approximate store's first call):
+    the same call with exact K/V first, into its own outputs (nothing donated), for the error; returns
+    ``(output, KVError | None)``."""
+    error = None
+    ref = exact_run() if exact_run is not None and plan.kv in APPROXIMATE else None
+    run.kv_store = store_factory(plan.kv, device, plan.kv_block)
+    run.attend_store = store_attend(consumer)
+    run.build_kv(plan.chunk)
+    out = run.run_q(plan.chunk, donate)
+    if ref is not None:
+        error = measure_error(plan.kv, out, ref)
+        del ref
+    return out, error
+
+
+__all__ = ["check_kv", "kv_problem", "kv_options", "costs", "options_for", "run_with_store", "KVError"]

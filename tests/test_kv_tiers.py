@@ -1,0 +1,166 @@
+"""Below the floor (issue 14): K/V stores (device, host, int8, fp8), attention against them block by block with a
+log-sum-exp merge, the planner's L4/L5 tiers, and ``apply(..., kv=...)`` on real diffusers and transformers blocks
+(their own forwards are the oracle)."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import streamplan
+from conftest import rel_err
+from streamplan.consumers import SDPA
+from streamplan.executors.kv_store import attend_blocks, make_store, write_rows
+from streamplan.planner import Costs, KVOption, Tier, plan_graph
+
+CPU = torch.device("cpu")
+
+
+def _store(kind, k, v, block, write_chunk=64):
+    st = make_store(kind, CPU, block)
+    n = k.shape[2]
+    for a in range(0, n, write_chunk):
+        b = min(a + write_chunk, n)
+        write_rows(st, k[:, :, a:b], v[:, :, a:b], 0, 0, n, a, b, a == 0)
+    st.finish()
+    return st
+
+
+def _blockwise(kind, q, k, v, *, causal, q_chunk, block, mask=None):
+    st = _store(kind, k, v, block)
+    outs = []
+    for a in range(0, q.shape[2], q_chunk):
+        b = min(a + q_chunk, q.shape[2])
+        m = mask[..., a:b, :] if mask is not None else None
+        outs.append(attend_blocks(SDPA, q[:, :, a:b], st, q_offset=a, causal=causal, scale=None, mask=m))
+    return torch.cat(outs, 2)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["non-causal", "causal"])
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (8, 2)], ids=["mha", "gqa"])
+@pytest.mark.parametrize("q_chunk, block", [(50, 37), (64, 64), (300, 128), (33, 300)])
+def test_lse_merge_of_kv_blocks_matches_whole_attention(causal, heads, kv_heads, q_chunk, block):
+    n = 300
+    q, k, v = torch.randn(2, heads, n, 16), torch.randn(2, kv_heads, n, 16), torch.randn(2, kv_heads, n, 16)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+    out = _blockwise("host", q, k, v, causal=causal, q_chunk=q_chunk, block=block)
+    assert rel_err(out, ref) <= 1e-5
+
+
+@pytest.mark.parametrize("form", ["bool", "additive"])
+@pytest.mark.parametrize("causal", [False, True], ids=["non-causal", "causal"])
+def test_lse_merge_with_masks(form, causal):
+    n = 200
+    q, k, v = torch.randn(1, 4, n, 16), torch.randn(1, 2, n, 16), torch.randn(1, 2, n, 16)
+    keep = torch.rand(1, 1, n, n) > 0.3
+    keep[..., 0] = True   # every row sees a key
+    mask = keep if form == "bool" else torch.zeros(1, 1, n, n).masked_fill(~keep, float("-inf"))
+    full = keep & torch.ones(n, n, dtype=torch.bool).tril() if causal else keep
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=full, enable_gqa=True)
+    out = _blockwise("host", q, k, v, causal=causal, q_chunk=48, block=64, mask=mask)
+    assert rel_err(out, ref) <= 1e-5
+
+
+def test_lse_merge_in_bf16_stays_within_a_bf16_kernel_difference():
+    n = 512
+    q, k, v = (torch.randn(1, 4, n, 32, dtype=torch.bfloat16) for _ in range(3))
+    ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
+    stock = F.scaled_dot_product_attention(q, k, v)
+    out = _blockwise("host", q, k, v, causal=False, q_chunk=128, block=100)
+    assert out.dtype == torch.bfloat16
+    assert rel_err(out, ref) <= 2 * max(rel_err(stock, ref), 4e-3)
+
+
+# Compressed stores on random K/V, attention output against exact (fp32): the stated bounds.
+INT8_BOUND, FP8_BOUND = 0.03, 0.2
+
+
+@pytest.mark.parametrize("kind, bound", [("int8", INT8_BOUND), ("fp8", FP8_BOUND)])
+@pytest.mark.parametrize("causal", [False, True], ids=["non-causal", "causal"])
+def test_compressed_stores_within_their_bound(kind, bound, causal):
+    n = 384
+    q, k, v = torch.randn(1, 4, n, 64), torch.randn(1, 2, n, 64), torch.randn(1, 2, n, 64)
+    k[..., 3] *= 20   # an outlier channel, as real K has: the rotation spreads it
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+    out = _blockwise(kind, q, k, v, causal=causal, q_chunk=128, block=96)
+    err = rel_err(out, ref)
+    assert 0 < err <= bound, err
+
+
+def test_int8_rotation_is_what_keeps_an_outlier_channel_cheap():
+    from streamplan.executors import kv_store
+    n = 256
+    k = torch.randn(1, 2, n, 64)
+    k[..., 5] *= 50
+    st = _store("int8", k, k.clone(), 128)
+    kb, _ = st.block(0, n)
+    rotated = rel_err(kb, k)
+    eye = torch.eye(64)
+    orig = kv_store._hadamard
+    kv_store._hadamard = lambda d, dev: eye
+    try:
+        plain = rel_err(_store("int8", k, k.clone(), 128).block(0, n)[0], k)
+    finally:
+        kv_store._hadamard = orig
+    assert rotated < plain / 2, (rotated, plain)
+
+
+def test_store_sizes():
+    n, k = 256, torch.randn(1, 4, 256, 64, dtype=torch.bfloat16)
+    sizes = {kind: _store(kind, k, k, 64) for kind in ("device", "host", "int8", "fp8")}
+    whole = 2 * k.numel() * 2
+    assert sizes["device"].device_bytes() == whole and sizes["host"].device_bytes() == 0
+    assert sizes["host"].host_bytes() == whole
+    assert sizes["int8"].device_bytes() <= 0.54 * whole      # int8 + an fp32 scale per row and head
+    assert sizes["fp8"].device_bytes() <= 0.51 * whole       # fp8 + an fp32 scale per 128-row tile and head
+    assert n == sizes["host"].rows
+
+
+# -- the planner ------------------------------------------------------------------------------------------------------
+ROWS, KV, OUT = 8192, 80_000, 20_000
+TRANSIENT = lambda c, sl: c * 4  # noqa: E731
+HOST = KVOption("host", Tier.L4, resident=0, block_row=8, merge_row=2, host_bytes=KV)
+INT8 = KVOption("int8", Tier.L5, resident=KV // 2, block_row=12, merge_row=2)
+
+
+def _plan(budget, **kw):
+    return plan_graph(ROWS, KV + OUT, TRANSIENT, 10**9, budget=budget, min_chunk=1024, kv=KV, **kw)
+
+
+def test_l4_below_the_floor_with_its_memory_model_and_traffic():
+    plan = _plan(OUT + 2048 * 4 + 2048 * 2 + 8 * 1024, kv_options=(HOST,))
+    assert plan.tier == Tier.L4 and plan.kv == "host" and plan.chunk >= 1024
+    assert plan.predicted_peak <= OUT + 2048 * 4 + 2048 * 2 + 8 * 1024
+    assert plan.predicted_peak == OUT + plan.kv_block * 8 + plan.chunk * 6
+    passes = -(-ROWS // plan.chunk)
+    assert plan.host_traffic == KV * (1 + passes)
+    assert "kv=host" in plan.describe() and "host traffic" in plan.describe()
+    assert plan.to_dict()["kv"] == "host"
+
+
+def test_l5_only_when_asked_and_l4_when_forced():
+    tight = OUT + KV // 2 + 256 * 12 + 2048 * 6
+    with pytest.raises(streamplan.BudgetError):
+        _plan(tight, kv_options=(INT8,))              # offered but not asked for: never chosen
+    plan = _plan(tight, kv_options=(INT8,), kv_store="int8")
+    assert plan.tier == Tier.L5 and plan.kv == "int8" and plan.host_traffic == 0
+    assert "(approximate)" in plan.describe()
+    roomy = _plan(10**8, kv_options=(HOST,), kv_store="host")   # stock would fit: "host" forces L4 anyway
+    assert roomy.tier == Tier.L4
+    fixed = plan_graph(ROWS, KV + OUT, TRANSIENT, 10**9, chunk_tokens=512, kv=KV, kv_options=(HOST,),
+                       kv_store="host")
+    assert fixed.tier == Tier.L4 and fixed.chunk == 512
+    assert _plan(10**6, kv_options=(HOST,)).tier in (Tier.L0, Tier.L1)   # above the floor: K/V stay on the device
+
+
+def test_below_the_floor_the_planner_weighs_l3_against_l4():
+    attn_out = 10_000
+    budget = OUT + attn_out + KV // 8 + 2048 * 4
+    groups = (2, 4, 8)
+    # attention long enough to hide the copies back: L4 (L3 reruns projections per group)
+    slow = _plan(budget, groups=groups, attn_out=attn_out, kv_options=(HOST,), costs=Costs(attention_s=1.0))
+    assert slow.tier == Tier.L4
+    # no attention time to hide them under and a large K/V: L3
+    big = KVOption("host", Tier.L4, resident=0, block_row=8, merge_row=2, host_bytes=10**12)
+    fast = _plan(budget, groups=groups, attn_out=attn_out, kv_options=(big,), costs=Costs(attention_s=1e-3))
+    assert fast.tier == Tier.L3
+    with pytest.raises(streamplan.BudgetError):
+        _plan(OUT // 2, groups=groups, attn_out=attn_out, kv_options=(HOST,))
