@@ -508,7 +508,7 @@ def test_stream_report_node_function(fresh_captures):
     patched, _ = stream_blocks(base, "none", 64, 0, "", False)
     latent = {"samples": x}
     samples, text = stream_report(patched, latent)
-    assert samples is latent and text.count(": not called yet") == 2, text
+    assert samples is latent and text.count(": not called yet") == 3, text
     sample_call(_h3_run(patched), x, cond)
     samples, text = stream_report(patched, latent)
     assert text.count("1 call(s) through the streamer; attention chunks to ComfyUI optimized_attention") == 2, text

@@ -20,10 +20,13 @@ from torch import nn
 from ..consumers import ConsumerCaps, graph_consumer_scope
 from ..consumers.comfy import OVERRIDE_KEY, ComfyAttention, override_problem
 from .blocks import BlockCalls, block_calls
+from .forwards import ModelCalls, ModelForward
+from .memory import streamer_budget
 
 log = logging.getLogger("streamplan")
 
 LEFT_TO_EXISTING = "left to an existing block replacement"
+WRAPPER_KEY = "streamplan"
 
 # "dit" block-replacement keys, and the diffusion model's block list each one indexes (ComfyUI 0.33.0: Wan and H3 use
 # ``blocks``, LTXV ``transformer_blocks``, Flux and HunyuanVideo ``double_blocks`` / ``single_blocks``)
@@ -85,6 +88,29 @@ class PatchState:
     blocks: dict[tuple, BlockState] = field(default_factory=dict)
     left: dict[tuple, str] = field(default_factory=dict)     # key -> what holds it (foreign replacement)
     replaced_own: int = 0                                     # keys an earlier streamplan patch held, re-planned
+    forward: ModelCalls = field(default_factory=ModelCalls)   # the DIFFUSION_MODEL wrapper's model calls
+    runs: int = 0                                             # sampling runs seen (each re-plans the blocks)
+    last_sigmas: Any = None                                   # the "sigmas" tensor of the last call seen
+    last_sigma: float | None = None
+
+    def new_call(self, options: dict) -> None:
+        """Per call: a call at the first sigma of a sampling run (after one at another sigma) starts a new run, and
+        the blocks plan again then (``"auto"`` reads what is free at that run)."""
+        sigmas = options.get("sigmas")
+        if sigmas is None or sigmas is self.last_sigmas:
+            return
+        self.last_sigmas = sigmas
+        schedule = options.get("sample_sigmas")
+        try:
+            sigma = float(sigmas.flatten()[0])
+            first = float(schedule.flatten()[0]) if schedule is not None else None
+        except (AttributeError, IndexError, RuntimeError, TypeError, ValueError):
+            return
+        if first is not None and abs(sigma - first) <= 1e-6 * max(1.0, abs(first)) and self.last_sigma != sigma:
+            self.runs += 1
+            for b in self.blocks.values():
+                b.streamer, b.module_id = None, None
+        self.last_sigma = sigma
 
 
 def _rows(args: dict) -> int | None:
@@ -132,15 +158,18 @@ class _StreamedCall:
         self.block, self.module, self.patch_state, self.calls = block, module, patch_state, calls
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        o = self.patch_state.options
         if self.block.streamer is None or self.block.module_id != id(self.module):
             import streamplan
-            o = self.patch_state.options
-            extra = {} if o.reserve is None else {"reserve": o.reserve}
             self.block.streamed = self.calls.streamed(self.module)
             self.block.streamer = streamplan.BlockStreamer(
-                self.block.streamed, o.budget, o.chunk_tokens, self_check=o.self_check,
-                name=_key_name(self.block.key), **extra)
+                self.block.streamed, None if o.budget is None else 1, o.chunk_tokens, self_check=o.self_check,
+                name=_key_name(self.block.key))
             self.block.module_id = id(self.module)
+        if o.budget is not None:   # the room at this call (memory.py), over what the call holds live
+            x = next((a for a in list(args) + list(kwargs.values()) if hasattr(a, "device")), None)
+            if x is not None:
+                self.block.streamer.handle.options.budget = streamer_budget(o, args, kwargs, x.device)
         consumer = ComfyAttention(COMFY_CAPS, kwargs.get("transformer_options") or {}, self.block.key[1])
         with graph_consumer_scope(consumer):
             out = self.calls.call(self.block.streamer, self.block.streamed, args, kwargs)
@@ -157,7 +186,10 @@ def _key_name(key: tuple) -> str:
 
 
 class StreamedBlock:
-    """The "dit" block replacement ``patch`` installs for one block index."""
+    """The "dit" block replacement ``patch`` installs for one block index. ``streamplan_donates``: a model forward
+    that keeps no other reference to the block's input may donate it (``forwards``)."""
+
+    streamplan_donates = True
 
     def __init__(self, state: PatchState, key: tuple, list_name: str):
         self.state, self.key, self.list_name = state, key, list_name
@@ -165,6 +197,7 @@ class StreamedBlock:
     def __call__(self, args: dict, extra: dict) -> dict:
         original = extra["original_block"]
         block = self.state.blocks[self.key]
+        self.state.new_call(args.get("transformer_options") or {})
         rows = _rows(args)
         if rows is None or rows < self.state.options.min_tokens:
             block.short_calls += 1
@@ -267,6 +300,13 @@ def patch(model_patcher, budget: int | str | None = "auto", chunk_tokens: int | 
             state.replaced_own += 1
         state.blocks[key] = BlockState(key)
         clone.set_model_patch_replace(StreamedBlock(state, key, where.split("[")[0]), "dit", key[0], key[1])
+    # the DIFFUSION_MODEL wrapper, in the clone's transformer_options (where its block replacements are): every model
+    # call passes it, sampled or called directly; an earlier streamplan patch's wrapper gives way to this one
+    from comfy import patcher_extension as ext
+    wrappers = clone.model_options.setdefault("transformer_options", {}).setdefault("wrappers", {})
+    wrappers.get(ext.WrappersMP.DIFFUSION_MODEL, {}).pop(WRAPPER_KEY, None)
+    ext.add_wrapper_with_key(ext.WrappersMP.DIFFUSION_MODEL, WRAPPER_KEY, ModelForward(state), clone.model_options,
+                             is_model_options=True)
     if not state.blocks and not state.left:
         log.info("streamplan.comfy: %s has no block list streamplan knows; the clone is unchanged",
                  type(dm).__name__)
@@ -280,6 +320,18 @@ def _states(patched) -> list[PatchState]:
         if isinstance(fn, StreamedBlock) and all(fn.state is not s for s in seen):
             seen.append(fn.state)
     return seen
+
+
+def _forward_line(st: PatchState) -> str:
+    f = st.forward
+    parts = []
+    if f.streamed_calls:
+        parts.append(f"{f.streamed_calls} call(s) streamed (input projection and output head in {f.chunk}-row "
+                     f"chunks, {f.donated_blocks} block input(s) donated in the last)")
+    for why, n in f.stock_reasons.items():
+        parts.append(f"{n} call(s) stock: {why}")
+    runs = f", {st.runs} sampling run(s) planned" if st.runs else ""
+    return f"  model forward ({st.model_class}{runs}): " + ("; ".join(parts) if parts else "not called yet")
 
 
 def report(patched) -> str:
@@ -297,6 +349,7 @@ def report(patched) -> str:
                      f"reserve {o.reserve!r}, self_check {o.self_check}")
         if st.replaced_own:
             lines.append(f"  re-planned {st.replaced_own} block(s) an earlier streamplan patch held")
+        lines.append(_forward_line(st))
         for key, holder in st.left.items():
             lines.append(f"  {_key_name(key)}: {LEFT_TO_EXISTING} ({holder})")
         for key, b in st.blocks.items():

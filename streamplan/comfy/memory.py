@@ -1,0 +1,62 @@
+"""Budgets inside ComfyUI. ComfyUI owns the weights (it loads, offloads and casts them), so a streamplan budget there
+is activation room, never a share of the card:
+
+- ``"auto"``: what ComfyUI's ``comfy.model_management.get_free_memory(device)`` reports free (the driver's free memory
+  plus what PyTorch's cache holds unused) less ``extra_reserved_memory()`` (``--reserve-vram``) and the node's
+  ``reserve``, read when a block is planned. Weights that DynamicVRAM (comfy-aimdo) could evict are not counted as
+  free: ``ModelPatcher.get_free_memory`` adds them for batching decisions, streamplan does not use it.
+- bytes (``"12GiB"``): the activation ceiling above what is allocated when the block is entered (its inputs, the
+  residual, the weights): a block plans its chunks to stay within it.
+- ``None``: no planning; every long enough call streams at ``chunk_tokens`` (or the default chunk).
+
+``room_for`` is that room; ``streamer_budget`` turns it into the byte budget a ``BlockStreamer`` plans under (which
+counts the call's live inputs inside its budget)."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..budget import DEFAULT_RESERVE, parse_budget
+
+
+def room_for(options: Any, device: torch.device) -> int | None:
+    """Activation bytes a call may use under ``options.budget`` on ``device`` (None: no budget)."""
+    budget = options.budget
+    if budget is None:
+        return None
+    if budget != "auto":
+        return int(budget)
+    import comfy.model_management as mm
+    reserve = DEFAULT_RESERVE if options.reserve is None else parse_budget(options.reserve, None, arg="reserve",
+                                                                             allow_zero=True)
+    return max(0, int(mm.get_free_memory(device)) - int(mm.extra_reserved_memory()) - reserve)
+
+
+def live_bytes(args: tuple, kwargs: dict) -> int:
+    """Bytes of the distinct tensor storages a block call receives (what a ``BlockStreamer`` counts as live inside
+    a byte budget), one level into lists, tuples and dicts."""
+    seen: dict[int, int] = {}
+
+    def visit(v: Any, depth: int = 0) -> None:
+        if isinstance(v, torch.Tensor):
+            try:
+                seen[v.untyped_storage().data_ptr()] = v.untyped_storage().nbytes()
+            except (RuntimeError, NotImplementedError):
+                seen[id(v)] = v.numel() * v.element_size()
+        elif depth < 2 and isinstance(v, (tuple, list)):
+            for x in v:
+                visit(x, depth + 1)
+        elif depth < 2 and isinstance(v, dict):
+            for x in v.values():
+                visit(x, depth + 1)
+
+    for v in list(args) + list(kwargs.values()):
+        visit(v)
+    return sum(seen.values())
+
+
+def streamer_budget(options: Any, args: tuple, kwargs: dict, device: torch.device) -> int | None:
+    """The byte budget for one block call's ``BlockStreamer``: the room plus the call's live inputs."""
+    room = room_for(options, device)
+    return None if room is None else room + live_bytes(args, kwargs)
