@@ -324,6 +324,9 @@ def l4_extra_seconds(option: KVOption, rows: int, chunk: int, costs: Costs) -> f
 
 
 SLICE_FOR_CHUNKS_BELOW = 4   # a captured block's planner slices its MLP when row chunks alone stay under 4x the floor
+SLICES = (4096, 2048, 1024)  # MLP hidden features per slice the planner tries first (GEMMs stay wide at each)
+NARROWER_GAIN = 1.1          # a narrower slice is taken when it buys 10% more rows per chunk
+L2_GAIN = 1.5                # L2 is taken over L1 when it buys 1.5x the rows per chunk
 
 
 def plan_graph(rows: int, fixed: int, transient, stock: int, *, chunk_tokens: int | None = None,
@@ -397,13 +400,23 @@ def plan_graph(rows: int, fixed: int, transient, stock: int, *, chunk_tokens: in
         return _fixed(rows, chunk_tokens, make)
     if stock <= budget:
         return make(Tier.L0, rows)
+    def sliced(floor: int) -> tuple[int, int] | None:
+        """(chunk, slice) of the widest MLP slice among ``SLICES`` whose chunk a narrower one does not beat by more
+        than ``NARROWER_GAIN``: narrower slices are smaller GEMMs, but larger chunks are fewer passes of everything."""
+        best = None
+        for sl in (s for s in SLICES if s < ffn):
+            c = _largest_chunk(lambda c: fixed + transient(c, sl), rows, budget, floor)
+            if c is not None and (best is None or c > best[0] * NARROWER_GAIN):
+                best = (c, sl)
+        return best
+
     for floor in dict.fromkeys((max(min_chunk, MIN_CHUNK_TOKENS), MIN_CHUNK_TOKENS)):
         chunk = _largest_chunk(lambda c: fixed + transient(c, 0), rows, budget, floor)
-        if chunk is not None and chunk < rows and chunk < SLICE_FOR_CHUNKS_BELOW * floor and ffn > 4096:
+        if (chunk is None or chunk < rows and chunk < SLICE_FOR_CHUNKS_BELOW * floor) and ffn > SLICES[0]:
             # small row chunks cost time (per-chunk work, text rows recomputed); slicing the MLP buys larger ones
-            wider = _largest_chunk(lambda c: fixed + transient(c, 4096), rows, budget, floor)
-            if wider is not None and wider >= 2 * chunk:
-                return make(Tier.L2, wider, 4096)
+            wider = sliced(floor)
+            if wider is not None and (chunk is None or wider[0] >= L2_GAIN * chunk):
+                return make(Tier.L2, *wider)
         if chunk is not None:
             return make(Tier.L1, chunk)
         for sl in (4096, 2048, 1024, 512, 256) if ffn else ():
