@@ -6,6 +6,7 @@ from typing import Callable
 from torch import nn
 
 from ..ir import AttentionSpec, GraphSpec, MLPSpec, ModelSpec, RowLocalSpec, Skip
+from . import accelerate_hooks, diffusers_hooks  # noqa: F401  (register their hook chains with streamplan.hooks)
 from . import comfy_kitchen_ops  # noqa: F401  (declares comfy_kitchen's row-local ops)
 from . import peft_layers  # noqa: F401  (declares the adapter state peft's layers read)
 from .diffusers_attention import recognize_attention

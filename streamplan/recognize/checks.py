@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.nn.modules import module as _module_globals
 
-from .. import hooks as diffusers_hooks
+from .. import hooks as hook_chains
 from ..ir import Activation
 
 STREAMED_MARK = "__streamplan_streamed__"
@@ -51,12 +51,14 @@ def global_hook_problem() -> str | None:
 
 
 def stock_problem(module: nn.Module, expected_forward: Callable | None = None, *, subtree: bool = True,
-                  onloads: bool = False) -> str | None:
+                  onloads: bool = False, per_chunk: bool = False) -> str | None:
     """Why ``module`` cannot be streamed safely as a known structure, or None. ``subtree=False`` checks the module
-    alone (a model whose forward streamplan replaces; its children are judged on their own). Known diffusers hooks on
-    the module itself are fine (streamplan runs inside them, ``streamplan.hooks``); on modules inside it only when their
-    weights are in place when read (``onloads``: the caller runs their weight hooks around its run, as a captured
-    graph does, or calls those modules through their own forwards); a path that reads them directly must not pass it."""
+    alone (a model whose forward streamplan replaces; its children are judged on their own). Known hooks on the
+    module itself are fine (streamplan runs inside them, ``streamplan.hooks``), but only weight hooks where the caller
+    calls the module once per row chunk (``per_chunk``: a cache hook would count each chunk as a step); on modules
+    inside it only when their weights are in place when read (``onloads``: the caller runs their weight hooks around
+    its run, as a captured graph does, or calls those modules through their own forwards); a path that reads them
+    directly must not pass it."""
     if module.training:
         return "in training mode (streamplan is for inference: call .eval())"
     if expected_forward is not None and not (type(module).forward is expected_forward
@@ -70,38 +72,32 @@ def stock_problem(module: nn.Module, expected_forward: Callable | None = None, *
         if getattr(m, "_compiled_call_impl", None) is not None:   # Module.compile / compile_repeated_blocks
             return f"{where} is compiled (torch.compile): its calls run under dynamo, which would trace the chunk loops"
         fwd = m.__dict__.get("forward")
-        if fwd is not None and diffusers_hooks.registry(m) is not None:
-            problem = _diffusers_hooks_problem(module, m, where, onloads)
+        if fwd is not None and hook_chains.chain_of(m) is not None:
+            problem = _library_hooks_problem(module, m, where, onloads, per_chunk)
             if problem:
                 return problem
         elif fwd is not None:
             if getattr(fwd, STREAMED_MARK, False) and m is module:
                 return "already streamed by another streamplan handle"
-            if getattr(m, "_hf_hook", None) is None:
-                return f"forward of {where} is patched"
-            # accelerate: sequential offload's AlignDevicesHook is sat inside (the module) or onloaded (its leaves)
-            problem = diffusers_hooks.accelerate_problem(m)
-            if problem or not (m is module or onloads):
-                return f"forward of {where} {problem or 'is wrapped by an accelerate hook (AlignDevicesHook)'}"
-            if m is module and diffusers_hooks.streamed_inside(m):
-                return "already streamed by another streamplan handle"
+            libraries = hook_chains.libraries_on(m)
+            if libraries:   # hooks whose chain is not what forward runs now (patched over, or half removed)
+                return f"forward of {where} is patched over {' and '.join(libraries)} hooks"
+            return f"forward of {where} is patched"
         hooks = _hooks(m)
         if hooks:
             return f"{where} has {', '.join(hooks)} streamplan does not know"
     return None
 
 
-def _diffusers_hooks_problem(module: nn.Module, m: nn.Module, where: str, onloads: bool) -> str | None:
-    if getattr(m, "_hf_hook", None) is not None:   # which chain holds the other is not for streamplan to guess
-        return f"forward of {where} is wrapped by both accelerate and diffusers hooks"
+def _library_hooks_problem(module: nn.Module, m: nn.Module, where: str, onloads: bool, per_chunk: bool) -> str | None:
     if m is module:
-        if diffusers_hooks.streamed_inside(m):
+        if hook_chains.streamed_inside(m):
             return "already streamed by another streamplan handle"
-        return diffusers_hooks.hook_problem(m, diffusers_hooks.AROUND)
+        return hook_chains.hook_problem(m, "weights" if per_chunk else "around")
     if not onloads:
-        names = ", ".join(diffusers_hooks.hook_names(m))
-        return f"{where} is wrapped by diffusers hooks ({names}) and this path reads its weights directly"
-    problem = diffusers_hooks.hook_problem(m, diffusers_hooks.WEIGHTS)
+        names = ", ".join(hook_chains.hook_names(m))
+        return f"{where} is wrapped by hooks ({names}) and this path reads its weights directly"
+    problem = hook_chains.hook_problem(m, "weights")
     return f"{where}: {problem}" if problem else None
 
 

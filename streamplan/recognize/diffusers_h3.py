@@ -10,8 +10,9 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..executors.donation import donate
 from ..executors.chunks import for_chunks
+from ..executors.donation import donate
+from ..hooks import keeps_output
 from ..ir import ModelSpec, Skip
 from .checks import stock_problem
 from .diffusers_models import KNOWN_FORWARDS, _own_forward_problem, call_problem, model_call
@@ -70,9 +71,11 @@ def _forward(model, args: tuple, kwargs: dict, chunk: Callable[[], int]):
     temb = model.time_embedder(temb.to(next(model.time_embedder.parameters()).dtype))
     adaln_indices = timestep_indices * mod.MINIMAX_H3_MODALITY_NUM + token_tags
 
+    kept = None   # a block whose hook keeps its output (a cache) does not hand it to the next to overwrite
     for block in model.transformer_blocks:
-        with donate(hidden_states):
+        with donate(*(() if kept else (hidden_states,))):
             hidden_states = block(hidden_states, temb, adaln_indices, rotary_emb)
+        kept = keeps_output(block)
 
     # each head on the rows it keeps only, a chunk of them at a time, straight into its output (stock runs both
     # heads over every row in float32 and selects afterwards)
@@ -109,7 +112,7 @@ def recognize_h3_model(name: str, module: nn.Module) -> ModelSpec | Skip | None:
         return skip(problem)
     for sub in ("rope", "proj_in", "audio_proj_in", "context_embedder", "token_refiner", "time_proj", "time_embedder",
                 "norm_out", "proj_out", "audio_proj_out"):
-        problem = stock_problem(getattr(module, sub))
+        problem = stock_problem(getattr(module, sub), per_chunk=sub in ("norm_out", "proj_out", "audio_proj_out"))
         if problem:
             return skip(f"{sub}: {problem}")
     return ModelSpec(module, "diffusers.MiniMaxH3Transformer3DModel[packed in place, donated blocks, streamed heads]",

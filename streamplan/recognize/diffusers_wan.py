@@ -9,8 +9,9 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..executors.donation import donate
 from ..executors.chunks import for_chunks
+from ..executors.donation import donate
+from ..hooks import keeps_output
 from ..ir import ModelSpec, Skip
 from .checks import stock_problem
 from .diffusers_models import KNOWN_FORWARDS, _own_forward_problem, call_problem, model_call
@@ -51,9 +52,11 @@ def _wan_forward(model, args: tuple, kwargs: dict, chunk: Callable[[], int]):
     if encoder_hidden_states_image is not None:
         encoder_hidden_states = torch.concat([encoder_hidden_states_image, encoder_hidden_states], dim=1)
 
+    kept = None   # a block whose hook keeps its output (a cache) does not hand it to the next to overwrite
     for block in model.blocks:
-        with donate(hidden_states):
+        with donate(*(() if kept else (hidden_states,))):
             hidden_states = block(hidden_states, encoder_hidden_states, timestep_proj, rotary_emb)
+        kept = keeps_output(block)
 
     if temb.ndim == 3:
         shift, scale = (model.scale_shift_table.unsqueeze(0).to(temb.device) + temb.unsqueeze(2)).chunk(2, dim=2)
@@ -103,8 +106,9 @@ def recognize_wan_model(name: str, module: nn.Module) -> ModelSpec | Skip | None
     if problem:
         return skip(problem)
     for sub in ("rope", "patch_embedding", "condition_embedder", "norm_out", "proj_out"):
-        # called through their own forwards: diffusers weight hooks inside them run as in stock (streamplan.hooks)
-        problem = stock_problem(getattr(module, sub), onloads=True)
+        # called through their own forwards: weight hooks inside them run as in stock (streamplan.hooks); the head's
+        # are called once per row chunk, so only weight hooks on them (a cache hook would count chunks as steps)
+        problem = stock_problem(getattr(module, sub), onloads=True, per_chunk=sub in ("norm_out", "proj_out"))
         if problem:
             return skip(f"{sub}: {problem}")
     return ModelSpec(module, "diffusers.WanTransformer3DModel[donated blocks, streamed head]",
