@@ -1,0 +1,41 @@
+"""What a user asks ``apply`` for, validated once: budget, chunking and tier overrides."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .budget import DEFAULT_RESERVE, parse_budget
+
+
+@dataclass
+class StreamOptions:
+    budget: int | str | None = None   # bytes, or "auto" (free device memory at planning time less ``reserve``)
+    reserve: int = DEFAULT_RESERVE
+    chunk_tokens: int | None = None
+    ffn_slice: int | None = None
+    self_check: bool = False
+    head_groups: int | None = None
+
+
+_INT_MEANING = {"chunk_tokens": "rows per chunk", "ffn_slice": "MLP hidden features per slice",
+                "head_groups": "groups the K/V heads are split into"}
+
+
+def positive_int(value: Any, arg: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{arg} must be a positive int ({_INT_MEANING[arg]}) or None, got {value!r}")
+    return value
+
+
+def make_options(budget, chunk_tokens, ffn_slice, head_groups, reserve, self_check) -> StreamOptions:
+    chunk_tokens = positive_int(chunk_tokens, "chunk_tokens")
+    ffn_slice = positive_int(ffn_slice, "ffn_slice")
+    head_groups = positive_int(head_groups, "head_groups")
+    reserve = parse_budget(reserve, None, arg="reserve", allow_zero=True)
+    if isinstance(budget, str) and budget.strip().lower() == "auto":
+        parsed: int | str | None = "auto"   # resolved when each operation is planned, from what is free then
+    else:
+        parsed = parse_budget(budget, None)
+    return StreamOptions(parsed, reserve, chunk_tokens, ffn_slice, bool(self_check), head_groups)

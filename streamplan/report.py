@@ -1,0 +1,93 @@
+"""The handle's report, as text and JSON: what streamed (a line per input signature, with its plan) and what was
+left stock and why."""
+from __future__ import annotations
+
+import json
+
+from .budget import fmt_bytes
+from .ir import GraphSpec
+from .planner import Tier
+from .stock_watch import StockWatch, matters
+
+STOCK_WHY = "runs stock (streamplan streams no structure here)"
+
+
+def describe_sig(sig: tuple) -> str:
+    shapes = sig[0]
+    if shapes and isinstance(shapes[0], int):
+        text = str(list(shapes))
+    else:
+        text = ", ".join(str(s if not isinstance(s, tuple) or not s or not isinstance(s[0], str) else f"{s[0]}={s[1]}")
+                         for s in shapes if s is not None and (not isinstance(s, tuple) or s[-1] is not None))
+    return f"{text} {str(sig[1]).replace('torch.', '')}"
+
+
+def stock_that_matters(handle) -> list[StockWatch]:
+    largest = max((p.predicted_peak for plans in handle.plans.values() for p in plans), default=0)
+    return [w for w in handle.watched.values() if matters(w, largest)]
+
+
+def _inside(name: str, parent: str) -> bool:
+    return name != parent and (not parent or name.startswith(parent + "."))
+
+
+def to_json(handle) -> str:
+    return json.dumps({
+        "streamed": {n: {"class": type(e.module).__name__, "recognized_as": e.spec.label,
+                         "plans": [{"shape": repr(s[0]), "dtype": str(s[1]), **p.to_dict()}
+                                   for s, p in e.plans.items()]}
+                     for n, e in handle.installed.items()},
+        "stock": [{"name": s.name, "class": s.cls, "reason": s.reason} for s in handle.skipped]
+                 + [{"name": w.name, "class": type(w.module).__name__, "reason": STOCK_WHY,
+                     "input_shape": list(w.shape or ()), "output_bytes": w.largest, "live_bytes": w.live}
+                    for w in stock_that_matters(handle)],
+    }, indent=2)
+
+
+def render(handle) -> str:
+    root = type(handle.root).__name__
+    lines = [f"streamplan report for {root}"]
+    if handle.options.budget is not None:
+        b = handle.options.budget
+        lines.append(f"  budget: {b if b == 'auto' else fmt_bytes(b)}"
+                     + (f" (reserve {fmt_bytes(handle.options.reserve)})" if b == "auto" else ""))
+    if handle.superseded_by is not None:
+        lines.append("  superseded by a later streamplan.apply on these modules: that handle's report is current")
+    elif handle.removed:
+        lines.append("  handle removed: the model runs its stock forwards")
+    if not handle.installed and not handle.removed:
+        lines.append(f"  nothing recognised in {root}: the model is untouched")
+    nw = max([len(n or "<root>") for n in handle.installed] + [6])
+    lw = max([len(e.spec.label) for e in handle.installed.values()] + [2])
+    if handle.installed:
+        header = (f"  {'module':<{nw}} {'as':<{lw}} {'tier':<4} {'chunk':>6} {'ffn':>6} {'predicted':>11} "
+                  f"{'stock est.':>11}")
+        lines += [header, "  " + "-" * (len(header) - 2)]
+    graphs = [n for n, e in handle.installed.items() if isinstance(e.spec, GraphSpec)]
+    for name, e in handle.installed.items():
+        label = e.spec.label
+        if not e.plans and not e.runtime_notes and any(_inside(name, g) for g in graphs):
+            continue   # a block's part, idle while its graph takes every call: the block's label says so
+        if not e.plans:
+            lines.append(f"  {name or '<root>':<{nw}} {label:<{lw}} (not called yet: planned at the first call)")
+        for sig, plan in e.plans.items():
+            if plan.note:
+                lines.append(f"  {name or '<root>':<{nw}} {label:<{lw}} {plan.tier:<4} {plan.note}")
+                continue
+            ffn = str(plan.ffn_slice) if plan.tier == Tier.L2 else "-"
+            chunk = str(plan.chunk) if plan.tier != Tier.L0 else "-"
+            lines.append(f"  {name or '<root>':<{nw}} {label:<{lw}} {plan.tier:<4} {chunk:>6} {ffn:>6} "
+                         f"{fmt_bytes(plan.predicted_total):>11} "
+                         f"{fmt_bytes(plan.live_bytes + plan.stock_peak):>11}")
+            lines.append(f"      input {describe_sig(sig)}: {plan.describe()}")
+        for note in e.runtime_notes:
+            lines.append(f"      note: {note}")
+    if handle.installed:
+        lines.append("  (predicted and stock est.: peak bytes with the call's live inputs, from the memory model;"
+                     " measured stock may differ: benchmarks/ has measurements)")
+    for s in handle.skipped:
+        lines.append(f"  stock     {s.name or '<root>'}  ({s.cls}): {s.reason}")
+    for w in stock_that_matters(handle):
+        lines.append(f"  stock     {w.name}  ({type(w.module).__name__}): {STOCK_WHY}; output "
+                     f"{fmt_bytes(w.largest)} for input {list(w.shape or ())} (+{fmt_bytes(w.live)} live inputs)")
+    return "\n".join(lines)

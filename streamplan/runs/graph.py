@@ -1,0 +1,159 @@
+"""Handler for a block streamed from its captured graph (``streamplan.capture``): the call checked and adapted, the
+graph captured (or reused), planned from the graph's memory model, then run phase KV (or head groups) and phase Q."""
+from __future__ import annotations
+
+import functools
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from .. import hooks
+from ..callstate import bypass, needs_grad, shapes
+from ..consumers import graph_consumer, unsupported
+from ..executors.donation import donated
+from ..ir import GraphSpec, adapt_call, block_backend
+from ..planner import UTILISATION_FLOOR, Plan, Tier, plan_graph, wave_quantum
+from ..recognize.checks import hooks_added_inside
+from . import handles
+from .parts import workspace_row_bytes
+
+
+@handles(GraphSpec)
+def run_graph(handle, entry, args: tuple, kwargs: dict) -> Any:
+    """The graph reads the block's weights directly: hooks on leaves inside it (leaf-level offloading, layerwise
+    casting) put them in place first."""
+    if not hooks.leaf_hooks(entry.module):
+        return _run_onloaded(handle, entry, args, kwargs)
+    with hooks.onloaded(entry.module):
+        return _run_onloaded(handle, entry, args, kwargs)
+
+
+def head_groups_allowed(found) -> tuple[int, ...]:
+    """Head-group counts L3 can use on a captured block: one global attention, its rows without static ones, no
+    writes into the block's inputs (each group reruns the projections), and groups dividing the K/V heads."""
+    an = found.analysis
+    if len(an.attentions) != 1 or an.input_writes or found.static_rows:
+        return ()
+    att = an.attentions[0]
+    if att.q_rows is None or (att.q_rows.pre, att.q_rows.post) != (0, 0) or att.q_rows.dim != 2:
+        return ()
+    kv_heads, heads = att.k.meta["val"].shape[1], att.q.meta["val"].shape[1]
+    if not isinstance(kv_heads, int) or not isinstance(heads, int):
+        return ()
+    return tuple(g for g in (2, 4, 8, 16, 32, 64) if g <= kv_heads and kv_heads % g == 0 and heads % g == 0)
+
+
+def _run_onloaded(handle, entry, args: tuple, kwargs: dict) -> Any:
+    from ..capture import rows_of_call, streamable
+    from ..capture.execute import GraphRun
+    from ..capture.memory import _numel as numel_besides, graph_memory
+
+    module = entry.module
+    stock = functools.partial(entry.stock, *args, **kwargs)
+    adapted = adapt_call(module, args, kwargs)   # a cache object, say: the call as the graph takes it
+    if isinstance(adapted, str):
+        handle.note(entry, f"ran stock: {adapted}")
+        return stock()
+    args, kwargs = (adapted.args, adapted.kwargs) if adapted is not None else (args, kwargs)
+    tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    if not tensors:
+        return stock()
+    if needs_grad(module, tensors[0]):
+        handle.note(entry, "autograd is recording: ran stock (streamed executors are for inference)")
+        return stock()
+    rows = rows_of_call(args, kwargs)
+    if rows is None or rows < 2:
+        return stock()
+    hooked = hooks_added_inside(module)
+    if hooked:
+        handle.note(entry, f"ran stock: {hooked}")
+        return stock()
+    backend = block_backend(module)
+    consumer = graph_consumer(backend)
+    if consumer is None:
+        handle.note(entry, f"attention backend {backend!r} has no streamplan consumer: ran stock")
+        return stock()
+    with bypass():   # the capture traces the stock forwards of any streamed children
+        found, fresh = streamable(module, args, kwargs, rows)
+    if isinstance(found, str):
+        handle.note(entry, f"ran stock: {found}")
+        return stock()
+    an, cap = found.analysis, found.captured
+    if fresh or not any(n.startswith("captured") for n in entry.runtime_notes):
+        static = f"; {found.static_rows} static rows joined (computed once per phase)" if found.static_rows else ""
+        handle.note(entry, f"captured in {cap.seconds:.2f} s: {an.ops} ops, {len(an.attentions)} global "
+                    f"attention(s){static}")
+    att = an.attentions[0] if an.attentions else None   # none: every op row-local (cross-attention, an MLP)
+    if att is not None:
+        qv, kv_ = att.q.meta["val"], att.k.meta["val"]
+        why = unsupported(consumer, heads=qv.shape[1], kv_heads=kv_.shape[1], head_dim=qv.shape[-1],
+                          causal=att.causal, mask=None, dtype=qv.dtype)
+        if why:
+            handle.note(entry, f"ran stock: {why}")
+            return stock()
+    o = handle.options
+    regions = found.mlp_regions
+    groups = head_groups_allowed(found) if adapted is None else ()   # L3 keeps no whole K/V to hand back
+    if adapted is not None and (len(an.attentions) != 1 or an.attentions[0].k.meta["val"].shape[1]
+                                != adapted.kv_heads):
+        handle.note(entry, "ran stock: the graph's K/V are not the ones its cache would hold")
+        return stock()
+    if o.head_groups and o.head_groups not in groups:
+        handle.note(entry, f"head_groups={o.head_groups} (L3) not used: the graph allows "
+                    f"{list(groups) or 'none (one global attention without static rows or input writes is needed)'}")
+    if o.ffn_slice and not regions:
+        handle.note(entry, "ffn_slice: no linear -> elementwise -> linear MLP found in the graph to slice")
+    donate = {}
+    out0 = an.outputs[0] if an.outputs else None
+    r0 = an.rows.get(out0) if out0 is not None else None
+    if getattr(r0, "dim", None) == 1 and r0.pre + r0.post == 0:   # the output has the input's rows: donate
+        x = next((t for t in tensors if donated(t)), None)
+        held = hooks.holding_inputs(module) if x is not None else None
+        if held:   # a cache hook compares the block's output with its input: that input must survive
+            handle.note(entry, f"block input not donated: {held} keeps a reference to it")
+            x = None
+        val = out0.meta["val"]
+        if x is not None and x.dim() == val.dim() and x.shape[1] == rows and x.dtype == val.dtype:
+            donate[0] = x
+    device = tensors[0].device
+    sig = (shapes(args, kwargs), tensors[0].dtype, device.type, bool(donate))
+
+    def make_plan(budget: int | None) -> Plan:
+        mem = graph_memory(an, found.phases, rows, set(donate))
+        order = [n for n in cap.graph.nodes if n.op == "call_function" and n not in an.ignored]
+        quantum, ws, attn_out = 1, 0, 0
+        if att is not None:
+            if device.type == "cuda":
+                quantum = wave_quantum(torch.cuda.get_device_properties(device).multi_processor_count,
+                                       qv.shape[0] * qv.shape[1])
+            ws = workspace_row_bytes(consumer, SimpleNamespace(heads=qv.shape[1], head_dim=qv.shape[-1],
+                                                               causal=att.causal, mask=None), qv.element_size())
+            out_val = att.node.meta["val"]
+            attn_out = numel_besides(out_val, 2) * rows * out_val.element_size() if groups else 0
+        return plan_graph(rows, mem.kv_bytes + mem.out_bytes,
+                          lambda c, sl: mem.transient(c, sl, regions) + ws * min(c, rows), mem.stock(order),
+                          chunk_tokens=o.chunk_tokens, budget=budget,
+                          min_chunk=UTILISATION_FLOOR.get(device.type, 0), quantum=quantum,
+                          ffn=max((r.ffn for r in regions), default=0), ffn_slice=o.ffn_slice,
+                          kv=mem.kv_bytes, attn_out=attn_out, groups=groups, head_groups=o.head_groups)
+
+    plan = handle.plan_for(entry, sig, make_plan, args, kwargs, device)
+    if plan.tier == Tier.L0:
+        return stock()
+
+    def attend(q, k, v, *, q_offset, causal, scale):
+        return consumer.attend(q, k, v, q_offset=q_offset, causal=causal, mask=None, scale=scale)
+
+    run = GraphRun(cap, an, found.phases, module, args, kwargs, rows, attend,
+                   ffn_slice=plan.ffn_slice if plan.tier in (Tier.L2, Tier.L3) else 0, regions=regions)
+    if plan.tier == Tier.L3:
+        run.build_grouped(plan.chunk, plan.head_groups)
+    else:
+        run.build_kv(plan.chunk)
+    kv = run.kv[att.node] if adapted is not None else None   # phase Q lets go of its buffers: keep them
+    out = run.run_q(plan.chunk, donate)
+    if kv is not None:
+        adapted.fill(*kv)
+    return out
