@@ -14,6 +14,7 @@ from ..executors.chunks import for_chunks
 from ..executors.donation import donate
 from ..hooks import keeps_output
 from ..ir import ModelSpec, Skip
+from .diffusers_parallel import model_config
 from .checks import stock_problem
 from .diffusers_models import KNOWN_FORWARDS, _own_forward_problem, call_problem, model_call
 
@@ -110,6 +111,9 @@ def recognize_h3_model(name: str, module: nn.Module) -> ModelSpec | Skip | None:
     problem = _own_forward_problem(module, mod.MiniMaxH3Transformer3DModel)
     if problem:
         return skip(problem)
+    if model_config(module) is not None:   # not followed yet: the packed sequence would be built on every rank whole
+        return skip("context parallelism is enabled: the model forward runs stock, its blocks stream inside "
+                    "diffusers' split and gather hooks")
     for sub in ("rope", "proj_in", "audio_proj_in", "context_embedder", "token_refiner", "time_proj", "time_embedder",
                 "norm_out", "proj_out", "audio_proj_out"):
         problem = stock_problem(getattr(module, sub), per_chunk=sub in ("norm_out", "proj_out", "audio_proj_out"))

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-from .. import hooks
+from .. import hooks, parallel
 from ..callstate import bypass, needs_grad, shapes
 from ..consumers import graph_consumer, unsupported
 from ..executors.donation import donated
@@ -75,7 +75,11 @@ def _run_onloaded(handle, entry, args: tuple, kwargs: dict) -> Any:
     if consumer is None:
         handle.note(entry, f"attention backend {backend!r} has no streamplan consumer: ran stock")
         return stock()
-    with bypass():   # the capture traces the stock forwards of any streamed children
+    par = parallel.block_parallel(module)   # sequence parallelism: every rank holds its own rows
+    if par is not None and par.problem:
+        handle.note(entry, f"ran stock: {par.problem}")
+        return stock()
+    with bypass(), parallel.capture_scope(par):   # the capture traces the stock forwards of any streamed children
         found, fresh = streamable(module, args, kwargs, rows)
     if isinstance(found, str):
         handle.note(entry, f"ran stock: {found}")
@@ -93,9 +97,16 @@ def _run_onloaded(handle, entry, args: tuple, kwargs: dict) -> Any:
         if why:
             handle.note(entry, f"ran stock: {why}")
             return stock()
+    if par is not None and att is not None:   # attention across the ranks' rows: K/V and Q chunks exchanged
+        why = parallel.consumer_problem(par, an)
+        if why:
+            handle.note(entry, f"ran stock: {why}")
+            return stock()
+        consumer = parallel.consumer(consumer, par)
     o = handle.options
     regions = found.mlp_regions
-    groups = head_groups_allowed(found) if adapted is None else ()   # L3 keeps no whole K/V to hand back
+    # L3 keeps no whole K/V to hand back to a cache; under sequence parallelism head groups would change the exchanges
+    groups = head_groups_allowed(found) if adapted is None and par is None else ()
     if adapted is not None and (len(an.attentions) != 1 or an.attentions[0].k.meta["val"].shape[1]
                                 != adapted.kv_heads):
         handle.note(entry, "ran stock: the graph's K/V are not the ones its cache would hold")
@@ -121,6 +132,12 @@ def _run_onloaded(handle, entry, args: tuple, kwargs: dict) -> Any:
     sig = (shapes(args, kwargs), tensors[0].dtype, device.type, bool(donate))
 
     def make_plan(budget: int | None) -> Plan:
+        budget = parallel.agreed_budget(budget, par, device)   # the fullest rank's (collective under CP)
+        plan = plan_for_budget(budget)
+        parallel.agreed_plan(entry.name or type(module).__name__, plan, par, device)
+        return plan
+
+    def plan_for_budget(budget: int | None) -> Plan:
         mem = graph_memory(an, found.phases, rows, set(donate))
         order = [n for n in cap.graph.nodes if n.op == "call_function" and n not in an.ignored]
         quantum, ws, attn_out = 1, 0, 0
@@ -146,8 +163,15 @@ def _run_onloaded(handle, entry, args: tuple, kwargs: dict) -> Any:
     def attend(q, k, v, *, q_offset, causal, scale):
         return consumer.attend(q, k, v, q_offset=q_offset, causal=causal, mask=None, scale=scale)
 
+    stores = {}
+    if par is not None:   # K/V of every rank's rows for this rank's heads, exchanged chunk by chunk
+        stores = dict(kv_store=lambda att: consumer.store(device), attend_store=consumer.attend_store)
+        if not any(n.startswith("streams under") for n in entry.runtime_notes):
+            handle.note(entry, f"streams under {par.label}: attention through {consumer.name}")
     run = GraphRun(cap, an, found.phases, module, args, kwargs, rows, attend,
-                   ffn_slice=plan.ffn_slice if plan.tier in (Tier.L2, Tier.L3) else 0, regions=regions)
+                   ffn_slice=plan.ffn_slice if plan.tier in (Tier.L2, Tier.L3) else 0, regions=regions, **stores)
+    if par is not None:
+        run._retries = 0   # a chunk retried alone would leave the other ranks waiting in its exchanges
     if plan.tier == Tier.L3:
         run.build_grouped(plan.chunk, plan.head_groups)
     else:
