@@ -1,10 +1,13 @@
 """streamplan among what users already turn on (issue 13): diffusers hooks (group offloading, layerwise casting,
-first-block cache), checked against the same configuration without streamplan, on the real diffusers model."""
+the cache configs of the pinned diffusers), accelerate's sequential offload, peft LoRA, torchao and bitsandbytes
+weights, compile, checked against the same configuration without streamplan, on the real diffusers model."""
 import pytest
 import torch
 from diffusers import WanTransformer3DModel
-from diffusers.hooks import (FirstBlockCacheConfig, HookRegistry, ModelHook, PyramidAttentionBroadcastConfig,
-                             apply_first_block_cache, apply_group_offloading, apply_pyramid_attention_broadcast)
+from diffusers.hooks import (FasterCacheConfig, FirstBlockCacheConfig, HookRegistry, MagCacheConfig, ModelHook,
+                             PyramidAttentionBroadcastConfig, SeaCacheConfig, TaylorSeerCacheConfig,
+                             apply_faster_cache, apply_first_block_cache, apply_group_offloading, apply_mag_cache,
+                             apply_pyramid_attention_broadcast, apply_sea_cache, apply_taylorseer_cache)
 
 import streamplan
 from conftest import rel_err
@@ -280,3 +283,145 @@ def test_compiled_blocks_stay_stock_with_the_reason():
     assert "called under torch.compile: ran stock" in report
     assert all(rel_err(o, r) <= 1e-5 for o, r in zip(out, ref))
     assert "" in handle.installed and handle.installed[""].plans, report   # the model forward still streams its head
+
+
+# --- the cache configs of the pinned diffusers (enable_cache's list): each streams when its block runs, or keeps the
+# block stock with the reason. Several denoising steps, each in its cache context, the latent moved by the output.
+
+def _denoise(model, n=4, batch=1, kwargs=False):
+    g = torch.Generator().manual_seed(0)
+    x, enc = torch.randn(INPUTS[0], generator=g), torch.randn(batch, 7, 32, generator=g)
+    outs = []
+    HookRegistry.check_if_exists_or_initialize(model).reset_stateful_hooks()
+    with torch.no_grad():
+        for i in range(n):
+            _T[0] = 1000 - 250 * i
+            t = torch.tensor([_T[0]] * batch)
+            with model.cache_context("cond", step_index=i, sigma=1 - i / n, num_inference_steps=n):
+                xb = torch.cat([x] * batch)
+                out = (model(hidden_states=xb, timestep=t, encoder_hidden_states=enc) if kwargs
+                       else model(xb, t, enc)).sample
+            outs.append(out)
+            x = x - 0.1 * out[-1:]
+    return outs
+
+
+_T = [1000]   # the current timestep, for the caches that ask for it
+
+BLOCK_CACHES = {   # config -> (apply, whether the model forward streams too)
+    "mag_cache": (lambda m: apply_mag_cache(m, MagCacheConfig(
+        mag_ratios=[1.0] * 4, num_inference_steps=4, retention_ratio=0.25, max_skip_steps=1)), True),
+    "sea_cache": (lambda m: apply_sea_cache(m, SeaCacheConfig(threshold=10.0, cache_end_steps=0)), True),
+    "taylorseer_blocks": (lambda m: apply_taylorseer_cache(m, TaylorSeerCacheConfig(
+        cache_interval=2, disable_cache_before_step=1, taylor_factors_dtype=torch.float32,
+        cache_identifiers=[r"blocks\.\d+"])), True),
+    # its order-0 factor is block 0's output itself: block 1 must not be handed it to overwrite
+    "taylorseer_first_block": (lambda m: apply_taylorseer_cache(m, TaylorSeerCacheConfig(
+        cache_interval=2, disable_cache_before_step=1, taylor_factors_dtype=torch.float32,
+        cache_identifiers=[r"blocks\.0"])), True),
+    # lite: blocks skipped on predicted steps, proj_out predicted; the head calls proj_out per row chunk, so the
+    # model forward stays stock, named
+    "taylorseer_lite": (lambda m: apply_taylorseer_cache(m, TaylorSeerCacheConfig(
+        cache_interval=2, disable_cache_before_step=1, taylor_factors_dtype=torch.float32, use_lite_mode=True)),
+        False),
+}
+
+
+@pytest.mark.parametrize("config", list(BLOCK_CACHES))
+def test_block_caches_stream_when_their_block_runs(config):
+    apply, root = BLOCK_CACHES[config]
+    torch.manual_seed(0)
+    model = _wan_model()
+    plain = _wan_model()
+    plain.load_state_dict(model.state_dict())
+    apply(model)
+    no_cache = _denoise(plain)
+    ref, ref_peak = streamplan.measure_peak(_denoise, model)
+    assert any(rel_err(r, n) > 1e-3 for r, n in zip(ref, no_cache))   # the cache skipped or predicted something
+    handle = streamplan.apply(model, chunk_tokens=256)
+    out, peak = streamplan.measure_peak(_denoise, model)
+    report = handle.report()
+    assert _streamed(handle) == BLOCKS, report
+    assert ("" in handle.installed) == root, report
+    if not root:
+        assert "proj_out: diffusers hook taylorseer_cache: TaylorSeerCacheHook decides per call" in report
+    for o, r in zip(out, ref):
+        assert rel_err(o, r) <= 1e-5, report
+    assert peak < ref_peak, (peak, ref_peak, report)
+    handle.remove()
+    assert all(torch.equal(a, r) for a, r in zip(_denoise(model), ref))
+
+
+PART_CACHES = {   # config -> (apply, the reason in the report)
+    "pyramid_attention_broadcast": (lambda m: apply_pyramid_attention_broadcast(m, PyramidAttentionBroadcastConfig(
+        spatial_attention_block_skip_range=2, spatial_attention_timestep_skip_range=(-1, 901),
+        spatial_attention_block_identifiers=("blocks",), current_timestep_callback=lambda: _T[0])),
+        "PyramidAttentionBroadcastHook: pyramid attention broadcast reuses attention outputs across steps; a captured "
+        "graph fuses the attention with the rest of the block"),
+    "taylorseer_attention": (lambda m: apply_taylorseer_cache(m, TaylorSeerCacheConfig(
+        cache_interval=2, disable_cache_before_step=1, taylor_factors_dtype=torch.float32,
+        cache_identifiers=[r"blocks\.\d+\.attn1"])),
+        "attn1: diffusers hook taylorseer_cache: TaylorSeerCacheHook decides per call whether this part runs"),
+}
+
+
+@pytest.mark.parametrize("config", list(PART_CACHES))
+def test_caches_on_parts_keep_blocks_stock_with_the_reason(config):
+    """A hook that replaces an attention's output by one kept from an earlier step cannot act inside a graph of the
+    whole block: the block stays stock, named; its feed-forward part and the model forward still stream."""
+    apply, reason = PART_CACHES[config]
+    torch.manual_seed(0)
+    model = _wan_model()
+    plain = _wan_model()
+    plain.load_state_dict(model.state_dict())
+    apply(model)
+    no_cache = _denoise(plain)
+    ref = _denoise(model)
+    assert any(rel_err(r, n) > 1e-3 for r, n in zip(ref, no_cache))
+    handle = streamplan.apply(model, chunk_tokens=256)
+    out = _denoise(model)
+    report = handle.report()
+    assert not _streamed(handle) and reason in report, report
+    assert "" in handle.installed and "blocks.0.ffn" in handle.installed, report
+    assert all(rel_err(o, r) <= 1e-5 for o, r in zip(out, ref)), report
+
+
+def test_faster_cache():
+    """FasterCache: its denoiser hook on the model (which may drop the unconditional half of the batch) has the
+    streamed model forward inside it; its attention hooks keep the blocks stock, named."""
+    torch.manual_seed(0)
+    model = _wan_model()
+    plain = _wan_model()
+    plain.load_state_dict(model.state_dict())
+    apply_faster_cache(model, FasterCacheConfig(
+        spatial_attention_block_skip_range=2, spatial_attention_timestep_skip_range=(-1, 901),
+        unconditional_batch_skip_range=2, unconditional_batch_timestep_skip_range=(-1, 901),
+        current_timestep_callback=lambda: _T[0], tensor_format="BCFHW", spatial_attention_block_identifiers=["blocks"],
+        attention_weight_callback=lambda _: 0.5))
+    no_cache = _denoise(plain, batch=2, kwargs=True)
+    ref = _denoise(model, batch=2, kwargs=True)
+    assert any(rel_err(r, n) > 1e-3 for r, n in zip(ref, no_cache))
+    handle = streamplan.apply(model, chunk_tokens=256)
+    out = _denoise(model, batch=2, kwargs=True)
+    report = handle.report()
+    assert not _streamed(handle) and "FasterCacheBlockHook: FasterCache extrapolates attention outputs" in report
+    assert handle.installed[""].plans, report   # the model forward streamed inside the denoiser hook
+    assert all(rel_err(o, r) <= 1e-5 for o, r in zip(out, ref)), report
+
+
+def test_text_kv_cache_hooks_are_known():
+    """The text K/V cache applies to NucleusMoE-Image blocks only (which streamplan does not stream yet): its block
+    hook hands cached text K/V through attention_kwargs, so a block with it stays stock, named; its transformer hook
+    (which reads the text input's address) has the model forward inside it."""
+    from diffusers.hooks.hooks import StateManager
+    from diffusers.hooks.text_kv_cache import (TextKVCacheBlockHook, TextKVCacheBlockState, TextKVCacheState,
+                                               TextKVCacheTransformerHook)
+    model = _wan_model()
+    state = StateManager(TextKVCacheState)
+    HookRegistry.check_if_exists_or_initialize(model).register_hook(TextKVCacheTransformerHook(state), "text_kv")
+    HookRegistry.check_if_exists_or_initialize(model.blocks[1]).register_hook(
+        TextKVCacheBlockHook(state, StateManager(TextKVCacheBlockState)), "text_kv_block")
+    handle = streamplan.apply(model, chunk_tokens=256)
+    report = handle.report()
+    assert "blocks.1" not in handle.installed and {"", "blocks.0", "blocks.2"} <= set(handle.installed), report
+    assert "TextKVCacheBlockHook: the text K/V cache hands the block cached text keys and values" in report

@@ -76,7 +76,7 @@ for _name in ("FBCBlockHook", "MagCacheHeadHook", "MagCacheBlockHook", "SeaCache
               "SeaCacheBlockHook"):
     register_hook_kind("diffusers", _name, _BLOCK_CACHE)
 # TaylorSeer on a block: computes it or predicts from kept outputs (its order-0 factor can be the output itself)
-register_hook_kind("diffusers", "TaylorSeerCacheHook", HookKind(around=True, keeps_output=True))
+register_hook_kind("diffusers", "TaylorSeerCacheHook", HookKind(around=True, lets_go=True, keeps_output=True))
 
 # around the whole transformer call: they read or split its inputs and rework its output, keeping no input
 for _name in ("FasterCacheDenoiserHook", "SeaCacheRootHook", "TextKVCacheTransformerHook"):
