@@ -124,9 +124,13 @@ def _same_elements(x: torch.Tensor, y: torch.Tensor) -> bool:
 
 
 def _whole(like: torch.Tensor, r: Rows, total: int) -> torch.Tensor:
+    """A whole-rows buffer laid out as the chunk is (K as a permuted [B, N, H, D] stays so): the attention kernel
+    reads the layout stock would give it, and each chunk's write is a straight copy, not a transpose."""
     shape = list(like.shape)
     shape[r.dim] = r.pre + total + r.post
-    return like.new_empty(shape)
+    order = sorted(range(like.dim()), key=lambda d: (-like.stride(d), d))   # outermost dimension first
+    buf = like.new_empty([shape[d] for d in order])
+    return buf.permute([order.index(d) for d in range(like.dim())])
 
 
 class GraphRun:
