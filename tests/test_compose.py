@@ -425,3 +425,38 @@ def test_text_kv_cache_hooks_are_known():
     report = handle.report()
     assert "blocks.1" not in handle.installed and {"", "blocks.0", "blocks.2"} <= set(handle.installed), report
     assert "TextKVCacheBlockHook: the text K/V cache hands the block cached text keys and values" in report
+
+
+@pytest.mark.parametrize("record_stream", [False, True])
+def test_group_offloading_with_streams(monkeypatch, record_stream):
+    """Block-level group offloading with use_stream (and record_stream): diffusers refuses streams for a CPU onload
+    device, so its own configuration is applied with a CPU stream standing in for the side stream (pinning and
+    record_stream made no-ops that count their calls): the lazy prefetch hook on the model traces the block order on
+    the first call and then onloads block i+1 while block i runs. The blocks stream inside, the model forward too."""
+    from diffusers.hooks.group_offloading import GroupOffloadingConfig, _apply_group_offloading
+    recorded = []
+    monkeypatch.setattr(torch.cpu.Stream, "synchronize", lambda self: None, raising=False)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *a, **k: self)
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: recorded.append(stream))
+
+    def offload(m):
+        _apply_group_offloading(m, GroupOffloadingConfig(
+            onload_device=torch.device("cpu"), offload_device=torch.device("cpu"), offload_type="block_level",
+            num_blocks_per_group=1, non_blocking=True, stream=torch.cpu.Stream(), record_stream=record_stream,
+            low_cpu_mem_usage=False))
+    torch.manual_seed(0)
+    model = _wan_model()
+    offload(model)
+    assert "lazy_prefetch_group_offloading" in model._diffusers_hook.hooks
+    ref, ref_peak = streamplan.measure_peak(_steps, model)
+    assert model.blocks[0]._diffusers_hook.hooks["group_offloading"].next_group is not None   # prefetch wired
+    handle = streamplan.apply(model, chunk_tokens=256)
+    recorded.clear()
+    out, peak = streamplan.measure_peak(_steps, model)
+    report = handle.report()
+    assert _streamed(handle) == BLOCKS and handle.installed[""].plans, report
+    assert bool(recorded) == record_stream
+    assert all(rel_err(o, r) <= 1e-5 for o, r in zip(out, ref)), report
+    assert peak < 0.8 * ref_peak, (peak, ref_peak)
+    handle.remove()
+    assert all(torch.equal(a, r) for a, r in zip(_steps(model), ref))
