@@ -16,7 +16,7 @@ from .budget import DEFAULT_RESERVE, auto_budget, fmt_bytes
 from .callstate import BYPASS, ROOT, bypass, live_bytes, outermost
 from .consumers import consumer_for
 from .executors.chunks import drain_retries
-from .ir import AttentionSpec, GraphSpec, MLPSpec, ModelSpec, Skip
+from .ir import ROW_MASK_MARK, AttentionSpec, GraphSpec, MLPSpec, ModelSpec, Skip, row_masks_whole
 from .options import StreamOptions, make_options
 from .planner import BudgetError, Plan, Tier
 from .recognize import CAPTURE_MODES, recognize
@@ -92,17 +92,22 @@ class StreamHandle:
         @functools.wraps(type(module).forward)
         def streamed_forward(*args: Any, **kwargs: Any) -> Any:
             if BYPASS.active:
+                args, kwargs = row_masks_whole(args, kwargs)
                 return entry.stock(*args, **kwargs)
             if torch.compiler.is_compiling():   # inside a compiled module (its parts): dynamo would trace the chunks
                 self.note(entry, "called under torch.compile: ran stock")
+                args, kwargs = row_masks_whole(args, kwargs)
                 return entry.stock(*args, **kwargs)
             if entry.module.training:   # checked per call: train() after apply must get the stock behaviour back
                 self.note(entry, "in training mode: ran stock (streamplan is for inference: call .eval())")
+                args, kwargs = row_masks_whole(args, kwargs)
                 return entry.stock(*args, **kwargs)
             with outermost(args, kwargs):
                 return self._run(entry, args, kwargs)
 
         setattr(streamed_forward, STREAMED_MARK, True)
+        if isinstance(spec, GraphSpec):   # a model forward may hand it masks over rows described (ir.RowMask)
+            setattr(streamed_forward, ROW_MASK_MARK, True)
         inner = hooks.install(module, streamed_forward)   # inside the module's diffusers hooks, where stock ran
         if inner is None:
             module.forward = streamed_forward
@@ -159,6 +164,7 @@ class StreamHandle:
         if checking:  # the reference runs stock on private copies: the caller's inputs and caches stay as they are
             ref_args, ref_kwargs = private_copy(args), private_copy(kwargs)
             with bypass():
+                ref_args, ref_kwargs = row_masks_whole(ref_args, ref_kwargs)
                 ref = entry.stock(*ref_args, **ref_kwargs)
             del ref_args, ref_kwargs
         out = run_spec(self, entry, args, kwargs)

@@ -235,3 +235,46 @@ def adapt_call(block: nn.Module, args: tuple, kwargs: dict) -> "AdaptedCall | st
         if found is not None:
             return found
     return None
+
+
+@dataclass(eq=False)
+class RowMask:
+    """An attention mask over a call's own rows (query rows x key rows), described instead of built: a model forward
+    passes one in place of the ``[B, 1, N, N]`` tensor its library would build (a padded batch, a sliding window),
+    to a layer whose forward takes row masks (``takes_row_masks``). A streamed layer builds each Q chunk's rows
+    alone; a stock call gets ``whole()``, the tensor the library builds.
+
+    ``span(a, b)``: the keys [lo, hi) outside which every query row of [a, b) is masked; ``part(a, b, lo, hi)``:
+    query rows [a, b) against keys [lo, hi) as a bool ``[B, 1, b - a, hi - lo]`` (True: attend), from the library's
+    own mask function; ``window``: the sliding window (None: every earlier key)."""
+
+    batch: int
+    rows: int
+    keys: int
+    part: Callable[[int, int, int, int], torch.Tensor]
+    span: Callable[[int, int], tuple[int, int]]
+    whole: Callable[[], "torch.Tensor | None"]
+    window: int | None = None
+
+    def chunk_bytes(self, chunk: int, elem: int) -> int:
+        """Bytes of one chunk's mask rows at their worst: the bool rows and the kernel's additive copy of them."""
+        c = min(chunk, self.rows)
+        keys = min(self.keys, c + self.window - 1) if self.window else self.keys
+        return self.batch * c * keys * (1 + elem)
+
+
+# set on a streamplan forward that takes RowMask arguments (a block streamed from its captured graph)
+ROW_MASK_MARK = "_streamplan_takes_row_masks"
+
+
+def takes_row_masks(module: nn.Module) -> bool:
+    """Whether ``module``'s installed forward takes ``RowMask`` arguments (and builds them whole for a stock call)."""
+    return bool(getattr(module.__dict__.get("forward"), ROW_MASK_MARK, False))
+
+
+def row_masks_whole(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The call with every ``RowMask`` argument built whole, as a stock forward takes it."""
+    if not any(isinstance(v, RowMask) for v in (*args, *kwargs.values())):
+        return args, kwargs
+    return (tuple(v.whole() if isinstance(v, RowMask) else v for v in args),
+            {k: (v.whole() if isinstance(v, RowMask) else v) for k, v in kwargs.items()})

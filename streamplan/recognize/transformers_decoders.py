@@ -16,7 +16,10 @@ any other keeps its stock forward, and the report says which versions are known.
 """
 from __future__ import annotations
 
+import functools
 import sys
+import threading
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Callable, Literal
 
@@ -25,7 +28,7 @@ from torch import nn
 
 from ..executors.chunks import for_chunks
 from ..executors.donation import donate
-from ..ir import ModelSpec, Skip
+from ..ir import ModelSpec, RowMask, Skip, takes_row_masks
 from .checks import _hooks, call_args, global_hook_problem, source_fingerprint, stock_problem
 
 # the cache argument's name, by the transformers version whose source was read (5.2x renamed past_key_values)
@@ -157,24 +160,113 @@ def _hook_problem(model: nn.Module) -> str | None:
 
 def _masks(model: nn.Module, family: Family, cache_name: str, hidden: torch.Tensor, attention_mask, cache,
            position_ids: torch.Tensor) -> list:
-    """Each layer's mask, from the model's own mask functions exactly as its forward calls them."""
+    """Each layer's mask, from the model's own mask functions exactly as its forward calls them. Under SDPA a mask
+    the library would build over rows x rows reaches a layer that takes row masks as a ``RowMask`` (the library's
+    own mask function, evaluated a Q chunk at a time); other layers get the tensor, built once, as stock."""
     mod = sys.modules[type(model).__module__]
     cfg = model.config
     kw = {"config": cfg, "inputs_embeds": hidden, "attention_mask": attention_mask, cache_name: cache,
           "position_ids": position_ids}
-    layers = cfg.num_hidden_layers
+    layers = model.layers[: cfg.num_hidden_layers]
+    describe = getattr(cfg, "_attn_implementation", None) == "sdpa" and any(takes_row_masks(m) for m in layers)
+    made: dict[str, object] = {}
+
+    def make(kind: str):
+        if kind not in made:
+            fn = mod.create_sliding_window_causal_mask if kind == "sliding" else mod.create_causal_mask
+            made[kind] = _described(fn, kw) if describe else fn(**kw)
+        return made[kind]
+
     if family.masks == "causal":
-        return [mod.create_causal_mask(**kw)] * layers
-    if family.masks == "window":
-        fn = mod.create_causal_mask if cfg.sliding_window is None else mod.create_sliding_window_causal_mask
-        return [fn(**kw)] * layers
-    if isinstance(attention_mask, dict):   # already prepared (``generate`` may)
-        mapping = attention_mask
+        kinds = ["full"] * len(layers)
+    elif family.masks == "window":
+        kinds = ["full" if cfg.sliding_window is None else "sliding"] * len(layers)
+    elif isinstance(attention_mask, dict):   # already prepared (``generate`` may)
+        return [attention_mask[cfg.layer_types[i]] for i in range(len(layers))]
     else:
-        mapping = {"full_attention": mod.create_causal_mask(**kw)}
-        if family.masks == "by_type_both" or model.has_sliding_layers:
-            mapping["sliding_attention"] = mod.create_sliding_window_causal_mask(**kw)
-    return [mapping[cfg.layer_types[i]] for i in range(layers)]
+        sliding = family.masks == "by_type_both" or model.has_sliding_layers
+        kinds = ["sliding" if sliding and cfg.layer_types[i] == "sliding_attention" else "full"
+                 for i in range(len(layers))]
+    out = []
+    for kind, layer in zip(kinds, layers):
+        mask = make(kind)
+        if isinstance(mask, RowMask) and not takes_row_masks(layer):   # built once for every such layer
+            if kind + " whole" not in made:
+                made[kind + " whole"] = mask.whole()
+            mask = made[kind + " whole"]
+        out.append(mask)
+    return out
+
+
+# -------------------------------------------------------------------------------------------- masks by Q chunk
+_RECORDING: ContextVar[bool] = ContextVar("streamplan_recording_masks", default=False)
+_RECORD_LOCK = threading.Lock()
+
+
+@dataclass(eq=False)
+class _Recorded:
+    """A call of the library's mask interface, held instead of made."""
+
+    real: Callable
+    kw: dict
+
+
+def _described(fn: Callable, kw: dict):
+    """``fn(**kw)`` (transformers' create_causal_mask or create_sliding_window_causal_mask) with its call of the SDPA
+    mask interface held: None where the library would skip the mask (plain causal), else a ``RowMask`` whose chunk
+    rows are that interface called for the chunk's query rows and keys; what returns before the interface (a 4-D mask
+    given) as it is."""
+    from transformers import masking_utils as mu
+    interface = mu.ALL_MASK_ATTENTION_FUNCTIONS
+    real = interface["sdpa"]
+
+    def recorder(**call):
+        return _Recorded(real, call) if _RECORDING.get() else real(**call)
+
+    with _RECORD_LOCK:   # the library's mask interface, replaced for this thread's call alone
+        local = interface._local_mapping
+        prior = local.get("sdpa", _NONE)
+        local["sdpa"] = recorder
+        token = _RECORDING.set(True)
+        try:
+            got = fn(**kw)
+        finally:
+            _RECORDING.reset(token)
+            if prior is _NONE:
+                local.pop("sdpa", None)
+            else:
+                local["sdpa"] = prior
+    if not isinstance(got, _Recorded):
+        return got
+    return _row_mask(got, mu)
+
+
+_NONE = object()
+
+
+def _row_mask(rec: _Recorded, mu):
+    c = rec.kw
+    rows, keys = c["q_length"], c["kv_length"]
+    whole = functools.partial(rec.real, **c)
+    ignore, prepare = getattr(mu, "_ignore_causal_mask_sdpa", None), getattr(mu, "prepare_padding_mask", None)
+    if ignore is None or prepare is None or c.get("q_offset") != 0 or c.get("kv_offset") != 0 or rows != keys:
+        return whole()   # a cache that already holds tokens, or masking code this file was not checked against
+    if c.get("allow_is_causal_skip", True) and ignore(prepare(c.get("attention_mask"), keys, 0), rows, keys, 0, 0,
+                                                      c.get("local_size")):
+        return None      # the library's own skip: SDPA's is_causal
+    window = c.get("local_size")
+    causal = not c.get("use_vmap", False)   # no custom or/and mask functions: causal (and windowed where set)
+
+    def span(a: int, b: int) -> tuple[int, int]:
+        if not causal:
+            return 0, keys
+        return (max(0, a - window + 1) if window else 0), b
+
+    def part(a: int, b: int, lo: int, hi: int) -> torch.Tensor:
+        return rec.real(**{**c, "q_length": b - a, "kv_length": hi - lo, "q_offset": a, "kv_offset": lo,
+                           "allow_is_causal_skip": False})
+
+    return RowMask(c["batch_size"], rows, keys, part, span, whole, window if causal else None)
 
 
 def _rope(model: nn.Module, family: Family, hidden: torch.Tensor, position_ids: torch.Tensor) -> list:

@@ -9,11 +9,11 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-from .. import hooks, parallel
+from .. import hooks
 from ..callstate import bypass, needs_grad, shapes
 from ..consumers import graph_consumer, unsupported
 from ..executors.donation import donated
-from ..ir import GraphSpec, adapt_call, block_backend
+from ..ir import GraphSpec, RowMask, adapt_call, block_backend, row_masks_whole
 from ..planner import UTILISATION_FLOOR, Plan, Tier, plan_graph, wave_quantum
 from ..recognize.checks import hooks_added_inside
 from . import handles
@@ -52,6 +52,16 @@ def _run_onloaded(handle, entry, args: tuple, kwargs: dict) -> Any:
 
     module = entry.module
     stock = functools.partial(entry.stock, *args, **kwargs)
+    row_mask = None
+    masks = [v for v in (*args, *kwargs.values()) if isinstance(v, RowMask)]
+    if masks:   # a mask over the rows, described: built whole for a stock call, a Q chunk's rows at a time here
+        stock = functools.partial(_stock_masked, entry, args, kwargs)
+        if len(masks) > 1:
+            handle.note(entry, "ran stock: more than one row mask in a call")
+            return stock()
+        row_mask = masks[0]
+        args = tuple(None if v is row_mask else v for v in args)
+        kwargs = {k: (None if v is row_mask else v) for k, v in kwargs.items()}
     adapted = adapt_call(module, args, kwargs)   # a cache object, say: the call as the graph takes it
     if isinstance(adapted, str):
         handle.note(entry, f"ran stock: {adapted}")
@@ -75,11 +85,7 @@ def _run_onloaded(handle, entry, args: tuple, kwargs: dict) -> Any:
     if consumer is None:
         handle.note(entry, f"attention backend {backend!r} has no streamplan consumer: ran stock")
         return stock()
-    par = parallel.block_parallel(module)   # sequence parallelism: every rank holds its own rows
-    if par is not None and par.problem:
-        handle.note(entry, f"ran stock: {par.problem}")
-        return stock()
-    with bypass(), parallel.capture_scope(par):   # the capture traces the stock forwards of any streamed children
+    with bypass():   # the capture traces the stock forwards of any streamed children
         found, fresh = streamable(module, args, kwargs, rows)
     if isinstance(found, str):
         handle.note(entry, f"ran stock: {found}")
@@ -90,23 +96,21 @@ def _run_onloaded(handle, entry, args: tuple, kwargs: dict) -> Any:
         handle.note(entry, f"captured in {cap.seconds:.2f} s: {an.ops} ops, {len(an.attentions)} global "
                     f"attention(s){static}")
     att = an.attentions[0] if an.attentions else None   # none: every op row-local (cross-attention, an MLP)
+    if row_mask is not None:
+        why = _row_mask_problem(an, row_mask, rows)
+        if why:
+            handle.note(entry, f"ran stock (its mask built whole): {why}")
+            return stock()
     if att is not None:
         qv, kv_ = att.q.meta["val"], att.k.meta["val"]
         why = unsupported(consumer, heads=qv.shape[1], kv_heads=kv_.shape[1], head_dim=qv.shape[-1],
-                          causal=att.causal, mask=None, dtype=qv.dtype)
+                          causal=att.causal, mask=None if row_mask is None else _BOOL_MASK, dtype=qv.dtype)
         if why:
             handle.note(entry, f"ran stock: {why}")
             return stock()
-    if par is not None and att is not None:   # attention across the ranks' rows: K/V and Q chunks exchanged
-        why = parallel.consumer_problem(par, an)
-        if why:
-            handle.note(entry, f"ran stock: {why}")
-            return stock()
-        consumer = parallel.consumer(consumer, par)
     o = handle.options
     regions = found.mlp_regions
-    # L3 keeps no whole K/V to hand back to a cache; under sequence parallelism head groups would change the exchanges
-    groups = head_groups_allowed(found) if adapted is None and par is None else ()
+    groups = head_groups_allowed(found) if adapted is None else ()   # L3 keeps no whole K/V to hand back
     if adapted is not None and (len(an.attentions) != 1 or an.attentions[0].k.meta["val"].shape[1]
                                 != adapted.kv_heads):
         handle.note(entry, "ran stock: the graph's K/V are not the ones its cache would hold")
@@ -130,27 +134,29 @@ def _run_onloaded(handle, entry, args: tuple, kwargs: dict) -> Any:
             donate[0] = x
     device = tensors[0].device
     sig = (shapes(args, kwargs), tensors[0].dtype, device.type, bool(donate))
+    if row_mask is not None:
+        sig += (("row mask", row_mask.window),)
+        handle.note(entry, "its attention mask built a Q chunk's rows at a time, against the keys they can see"
+                    + (f" (sliding window of {row_mask.window})" if row_mask.window else ""))
 
     def make_plan(budget: int | None) -> Plan:
-        budget = parallel.agreed_budget(budget, par, device)   # the fullest rank's (collective under CP)
-        plan = plan_for_budget(budget)
-        parallel.agreed_plan(entry.name or type(module).__name__, plan, par, device)
-        return plan
-
-    def plan_for_budget(budget: int | None) -> Plan:
         mem = graph_memory(an, found.phases, rows, set(donate))
         order = [n for n in cap.graph.nodes if n.op == "call_function" and n not in an.ignored]
-        quantum, ws, attn_out = 1, 0, 0
+        quantum, ws, attn_out, mask_bytes = 1, 0, 0, (lambda c: 0)
         if att is not None:
             if device.type == "cuda":
                 quantum = wave_quantum(torch.cuda.get_device_properties(device).multi_processor_count,
                                        qv.shape[0] * qv.shape[1])
             ws = workspace_row_bytes(consumer, SimpleNamespace(heads=qv.shape[1], head_dim=qv.shape[-1],
-                                                               causal=att.causal, mask=None), qv.element_size())
+                                                               causal=att.causal, mask=row_mask,
+                                                               device_type=device.type), qv.element_size())
+            if row_mask is not None:   # each Q chunk's mask rows: counted in the chunk's transient
+                mask_bytes = functools.partial(row_mask.chunk_bytes, elem=qv.element_size())
             out_val = att.node.meta["val"]
             attn_out = numel_besides(out_val, 2) * rows * out_val.element_size() if groups else 0
         return plan_graph(rows, mem.kv_bytes + mem.out_bytes,
-                          lambda c, sl: mem.transient(c, sl, regions) + ws * min(c, rows), mem.stock(order),
+                          lambda c, sl: mem.transient(c, sl, regions) + ws * min(c, rows) + mask_bytes(c),
+                          mem.stock(order) + mask_bytes(rows),
                           chunk_tokens=o.chunk_tokens, budget=budget,
                           min_chunk=UTILISATION_FLOOR.get(device.type, 0), quantum=quantum,
                           ffn=max((r.ffn for r in regions), default=0), ffn_slice=o.ffn_slice,
@@ -161,17 +167,16 @@ def _run_onloaded(handle, entry, args: tuple, kwargs: dict) -> Any:
         return stock()
 
     def attend(q, k, v, *, q_offset, causal, scale):
-        return consumer.attend(q, k, v, q_offset=q_offset, causal=causal, mask=None, scale=scale)
+        if row_mask is None:
+            return consumer.attend(q, k, v, q_offset=q_offset, causal=causal, mask=None, scale=scale)
+        # the chunk's mask rows against the keys it can see: built here, for these rows alone
+        a, b = q_offset, q_offset + q.shape[-2]
+        lo, hi = row_mask.span(a, b)
+        return consumer.attend(q, k[..., lo:hi, :], v[..., lo:hi, :], q_offset=a - lo, causal=False,
+                               mask=row_mask.part(a, b, lo, hi), scale=scale)
 
-    stores = {}
-    if par is not None:   # K/V of every rank's rows for this rank's heads, exchanged chunk by chunk
-        stores = dict(kv_store=lambda att: consumer.store(device), attend_store=consumer.attend_store)
-        if not any(n.startswith("streams under") for n in entry.runtime_notes):
-            handle.note(entry, f"streams under {par.label}: attention through {consumer.name}")
     run = GraphRun(cap, an, found.phases, module, args, kwargs, rows, attend,
-                   ffn_slice=plan.ffn_slice if plan.tier in (Tier.L2, Tier.L3) else 0, regions=regions, **stores)
-    if par is not None:
-        run._retries = 0   # a chunk retried alone would leave the other ranks waiting in its exchanges
+                   ffn_slice=plan.ffn_slice if plan.tier in (Tier.L2, Tier.L3) else 0, regions=regions)
     if plan.tier == Tier.L3:
         run.build_grouped(plan.chunk, plan.head_groups)
     else:
@@ -181,3 +186,27 @@ def _run_onloaded(handle, entry, args: tuple, kwargs: dict) -> Any:
     if kv is not None:
         adapted.fill(*kv)
     return out
+
+
+_BOOL_MASK = torch.empty(0, dtype=torch.bool)
+
+
+def _stock_masked(entry, args: tuple, kwargs: dict) -> Any:
+    """The stock call with its row masks built whole, as the library would have built them."""
+    args, kwargs = row_masks_whole(args, kwargs)
+    return entry.stock(*args, **kwargs)
+
+
+def _row_mask_problem(an, row_mask: RowMask, rows: int) -> str | None:
+    """Why a described mask cannot replace the causal rule of this graph's attention, or None: the graph (captured
+    with no mask) must have one global attention, causal (the library's own choice where no mask is given), over the
+    call's rows alone."""
+    if len(an.attentions) != 1:
+        return f"a row mask for a graph with {len(an.attentions)} global attentions"
+    att = an.attentions[0]
+    if not att.causal or (att.kv_rows.pre, att.kv_rows.post) != (0, 0) or att.q_rows is None or (
+            att.q_rows.pre, att.q_rows.post) != (0, 0):
+        return "a row mask for an attention that is not causal over the call's rows alone"
+    if (row_mask.rows, row_mask.keys) != (rows, rows):
+        return f"a row mask of {row_mask.rows} x {row_mask.keys} rows for a call of {rows}"
+    return None

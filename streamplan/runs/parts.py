@@ -1,6 +1,8 @@
 """Handlers for the recognised parts of a block: row-local modules, MLPs and attention modules."""
 from __future__ import annotations
 
+import inspect
+
 from typing import Any
 
 import torch
@@ -36,8 +38,11 @@ def workspace_row_bytes(consumer, call, elem: int) -> int:
     declare = getattr(consumer, "workspace_row_bytes", None)
     if declare is None:
         return 0
-    return declare(heads=call.heads, head_dim=call.head_dim, elem=elem, causal=call.causal,
-                   masked=call.mask is not None)
+    kw = dict(heads=call.heads, head_dim=call.head_dim, elem=elem, causal=call.causal, masked=call.mask is not None)
+    device_type = getattr(call, "device_type", None)
+    if device_type is not None and "device_type" in inspect.signature(declare).parameters:
+        kw["device_type"] = device_type   # a consumer whose kernels allocate differently per device says so
+    return declare(**kw)
 
 
 @handles(RowLocalSpec)

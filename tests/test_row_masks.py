@@ -1,0 +1,176 @@
+"""Attention masks over a call's own rows on the captured-graph path (issues 10 and 16): a transformers decoder model
+forward hands its layers a ``RowMask`` (the library's own mask function, evaluated a Q chunk at a time) where stock
+builds a ``[B, 1, N, N]`` mask: padded batches, sliding windows past the window, Gemma 2/3's alternating layers,
+Qwen2's sliding layers. Every layer streams from its graph, exact against the real model (logits and cache), and
+the mask rows each chunk builds are counted in its plan. Gemma 2 (transformers gives it no SDPA attention: eager, with
+its logits soft-capped) keeps its layers stock, named."""
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import streamplan  # noqa: E402
+from conftest import rel_err  # noqa: E402
+
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 64, 4, 2, 16, 128
+WINDOW = 32
+N, CHUNK = 200, 64
+COMMON = dict(hidden_size=HIDDEN, intermediate_size=128, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+              num_hidden_layers=2, vocab_size=VOCAB, head_dim=HEAD_DIM, pad_token_id=0, bos_token_id=1,
+              eos_token_id=2)
+FAMILIES = {   # name -> (model_type, config overrides)
+    "llama": ("llama", {}),
+    "mistral": ("mistral", dict(sliding_window=WINDOW)),
+    "qwen2": ("qwen2", dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1,
+                            layer_types=["full_attention", "sliding_attention"])),
+    "qwen3": ("qwen3", {}),
+    "phi3": ("phi3", dict(sliding_window=WINDOW)),
+    "gemma": ("gemma", {}),
+    "gemma3": ("gemma3_text", dict(sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"])),
+}
+CACHE_KW = "cache" if "cache" in __import__("inspect").signature(transformers.LlamaForCausalLM.forward).parameters \
+    else "past_key_values"
+
+
+def _lm(name: str, impl: str = "sdpa", **over):
+    model_type, overrides = FAMILIES[name]
+    torch.manual_seed(0)
+    cfg = transformers.AutoConfig.for_model(model_type, **{**COMMON, **overrides, **over})
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=impl).eval()
+    with torch.no_grad():   # norms away from one, so a norm applied twice or not at all shows
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.2)
+    return model
+
+
+def _ids(batch=2, n=N):
+    return torch.randint(3, VOCAB, (batch, n), generator=torch.Generator().manual_seed(n))
+
+
+def _padded(ids, left=9, right=13):
+    mask = torch.ones_like(ids)
+    mask[0, :left] = 0                       # left padding
+    if ids.shape[0] > 1 and right:
+        mask[1, ids.shape[1] - right:] = 0   # right padding
+    return mask
+
+
+def _cache_of(out):
+    found = getattr(out, "cache", None)
+    return found if found is not None else out.past_key_values
+
+
+def _same_cache(a, b) -> None:
+    assert len(a.layers) == len(b.layers)
+    for la, lb in zip(a.layers, b.layers):
+        assert la.keys.shape == lb.keys.shape and la.values.shape == lb.values.shape
+        assert rel_err(la.keys, lb.keys) <= 1e-5 and rel_err(la.values, lb.values) <= 1e-5
+
+
+def _layers_streamed(handle, layers=2) -> None:
+    for i in range(layers):
+        name = f"model.layers.{i}"
+        notes = " ".join(handle.installed[name].runtime_notes)
+        tiers = {str(p.tier) for p in handle.plans.get(name, [])}
+        assert tiers and tiers <= {"L1", "L2"} and "ran stock" not in notes, (name, handle.report())
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+@torch.no_grad()
+def test_padded_batch_streams_every_layer_exactly(name):
+    """Batch 2, left and right padding, with and without a cache: every layer streams from its graph with its mask
+    rows built per Q chunk; logits at every position (padding rows too: fully masked rows are zeros both ways) and the
+    cache match stock."""
+    model, ids = _lm(name), _ids()
+    mask = _padded(ids)
+    ref = model(ids, attention_mask=mask, use_cache=True)
+    ref_nc = model(ids, attention_mask=mask, use_cache=False).logits
+    handle = streamplan.apply(model, chunk_tokens=CHUNK)
+    out = model(ids, attention_mask=mask, use_cache=True)
+    out_nc = model(ids, attention_mask=mask, use_cache=False).logits
+    assert rel_err(out.logits, ref.logits) <= 1e-5, rel_err(out.logits, ref.logits)
+    assert rel_err(out_nc, ref_nc) <= 1e-5
+    _same_cache(_cache_of(out), _cache_of(ref))
+    _layers_streamed(handle)
+    handle.remove()
+
+
+@pytest.mark.parametrize("name", ["mistral", "phi3", "qwen2", "gemma3"])
+@torch.no_grad()
+def test_sliding_window_layers_stream_past_the_window(name):
+    """N = 200 rows over a 32-row window, in 24-row chunks: each chunk's keys are cut to the window's span."""
+    model, ids = _lm(name), _ids(batch=1)
+    ref = model(ids, use_cache=False).logits
+    handle = streamplan.apply(model, chunk_tokens=24)
+    out = model(ids, use_cache=False).logits
+    assert rel_err(out, ref) <= 1e-5, rel_err(out, ref)
+    _layers_streamed(handle)
+    handle.remove()
+
+
+@torch.no_grad()
+def test_no_mask_over_rows_x_rows_is_built(monkeypatch):
+    """The library's SDPA mask function is called for one Q chunk's rows at a time, never for all N (stock: once, for
+    [B, 1, N, N]); with the layers left stock (capture off) they get the whole tensor, as stock."""
+    from transformers import masking_utils
+    model, ids = _lm("mistral"), _ids()
+    mask = _padded(ids)
+    ref = model(ids, attention_mask=mask, use_cache=False).logits
+    real, asked = masking_utils.ALL_MASK_ATTENTION_FUNCTIONS["sdpa"], []
+
+    def spy(**kw):
+        asked.append(kw["q_length"])
+        return real(**kw)
+
+    monkeypatch.setitem(masking_utils.AttentionMaskInterface._global_mapping, "sdpa", spy)
+    handle = streamplan.apply(model, chunk_tokens=CHUNK)
+    assert rel_err(model(ids, attention_mask=mask, use_cache=False).logits, ref) <= 1e-5
+    assert asked and max(asked) == CHUNK, asked
+    handle.remove()
+    asked.clear()
+    handle = streamplan.apply(model, chunk_tokens=CHUNK, capture="off")   # no layer takes row masks
+    assert rel_err(model(ids, attention_mask=mask, use_cache=False).logits, ref) <= 1e-5
+    assert asked == [N], asked
+    handle.remove()
+
+
+@torch.no_grad()
+def test_soft_capped_attention_stays_stock_with_the_reason():
+    """Gemma 2's attention soft-caps its logits; transformers gives it eager attention only (no SDPA), which a capture
+    does not stream (a hand-written softmax over the keys): its layers run stock, named; the model forward streams."""
+    torch.manual_seed(0)
+    cfg = transformers.AutoConfig.for_model("gemma2", **COMMON, sliding_window=WINDOW, attn_logit_softcapping=50.0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+    ids = _ids()
+    mask = _padded(ids)
+    ref = model(ids, attention_mask=mask, use_cache=False).logits
+    handle = streamplan.apply(model, chunk_tokens=CHUNK)
+    out = model(ids, attention_mask=mask, use_cache=False).logits
+    assert rel_err(out, ref) <= 1e-5
+    notes = " ".join(n for k, e in handle.installed.items() if k.startswith("model.layers.") for n in e.runtime_notes)
+    assert "ran stock" in notes, handle.report()
+    handle.remove()
+
+
+@torch.no_grad()
+def test_padded_peak_counts_the_mask_rows():
+    """Batch 2 with left padding, 4096 rows, no cache: the plan counts each chunk's mask rows (bool and the kernel's
+    additive copy, [B, 1, chunk, N]) and the measured peak stays under the plan; stock builds [B, 1, N, N]."""
+    n, chunk = 4096, 32
+    model, ids = _lm("llama"), _ids(n=n)
+    mask = _padded(ids, left=100, right=0)
+    call = lambda: model(ids, attention_mask=mask, use_cache=False, logits_to_keep=1)  # noqa: E731
+    ref, stock_peak = streamplan.measure_peak(call)
+    handle = streamplan.apply(model, chunk_tokens=chunk)
+    out, peak = streamplan.measure_peak(call)
+    assert rel_err(out.logits, ref.logits) <= 1e-5
+    _layers_streamed(handle)
+    floor = 2 * n * (HIDDEN + 2 * KV_HEADS * HEAD_DIM) * 4            # residual + K + V, float32, batch 2
+    rope = n * 2 * HEAD_DIM * 4 + n * 8
+    mask_rows = 2 * chunk * n * (1 + 4)
+    assert peak <= floor + rope + mask_rows + floor / 2, (peak / floor, stock_peak / floor)
+    assert stock_peak > 3 * peak, (peak / floor, stock_peak / floor)
+    plans = handle.plans["model.layers.0"]
+    assert plans[0].predicted_peak >= mask_rows
+    handle.remove()
