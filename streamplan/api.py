@@ -42,6 +42,7 @@ class Installed:
     wrapper: Any = None  # the forward streamplan installed
     plans: dict[tuple, Plan] = field(default_factory=dict)
     runtime_notes: list[str] = field(default_factory=list)
+    kv_errors: dict[tuple, Any] = field(default_factory=dict)   # L5: per signature, the error against exact K/V
 
 
 def _restore(module: nn.Module, wrapper: Any, previous: Any) -> None:
@@ -311,7 +312,7 @@ class BlockStreamer:
 
 def apply(module: nn.Module, budget: int | str | None = "auto", chunk_tokens: int | None = None, *,
           ffn_slice: int | None = None, head_groups: int | None = None, reserve: int | str = DEFAULT_RESERVE,
-          self_check: bool = False, capture: str = "fallback") -> StreamHandle:
+          self_check: bool = False, capture: str = "fallback", kv: str = "device") -> StreamHandle:
     """Stream every recognised structure inside ``module`` in place; returns a handle to report and undo.
 
     ``budget`` (bytes, ``"12GiB"``, or ``"auto"``: the device's free memory when an operation is first planned) lets
@@ -323,10 +324,15 @@ def apply(module: nn.Module, budget: int | str | None = "auto", chunk_tokens: in
     logs (and reports) the difference. ``capture`` picks the way in for blocks: "fallback" (default) streams every
     block from its captured graph unless a part recognizer knows the block itself (an MLP in a list of experts),
     "prefer" captures every block, "off" captures nothing (hand-written parts and model forwards only).
+    ``kv`` says where a captured block's K and V live between its phases: "device" (default, exact: whole on the
+    device wherever the budget allows; below the floor the planner may stage them to the host, L4, or group heads,
+    L3), "host" (L4 forced: pinned host memory, read back block by block and merged by log-sum-exp, exact), "int8" or
+    "fp8" (L5: compressed on the device, approximate; the first call per input shape also runs exact K/V and the
+    report gives the error).
     """
     if not isinstance(module, nn.Module):
         raise ValueError(f"module must be a torch.nn.Module, got {type(module).__name__}")
-    options = make_options(budget, chunk_tokens, ffn_slice, head_groups, reserve, self_check)
+    options = make_options(budget, chunk_tokens, ffn_slice, head_groups, reserve, self_check, kv)
     if capture not in CAPTURE_MODES:
         raise ValueError(f"capture must be one of {', '.join(CAPTURE_MODES)}; got {capture!r}")
     superseded = _supersede(module)

@@ -80,7 +80,7 @@ def kv_options(found, rows: int, device: torch.device, kinds: tuple[str, ...]) -
             if kind == "host":   # two block buffers in turn on CUDA; views of host rows in a CPU run
                 row = 2 * elems * e if device.type == "cuda" else 0
             else:                # the block expanded (K and V in the compute dtype) and its fp32 working copies
-                row = elems * e + 3 * (elems // 2) * 4
+                row = elems * e + 2 * (elems // 2) * 4
             block_row = max(block_row, row)
             # phase Q: fp32 accumulator, a block's partial output, the result; phase KV: a chunk's rows-first copy
             # and, compressing, its fp32 working copies
@@ -165,4 +165,40 @@ def run_with_store(run, plan, device: torch.device, consumer, donate: dict, exac
     return out, error
 
 
-__all__ = ["check_kv", "kv_problem", "kv_options", "costs", "options_for", "run_with_store", "KVError"]
+
+
+def plan_args(handle, entry, found, rows: int, device: torch.device, consumer, adapted: Any = None) -> dict:
+    """``plan_graph``'s K/V arguments for this call: the stores it may use, the one asked for, the attention estimate.
+    A store asked for that this block cannot use is noted and the K/V stay on the device."""
+    kv = handle.options.kv
+    opts, why = options_for(found, rows, device, kv, consumer, adapted)
+    if why is not None or not opts:
+        if kv != "device":
+            handle.note(entry, f"kv={kv} not used: {why or 'K/V shapes unknown'}")
+        return {}
+    return {"kv_options": opts, "kv_store": kv, "costs": costs(found, rows, device)}
+
+
+def run_stored(handle, entry, sig: tuple, run, plan, device: torch.device, consumer, donate: dict,
+               exact: Callable[[], Any]) -> Any:
+    """Run a planned L4/L5 call; an approximate store's first call per signature runs ``exact()`` (a GraphRun with
+    whole device K/V) first for the error, unless the block writes into its inputs (the exact run would change them)."""
+    measure = plan.kv in APPROXIMATE and sig not in entry.kv_errors
+    if measure and run.an.input_writes:
+        handle.note(entry, f"kv={plan.kv}: error not measured (the block writes into its inputs)")
+        measure = False
+
+    def exact_run():
+        ref = exact()
+        ref.build_kv(plan.chunk)
+        return ref.run_q(plan.chunk, {})
+
+    out, error = run_with_store(run, plan, device, consumer, donate, exact_run if measure else None)
+    if error is not None:
+        entry.kv_errors[sig] = error
+        log.info("streamplan: %s: %s", entry.name, error.describe())
+    return out
+
+
+__all__ = ["check_kv", "kv_problem", "kv_options", "costs", "options_for", "plan_args", "run_stored", "run_with_store",
+           "KVError"]

@@ -15,6 +15,7 @@ class StreamOptions:
     ffn_slice: int | None = None
     self_check: bool = False
     head_groups: int | None = None
+    kv: str = "device"   # where K/V live between the phases: device (exact), host (L4), int8 / fp8 (L5, approximate)
 
 
 _INT_MEANING = {"chunk_tokens": "rows per chunk", "ffn_slice": "MLP hidden features per slice",
@@ -29,7 +30,9 @@ def positive_int(value: Any, arg: str) -> int | None:
     return value
 
 
-def make_options(budget, chunk_tokens, ffn_slice, head_groups, reserve, self_check) -> StreamOptions:
+def make_options(budget, chunk_tokens, ffn_slice, head_groups, reserve, self_check, kv="device") -> StreamOptions:
+    from .kv_tiers import check_kv
+    kv = check_kv(kv)
     chunk_tokens = positive_int(chunk_tokens, "chunk_tokens")
     ffn_slice = positive_int(ffn_slice, "ffn_slice")
     head_groups = positive_int(head_groups, "head_groups")
@@ -38,4 +41,4 @@ def make_options(budget, chunk_tokens, ffn_slice, head_groups, reserve, self_che
         parsed: int | str | None = "auto"   # resolved when each operation is planned, from what is free then
     else:
         parsed = parse_budget(budget, None)
-    return StreamOptions(parsed, reserve, chunk_tokens, ffn_slice, bool(self_check), head_groups)
+    return StreamOptions(parsed, reserve, chunk_tokens, ffn_slice, bool(self_check), head_groups, kv)

@@ -356,8 +356,8 @@ def plan_graph(rows: int, fixed: int, transient, stock: int, *, chunk_tokens: in
         if chunk_tokens is None:
             chunk = quantize_chunk(chunk, rows, quantum)
         chunk = min(chunk, rows)
-        if opt is not None:
-            blk = min(blk or DEFAULT_KV_BLOCK, rows)
+        if opt is not None:   # a forced chunk reads K/V in blocks of its size (at most the default block)
+            blk = min(blk or min(DEFAULT_KV_BLOCK, max(chunk, MIN_CHUNK_TOKENS)), rows)
             return Plan(opt.tier, rows, chunk, sl, peak_kv(opt, chunk, sl, blk), stock, kv=opt.kind, kv_block=blk,
                         host_traffic=host_traffic(opt, rows, chunk))
         return Plan(tier, rows, chunk, sl, peak(chunk, sl, g), stock, head_groups=g)

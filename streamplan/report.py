@@ -34,7 +34,8 @@ def _inside(name: str, parent: str) -> bool:
 def to_json(handle) -> str:
     return json.dumps({
         "streamed": {n: {"class": type(e.module).__name__, "recognized_as": e.spec.label,
-                         "plans": [{"shape": repr(s[0]), "dtype": str(s[1]), **p.to_dict()}
+                         "plans": [{"shape": repr(s[0]), "dtype": str(s[1]), **p.to_dict(),
+                                    **({"kv_error": vars(e.kv_errors[s])} if s in e.kv_errors else {})}
                                    for s, p in e.plans.items()]}
                      for n, e in handle.installed.items()},
         "stock": [{"name": s.name, "class": s.cls, "reason": s.reason} for s in handle.skipped]
@@ -80,6 +81,8 @@ def render(handle) -> str:
                          f"{fmt_bytes(plan.predicted_total):>11} "
                          f"{fmt_bytes(plan.live_bytes + plan.stock_peak):>11}")
             lines.append(f"      input {describe_sig(sig)}: {plan.describe()}")
+            if sig in e.kv_errors:
+                lines.append(f"      {e.kv_errors[sig].describe()}")
         for note in e.runtime_notes:
             lines.append(f"      note: {note}")
     if handle.installed:

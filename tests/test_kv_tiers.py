@@ -4,6 +4,7 @@ log-sum-exp merge, the planner's L4/L5 tiers, and ``apply(..., kv=...)`` on real
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils import _pytree as pytree
 
 import streamplan
 from conftest import rel_err
@@ -164,3 +165,138 @@ def test_below_the_floor_the_planner_weighs_l3_against_l4():
     assert fast.tier == Tier.L3
     with pytest.raises(streamplan.BudgetError):
         _plan(OUT // 2, groups=groups, attn_out=attn_out, kv_options=(HOST,))
+
+
+# -- apply(..., kv=...) on real blocks ------------------------------------------------------------------------------
+N, CHUNK = 1024, 64
+
+
+def _case(name, n=N):
+    if name == "llama":
+        from streamplan.catalogue.transformers_cases import CASES as T
+        case = T["llama"]
+    else:
+        pytest.importorskip("diffusers")
+        from streamplan.catalogue.diffusers_cases import CASES as D
+        case = D[name]
+    torch.manual_seed(0)
+    module = case.build()
+    args, kwargs = case.inputs(n, CPU, torch.float32)
+    return module, args, kwargs
+
+
+def _leaves(out):
+    return [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+
+
+def _floor(module, args, kwargs, outputs, n=N) -> int:
+    """The device tier's floor: every output over all rows and every global attention's K and V."""
+    from streamplan.capture import streamable
+    from streamplan.capture.memory import graph_memory
+    found, _ = streamable(module, args, kwargs, n)
+    mem = graph_memory(found.analysis, found.phases, n, set())
+    return mem.kv_bytes + sum(t.numel() * t.element_size() for t in outputs)
+
+
+BLOCKS = ["wan", "flux_double", "minimax_h3", "llama"]
+
+
+@pytest.mark.parametrize("name", BLOCKS)
+@torch.no_grad()
+def test_host_staged_kv_on_real_blocks_is_exact_below_the_floor(name):
+    module, args, kwargs = _case(name)
+    ref = _leaves(module(*args, **kwargs))
+    floor = _floor(module, args, kwargs, ref)
+    peaks = {}
+    for kv in ("device", "host"):
+        handle = streamplan.apply(module, chunk_tokens=CHUNK, capture="prefer", kv=kv)
+        try:
+            module(*args, **kwargs)                      # captures and plans
+            out, peaks[kv] = streamplan.measure_peak(lambda: module(*args, **kwargs), device=CPU)
+            (plan,) = handle.plans[""]
+            assert plan.tier == (Tier.L4 if kv == "host" else Tier.L1), handle.report()
+            assert plan.kv == kv
+            for o, r in zip(_leaves(out), ref):
+                assert rel_err(o, r) <= 1e-5, (name, kv, rel_err(o, r))
+            if kv == "host":
+                assert "kv=host" in handle.report() and "host traffic" in handle.report()
+                assert plan.host_traffic > 0 and '"kv": "host"' in handle.to_json()
+                assert plan.predicted_peak >= 0.9 * peaks[kv]   # the model does not promise less than happens
+        finally:
+            handle.remove()
+    # the device tier holds the floor (outputs + K + V); staged to the host, K/V leave the device
+    assert peaks["device"] > floor and peaks["host"] < floor, (name, peaks, floor)
+
+
+@pytest.mark.parametrize("name", ["wan", "minimax_h3"])
+@torch.no_grad()
+def test_the_planner_stages_kv_under_a_budget_below_the_floor(name):
+    # at width 64 a chunk's transients are ~3x a row's K/V: rows enough that the planner's smallest chunk (256) fits
+    module, args, kwargs = _case(name, 4096)
+    ref = _leaves(module(*args, **kwargs))
+    floor = _floor(module, args, kwargs, ref, 4096)
+    live = sum(t.numel() * t.element_size() for t in _leaves((args, kwargs)))
+    handle = streamplan.apply(module, budget=live + int(0.8 * floor), capture="prefer", kv="host")
+    try:
+        out, peak = streamplan.measure_peak(lambda: module(*args, **kwargs), device=CPU)
+        (plan,) = handle.plans[""]
+        assert plan.tier == Tier.L4 and plan.predicted_peak <= 0.8 * floor, handle.report()
+        assert peak <= 0.8 * floor, (peak, floor)
+        for o, r in zip(_leaves(out), ref):
+            assert rel_err(o, r) <= 1e-5
+    finally:
+        handle.remove()
+
+
+# Compressed K/V on real blocks: output error against the block's own forward (fp32), the stated bounds.
+BLOCK_BOUND = {"int8": 1e-2, "fp8": 8e-2}
+
+
+@pytest.mark.parametrize("kv", ["int8", "fp8"])
+@pytest.mark.parametrize("name", BLOCKS)
+@torch.no_grad()
+def test_compressed_kv_on_real_blocks_within_bound_and_reported(name, kv):
+    module, args, kwargs = _case(name)
+    ref = _leaves(module(*args, **kwargs))
+    handle = streamplan.apply(module, chunk_tokens=CHUNK, capture="prefer", kv=kv)
+    try:
+        out = _leaves(module(*args, **kwargs))
+        (plan,) = handle.plans[""]
+        assert plan.tier == Tier.L5 and plan.kv == kv, handle.report()
+        err = max(rel_err(o, r) for o, r in zip(out, ref))
+        assert 0 < err <= BLOCK_BOUND[kv], (name, kv, err)
+        (measured,) = handle.installed[""].kv_errors.values()
+        assert measured.kind == kv and abs(measured.rel - err) <= 0.5 * err + 1e-6
+        text = handle.report()
+        assert f"kv={kv} (L5, approximate): output error against exact K/V on the first call: rel" in text
+        assert '"kv_error"' in handle.to_json() and "(approximate)" in text
+        module(*args, **kwargs)                            # measured once per input shape
+        assert len(handle.installed[""].kv_errors) == 1
+    finally:
+        handle.remove()
+
+
+def test_kv_is_validated():
+    block = torch.nn.Linear(4, 4)
+    for bad in ("disk", 8, None, "int4"):
+        with pytest.raises(ValueError, match="kv must be one of 'device', 'host', 'int8', 'fp8'"):
+            streamplan.apply(block, kv=bad)
+    assert streamplan.apply(block, kv=" Host ").options.kv == "host"
+
+
+@torch.no_grad()
+def test_a_consumer_without_kv_blocks_keeps_the_device_tier_and_says_why():
+    from conftest import RecordingConsumer
+    from streamplan.consumers import graph_consumer_scope
+    module, args, kwargs = _case("wan")
+    ref = _leaves(module(*args, **kwargs))
+    handle = streamplan.apply(module, chunk_tokens=CHUNK, capture="prefer", kv="host")
+    try:
+        with graph_consumer_scope(RecordingConsumer()):
+            out = _leaves(module(*args, **kwargs))
+        (plan,) = handle.plans[""]
+        assert plan.kv == "device" and plan.tier == Tier.L1
+        assert "kv=host not used: attention backend recording does not attend K/V in blocks" in handle.report()
+        assert rel_err(out[0], ref[0]) <= 1e-5
+    finally:
+        handle.remove()

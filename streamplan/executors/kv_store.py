@@ -245,7 +245,8 @@ class Int8Store(KVStore):
     def block(self, a: int, b: int):
         out = []
         for i in range(2):
-            x = torch.matmul(self.q[i][a:b].float() * self.s[i][a:b], self.rot.T)
+            x = self.q[i][a:b].float().mul_(self.s[i][a:b])
+            x = torch.matmul(x, self.rot.T)
             out.append(_heads_first(x.to(self.dtype)))
         return out[0], out[1]
 
@@ -295,7 +296,7 @@ class Fp8Store(KVStore):
         which = torch.searchsorted(edges, torch.arange(a, b, device=self.device), right=True) - 1 + lo
         out = []
         for i, scales in enumerate((ks, vs)):
-            x = self.q[i][a:b].float() * scales[which]
+            x = self.q[i][a:b].float().mul_(scales[which])
             out.append(_heads_first(x.to(self.dtype)))
         return out[0], out[1]
 
@@ -359,6 +360,7 @@ class _Merge:
         B, H, c, D = q.shape
         self.acc = torch.zeros(B, H, c, D, dtype=torch.float32, device=q.device)
         self.lse = torch.full((B, H, c), float("-inf"), dtype=torch.float32, device=q.device)
+        self.spare: torch.Tensor | None = None   # a whole-chunk partial output, reused for the result
 
     def add(self, o: torch.Tensor, lse: torch.Tensor, r0: int = 0) -> None:
         acc, old = self.acc[:, :, r0:], self.lse[:, :, r0:]
@@ -369,8 +371,14 @@ class _Merge:
         w = torch.exp(lse - safe).unsqueeze(-1)
         acc.mul_(a).addcmul_(o, w)
         old.copy_(new)
+        if r0 == 0 and o.shape == self.acc.shape and o.is_contiguous():
+            self.spare = o
 
     def result(self, dtype: torch.dtype) -> torch.Tensor:
+        if dtype == torch.float32:
+            return self.acc
+        if self.spare is not None and self.spare.dtype == dtype:
+            return self.spare.copy_(self.acc)
         return self.acc.to(dtype)
 
 

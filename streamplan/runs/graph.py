@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-from .. import hooks
+from .. import hooks, kv_tiers
 from ..callstate import bypass, needs_grad, shapes
 from ..consumers import graph_consumer, unsupported
 from ..executors.donation import donated
@@ -139,6 +139,9 @@ def _run_onloaded(handle, entry, args: tuple, kwargs: dict) -> Any:
         handle.note(entry, "its attention mask built a Q chunk's rows at a time, against the keys they can see"
                     + (f" (sliding window of {row_mask.window})" if row_mask.window else ""))
 
+    # where K/V may live between the phases (L4 host, L5 int8/fp8; ``kv_tiers``), as planner arguments
+    kv_args = kv_tiers.plan_args(handle, entry, found, rows, device, consumer, adapted)
+
     def make_plan(budget: int | None) -> Plan:
         mem = graph_memory(an, found.phases, rows, set(donate))
         order = [n for n in cap.graph.nodes if n.op == "call_function" and n not in an.ignored]
@@ -160,7 +163,8 @@ def _run_onloaded(handle, entry, args: tuple, kwargs: dict) -> Any:
                           chunk_tokens=o.chunk_tokens, budget=budget,
                           min_chunk=UTILISATION_FLOOR.get(device.type, 0), quantum=quantum,
                           ffn=max((r.ffn for r in regions), default=0), ffn_slice=o.ffn_slice,
-                          kv=mem.kv_bytes, attn_out=attn_out, groups=groups, head_groups=o.head_groups)
+                          kv=mem.kv_bytes, attn_out=attn_out, groups=groups, head_groups=o.head_groups,
+                          **kv_args)
 
     plan = handle.plan_for(entry, sig, make_plan, args, kwargs, device)
     if plan.tier == Tier.L0:
@@ -177,6 +181,9 @@ def _run_onloaded(handle, entry, args: tuple, kwargs: dict) -> Any:
 
     run = GraphRun(cap, an, found.phases, module, args, kwargs, rows, attend,
                    ffn_slice=plan.ffn_slice if plan.tier in (Tier.L2, Tier.L3) else 0, regions=regions)
+    if plan.kv != "device" and run.kv_store is None:   # L4/L5: K/V into a store, attended block by block
+        return kv_tiers.run_stored(handle, entry, sig, run, plan, device, consumer, donate, lambda: GraphRun(
+            cap, an, found.phases, module, args, kwargs, rows, attend, ffn_slice=run.ffn_slice, regions=regions))
     if plan.tier == Tier.L3:
         run.build_grouped(plan.chunk, plan.head_groups)
     else:
