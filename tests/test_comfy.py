@@ -588,3 +588,230 @@ def test_example_workflows_name_real_nodes():
                     assert value[0] in graph and isinstance(value[1], int), (f.name, nid, value)
         kinds = [n["class_type"] for n in graph.values()]
         assert kinds.count(nodes.NODE_ID) == 1 and kinds.count(nodes.REPORT_NODE_ID) == 1, f.name
+
+
+# --- the DIFFUSION_MODEL wrapper: the model forward streamed (input projection, donated blocks, output head) -------
+
+def _wan_long():
+    """Wan with 4 x 32 x 32 = 4096 rows (chunk transients small beside the rows)."""
+    base, _, cond = wan_patcher()
+    return base, torch.randn(1, 4, 4, 64, 64), cond, 4096
+
+
+def _h3_long():
+    """H3 with 4 x 32 x 32 video rows, 200 audio rows and 7 text rows packed: 4303 rows."""
+    comfy = comfyui()
+    base, _, _ = h3_patcher()
+    video, audio = torch.randn(1, 4, 4, 64, 64), torch.randn(1, 4, 2, 100)
+    x, shapes = comfy.utils.pack_latents([video, audio])
+    return base, x, _conds(base.model, cross_attn=torch.randn(1, 7, 32), latent_shapes=shapes), 4303
+
+
+def _without_wrapper(patched):
+    """The same patch with its DIFFUSION_MODEL wrapper taken out: the blocks alone stream."""
+    run = patched.clone()
+    run.model_options["transformer_options"]["wrappers"]["diffusion_model"].pop("streamplan")
+    return run
+
+
+@pytest.mark.parametrize("family", ["wan", "h3"])
+def test_model_forward_streams_to_the_blocks_floor(fresh_captures, family):
+    """The whole apply_model call, as ComfyUI samples it, through patch(): the model forward streamed (the input
+    projection into one buffer, each block's input donated, the head on row chunks), within fp32 rel 1e-5 of stock.
+    Its measured peak is near the blocks' floor (residual + K + V + the rope table the blocks read, fp32):
+    Wan 1.19x, H3 1.23x measured at 256-row chunks (stock 2.53x and 3.06x; the blocks streamed under the stock
+    forward, the wrapper taken out, 1.47x and 1.55x)."""
+    import streamplan.comfy as sc
+    base, x, cond, rows = _wan_long() if family == "wan" else _h3_long()
+    run = (lambda p: p) if family == "wan" else _h3_run
+    before = copy.copy(base.model_options["transformer_options"])
+    stock, stock_peak = streamplan.measure_peak(sample_call, run(base), x, cond)
+    patched = sc.patch(base, budget=None, chunk_tokens=256, min_tokens=0)
+    out, peak = streamplan.measure_peak(sample_call, run(patched), x, cond)
+    assert rel_err(out, stock) <= 1e-5
+    blocks_only, blocks_peak = streamplan.measure_peak(sample_call, run(_without_wrapper(patched)), x, cond)
+    assert rel_err(blocks_only, stock) <= 1e-5
+    dm = base.model.diffusion_model
+    if family == "wan":
+        rope = rows * dm.dim // dm.num_heads * 2 * 4          # [1, rows, 1, head_dim / 2, 2, 2] fp32
+        floor = rows * 3 * dm.dim * 4
+    else:
+        rope = rows * dm.rope.inv_freq.numel() * 3 * 4 * 4    # [1, rows, 1, 3 x 4 pairs, 2, 2] fp32
+        floor = rows * (dm.hidden_size + 2 * 2 * 32) * 4
+    ratio = peak / (floor + rope)
+    print(f"{family}: whole apply_model peak / blocks' floor {ratio:.2f} (stock {stock_peak / (floor + rope):.2f}, "
+          f"blocks alone streamed {blocks_peak / (floor + rope):.2f})")
+    assert ratio <= 1.3, (ratio, peak, floor, rope)
+    assert peak < 0.85 * blocks_peak and peak < 0.5 * stock_peak, (peak, blocks_peak, stock_peak)
+    text = sc.report(run(patched))
+    assert "model forward (" in text and ": 1 call(s) streamed (input projection and output head in 256-row " \
+        "chunks, 2 block input(s) donated in the last)" in text, text
+    assert base.model_options["transformer_options"] == before
+    assert "wrappers" not in base.model_options["transformer_options"]
+    assert _forwards_installed(base.model) == []
+
+
+def test_model_forward_fail_closed(fresh_captures, monkeypatch):
+    """What the streamed forward does not cover runs the stock forward (its blocks still stream), exactly, with the
+    reason in the report: another DIFFUSION_MODEL wrapper inside streamplan's, code that is not ComfyUI 0.33.0's,
+    a subclass with its own forward, arguments the stock forward joins to the rows, conditioning rows."""
+    comfyui()
+    import comfy.ldm.minimax.model as h3
+    import comfy.ldm.wan.model as wan
+    import comfy.patcher_extension as ext
+
+    import streamplan.comfy as sc
+    base, x, cond = wan_patcher(layers=1)
+    stock = sample_call(base, x, cond)
+    patched = sc.patch(base, budget=None, chunk_tokens=64, min_tokens=0)
+
+    seen = []
+
+    def other_wrapper(executor, *args, **kwargs):
+        seen.append(1)
+        return executor(*args, **kwargs)
+
+    inner = patched.clone()
+    ext.add_wrapper_with_key(ext.WrappersMP.DIFFUSION_MODEL, "other", other_wrapper, inner.model_options,
+                             is_model_options=True)
+    assert rel_err(sample_call(inner, x, cond), stock) <= 1e-5 and seen == [1]
+    assert "1 call(s) stock: another DIFFUSION_MODEL wrapper runs inside streamplan's " \
+        "(test_model_forward_fail_closed.<locals>.other_wrapper)" in sc.report(inner)
+
+    concat = torch.randn(1, 4, 1, 32, 32)
+    stock_concat = sample_call(base, x, {**cond, "time_dim_concat": concat})
+    run = patched.clone()
+    assert rel_err(sample_call(run, x, {**cond, "time_dim_concat": concat}), stock_concat) <= 1e-5
+    assert "time_dim_concat is given" in sc.report(run)
+
+    class OwnForwardWan(wan.WanModel):
+        def _forward(self, *args, **kwargs):
+            return super()._forward(*args, **kwargs)
+
+    sub, x1, cond1 = wan_patcher(layers=1)
+    sub.model.diffusion_model.__class__ = OwnForwardWan
+    stock_sub = sample_call(sub, x1, cond1)
+    run = sc.patch(sub, budget=None, chunk_tokens=64, min_tokens=0)
+    assert rel_err(sample_call(run, x1, cond1), stock_sub) <= 1e-5
+    assert "OwnForwardWan is a subclass of WanModel with its own forward" in sc.report(run)
+
+    base, x, cond = h3_patcher()
+    stock_head = h3.FinalLayer.forward
+
+    def forward(self, *args):
+        return stock_head(self, *args)
+
+    monkeypatch.setattr(h3.FinalLayer, "forward", forward)
+    stock = sample_call(_h3_run(base), x, cond)
+    run = _h3_run(sc.patch(base, budget=None, chunk_tokens=64, min_tokens=0))
+    assert torch.equal(sample_call(run, x, cond), stock)
+    text = sc.report(run)
+    assert "1 call(s) stock: FinalLayer.forward is not the code streamplan follows (ComfyUI 0.33.0's)" in text, text
+    assert text.count("1 call(s) through the streamer") == 2, text   # the blocks still stream
+
+    from streamplan.comfy.forwards import _H3
+    assert "minimax_payload has refs" in _H3.problem(base.model.diffusion_model, {
+        "x": [torch.zeros(1, 4, 1, 2, 2), torch.zeros(1, 4, 2, 3)], "minimax_payload": {"refs": [{"kind": "image"}]}})
+
+
+def test_weight_patches_per_call_keep_the_block_stock(fresh_captures):
+    """A LoRA patch ComfyUI applies at call time (a ``weight_function`` on a comfy.ops layer, as under lowvram) would
+    be traced into a graph every block of the class shares: such a block runs stock, exactly, with the reason; the
+    blocks without one stream."""
+    import streamplan.comfy as sc
+    base, x, cond = wan_patcher()
+    plain = sample_call(base, x, cond)
+    block = base.model.diffusion_model.blocks[1]
+    block.self_attn.o.weight_function = [lambda w: w * 3]
+    stock = sample_call(base, x, cond)
+    assert rel_err(stock, plain) > 1e-2
+    patched = sc.patch(base, budget=None, chunk_tokens=64, min_tokens=0)
+    assert rel_err(sample_call(patched, x, cond), stock) <= 1e-5
+    sections = _block_lines(sc.report(patched))
+    assert sections["double_block.0"].startswith("  double_block.0: 1 call(s) through the streamer")
+    assert "1 call(s) stock: weight patches applied per call (lowvram LoRA) on 1 layer(s) (self_attn.o, ...)" \
+        in sections["double_block.1"]
+
+
+def test_cast_weights_taken_once_per_block_call(fresh_captures):
+    """comfy.ops layers that cast their weights at every call (manual casting: bf16 storage, fp32 compute): the cast
+    is among the graph's row-independent values, so it runs once per block call, as many casts at 12 chunks as at
+    one, and the output matches stock."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import streamplan.comfy as sc
+    base, x, cond = wan_patcher(layers=1)
+    block = base.model.diffusion_model.blocks[0]
+    for m in block.modules():
+        if hasattr(m, "comfy_cast_weights") and getattr(m, "weight", None) is not None:
+            m.comfy_cast_weights = True
+            m.to(torch.bfloat16)
+    stock = sample_call(base, x, cond)
+
+    class Casts(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._to_copy.default and args[0].dtype == torch.bfloat16:
+                self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    counts = []
+    for chunk in (64, 768):
+        patched = sc.patch(base, budget=None, chunk_tokens=chunk, min_tokens=0)
+        sample_call(patched, x, cond)                      # capture and plan
+        with Casts() as casts:
+            out = sample_call(patched, x, cond)
+        assert rel_err(out, stock) <= 1e-5
+        counts.append(casts.n)
+        assert "through the streamer" in sc.report(patched)
+    assert counts[0] == counts[1] > 0, counts
+
+
+def test_budgets_as_comfyui_sees_memory(fresh_captures, monkeypatch):
+    """"auto": ComfyUI's free memory less --reserve-vram (extra_reserved_memory) and the node's reserve; an explicit
+    budget: the activation room above what the block call holds when it is entered. A small room plans small chunks;
+    the output stays exact."""
+    comfyui()
+    import comfy.model_management as mm
+
+    from streamplan.comfy.memory import room_for, streamer_budget
+    from streamplan.comfy.patch import Options as PatchOptions
+    monkeypatch.setattr(mm, "get_free_memory", lambda dev=None, torch_free_too=False: 10 * 2**30)
+    monkeypatch.setattr(mm, "extra_reserved_memory", lambda: 2**30)
+    assert room_for(PatchOptions(budget="auto", reserve="1GiB"), CPU) == 8 * 2**30
+    assert room_for(PatchOptions(budget="auto"), CPU) == 9 * 2**30 - 512 * 2**20
+    assert room_for(PatchOptions(budget=None), CPU) is None
+    x = torch.zeros(10, 4)
+    assert streamer_budget(PatchOptions(budget=1000), (x, x[2:]), {"t": torch.zeros(3)}, CPU) == 1000 + 160 + 12
+
+    import streamplan.comfy as sc
+    base, x, cond = wan_patcher()
+    stock = sample_call(base, x, cond)
+    room = 768 * 64 * 4 * 4        # K + V and as much again for a chunk: below the stock block's transients
+    patched = sc.patch(base, budget=room, min_tokens=0)
+    assert rel_err(sample_call(patched, x, cond), stock) <= 1e-5
+    text = sc.report(patched)
+    chunks = [int(line.split("chunk=")[1].split()[0]) for line in text.splitlines() if "L1 rows=768 chunk=" in line]
+    assert len(chunks) == 2 and all(c < 768 for c in chunks), text
+
+
+def test_each_sampling_run_plans_again(fresh_captures):
+    """Calls at the first sigma of a schedule (after a call at another sigma) start a new run: the blocks plan
+    again there, with what is free then; cond and uncond calls at one sigma stay in one run."""
+    import streamplan.comfy as sc
+    base, x, cond = wan_patcher(layers=1)
+    patched = sc.patch(base, budget=None, chunk_tokens=64, min_tokens=0)
+    schedule = torch.tensor([0.9, 0.5, 0.0])
+    streamers = []
+    for sigma in (0.9, 0.9, 0.5, 0.9, 0.5):
+        options = patched.model_options["transformer_options"].copy()
+        options.update(cond_or_uncond=[0], sigmas=torch.tensor([sigma]), sample_sigmas=schedule)
+        with torch.no_grad():
+            patched.model.apply_model(x, torch.tensor([sigma]), transformer_options=options, **cond)
+        streamers.append(next(iter(sc.patch.__globals__["_states"](patched)[0].blocks.values())).streamer)
+    assert streamers[0] is streamers[1] is streamers[2] and streamers[3] is streamers[4]
+    assert streamers[2] is not streamers[3]
+    assert "2 sampling run(s) planned" in sc.report(patched)

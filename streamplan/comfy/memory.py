@@ -60,3 +60,30 @@ def streamer_budget(options: Any, args: tuple, kwargs: dict, device: torch.devic
     """The byte budget for one block call's ``BlockStreamer``: the room plus the call's live inputs."""
     room = room_for(options, device)
     return None if room is None else room + live_bytes(args, kwargs)
+
+
+def weights_problem(block: Any, device: torch.device) -> str | None:
+    """Why a block's weights, as ComfyUI holds them for this call, keep the block stock, or None.
+
+    ``comfy.ops`` layers cast their weights at every call (``cast_bias_weight``). Where the weight is on the call's
+    device that cast (a dtype change under manual casting) is traced into the block's graph among the values that do
+    not depend on the rows, so it runs once per block call, not once per chunk. Two cases are not streamed yet:
+    weight or bias functions (LoRA and other patches ComfyUI applies at call time under lowvram): the graph would keep
+    the function traced at capture, shared by every block of the class; and weights that live off the call's device
+    (lowvram offload, DynamicVRAM's evictable weights), which ComfyUI moves per call on its own streams."""
+    functions, away = [], []
+    for name, m in block.named_modules():
+        if not hasattr(m, "comfy_cast_weights"):
+            continue
+        if getattr(m, "weight_function", None) or getattr(m, "bias_function", None):
+            functions.append(name)
+        w = getattr(m, "weight", None)
+        if hasattr(m, "_v") or (isinstance(w, torch.Tensor) and w.device != device):
+            away.append(name)
+    if functions:
+        return (f"weight patches applied per call (lowvram LoRA) on {len(functions)} layer(s) ({functions[0]}, ...): "
+                "the block runs stock")
+    if away:
+        return (f"{len(away)} layer(s) hold their weights off {device} (lowvram offload or DynamicVRAM: "
+                f"{away[0]}, ...): the block runs stock")
+    return None

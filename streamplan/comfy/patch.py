@@ -21,7 +21,7 @@ from ..consumers import ConsumerCaps, graph_consumer_scope
 from ..consumers.comfy import OVERRIDE_KEY, ComfyAttention, override_problem
 from .blocks import BlockCalls, block_calls
 from .forwards import ModelCalls, ModelForward
-from .memory import streamer_budget
+from .memory import streamer_budget, weights_problem
 
 log = logging.getLogger("streamplan")
 
@@ -171,8 +171,13 @@ class _StreamedCall:
             if x is not None:
                 self.block.streamer.handle.options.budget = streamer_budget(o, args, kwargs, x.device)
         consumer = ComfyAttention(COMFY_CAPS, kwargs.get("transformer_options") or {}, self.block.key[1])
-        with graph_consumer_scope(consumer):
-            out = self.calls.call(self.block.streamer, self.block.streamed, args, kwargs)
+        x = next((a for a in list(args) + list(kwargs.values()) if hasattr(a, "device")), None)
+        why = weights_problem(self.module, x.device) if x is not None else None
+        if why is not None:
+            out = why
+        else:
+            with graph_consumer_scope(consumer):
+                out = self.calls.call(self.block.streamer, self.block.streamed, args, kwargs)
         if isinstance(out, str):
             self.block.stock(out)
             return self.module(*args, **kwargs)
