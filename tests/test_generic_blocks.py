@@ -19,7 +19,6 @@ REQUIRED = ["minimax_h3", "hunyuan_video_double", "hunyuan_video_single", "ltx_v
             "flux_single"]
 STREAMS = [n for n in CASES if CASES[n].streams]
 STOCK = {   # blocks that stay stock on the generic path, and the reason the report gives
-    "hunyuan_video_double_keymask": "an attention mask over the rows' keys",
     "hunyuan_video15": "builds per-row values from the row count",
     "mochi": "cat with a symbolic non-row size",
     "zimage": "higher-order op",

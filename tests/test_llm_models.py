@@ -366,3 +366,43 @@ def test_known_forwards_are_the_installed_ones():
         family = (decoders.MODELS.get(cls_name) or decoders.LMS[cls_name]).module
         cls = getattr(__import__(f"transformers.models.{family}.modeling_{family}", fromlist=[cls_name]), cls_name)
         assert known.get(source_fingerprint(cls.forward)) == transformers.__version__, cls_name
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+@torch.no_grad()
+def test_feature_sliced_mlps_in_the_whole_model_are_exact(name):
+    """L2 inside the streamed model forward: each layer's MLP hidden a slice of features at a time (its graph's
+    linear -> elementwise -> linear region), padded batch of 2 with its mask rows per Q chunk, exact."""
+    model, ids = _lm(name), _ids()
+    mask = torch.ones_like(ids)
+    mask[0, :9] = 0
+    ref = model(ids, attention_mask=mask, use_cache=False).logits
+    handle = streamplan.apply(model, chunk_tokens=CHUNK, ffn_slice=32)
+    out = model(ids, attention_mask=mask, use_cache=False).logits
+    assert rel_err(out, ref) <= 1e-5
+    for i in range(2):
+        plans = handle.plans[f"model.layers.{i}"]
+        assert [p.tier for p in plans] == ["L2"] and plans[0].ffn_slice == 32, handle.report()
+    handle.remove()
+
+
+@torch.no_grad()
+def test_llama3_8b_width_layer_plans_large_sliced_chunks_at_1_15x_the_floor():
+    """The planner's memory model at the H200 case of benchmarks/gpu_llm.py (one Llama-3-8B-width layer inside the
+    streamed model: residual donated, 131,072 tokens, bf16, the model's budget 1.15x the floor), on meta tensors:
+    row chunks alone fit 1,280 rows (the MLP's [chunk, 14336] hidden, gate, up and product); slicing the hidden
+    (L2) fits more than twice that, above the GEMM utilisation floor."""
+    from streamplan.executors.donation import donate
+    from streamplan.families import FAMILIES, on_meta
+    from streamplan.planner import UTILISATION_FLOOR
+    n = 131072
+    floor = (4096 + 2 * 8 * 128) * 2
+    layer, inputs = on_meta(FAMILIES["llama3-8b-layer"], n, torch.bfloat16)
+    handle = streamplan.apply(layer, budget=int(1.15 * floor * n))
+    with donate(inputs[0]):
+        layer(*inputs)
+    (plan,) = handle.plans[""]
+    assert plan.tier == "L2" and plan.ffn_slice <= 4096, plan.describe()
+    assert plan.chunk >= max(UTILISATION_FLOOR["meta"], 2 * 1280), plan.describe()
+    assert plan.predicted_total <= 1.15 * floor * n
+    handle.remove()

@@ -174,3 +174,26 @@ def test_padded_peak_counts_the_mask_rows():
     plans = handle.plans["model.layers.0"]
     assert plans[0].predicted_peak >= mask_rows
     handle.remove()
+
+
+@torch.no_grad()
+def test_a_layer_given_a_mask_over_rows_x_rows_takes_its_query_rows_per_chunk():
+    """A captured block called with a [B, 1, N, N] mask tensor (here transformers' own padded causal mask, handed to
+    a lone decoder layer): each Q chunk attends with the mask's rows for its queries, keys whole; exact."""
+    model, ids = _lm("llama"), _ids()
+    mask2d = _padded(ids)
+    layer = model.model.layers[0]
+    hidden = model.model.embed_tokens(ids)
+    pos = torch.arange(N).unsqueeze(0)
+    from transformers.masking_utils import create_causal_mask
+    mask = create_causal_mask(config=model.config, inputs_embeds=hidden, attention_mask=mask2d, position_ids=pos,
+                              **{CACHE_KW: None})
+    assert mask.shape == (2, 1, N, N)
+    rope = model.model.rotary_emb(hidden, pos)
+    ref = layer(hidden, attention_mask=mask, position_embeddings=rope, position_ids=pos)
+    handle = streamplan.apply(layer, chunk_tokens=CHUNK, capture="prefer")
+    out = layer(hidden, attention_mask=mask, position_embeddings=rope, position_ids=pos)
+    ref, out = (o[0] if isinstance(o, tuple) else o for o in (ref, out))
+    assert rel_err(out, ref) <= 1e-5
+    assert [p.tier for p in handle.plans[""]] == ["L1"], handle.report()
+    handle.remove()

@@ -42,6 +42,8 @@ class GlobalAttention:
     scale: float | None
     kv_rows: Rows
     q_rows: Rows | None
+    mask: fx.Node | None = None      # an input mask over the rows' keys: [.., 1, Nk] whole per chunk, or [.., N, Nk]
+    mask_query_rows: bool = False    # its query rows are the rows (each Q chunk takes its own), keys whole
 
 
 @dataclass(eq=False)
@@ -54,6 +56,7 @@ class Analysis:
     ops: int = 0
     notes: list[str] = field(default_factory=list)
     input_writes: set = field(default_factory=set)   # in-place writes into the block's own inputs (as stock does)
+    whole_inputs: set = field(default_factory=set)   # inputs with rows every chunk takes whole (a key mask)
 
 
 class NotRowLocal(Exception):
@@ -131,6 +134,7 @@ class _Analyzer:
         self.attentions: list[GlobalAttention] = []
         self.ignored: set[fx.Node] = set()
         self.input_writes: set[fx.Node] = set()
+        self.masks: dict[fx.Node, Rows] = {}   # inputs over rows x rows (attention masks): their key dimension
 
     # -- symbolic helpers ---------------------------------------------------------------------------------------
     def expr(self, size) -> sympy.Expr:
@@ -197,6 +201,11 @@ class _Analyzer:
             self.rows[node] = None
             return
         dims = self.row_dims(val)
+        if len(dims) == 2 and [d for d, _ in dims] == [val.dim() - 2, val.dim() - 1] and not dims[0][1] \
+                and not dims[1][1]:   # [.., N, N]: an attention mask over rows x rows, its query rows chunked
+            self.rows[node] = Rows(val.dim() - 2)
+            self.masks[node] = Rows(val.dim() - 1)
+            return
         if len(dims) > 1:
             raise NotRowLocal(f"input {node.name} has {len(dims)} row dimensions (a mask over rows x rows?)")
         if dims and dims[0][1]:   # rows joined to static ones (a table over text + image rows): side guessed
@@ -214,6 +223,9 @@ class _Analyzer:
             self.rows[node] = None
             self.ignored.add(node)
             return
+        masks = [a for a in node.all_input_nodes if a in self.masks]
+        if masks and (_name(target) not in _SDPA or masks != [bind(node).get("attn_mask")]):
+            raise NotRowLocal(f"input {masks[0].name} over rows x rows used other than as an attention's mask")
         if all(a in self.const for a in node.all_input_nodes) and not self.random(node):
             self.const.add(node)
         val = node.meta.get("val")
@@ -560,14 +572,35 @@ class _Analyzer:
             return self.out_rows(node, val, qr.pre, qr.post) if isinstance(qr, Rows) else None
         if not (isinstance(kr, Rows) and isinstance(vr, Rows)) or (kr.pre, kr.post) != (vr.pre, vr.post):
             raise NotRowLocal("attention whose K and V rows differ")
+        by_query = False
         if mask is not None:
-            raise NotRowLocal("an attention mask over the rows' keys (not handled by the generic path yet)")
+            by_query = self.global_mask(mask, qr, kr)
         causal = bool(a.get("is_causal"))
         if causal and (not isinstance(qr, Rows) or (qr.pre, qr.post, kr.pre, kr.post) != (0, 0, 0, 0)):
             raise NotRowLocal("causal attention over rows joined with static rows")
         self.attentions.append(GlobalAttention(node, q, k, v, causal, a.get("scale"), kr,
-                                               qr if isinstance(qr, Rows) else None))
+                                               qr if isinstance(qr, Rows) else None, mask, by_query))
         return self.out_rows(node, val, qr.pre, qr.post) if isinstance(qr, Rows) else None
+
+    def global_mask(self, mask, qr, kr) -> bool:
+        """A mask over the rows' keys the generic path takes (True: its query rows are the rows, chunked with Q): an
+        input of the block given straight to the attention, either [.., 1, Nk] over the keys alone (whole for every Q
+        chunk: HunyuanVideo's text mask over the joint rows) or [.., N, Nk] over rows x rows (no static rows)."""
+        if not isinstance(mask, fx.Node) or mask.op != "placeholder" or mask not in self.user_inputs:
+            raise NotRowLocal("an attention mask over the rows' keys built inside the block (the generic path takes "
+                              "one given to the block)")
+        val, mr = mask.meta["val"], self.rows.get(mask)
+        if mask in self.masks:
+            if not isinstance(qr, Rows) or (qr.pre, qr.post, kr.pre, kr.post) != (0, 0, 0, 0):
+                raise NotRowLocal("a mask over rows x rows with static rows joined")
+            return True
+        if not isinstance(mr, Rows) or mr.dim != val.dim() - 1 or val.dim() < 2 or val.shape[-2] != 1 or \
+                (mr.pre, mr.post) != (kr.pre, kr.post):
+            raise NotRowLocal("an attention mask over the rows' keys whose layout is not [.., 1, keys] as K's rows")
+        if any(_name(u.target) not in _SDPA or bind(u).get("attn_mask") is not mask for u in mask.users):
+            raise NotRowLocal(f"input {mask.name}, an attention mask over the rows' keys, used otherwise too")
+        self.masks[mask] = mr   # given whole to every Q chunk
+        return False
 
 
 def analyze(graph: fx.Graph, symbol, user_inputs: set[fx.Node]) -> Analysis | str:
@@ -590,4 +623,5 @@ def analyze(graph: fx.Graph, symbol, user_inputs: set[fx.Node]) -> Analysis | st
         if isinstance(o, fx.Node) and isinstance(an.rows.get(o), list):
             return "an output is a tuple with rows"
     ops = sum(1 for n in graph.nodes if n.op == "call_function")
-    return Analysis(an.rows, an.const, an.ignored, an.attentions, outs, ops, input_writes=an.input_writes)
+    return Analysis(an.rows, an.const, an.ignored, an.attentions, outs, ops, input_writes=an.input_writes,
+                    whole_inputs={a.mask for a in an.attentions if a.mask is not None and not a.mask_query_rows})

@@ -123,6 +123,12 @@ def _same_elements(x: torch.Tensor, y: torch.Tensor) -> bool:
         n == 1 or a == b for n, a, b in zip(x.shape, x.stride(), y.stride()))
 
 
+def _mask_of(att: GlobalAttention, env: dict) -> dict:
+    """The attention's mask for this chunk as the attend callable's keyword (none: no keyword): a key mask whole, a
+    mask over rows x rows as the chunk's query rows (``GraphRun._inputs`` took them)."""
+    return {} if att.mask is None else {"mask": env[att.mask]}
+
+
 def _whole(like: torch.Tensor, r: Rows, total: int) -> torch.Tensor:
     """A whole-rows buffer laid out as the chunk is (K as a permuted [B, N, H, D] stays so): the attention kernel
     reads the layout stock would give it, and each chunk's write is a straight copy, not a transpose."""
@@ -237,7 +243,9 @@ class GraphRun:
         env = dict(self.consts)
         for node, value in self.base.items():
             r = self.an.rows.get(node)
-            if isinstance(r, Rows) and (r.pre or r.post) and dynamic:
+            if node in self.an.whole_inputs:   # a mask over the keys: every chunk attends all of them
+                env[node] = value
+            elif isinstance(r, Rows) and (r.pre or r.post) and dynamic:
                 env[node] = value.narrow(r.dim, r.pre + a, b - a)
             elif isinstance(r, Rows) and (r.pre or r.post):   # an input with static rows joined: keep them whole
                 parts = [value.narrow(r.dim, 0, r.pre)] if r.pre else []
@@ -258,7 +266,7 @@ class GraphRun:
             return self.attend_store(env[att.q], store, q_offset=a, causal=att.causal, scale=att.scale)
         k, v = self.kv[att.node]
         q = env[att.q]
-        return self.attend(q, k, v, q_offset=a, causal=att.causal, scale=att.scale)
+        return self.attend(q, k, v, q_offset=a, causal=att.causal, scale=att.scale, **_mask_of(att, env))
 
     def _run(self, nodes: list[fx.Node], env: dict, a: int, keep: set[fx.Node], rows: int | None = None) -> dict:
         """Run ``nodes`` on one chunk; ``rows`` set: the chunk's dynamic rows alone (static rows done once)."""
@@ -344,7 +352,7 @@ class GraphRun:
                 q = self._run(q_nodes, self._inputs(a, b), a, {att.q})[att.q]
                 h = q.shape[1] // groups
                 o = self.attend(q[:, g * h:(g + 1) * h], bufs[0], bufs[1], q_offset=a, causal=att.causal,
-                                scale=att.scale)
+                                scale=att.scale, **_mask_of(att, self._inputs(a, b)))
                 if out is None:
                     shape = list(o.shape)
                     shape[1], shape[2] = q.shape[1], self.rows

@@ -242,10 +242,16 @@ _add("mochi", T + "transformer_mochi:MochiTransformerBlock", lambda c: c(64, 4, 
                                 torch.ones(1, TEXT, dtype=torch.bool, device=device),
                                 _pair(n, 4, 8, device=device, dtype=dtype)), {}),
      streams=False, note="the processor selects valid text tokens with nonzero: a data-dependent sequence length")
-# stays stock: HunyuanVideo as its model calls it, with a [B, 1, 1, N + T] key mask over the joint rows
+# HunyuanVideo as its model calls it, with a [B, 1, 1, N + T] key mask over the joint rows (padded text masked),
+# given whole to every Q chunk
 _add("hunyuan_video_double_keymask", T + "transformer_hunyuan_video:HunyuanVideoTransformerBlock",
      lambda c: c(4, 16, 2.0),
      lambda n, device, dtype: ((_x(n, device, dtype), _txt(device, dtype), _r(1, 64, device=device, dtype=dtype),
-                                torch.ones(1, 1, 1, n + TEXT, dtype=torch.bool, device=device),
-                                _cs(n, 16, device, dtype)), {}),
-     streams=False, note="an attention mask over the rows' keys: not on the generic path yet")
+                                _key_mask(n, device), _cs(n, 16, device, dtype)), {}),
+     note="a [B, 1, 1, N + T] key mask over the joint rows (the last 3 text tokens padding)")
+
+
+def _key_mask(n: int, device) -> torch.Tensor:
+    mask = torch.ones(1, 1, 1, n + TEXT, dtype=torch.bool, device=device)
+    mask[..., n + TEXT - 3:] = False
+    return mask

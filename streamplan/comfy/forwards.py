@@ -43,6 +43,25 @@ class ModelCalls:
         self.stock_reasons[reason] = self.stock_reasons.get(reason, 0) + 1
 
 
+def grid_spans(grid: tuple[int, int, int], chunk: int):
+    """Row chunks of a patched (frames, height, width) grid whose rows run frame by frame, row by row: whole frames
+    where a frame fits the chunk, else bands of whole grid rows of one frame. Yields ((t0, t1), (h0, h1), (a, b)):
+    the grid's frame and height range and the rows [a, b) they are."""
+    frames, height, width = grid
+    per_frame = height * width
+    if per_frame <= chunk:
+        step = chunk // per_frame
+        for t0 in range(0, frames, step):
+            t1 = min(frames, t0 + step)
+            yield (t0, t1), (0, height), (t0 * per_frame, t1 * per_frame)
+        return
+    band = max(1, chunk // width)
+    for t in range(frames):
+        for h0 in range(0, height, band):
+            h1 = min(height, h0 + band)
+            yield (t, t + 1), (h0, h1), (t * per_frame + h0 * width, t * per_frame + h1 * width)
+
+
 def chunk_rows(options: Any, room: int | None, row_bytes: int) -> int:
     """Rows per chunk of the model's own loops (projections, head): ``chunk_tokens`` when given, else as many rows as
     a quarter of the room holds at ``row_bytes`` per row, within [MIN_CHUNK, DEFAULT_CHUNK]."""
@@ -155,18 +174,16 @@ class _Wan:
                                   transformer_options=options)
         pt, ph, pw = model.patch_size
         grid = (x.shape[2] // pt, x.shape[3] // ph, x.shape[4] // pw)
-        per_frame, rows = grid[1] * grid[2], grid[0] * grid[1] * grid[2]
+        rows = grid[0] * grid[1] * grid[2]
         room = room_for(state.options, x.device)
         chunk = chunk_rows(state.options, room, model.dim * 6)
         state.forward.chunk = chunk
 
         # the patch embedding (fp32 Conv3d) a few frames at a time into one contiguous buffer of the model's dtype
         hidden = torch.empty(batch, rows, model.dim, dtype=x.dtype, device=x.device)
-        step = max(1, chunk // per_frame)
-        for f0 in range(0, grid[0], step):
-            f1 = min(grid[0], f0 + step)
-            part = model.patch_embedding(x[:, :, f0 * pt:f1 * pt].float())
-            hidden[:, f0 * per_frame:f1 * per_frame] = part.flatten(2).transpose(1, 2)   # cast to x.dtype on copy
+        for (t0, t1), (h0, h1), (a, b) in grid_spans(grid, chunk):
+            part = model.patch_embedding(x[:, :, t0 * pt:t1 * pt, h0 * ph:h1 * ph].float())
+            hidden[:, a:b] = part.flatten(2).transpose(1, 2)   # cast to x.dtype on copy
             del part
         options["grid_sizes"] = torch.Size(grid)
 
@@ -293,14 +310,11 @@ class _H3:
 
         # video rows: patchified and projected (fp32) a few latent frames at a time, written into h as the model dtype
         pt, ph, pw = model.patch_size
-        per_frame = (lat_h // ph) * (lat_w // pw)
         va, vb = seg["video"]
-        step = max(1, chunk // per_frame)
-        for f0 in range(0, latent_t // pt, step):
-            f1 = min(latent_t // pt, f0 + step)
-            part = model.video_patch_proj(h3.patchify_video(video_x[:, :, f0 * pt:f1 * pt].to(torch.float32),
-                                                            model.patch_size))
-            h[va + f0 * per_frame:va + f1 * per_frame] = part
+        for (t0, t1), (h0, h1), (a, b) in grid_spans((latent_t // pt, lat_h // ph, lat_w // pw), chunk):
+            part = video_x[:, :, t0 * pt:t1 * pt, h0 * ph:h1 * ph].to(torch.float32)
+            part = model.video_patch_proj(h3.patchify_video(part, model.patch_size))
+            h[va + a:va + b] = part
             del part
         aa, ab = seg["audio"]
         audio_rows = h3.pack_audio(audio_x.to(torch.float32))

@@ -103,8 +103,9 @@ def _run_onloaded(handle, entry, args: tuple, kwargs: dict) -> Any:
             return stock()
     if att is not None:
         qv, kv_ = att.q.meta["val"], att.k.meta["val"]
+        given = att.mask.meta["val"] if att.mask is not None else None   # a mask input the graph attends with
         why = unsupported(consumer, heads=qv.shape[1], kv_heads=kv_.shape[1], head_dim=qv.shape[-1],
-                          causal=att.causal, mask=None if row_mask is None else _BOOL_MASK, dtype=qv.dtype)
+                          causal=att.causal, mask=_BOOL_MASK if row_mask is not None else given, dtype=qv.dtype)
         if why:
             handle.note(entry, f"ran stock: {why}")
             return stock()
@@ -141,6 +142,8 @@ def _run_onloaded(handle, entry, args: tuple, kwargs: dict) -> Any:
 
     # where K/V may live between the phases (L4 host, L5 int8/fp8; ``kv_tiers``), as planner arguments
     kv_args = kv_tiers.plan_args(handle, entry, found, rows, device, consumer, adapted)
+    if row_mask is not None or (att is not None and att.mask is not None):   # masked chunks attend K/V on the
+        kv_args = {}                                                          # device (no store takes their masks yet)
 
     def make_plan(budget: int | None) -> Plan:
         mem = graph_memory(an, found.phases, rows, set(donate))
@@ -155,6 +158,8 @@ def _run_onloaded(handle, entry, args: tuple, kwargs: dict) -> Any:
                                                                device_type=device.type), qv.element_size())
             if row_mask is not None:   # each Q chunk's mask rows: counted in the chunk's transient
                 mask_bytes = functools.partial(row_mask.chunk_bytes, elem=qv.element_size())
+            elif att.mask_query_rows:   # a given mask's chunk rows are views; the kernel's additive copy is not
+                mask_bytes = functools.partial(_given_mask_bytes, given, qv.element_size(), rows)
             out_val = att.node.meta["val"]
             attn_out = numel_besides(out_val, 2) * rows * out_val.element_size() if groups else 0
         return plan_graph(rows, mem.kv_bytes + mem.out_bytes,
@@ -170,9 +175,9 @@ def _run_onloaded(handle, entry, args: tuple, kwargs: dict) -> Any:
     if plan.tier == Tier.L0:
         return stock()
 
-    def attend(q, k, v, *, q_offset, causal, scale):
-        if row_mask is None:
-            return consumer.attend(q, k, v, q_offset=q_offset, causal=causal, mask=None, scale=scale)
+    def attend(q, k, v, *, q_offset, causal, scale, mask=None):
+        if row_mask is None:   # a mask the block was given: its chunk rows (or whole, over the keys alone)
+            return consumer.attend(q, k, v, q_offset=q_offset, causal=causal, mask=mask, scale=scale)
         # the chunk's mask rows against the keys it can see: built here, for these rows alone
         a, b = q_offset, q_offset + q.shape[-2]
         lo, hi = row_mask.span(a, b)
@@ -196,6 +201,15 @@ def _run_onloaded(handle, entry, args: tuple, kwargs: dict) -> Any:
 
 
 _BOOL_MASK = torch.empty(0, dtype=torch.bool)
+
+
+def _given_mask_bytes(mask, elem: int, rows: int, chunk: int) -> int:
+    """Per chunk of a mask input over rows x rows: the kernel's additive copy of its rows."""
+    keys = mask.shape[-1]
+    lead = 1
+    for size in mask.shape[:-2]:
+        lead *= size if isinstance(size, int) else 1
+    return lead * min(chunk, rows) * (keys if isinstance(keys, int) else rows) * elem
 
 
 def _stock_masked(entry, args: tuple, kwargs: dict) -> Any:
