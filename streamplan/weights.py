@@ -1,27 +1,77 @@
-"""What a linear layer's weight format allows the executors to do with it."""
+"""What a linear layer's weight format allows the executors to do with it.
+
+Every format allows row chunks: the layer's own forward applied to a chunk of rows (exact for weight-only formats,
+whose kernels quantise nothing per call; equivalent otherwise). Feature slices are allowed only where the layout
+slices and the executors can run the slice: output features (rows of the weight, with their own scales) for an MLP's
+input projections, input features (columns, accumulated) for its output projection. A format a library ships is
+declared here by its weight (or layer) class; an unknown layer is applied whole on row chunks only, and one that a
+block capture cannot trace keeps its block stock, named (``capture_problem``), its parts streaming on their own."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
+import torch
 from torch import nn
 
 
 @dataclass(frozen=True)
 class LinearCaps:
-    out_slice: bool   # rows of the weight (output features) can be used alone
-    in_slice: bool    # columns of the weight (input features) can be used alone
-    align: int = 1    # slices must start and end on multiples of this
+    out_slice: bool     # rows of the weight (output features) can be used alone
+    in_slice: bool      # columns of the weight (input features) can be used alone
+    align: int = 1      # slices must start and end on multiples of this
+    capture: str | None = None  # why a block capture cannot trace the layer (None: it traces)
+    name: str = ""      # the format, for reports
+    note: str = ""      # what the layout allows beyond what is declared, or why it does not trace
 
 
-ROWS_ONLY = LinearCaps(out_slice=False, in_slice=False)
-_DENSE = LinearCaps(out_slice=True, in_slice=True, align=1)
+ROWS_ONLY = LinearCaps(out_slice=False, in_slice=False, name="unknown layer")
+_DENSE = LinearCaps(out_slice=True, in_slice=True, align=1, name="dense")
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    library: str
+    matches: Callable[[nn.Module], bool]
+    caps: LinearCaps
+
+
+_FORMATS: list[WeightFormat] = []
+
+
+def register_weight_format(library: str, matches: Callable[[nn.Module], bool], caps: LinearCaps) -> None:
+    """Declare what layers ``matches`` picks allow (first match wins, in registration order)."""
+    _FORMATS.append(WeightFormat(library, matches, caps))
+
+
+def _plain(w: object) -> bool:
+    return type(w) in (nn.Parameter, torch.Tensor)
 
 
 def linear_caps(module: nn.Module) -> LinearCaps:
-    """Plain ``nn.Linear`` allows slicing; an unknown layer (quantised, LoRA-wrapped, ...) is applied whole."""
-    if type(module) is nn.Linear and "forward" not in module.__dict__:
+    """Plain ``nn.Linear`` with a plain weight allows slicing; a declared format what it declares; an unknown layer
+    (LoRA-wrapped, patched, an undeclared quantised weight, ...) is applied whole."""
+    if "forward" in module.__dict__:
+        return ROWS_ONLY
+    weight = getattr(module, "weight", None)
+    if type(module) is nn.Linear and _plain(weight):
         return _DENSE
+    for fmt in _FORMATS:
+        try:
+            if fmt.matches(module):
+                return fmt.caps
+        except Exception:  # a matcher must never break planning: an error means "not this format"
+            continue
     return ROWS_ONLY
+
+
+def capture_problem(block: nn.Module) -> str | None:
+    """The first layer inside ``block`` whose declared format a block capture cannot trace, as a reason, or None."""
+    for name, m in block.named_modules():
+        caps = linear_caps(m) if hasattr(m, "weight") else None
+        if caps is not None and caps.capture:
+            return f"{name or 'the block'} has {caps.name} weights: {caps.capture}"
+    return None
 
 
 def can_slice_out(*modules: nn.Module) -> bool:
@@ -44,3 +94,46 @@ def _gcd(a: int, b: int) -> int:
     while b:
         a, b = b, a % b
     return a
+
+
+def _weight_class(prefix: str, *names: str) -> Callable[[nn.Module], bool]:
+    def matches(module: nn.Module) -> bool:
+        cls = type(getattr(module, "weight", None))
+        return cls.__module__.startswith(prefix) and cls.__name__ in names and isinstance(module, nn.Linear)
+    return matches
+
+
+# torchao weight-only (quantize_ keeps nn.Linear and swaps the weight for a tensor subclass): int8 and float8 with a
+# scale per output row. F.linear on a row slice of the weight is exact (its rows and their scales); the layout allows
+# column slices too (one scale per row covers every column), but the accumulating output projection transposes the
+# slice and adds into an out= buffer, which torchao 0.18 does not implement for them: row slices only.
+_TORCHAO_NOTE = ("the layout allows column slices (one scale per output row), but torchao does not implement the "
+                 "transposed slice and addmm(out=) the sliced output projection needs")
+register_weight_format("torchao", _weight_class("torchao", "Int8Tensor"), LinearCaps(
+    out_slice=True, in_slice=False, name="torchao int8 weight-only", note=_TORCHAO_NOTE))
+register_weight_format("torchao", _weight_class("torchao", "Float8Tensor"), LinearCaps(
+    out_slice=True, in_slice=False, name="torchao float8 weight-only", note=_TORCHAO_NOTE))
+# older torchao: AffineQuantizedTensor (int8 weight-only among others; the layout decides what slices): rows only
+register_weight_format("torchao", _weight_class("torchao", "AffineQuantizedTensor", "LinearActivationQuantizedTensor"),
+                       LinearCaps(out_slice=False, in_slice=False, name="torchao affine-quantized"))
+
+
+def _bnb_layer(*names: str) -> Callable[[nn.Module], bool]:
+    def matches(module: nn.Module) -> bool:
+        cls = type(module)
+        return any(c.__module__.startswith("bitsandbytes") and c.__name__ in names for c in cls.__mro__)
+    return matches
+
+
+# bitsandbytes: the layer's forward is bnb's own matmul; a capture with fake tensors cannot trace it (its weight's
+# CB/SCB or quant_state are attributes of the real parameter). Row chunks run the layer's forward on each chunk.
+_BNB_CAPTURE = ("bnb's matmul reads the real parameter's quantisation state (CB/SCB, quant_state), which the fake "
+                "tensors of a block capture do not carry; the block's parts stream on their own")
+register_weight_format("bitsandbytes", _bnb_layer("Linear8bitLt"), LinearCaps(
+    out_slice=False, in_slice=False, capture=_BNB_CAPTURE, name="bitsandbytes 8-bit (Int8Params)",
+    note="int8 rows with a scale each (SCB) would slice by output feature, but the layer quantises its input per row "
+         "over all input features and splits outliers by threshold, so only bnb's matmul on whole rows is its math"))
+register_weight_format("bitsandbytes", _bnb_layer("Linear4bit", "LinearNF4", "LinearFP4"), LinearCaps(
+    out_slice=False, in_slice=False, capture=_BNB_CAPTURE, name="bitsandbytes 4-bit (Params4bit)",
+    note="4-bit values packed in blocks of quant_state.blocksize along the flattened weight, one absmax per block "
+         "(itself quantised with nested quantisation): no slice is a weight of its own"))

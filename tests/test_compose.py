@@ -460,3 +460,81 @@ def test_group_offloading_with_streams(monkeypatch, record_stream):
     assert peak < 0.8 * ref_peak, (peak, ref_peak)
     handle.remove()
     assert all(torch.equal(a, r) for a, r in zip(_steps(model), ref))
+
+
+@torch.no_grad()
+def test_float8_weight_only_streams_exact():
+    """torchao's float8 weight-only linears (Float8Tensor, a scale per output row) are captured with the block."""
+    from torchao.quantization import Float8WeightOnlyConfig, quantize_
+    torch.manual_seed(0)
+    model = _wan_model()
+    quantize_(model, Float8WeightOnlyConfig())
+    caps = streamplan.weights.linear_caps(model.blocks[0].attn1.to_q)
+    assert (caps.name, caps.out_slice, caps.in_slice, caps.capture) == ("torchao float8 weight-only", True, False, None)
+    ref, ref_peak = streamplan.measure_peak(_steps, model)
+    handle = streamplan.apply(model, chunk_tokens=256)
+    out, peak = streamplan.measure_peak(_steps, model)
+    assert _streamed(handle) == BLOCKS, handle.report()
+    assert all(rel_err(o, r) <= 1e-5 for o, r in zip(out, ref))
+    assert peak < 0.85 * ref_peak, (peak, ref_peak)
+
+
+@pytest.mark.parametrize("config", ["Int8WeightOnlyConfig", "Float8WeightOnlyConfig"])
+@torch.no_grad()
+def test_quantized_mlp_takes_the_slices_its_format_declares(config):
+    """A feature-sliced MLP (L2) slices its input projections by output feature and accumulates its output projection
+    over input features: torchao's weight-only tensors slice by row (exact) but cannot run the transposed, accumulated
+    column slice, so they declare row slices only and the MLP streams in row chunks (L1), exact, where ffn_slice asks
+    for L2 (a plain nn.Linear would take it)."""
+    import torchao.quantization as tq
+    from diffusers.models.attention import FeedForward
+    torch.manual_seed(0)
+    ff = FeedForward(64, mult=4, activation_fn="gelu-approximate").eval()
+    tq.quantize_(ff, getattr(tq, config)())
+    w = ff.net[0].proj.weight
+    assert torch.equal(torch.nn.functional.linear(torch.ones(2, 64), w[32:64]),
+                       torch.nn.functional.linear(torch.ones(2, 64), w)[:, 32:64])   # the row slice is exact
+    assert streamplan.weights.can_slice_out(ff.net[0].proj) and not streamplan.weights.can_slice_in(ff.net[2])
+    x = torch.randn(1, 1024, 64)
+    ref = ff(x)
+    handle = streamplan.apply(ff, chunk_tokens=256, ffn_slice=64)
+    out = ff(x)
+    plans = [p for e in handle.installed.values() for p in e.plans.values()]
+    assert plans and all(p.tier == "L1" for p in plans), handle.report()
+    assert torch.equal(out, ref)
+
+
+def _bnb_blocks(model, bits):
+    """The blocks' linears as bitsandbytes layers (quantised on their move to the device, here the CPU)."""
+    bnb = pytest.importorskip("bitsandbytes")
+    for parent in list(model.blocks.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is torch.nn.Linear:
+                kw = ({"has_fp16_weights": False} if bits == 8
+                      else {"compute_dtype": torch.float32, "quant_type": "nf4"})
+                layer = (bnb.nn.Linear8bitLt if bits == 8 else bnb.nn.Linear4bit)(
+                    child.in_features, child.out_features, bias=child.bias is not None, **kw)
+                layer.load_state_dict(child.state_dict())
+                setattr(parent, name, layer.to("cpu").eval())
+    return model
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@torch.no_grad()
+def test_bitsandbytes_blocks_stay_stock_their_mlps_stream(bits):
+    """bitsandbytes 8-bit and 4-bit linears run on the CPU (bitsandbytes 0.50): a block capture cannot trace them
+    (bnb's matmul reads the real parameter's quantisation state), so the blocks stay stock, named, and their
+    feed-forward parts stream in row chunks (the layers' own forwards per chunk: rows only, declared), exact."""
+    torch.manual_seed(0)
+    model = _bnb_blocks(_wan_model(), bits)
+    caps = streamplan.weights.linear_caps(model.blocks[0].ffn.net[2])
+    assert caps.name.startswith(f"bitsandbytes {bits}-bit") and not (caps.out_slice or caps.in_slice) and caps.capture
+    ref = _steps(model)
+    handle = streamplan.apply(model, chunk_tokens=256, ffn_slice=64)
+    out = _steps(model)
+    report = handle.report()
+    assert not _streamed(handle), report
+    assert f"attn1.to_q has bitsandbytes {bits}-bit" in report and "which the fake tensors" in report, report
+    ffn = handle.installed["blocks.0.ffn"]
+    assert ffn.plans and all(p.tier == "L1" for p in ffn.plans.values()), report
+    assert all(rel_err(o, r) <= 1e-5 for o, r in zip(out, ref)), report

@@ -6,6 +6,7 @@ from __future__ import annotations
 from torch import nn
 
 from ..ir import GraphSpec, Skip
+from ..weights import capture_problem
 from .checks import stock_problem
 
 
@@ -35,7 +36,8 @@ def _linear(m: nn.Module) -> bool:
 
 
 def recognize_generic(name: str, module: nn.Module) -> GraphSpec | Skip:
-    problem = stock_problem(module, onloads=True)   # the graph run onloads hooked leaves (streamplan.hooks)
+    # the graph run onloads hooked leaves (streamplan.hooks); weight formats say whether a capture traces them
+    problem = stock_problem(module, onloads=True) or capture_problem(module)
     if problem:
         return Skip(name, type(module).__name__, problem)
     lib = type(module).__module__.split(".")[0]
