@@ -168,11 +168,11 @@ class _NaiveChunkedFFN:
 
 
 def run_case(case: Case, tokens_list: list[int], modes: list[str], repeats: int = 3,
-             progress: Callable[[str], None] | None = None) -> Iterator[Row]:
+             progress: Callable[[str], None] | None = None, kv: str = "device") -> Iterator[Row]:
     """Yield one row per (tokens, mode). Modes: stock, naive-chunked-ffn, forward-chunking, streamplan-<rows>
     (forced chunk), streamplan-<N>GiB (the planner given what an N GiB card leaves after the weights),
     streamplan-floor<x> (the planner given the inputs plus x times the floor). ``progress``, if given, is called
-    with a line of text as each stage starts."""
+    with a line of text as each stage starts. ``kv``: where the streamplan modes keep K/V (``apply``'s ``kv``)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     say = progress or (lambda message: None)
@@ -214,13 +214,14 @@ def run_case(case: Case, tokens_list: list[int], modes: list[str], repeats: int 
                     # the planner held to a multiple of the floor (the budget covers the inputs too)
                     factor = float(mode[len("streamplan-floor"):])
                     inputs = sum(t.numel() * t.element_size() for t in _tensors(args))
-                    handle, ctx = apply(model, budget=int(inputs + factor * case.floor_bytes_per_token * tokens)), None
+                    handle, ctx = apply(model, budget=int(inputs + factor * case.floor_bytes_per_token * tokens),
+                                        kv=kv), None
                 else:
                     size = mode.rsplit("-", 1)[1]
                     if size.endswith("GiB"):
-                        handle = apply(model, budget=int(float(size[:-3]) * GiB) - weights)
+                        handle = apply(model, budget=int(float(size[:-3]) * GiB) - weights, kv=kv)
                     else:
-                        handle = apply(model, chunk_tokens=int(size))
+                        handle = apply(model, chunk_tokens=int(size), kv=kv)
                     ctx = None
                 try:
                     out, peak, reserved = _measure(lambda: case.call(model, args))
@@ -230,7 +231,8 @@ def run_case(case: Case, tokens_list: list[int], modes: list[str], repeats: int 
                     tiers = ""
                     if handle is not None:
                         plans = [p for ps in handle.plans.values() for p in ps if not p.note]
-                        tiers = ",".join(sorted({f"{p.tier}/{p.chunk}" for p in plans}))
+                        tiers = ",".join(sorted({f"{p.tier}/{p.chunk}" + (f"/kv={p.kv}" if p.kv != "device" else "")
+                                                 for p in plans}))
                     yield Row(case.name, tokens, mode, floor_kb, kb(peak), kb(reserved), kb(peak) / floor_kb, t,
                               t / stock_t, diff, tiers)
                 except torch.OutOfMemoryError:

@@ -46,6 +46,7 @@ BENCH_CASES = {
 }
 del BENCH_CASES["wan-1.3b-block"]
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+KV_CHOICES = ("device", "host", "int8", "fp8")   # apply's kv= (streamplan.executors.kv_store.KV_KINDS)
 _BENCH_MODE = re.compile(r"^(stock|naive-chunked-ffn|forward-chunking|streamplan-[1-9][0-9]*"
                          r"|streamplan-[0-9]*\.?[0-9]+GiB|streamplan-floor[0-9]*\.?[0-9]+)$")
 _NEGATIVE_LOOKING = re.compile(r"^-\.?[0-9]")
@@ -217,7 +218,7 @@ def _plan(args: argparse.Namespace) -> int:
     stages(f"building {family.name} on the meta device (shapes only, nothing allocated)")
     module, inputs = on_meta(family, args.tokens, dtype)
     stages(f"planning {args.tokens} tokens")
-    handle = streamplan.apply(module, budget=args.budget, chunk_tokens=args.chunk_tokens)
+    handle = streamplan.apply(module, budget=args.budget, chunk_tokens=args.chunk_tokens, kv=args.kv)
     with torch.inference_mode():
         module(*inputs)
     stages.done()
@@ -257,7 +258,7 @@ def _bench(args: argparse.Namespace) -> int:
     print(to_markdown([]), flush=True)
     for i, name in enumerate(args.cases, 1):
         progress(f"[case {i}/{len(args.cases)}] {name}: {BENCH_CASES[name]}")
-        for row in run_case(CASES[name](), args.tokens, args.modes, args.repeats, progress=progress):
+        for row in run_case(CASES[name](), args.tokens, args.modes, args.repeats, progress=progress, kv=args.kv):
             rows.append(row)
             print(f"{to_markdown([row]).splitlines()[-1]}   [{len(rows)}/{total}]", flush=True)
     os.makedirs(args.out, exist_ok=True)
@@ -285,6 +286,9 @@ def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
                         help="log planning decisions")
+    kv_help = ("where captured blocks keep K/V between phases: device (exact, default; below the floor the planner "
+               "may stage them to the host), host (L4: pinned host memory, exact), int8 or fp8 (L5: compressed, "
+               "approximate, error reported)")
     budget_help = ("peak memory the planner may use, inputs included: bytes, a size like '12GiB' or '900MB', or "
                    "'auto' (the free memory less 512 MiB)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", title="commands")
@@ -330,6 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--dtype", choices=list(DTYPES), default="bf16", help="weights and inputs (default: bf16)")
     plan.add_argument("--chunk-tokens", type=_positive_int, default=None, metavar="N",
                       help="force row streaming with this many tokens per chunk")
+    plan.add_argument("--kv", choices=KV_CHOICES, default="device", help=kv_help)
     plan.add_argument("--json", action="store_true", help="print the plans as JSON instead of the report")
     plan.set_defaults(func=_plan, _parser=plan)
 
@@ -348,6 +353,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="comma-separated: stock, naive-chunked-ffn, forward-chunking, streamplan-<rows>, "
                             "streamplan-<N>GiB, streamplan-floor<x> "
                             "(default: stock,naive-chunked-ffn,streamplan-4096,streamplan-16384)")
+    bench.add_argument("--kv", choices=KV_CHOICES, default="device",
+                       help=kv_help + "; applies to the streamplan modes")
     bench.add_argument("--repeats", type=_positive_int, default=3, metavar="N",
                        help="timed runs per row, the median reported (default: 3)")
     bench.add_argument("--out", default="streamplan-bench", metavar="DIR",

@@ -368,12 +368,14 @@ def plan_graph(rows: int, fixed: int, transient, stock: int, *, chunk_tokens: in
         for sl in (0, 4096, 1024, 256) if ffn else (0,):
             if sl and sl >= ffn:
                 continue
+            found = None
             for blk in sorted({min(b, rows) for b in KV_BLOCKS}, reverse=True):
                 chunk = _largest_chunk(lambda c: peak_kv(opt, c, sl, blk), rows, budget, floor)
-                if chunk is not None and (best is None or chunk > best[0]):
-                    best = (chunk, sl, blk)
-            if best is not None:
-                break
+                if chunk is not None and (found is None or chunk > found[0]):
+                    found = (chunk, sl, blk)
+            # each pass over Q reads all of K/V again: a sliced MLP is taken when it buys L2_GAIN x the rows
+            if found is not None and (best is None or found[0] >= L2_GAIN * best[0]):
+                best = found
         return None if best is None else make(opt.tier, best[0], best[1], opt=opt, blk=best[2])
 
     forced = next((o for o in kv_options if o.kind == kv_store), None) if kv_store != "device" else None

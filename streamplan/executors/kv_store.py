@@ -141,6 +141,10 @@ class HostStore(KVStore):
     def _allocate(self, total: int) -> None:
         B, H, D = self.shape
         self.cuda = self.device.type == "cuda"
+        if self.device.type == "meta":   # planning on meta tensors: shapes only
+            self.hk = torch.empty(total, B, H, D, dtype=self.dtype, device="meta")
+            self.hv = torch.empty(total, B, H, D, dtype=self.dtype, device="meta")
+            return
         self.hk = _host_empty((total, B, H, D), self.dtype, self.cuda)
         self.hv = _host_empty((total, B, H, D), self.dtype, self.cuda)
 
@@ -386,6 +390,8 @@ def attend_blocks(consumer: Any, q: torch.Tensor, store: KVStore, *, q_offset: i
                   scale: float | None, mask: torch.Tensor | None = None) -> torch.Tensor:
     """Q chunk [B, H, c, D] (rows ``q_offset`` .. ``q_offset + c``) against a store's K/V, block by block, through
     ``consumer.attend_lse``; exact up to summation order. ``mask``: [.., c, keys] over all the store's rows."""
+    if q.device.type == "meta":   # planning on meta tensors (``streamplan plan``): shapes only
+        return torch.empty_like(q)
     whole = store.whole()
     if whole is not None and mask is None:
         return consumer.attend(q, whole[0], whole[1], q_offset=q_offset, causal=causal, mask=None, scale=scale)
