@@ -828,3 +828,17 @@ def test_grid_spans_cover_rows_in_order():
             assert a == t0 * grid[1] * grid[2] + h0 * grid[2]
             at = b
         assert at == grid[0] * grid[1] * grid[2]
+
+
+def test_h3_model_forward_text_tags(fresh_captures):
+    """H3's presentation text tags (vision pads carry the video modality): the text rows' modulation runs per run of
+    equal tags in the streamed forward as in the stock one."""
+    import streamplan.comfy as sc
+    base, x, cond = h3_patcher()
+    payload = dict(cond["minimax_payload"])
+    payload["text_token_tags"] = torch.tensor([[1, 1, 0, 0, 1, 2, 1]])
+    cond = {**cond, "minimax_payload": payload}
+    stock = sample_call(_h3_run(base), x, cond)
+    run = _h3_run(sc.patch(base, budget=None, chunk_tokens=64, min_tokens=0))
+    assert rel_err(sample_call(run, x, cond), stock) <= 1e-5
+    assert ": 1 call(s) streamed (" in sc.report(run)

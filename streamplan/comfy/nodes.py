@@ -54,18 +54,22 @@ def node_classes():
                 display_name=DISPLAY_NAME,
                 category=CATEGORY,
                 description=("Runs every block of the diffusion model over the sequence in row chunks (same math, "
-                             "less activation memory) once a call has at least min_tokens rows. Blocks that cannot "
-                             "stream run stock; the report says which and why."),
+                             "less activation memory) once a call has at least min_tokens rows; for Wan and "
+                             "MiniMax-H3 the model's input projection and output head too. What cannot stream runs "
+                             "stock; the report says which and why."),
                 inputs=[
                     io.Model.Input("model"),
                     io.String.Input("budget", default="auto",
-                                    tooltip='"auto" (free device memory less reserve), "none", or a size: "12GiB"'),
+                                    tooltip='"auto": ComfyUI\'s free memory less --reserve-vram and reserve; '
+                                            '"none": no planning; or a size ("12GiB"): the activation room above '
+                                            'what a block holds when it is entered'),
                     io.Int.Input("chunk_tokens", default=0, min=0, max=1 << 24, step=256,
                                  tooltip="rows per chunk; 0 lets the planner choose"),
                     io.Int.Input("min_tokens", default=4096, min=0, max=1 << 24, step=256,
                                  tooltip="shorter calls run the stock block"),
                     io.String.Input("reserve", default="",
-                                    tooltip='kept free under budget "auto" ("2GiB"); empty: the library default'),
+                                    tooltip='kept free under budget "auto", beside --reserve-vram ("2GiB"); '
+                                            'empty: 512MiB'),
                     io.Boolean.Input("self_check", default=False,
                                      tooltip="run the first streamed call stock too and report the difference"),
                 ],
