@@ -1,16 +1,24 @@
-"""H200: where a streamed block's extra time goes. CUDA kernel time by kernel, stock vs streamed, one call each."""
+"""H200: where a streamed block's extra time goes. CUDA kernel time by kernel, stock vs streamed, and wall time (median
+of 5) beside the kernel total, so Python/launch gaps show as wall minus kernels.
+
+    python benchmarks/gpu_profile.py h3-block:65536:held1.10 ltx-block:217088:16384
+(case from gpu_generic.BLOCKS : tokens : a fixed chunk, or heldF = the planner held to F x the floor)
+"""
 from __future__ import annotations
 
+import statistics
 import sys
+import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 import streamplan
-from streamplan.families import FAMILIES
+from common import device_info, write_results
+from gpu_generic import BF16, BLOCKS
 
 
-def kernel_table(fn, label: str, rows: int = 18) -> dict[str, float]:
+def kernel_table(fn, label: str, rows: int = 14) -> dict[str, float]:
     fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -20,27 +28,62 @@ def kernel_table(fn, label: str, rows: int = 18) -> dict[str, float]:
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
             totals[e.name[:90]] = totals.get(e.name[:90], 0.0) + e.device_time_total / 1000
-    print(f"--- {label}: {sum(totals.values()):.1f} ms of kernels, {len(prof.events())} events")
+    print(f"--- {label}: {sum(totals.values()):.1f} ms of kernels, {len(prof.events())} events", flush=True)
     for name, ms in sorted(totals.items(), key=lambda kv: -kv[1])[:rows]:
-        print(f"{ms:9.2f} ms  {name}")
+        print(f"{ms:9.2f} ms  {name}", flush=True)
     return totals
 
 
-def main() -> int:
-    name = sys.argv[1] if len(sys.argv) > 1 else "wan-14b-block"
-    tokens = int(sys.argv[2]) if len(sys.argv) > 2 else 131072
-    fam = FAMILIES[name]
-    with torch.device("cuda"):
-        block = fam.build().to(torch.bfloat16).eval()
-    args = fam.inputs(tokens, torch.device("cuda"), torch.bfloat16)
+def wall(fn, repeats: int = 5) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def profile_case(spec: str) -> dict:
+    case, n, mode = spec.split(":")
+    n = int(n)
+    torch.manual_seed(0)
+    name, block, inputs, floor = BLOCKS[case](n)
+    block = block.cuda().to(BF16).eval()
+    args = inputs()
+    live = sum(a.numel() * a.element_size() for a in torch.utils._pytree.tree_leaves(args)
+               if isinstance(a, torch.Tensor))
+    opts = (dict(budget=int(live + float(mode[4:]) * floor)) if mode.startswith("held")
+            else dict(chunk_tokens=int(mode)))
     with torch.inference_mode():
-        stock = kernel_table(lambda: block(*args), f"{name} stock")
-        handle = streamplan.apply(block, chunk_tokens=4096)
-        streamed = kernel_table(lambda: block(*args), f"{name} streamed 4096")
+        stock = kernel_table(lambda: block(*args), f"{spec} stock")
+        stock_wall = wall(lambda: block(*args))
+        handle = streamplan.apply(block, **opts)
+        streamed = kernel_table(lambda: block(*args), f"{spec} streamed")
+        streamed_wall = wall(lambda: block(*args))
+        plan = handle.plans[""][0]
         handle.remove()
-    print("--- largest differences (streamed - stock), ms")
-    for k in sorted(set(stock) | set(streamed), key=lambda k: -abs(streamed.get(k, 0) - stock.get(k, 0)))[:12]:
-        print(f"{streamed.get(k, 0) - stock.get(k, 0):+9.2f}  {k}")
+    diffs = sorted(set(stock) | set(streamed), key=lambda k: -abs(streamed.get(k, 0) - stock.get(k, 0)))[:12]
+    print("--- largest differences (streamed - stock), ms", flush=True)
+    for k in diffs:
+        print(f"{streamed.get(k, 0) - stock.get(k, 0):+9.2f}  {k}", flush=True)
+    row = {"spec": spec, "block": name, "tier": str(plan.tier), "chunk": plan.chunk, "ffn_slice": plan.ffn_slice,
+           "stock_wall_s": stock_wall, "streamed_wall_s": streamed_wall, "time_ratio": streamed_wall / stock_wall,
+           "stock_kernel_ms": sum(stock.values()), "streamed_kernel_ms": sum(streamed.values()),
+           "largest_differences_ms": {k: streamed.get(k, 0) - stock.get(k, 0) for k in diffs}}
+    print({k: v for k, v in row.items() if k != "largest_differences_ms"}, flush=True)
+    del block, args
+    torch.cuda.empty_cache()
+    return row
+
+
+def main() -> int:
+    info = device_info()
+    print(info, flush=True)
+    rows = [profile_case(s) for s in (sys.argv[1:] or ["h3-block:65536:held1.10"])]
+    print(write_results("gpu_profile", {**info, "rows": rows}))
     return 0
 
 

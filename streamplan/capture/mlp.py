@@ -164,10 +164,8 @@ def run_region(region: MLPRegion, env: dict, ffn_slice: int) -> torch.Tensor:
         b = min(a + ffn_slice, region.ffn)
         local: dict[fx.Node, object] = {}
         for e, parts in region.entries.items():
-            idx = _feature_index(region.ffn, parts, a, b, x.device)
-            w = _take(env[e.args[1]], idx, 0)
-            bias = e.args[2] if len(e.args) > 2 else None
-            local[e] = F.linear(x, w, None if bias is None else _take(env[bias], idx))
+            local[e] = _entry_slice(x, env[e.args[1]], env[e.args[2]] if len(e.args) > 2 and e.args[2] is not None
+                                    else None, region.ffn, parts, a, b)
         for n in region.inner:
             parts = region.parts[n]
 
@@ -188,7 +186,21 @@ def run_region(region: MLPRegion, env: dict, ffn_slice: int) -> torch.Tensor:
                 args = (args[0], b - a, *args[2:])
             local[n] = args[0][args[1]] if n.target is operator.getitem else n.target(*args, **kwargs)
         h = local[region.exit.args[0]]  # noqa: F821 (local is rebuilt per slice; the closure above reads it)
-        part = F.linear(h, w_out[:, a:b], b_out if out is None else None)
-        out = part if out is None else out.add_(part)
-        del local, h, part
+        if out is None:
+            out = F.linear(h, w_out[:, a:b], b_out)
+        elif type(w_out) not in (torch.Tensor, torch.nn.Parameter):   # a weight subclass: its own linear
+            out.add_(F.linear(h, w_out[:, a:b]))
+        else:   # accumulated by the GEMM itself (beta = 1): no separate add, one rounding per slice
+            out.view(-1, out.shape[-1]).addmm_(h.reshape(-1, h.shape[-1]), w_out[:, a:b].t())
+        del local, h
     return out
+
+
+def _entry_slice(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, ffn: int, parts: int, a: int,
+                 b: int) -> torch.Tensor:
+    """An entry linear over hidden features [a:b) of each of its ``parts`` (a fused gate/up weight holds two): one
+    linear per part on a row range of the weight (a view, never a gathered copy of the weight), joined."""
+    if parts == 1:
+        return F.linear(x, w[a:b], None if bias is None else bias[a:b])
+    return torch.cat([F.linear(x, w[j * ffn + a:j * ffn + b], None if bias is None else bias[j * ffn + a:j * ffn + b])
+                      for j in range(parts)], -1)
