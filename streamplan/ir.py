@@ -255,10 +255,16 @@ class RowMask:
     span: Callable[[int, int], tuple[int, int]]
     whole: Callable[[], "torch.Tensor | None"]
     window: int | None = None
+    # where the mask is padding and causality alone (no window): per batch element the keys [start, end) that are
+    # not padding; query row i then sees keys start..min(i, end - 1), and a row before start none
+    spans: tuple[tuple[int, int], ...] | None = None
 
-    def chunk_bytes(self, chunk: int, elem: int) -> int:
-        """Bytes of one chunk's mask rows at their worst: the bool rows and the kernel's additive copy of them."""
+    def chunk_bytes(self, chunk: int, elem: int, row_bytes: int = 0) -> int:
+        """Bytes of one chunk's mask rows at their worst: the bool rows and the kernel's additive copy of them; with
+        ``spans``, no mask rows but each batch element's attention output (``row_bytes`` per row) copied in."""
         c = min(chunk, self.rows)
+        if self.spans is not None:
+            return c * row_bytes
         keys = min(self.keys, c + self.window - 1) if self.window else self.keys
         return self.batch * c * keys * (1 + elem)
 

@@ -266,7 +266,23 @@ def _row_mask(rec: _Recorded, mu):
         return rec.real(**{**c, "q_length": b - a, "kv_length": hi - lo, "q_offset": a, "kv_offset": lo,
                            "allow_is_causal_skip": False})
 
-    return RowMask(c["batch_size"], rows, keys, part, span, whole, window if causal else None)
+    return RowMask(c["batch_size"], rows, keys, part, span, whole, window if causal else None,
+                   _padding_spans(c.get("attention_mask"), keys) if causal and not window else None)
+
+
+def _padding_spans(padding: torch.Tensor | None, keys: int) -> tuple[tuple[int, int], ...] | None:
+    """Per batch element, the one run of keys that are not padding ([start, end)), where each row's padding mask is
+    such a run (left or right padding, or both); None otherwise. With causality alone that is the whole mask."""
+    if padding is None or padding.dim() != 2 or padding.shape[-1] != keys:
+        return None
+    found = []
+    for row in padding.bool().cpu():
+        on = row.nonzero().flatten()
+        start, end = (int(on[0]), int(on[-1]) + 1) if on.numel() else (0, 0)
+        if on.numel() != end - start:
+            return None
+        found.append((start, end))
+    return tuple(found)
 
 
 def _rope(model: nn.Module, family: Family, hidden: torch.Tensor, position_ids: torch.Tensor) -> list:

@@ -156,8 +156,13 @@ def _run_onloaded(handle, entry, args: tuple, kwargs: dict) -> Any:
             ws = workspace_row_bytes(consumer, SimpleNamespace(heads=qv.shape[1], head_dim=qv.shape[-1],
                                                                causal=att.causal, mask=row_mask,
                                                                device_type=device.type), qv.element_size())
-            if row_mask is not None:   # each Q chunk's mask rows: counted in the chunk's transient
-                mask_bytes = functools.partial(row_mask.chunk_bytes, elem=qv.element_size())
+            if row_mask is not None:   # each Q chunk's mask rows (or its per-element pieces): in the transient
+                elem = qv.element_size()
+                causal_ws = workspace_row_bytes(consumer, SimpleNamespace(
+                    heads=qv.shape[1], head_dim=qv.shape[-1], causal=True, mask=None, device_type=device.type),
+                    elem) if row_mask.spans is not None else 0
+                mask_bytes = functools.partial(_row_mask_bytes, row_mask, elem, qv.shape[1] * qv.shape[-1] * elem,
+                                               causal_ws, rows)
             elif att.mask_query_rows:   # a given mask's chunk rows are views; the kernel's additive copy is not
                 mask_bytes = functools.partial(_given_mask_bytes, given, qv.element_size(), rows)
             out_val = att.node.meta["val"]
@@ -180,6 +185,8 @@ def _run_onloaded(handle, entry, args: tuple, kwargs: dict) -> Any:
             return consumer.attend(q, k, v, q_offset=q_offset, causal=causal, mask=mask, scale=scale)
         # the chunk's mask rows against the keys it can see: built here, for these rows alone
         a, b = q_offset, q_offset + q.shape[-2]
+        if row_mask.spans is not None:   # padding and causality: each batch element's keys without a mask
+            return _attend_spans(consumer, row_mask, q, k, v, a, scale)
         lo, hi = row_mask.span(a, b)
         return consumer.attend(q, k[..., lo:hi, :], v[..., lo:hi, :], q_offset=a - lo, causal=False,
                                mask=row_mask.part(a, b, lo, hi), scale=scale)
@@ -210,6 +217,37 @@ def _given_mask_bytes(mask, elem: int, rows: int, chunk: int) -> int:
     for size in mask.shape[:-2]:
         lead *= size if isinstance(size, int) else 1
     return lead * min(chunk, rows) * (keys if isinstance(keys, int) else rows) * elem
+
+
+def _row_mask_bytes(row_mask: RowMask, elem: int, row_bytes: int, causal_ws: int, rows: int, chunk: int) -> int:
+    return row_mask.chunk_bytes(chunk, elem, row_bytes) + causal_ws * min(chunk, rows)
+
+
+def _attend_spans(consumer, row_mask: RowMask, q, k, v, a: int, scale):
+    """Query rows [a, a + c) of a padded batch whose mask is padding and causality alone (``RowMask.spans``): for each
+    batch element with keys [s, e) not padding, rows from s to e attend causally from key s, rows past e attend all of
+    [s, e), each through the consumer's own unmasked calls; rows before s (no key to see) get the library's mask rows,
+    as stock attends them."""
+    b = a + q.shape[-2]
+    out = q.new_empty(q.shape)
+    for i, (s, e) in enumerate(row_mask.spans):
+        qi, ki, vi = q[i:i + 1], k[i:i + 1], v[i:i + 1]
+        blind = min(b, s) if e > s else b     # rows [a, blind) see no key
+        if blind > a:
+            lo, hi = row_mask.span(a, blind)
+            out[i:i + 1, :, :blind - a] = consumer.attend(
+                qi[:, :, :blind - a], ki[:, :, lo:hi], vi[:, :, lo:hi], q_offset=0, causal=False,
+                mask=row_mask.part(a, blind, lo, hi)[i:i + 1], scale=scale)
+        r0, r1 = max(a, blind), min(b, e)
+        if r1 > r0:
+            out[i:i + 1, :, r0 - a:r1 - a] = consumer.attend(
+                qi[:, :, r0 - a:r1 - a], ki[:, :, s:e], vi[:, :, s:e], q_offset=r0 - s, causal=True, mask=None,
+                scale=scale)
+        r0 = max(a, blind, r1)
+        if b > r0:   # rows past the last key that is not padding: all of [s, e)
+            out[i:i + 1, :, r0 - a:] = consumer.attend(
+                qi[:, :, r0 - a:], ki[:, :, s:e], vi[:, :, s:e], q_offset=0, causal=False, mask=None, scale=scale)
+    return out
 
 
 def _stock_masked(entry, args: tuple, kwargs: dict) -> Any:
