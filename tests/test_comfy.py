@@ -842,3 +842,32 @@ def test_h3_model_forward_text_tags(fresh_captures):
     run = _h3_run(sc.patch(base, budget=None, chunk_tokens=64, min_tokens=0))
     assert rel_err(sample_call(run, x, cond), stock) <= 1e-5
     assert ": 1 call(s) streamed (" in sc.report(run)
+
+
+def test_quantized_layouts_take_row_chunks_only(fresh_captures, monkeypatch):
+    """A block holding a quantized layout (comfy.quant_ops.QuantizedTensor weights) is not planned under the budget
+    (the planner may slice features): it streams at the fixed chunk, said in the report."""
+    import streamplan.comfy as sc
+    from streamplan.comfy.memory import quantized_layers
+    patch_module = sys.modules["streamplan.comfy.patch"]   # the package's ``patch`` is the function
+
+    class QuantizedTensor:   # what the check reads: the weight's class name
+        pass
+
+    class Layer(torch.nn.Module):
+        comfy_cast_weights = False
+        weight = None
+
+    holder = torch.nn.Module()
+    holder.fc, holder.plain = Layer(), torch.nn.Linear(2, 2)
+    assert quantized_layers(holder) == []
+    holder.fc.weight = QuantizedTensor()
+    assert quantized_layers(holder) == ["fc"]
+
+    base, x, cond = wan_patcher(layers=1)
+    stock = sample_call(base, x, cond)
+    monkeypatch.setattr(patch_module, "quantized_layers", lambda block: ["ffn.0"])
+    patched = sc.patch(base, budget=768 * 64 * 4 * 4, chunk_tokens=128, min_tokens=0)
+    assert rel_err(sample_call(patched, x, cond), stock) <= 1e-5
+    text = sc.report(patched)
+    assert "quantized weights (1 layer(s): ffn.0, ...): row chunks only" in text and "chunk=128" in text, text

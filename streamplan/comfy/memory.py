@@ -87,3 +87,10 @@ def weights_problem(block: Any, device: torch.device) -> str | None:
         return (f"{len(away)} layer(s) hold their weights off {device} (lowvram offload or DynamicVRAM: "
                 f"{away[0]}, ...): the block runs stock")
     return None
+
+
+def quantized_layers(block: Any) -> list[str]:
+    """The comfy.ops layers of ``block`` whose weight is a quantized layout (``comfy.quant_ops.QuantizedTensor``):
+    their kernels are applied whole to row chunks, never to slices of the weight."""
+    return [name for name, m in block.named_modules() if hasattr(m, "comfy_cast_weights")
+            and type(getattr(m, "weight", None)).__name__ == "QuantizedTensor"]

@@ -21,7 +21,7 @@ from ..consumers import ConsumerCaps, graph_consumer_scope
 from ..consumers.comfy import OVERRIDE_KEY, ComfyAttention, override_problem
 from .blocks import BlockCalls, block_calls
 from .forwards import ModelCalls, ModelForward
-from .memory import streamer_budget, weights_problem
+from .memory import quantized_layers, streamer_budget, weights_problem
 
 log = logging.getLogger("streamplan")
 
@@ -72,6 +72,7 @@ class BlockState:
     stock_calls: int = 0
     short_calls: int = 0
     stock_reasons: dict[str, int] = field(default_factory=dict)
+    notes: set[str] = field(default_factory=set)
 
     def stock(self, reason: str) -> None:
         self.stock_calls += 1
@@ -166,12 +167,15 @@ class _StreamedCall:
                 self.block.streamed, None if o.budget is None else 1, o.chunk_tokens, self_check=o.self_check,
                 name=_key_name(self.block.key))
             self.block.module_id = id(self.module)
-        if o.budget is not None:   # the room at this call (memory.py), over what the call holds live
-            x = next((a for a in list(args) + list(kwargs.values()) if hasattr(a, "device")), None)
-            if x is not None:
-                self.block.streamer.handle.options.budget = streamer_budget(o, args, kwargs, x.device)
-        consumer = ComfyAttention(COMFY_CAPS, kwargs.get("transformer_options") or {}, self.block.key[1])
         x = next((a for a in list(args) + list(kwargs.values()) if hasattr(a, "device")), None)
+        quantized = quantized_layers(self.module)
+        if quantized:   # quantized layouts take row chunks only: no planner (which may slice features), a fixed chunk
+            self.block.streamer.handle.options.budget = None
+            self.block.notes.add(f"quantized weights ({len(quantized)} layer(s): {quantized[0]}, ...): row chunks "
+                                 "only, at chunk_tokens or the default chunk; the budget is not planned")
+        elif o.budget is not None and x is not None:   # the room at this call (memory.py), over what it holds live
+            self.block.streamer.handle.options.budget = streamer_budget(o, args, kwargs, x.device)
+        consumer = ComfyAttention(COMFY_CAPS, kwargs.get("transformer_options") or {}, self.block.key[1])
         why = weights_problem(self.module, x.device) if x is not None else None
         if why is not None:
             out = why
@@ -368,6 +372,7 @@ def report(patched) -> str:
                     parts.append("which ran stock at least once (the reason is below)")
             if b.short_calls:
                 parts.append(f"{b.short_calls} call(s) under min_tokens ran stock")
+            parts += sorted(b.notes)
             for why, n in b.stock_reasons.items():
                 parts.append(f"{n} call(s) stock: {why}")
             lines.append(f"  {_key_name(key)}: " + ("; ".join(parts) if parts else "not called yet"))
