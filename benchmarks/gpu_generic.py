@@ -9,6 +9,7 @@ The MiniMax-H3 2-layer model at the end: both outputs, stock vs streamed, and un
     python benchmarks/gpu_generic.py smoke        # every case at 8192 tokens, one chunk
     python benchmarks/gpu_generic.py blocks 217088
     python benchmarks/gpu_generic.py model 217088
+    python benchmarks/gpu_generic.py held 65536 h3-block 1.10   # planner held to 1.10x the floor, one case
 """
 from __future__ import annotations
 
@@ -129,7 +130,7 @@ def _diff(out, ref) -> float:
     return max(d["rel"] for d in compare_outputs(out, ref).values())
 
 
-def run_block(case: str, n: int, chunks: list[int], held: bool) -> list[dict]:
+def run_block(case: str, n: int, chunks: list[int], held: bool, hold: float = 1.15) -> list[dict]:
     torch.manual_seed(0)
     name, block, inputs, floor = BLOCKS[case](n)
     block = block.cuda().to(BF16).eval()
@@ -148,13 +149,13 @@ def run_block(case: str, n: int, chunks: list[int], held: bool) -> list[dict]:
         paths = [("captured", "prefer")]
         modes = [(f"chunk {c}", dict(chunk_tokens=c)) for c in chunks]
         if held:
-            modes.append(("planner held to 1.15x floor", dict(budget=None)))
+            modes.append((f"planner held to {hold:.2f}x floor", dict(budget=None)))
         for path, capture in paths:
             for label, kw in modes:
                 if "budget" in kw:
                     live = sum(a.numel() * a.element_size() for a in torch.utils._pytree.tree_leaves(args)
                                if isinstance(a, torch.Tensor))
-                    kw = dict(budget=int(live + 1.15 * floor))
+                    kw = dict(budget=int(live + hold * floor))
                 start = time.perf_counter()
                 handle = streamplan.apply(block, capture=capture, **kw)
                 try:
@@ -262,6 +263,7 @@ def main() -> int:
     what = sys.argv[1] if len(sys.argv) > 1 else "smoke"
     n = int(sys.argv[2]) if len(sys.argv) > 2 else 8192
     cases = sys.argv[3].split(",") if len(sys.argv) > 3 else list(BLOCKS)
+    hold = float(sys.argv[4]) if len(sys.argv) > 4 else 1.15   # the planner's budget: this many floors
     rows: list[dict] = []
     if what == "smoke":
         for case in cases:
@@ -273,11 +275,11 @@ def main() -> int:
             write_results(f"gpu_generic_{what}_{n}", {**info, "rows": rows})
     elif what == "held":       # the planner held to 1.15x the floor, captured path only
         for case in cases:
-            rows += run_block(case, n, [], held=True)
+            rows += run_block(case, n, [], held=True, hold=hold)
             write_results(f"gpu_generic_{what}_{n}", {**info, "rows": rows})
     elif what == "model":
         rows += run_model(n)
-    print(write_results(f"gpu_generic_{what}_{n}", {**info, "rows": rows}))
+    print(write_results(f"gpu_generic_{what}_{n}" + (f"_{hold:.2f}" if what == "held" else ""), {**info, "rows": rows}))
     return 0
 
 
