@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from ..callstate import live_bytes
 from ..budget import DEFAULT_RESERVE, parse_budget
 
 
@@ -31,29 +32,6 @@ def room_for(options: Any, device: torch.device) -> int | None:
     reserve = DEFAULT_RESERVE if options.reserve is None else parse_budget(options.reserve, None, arg="reserve",
                                                                              allow_zero=True)
     return max(0, int(mm.get_free_memory(device)) - int(mm.extra_reserved_memory()) - reserve)
-
-
-def live_bytes(args: tuple, kwargs: dict) -> int:
-    """Bytes of the distinct tensor storages a block call receives (what a ``BlockStreamer`` counts as live inside
-    a byte budget), one level into lists, tuples and dicts."""
-    seen: dict[int, int] = {}
-
-    def visit(v: Any, depth: int = 0) -> None:
-        if isinstance(v, torch.Tensor):
-            try:
-                seen[v.untyped_storage().data_ptr()] = v.untyped_storage().nbytes()
-            except (RuntimeError, NotImplementedError):
-                seen[id(v)] = v.numel() * v.element_size()
-        elif depth < 2 and isinstance(v, (tuple, list)):
-            for x in v:
-                visit(x, depth + 1)
-        elif depth < 2 and isinstance(v, dict):
-            for x in v.values():
-                visit(x, depth + 1)
-
-    for v in list(args) + list(kwargs.values()):
-        visit(v)
-    return sum(seen.values())
 
 
 def streamer_budget(options: Any, args: tuple, kwargs: dict, device: torch.device) -> int | None:
