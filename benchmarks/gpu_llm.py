@@ -11,14 +11,19 @@ generate: ``generate(max_new_tokens=16)`` greedy with transformers' offloaded ca
 prefill streams: layers through their parts, the attention filling the cache; decoding steps run stock); tokens
 compared.
 
-    python benchmarks/gpu_llm.py smoke                            # 2 layers, 8192 tokens, every prefill mode
+    python benchmarks/gpu_llm.py smoke                            # 2 layers, 8192 tokens, every prefill mode, padded
     python benchmarks/gpu_llm.py prefill 131072                   # stock, chunk 16384, held to 1.15x the floor
     python benchmarks/gpu_llm.py prefill 1048576 stock            # one mode per command at 1M tokens
     python benchmarks/gpu_llm.py prefill 1048576 held
     python benchmarks/gpu_llm.py generate 262144                  # stock and streamplan, offloaded cache
 
-An optional last argument ``layers=N`` changes the layer count (default 32). Results: ``$OUT/gpu_llm_<what>_<tokens>
-[_<modes>].json``, written after every row.
+    python benchmarks/gpu_llm.py prefill 131072 stock,held padded=2048   # batch 2, the second left-padded
+
+Optional arguments: ``layers=N`` changes the layer count (default 32); ``padded=P`` runs a batch of 2 whose second
+sequence has P tokens of left padding (``attention_mask`` zeros: stock builds a [2, 1, N, N] mask; streamed, each
+batch element attends its own keys with no mask rows). The floor then counts both sequences. Each streamed row
+gives its layers' plans (tier/chunk/MLP slice). Results: ``$OUT/gpu_llm_<what>_<tokens>[_<modes>][_padded].json``,
+written after every row.
 """
 from __future__ import annotations
 
@@ -79,15 +84,23 @@ def _apply(model, mode: str, inputs: int, n: int):
     raise ValueError(f"unknown mode {mode!r}: one of {', '.join(PREFILL_MODES)}")
 
 
-def prefill(n: int, layers: int, modes: list[str], name: str) -> list[dict]:
+def prefill(n: int, layers: int, modes: list[str], name: str, padded: int = 0) -> list[dict]:
     model = build(layers)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    ids = torch.randint(0, VOCAB, (1, n), device=DEVICE, generator=torch.Generator(device=DEVICE).manual_seed(1))
-    call = lambda: model(ids, logits_to_keep=1, use_cache=False)  # noqa: E731
+    batch = 2 if padded else 1
+    ids = torch.randint(0, VOCAB, (batch, n), device=DEVICE, generator=torch.Generator(device=DEVICE).manual_seed(1))
+    kw = {}
+    if padded:   # the second sequence left-padded, as a tokenizer pads a batch for generation
+        mask = torch.ones_like(ids)
+        mask[1, :padded] = 0
+        kw["attention_mask"] = mask
+    call = lambda: model(ids, logits_to_keep=1, use_cache=False, **kw)  # noqa: E731
     repeats = 2 if n <= 262144 else 0     # past 256k tokens one run is minutes: its own time is the time
     base = {"case": f"llama3-8b-width-{layers}-layers", "tokens": n, "layers": layers, "weights_GiB": weights / 2**30,
-            "floor_KB_per_token": FLOOR / 1024, "transformers": __import__("transformers").__version__}
-    kb = lambda b: b / n / 1024  # noqa: E731
+            "floor_KB_per_token": FLOOR / 1024, "transformers": __import__("transformers").__version__,
+            "batch": batch, "left_padding_of_second": padded}
+    n_all = n * batch            # KB per token and the floor count every sequence's tokens
+    kb = lambda b: b / n_all / 1024  # noqa: E731
     rows: list[dict] = []
     ref = None
     stock_t = None
@@ -109,8 +122,8 @@ def prefill(n: int, layers: int, modes: list[str], name: str) -> list[dict]:
                 if repeats:
                     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
                         noise = compare_outputs(call().logits, ref)["output"]["rel"]
-                emit({"mode": "stock", "KB_per_token": kb(peak), "peak_vs_floor": peak / FLOOR / n, "time_s": stock_t,
-                      "stock_flash_vs_default_rel_diff": noise, "logits": _logits_summary(ref)})
+                emit({"mode": "stock", "KB_per_token": kb(peak), "peak_vs_floor": peak / FLOOR / n_all,
+                      "time_s": stock_t, "stock_flash_vs_default_rel_diff": noise, "logits": _logits_summary(ref)})
             except torch.OutOfMemoryError as exc:
                 emit({"mode": "stock", "error": "out of memory", "detail": str(exc)[:400],
                       "max_allocated_GiB": torch.cuda.max_memory_allocated() / 2**30
@@ -118,7 +131,8 @@ def prefill(n: int, layers: int, modes: list[str], name: str) -> list[dict]:
             _clean()
         for mode in [m for m in modes if m != "stock"]:
             _clean()
-            handle = _apply(model, mode, ids.numel() * ids.element_size(), n)
+            live = ids.numel() * ids.element_size() * (2 if padded else 1)   # the ids (and the mask)
+            handle = _apply(model, mode, live, n_all)
             try:
                 start = time.perf_counter()
                 out, peak, t = _timed_peak(call)
@@ -128,13 +142,14 @@ def prefill(n: int, layers: int, modes: list[str], name: str) -> list[dict]:
                 t = cuda_time(call, repeats=repeats, warmup=0) if repeats else t
                 layer_plans = [p for k, ps in handle.plans.items()
                                if k.startswith("model.layers.") and k.count(".") == 2 for p in ps]
-                emit({"mode": f"streamplan {mode}", "KB_per_token": kb(peak), "peak_vs_floor": peak / FLOOR / n,
+                emit({"mode": f"streamplan {mode}", "KB_per_token": kb(peak), "peak_vs_floor": peak / FLOOR / n_all,
                       "time_s": t, "time_ratio": t / stock_t if stock_t else None,
                       "first_call_s_with_capture": first_s,
                       "rel_diff": compare_outputs(logits, ref)["output"]["rel"] if ref is not None else None,
                       "same_argmax": bool(torch.equal(logits.argmax(-1), ref.argmax(-1))) if ref is not None else None,
                       "logits": _logits_summary(logits),
-                      "layer_tiers": sorted({f"{p.tier}/{p.chunk}" for p in layer_plans}),
+                      "layer_tiers": sorted({f"{p.tier}/{p.chunk}" + (f"/ffn_slice {p.ffn_slice}" if str(p.tier) == "L2"
+                                                                         else "") for p in layer_plans}),
                       "model_forward_notes": [x for k in ("", "model") if k in handle.installed
                                               for x in handle.installed[k].runtime_notes],
                       "report": handle.report()})
@@ -189,19 +204,22 @@ def generate(n: int, layers: int, name: str, new_tokens: int = 16) -> list[dict]
 
 
 def main() -> int:
-    args = [a for a in sys.argv[1:] if not a.startswith("layers=")]
+    args = [a for a in sys.argv[1:] if not a.startswith(("layers=", "padded="))]
     layers = next((int(a[7:]) for a in sys.argv[1:] if a.startswith("layers=")), 32)
+    padded = next((int(a[7:]) for a in sys.argv[1:] if a.startswith("padded=")), 0)
     print(device_info(), flush=True)
     what = args[0] if args else "smoke"
     if what == "smoke":
         n = int(args[1]) if len(args) > 1 else 8192
         prefill(n, min(layers, 2), list(PREFILL_MODES), f"gpu_llm_smoke_{n}")
+        prefill(n, min(layers, 2), ["stock", "held"], f"gpu_llm_smoke_{n}_padded{n // 8}", padded=n // 8)
         generate(n, min(layers, 2), f"gpu_llm_smoke_generate_{n}", new_tokens=4)
     elif what == "prefill":
         n = int(args[1]) if len(args) > 1 else 131072
         modes = args[2].split(",") if len(args) > 2 else list(PREFILL_MODES)
         suffix = "" if len(args) <= 2 else "_" + "_".join(modes)
-        prefill(n, layers, modes, f"gpu_llm_prefill_{n}{suffix}" + ("" if layers == 32 else f"_{layers}l"))
+        prefill(n, layers, modes, f"gpu_llm_prefill_{n}{suffix}" + ("" if layers == 32 else f"_{layers}l")
+                + (f"_padded{padded}" if padded else ""), padded)
     elif what == "generate":
         n = int(args[1]) if len(args) > 1 else 262144
         generate(n, layers, f"gpu_llm_generate_{n}" + ("" if layers == 32 else f"_{layers}l"))
