@@ -8,6 +8,7 @@ import pathlib
 import socket
 import subprocess
 import sys
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -34,9 +35,10 @@ def _run_ranks(tmp: pathlib.Path, cases: list[str]) -> list[dict]:
         procs.append(subprocess.Popen([sys.executable, str(WORKER), *cases], env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
     logs = []
+    deadline = time.monotonic() + TIMEOUT_S
     try:
         for p in procs:
-            logs.append(p.communicate(timeout=TIMEOUT_S)[0])
+            logs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
     except subprocess.TimeoutExpired:
         for p in procs:
             p.kill()

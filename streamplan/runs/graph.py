@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-from .. import hooks, kv_tiers
+from .. import hooks, kv_tiers, parallel
 from ..callstate import bypass, needs_grad, shapes
 from ..consumers import graph_consumer, unsupported
 from ..executors.donation import donated
@@ -85,7 +85,14 @@ def _run_onloaded(handle, entry, args: tuple, kwargs: dict) -> Any:
     if consumer is None:
         handle.note(entry, f"attention backend {backend!r} has no streamplan consumer: ran stock")
         return stock()
-    with bypass():   # the capture traces the stock forwards of any streamed children
+    par = parallel.block_parallel(module)   # sequence parallelism: every rank holds its own rows
+    if par is not None and par.problem:
+        handle.note(entry, f"ran stock: {par.problem}")
+        return stock()
+    if par is not None and row_mask is not None:
+        handle.note(entry, "ran stock (its mask built whole): a row mask under sequence parallelism")
+        return stock()
+    with bypass(), parallel.capture_scope(par):   # the capture traces the stock forwards of any streamed children
         found, fresh = streamable(module, args, kwargs, rows)
     if isinstance(found, str):
         handle.note(entry, f"ran stock: {found}")
@@ -109,9 +116,17 @@ def _run_onloaded(handle, entry, args: tuple, kwargs: dict) -> Any:
         if why:
             handle.note(entry, f"ran stock: {why}")
             return stock()
+    if par is not None and att is not None:   # attention across the ranks' rows: K/V and Q chunks exchanged
+        why = parallel.consumer_problem(par, an) or ("an attention mask under sequence parallelism"
+                                                      if att.mask is not None else None)
+        if why:
+            handle.note(entry, f"ran stock: {why}")
+            return stock()
+        consumer = parallel.consumer(consumer, par)
     o = handle.options
     regions = found.mlp_regions
-    groups = head_groups_allowed(found) if adapted is None else ()   # L3 keeps no whole K/V to hand back
+    # L3 keeps no whole K/V to hand back to a cache; under sequence parallelism head groups would change the exchanges
+    groups = head_groups_allowed(found) if adapted is None and par is None else ()
     if adapted is not None and (len(an.attentions) != 1 or an.attentions[0].k.meta["val"].shape[1]
                                 != adapted.kv_heads):
         handle.note(entry, "ran stock: the graph's K/V are not the ones its cache would hold")
@@ -142,10 +157,18 @@ def _run_onloaded(handle, entry, args: tuple, kwargs: dict) -> Any:
 
     # where K/V may live between the phases (L4 host, L5 int8/fp8; ``kv_tiers``), as planner arguments
     kv_args = kv_tiers.plan_args(handle, entry, found, rows, device, consumer, adapted)
+    if par is not None:   # under sequence parallelism K/V live in the exchange buffer (consumers.ulysses)
+        kv_args = {}
     if row_mask is not None or (att is not None and att.mask is not None):   # masked chunks attend K/V on the
         kv_args = {}                                                          # device (no store takes their masks yet)
 
     def make_plan(budget: int | None) -> Plan:
+        budget = parallel.agreed_budget(budget, par, device)   # the fullest rank's (collective under CP)
+        plan = plan_for_budget(budget)
+        parallel.agreed_plan(entry.name or type(module).__name__, plan, par, device)
+        return plan
+
+    def plan_for_budget(budget: int | None) -> Plan:
         mem = graph_memory(an, found.phases, rows, set(donate))
         order = [n for n in cap.graph.nodes if n.op == "call_function" and n not in an.ignored]
         quantum, ws, attn_out, mask_bytes = 1, 0, 0, (lambda c: 0)
@@ -191,8 +214,15 @@ def _run_onloaded(handle, entry, args: tuple, kwargs: dict) -> Any:
         return consumer.attend(q, k[..., lo:hi, :], v[..., lo:hi, :], q_offset=a - lo, causal=False,
                                mask=row_mask.part(a, b, lo, hi), scale=scale)
 
+    stores = {}
+    if par is not None:   # K/V of every rank's rows for this rank's heads, exchanged chunk by chunk
+        stores = dict(kv_store=lambda att: consumer.store(device), attend_store=consumer.attend_store)
+        if not any(n.startswith("streams under") for n in entry.runtime_notes):
+            handle.note(entry, f"streams under {par.label}: attention through {consumer.name}")
     run = GraphRun(cap, an, found.phases, module, args, kwargs, rows, attend,
-                   ffn_slice=plan.ffn_slice if plan.tier in (Tier.L2, Tier.L3) else 0, regions=regions)
+                   ffn_slice=plan.ffn_slice if plan.tier in (Tier.L2, Tier.L3) else 0, regions=regions, **stores)
+    if par is not None:
+        run._retries = 0   # a chunk retried alone would leave the other ranks waiting in its exchanges
     if plan.kv != "device" and run.kv_store is None:   # L4/L5: K/V into a store, attended block by block
         return kv_tiers.run_stored(handle, entry, sig, run, plan, device, consumer, donate, lambda: GraphRun(
             cap, an, found.phases, module, args, kwargs, rows, attend, ffn_slice=run.ffn_slice, regions=regions))
