@@ -63,7 +63,8 @@ def weights_problem(block: Any, device: torch.device) -> str | None:
                 "the block runs stock")
     if away:
         return (f"{len(away)} layer(s) hold their weights off {device} (lowvram offload or DynamicVRAM: "
-                f"{away[0]}, ...): the block runs stock")
+                f"{away[0]}, ...): the block runs stock (ComfyUI's --disable-dynamic-vram, --highvram or --gpu-only "
+                "keep them on the device)")
     return None
 
 
