@@ -46,6 +46,8 @@ def _wan_forward(model, args: tuple, kwargs: dict, chunk: Callable[[], int]):
         hidden_states = model.patch_embedding(hidden_states).flatten(2).transpose(1, 2).contiguous()
     else:   # only this rank's rows, as the first block's split hook would cut them, a frame at a time
         hidden_states = _local_patches(model, hidden_states, parallel, chunk())
+        # the rope's split hook hands back views of the whole tables: copies of this rank's rows let those go
+        rotary_emb = tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in rotary_emb)
     if timestep.ndim == 2:
         ts_seq_len = timestep.shape[1]
         timestep = timestep.flatten()
