@@ -15,7 +15,8 @@ ALLOWED = {
     "meter": set(),
     "planner": {"ir", "weights", "budget"},
     "executors": {"ir", "planner", "consumers"},      # plans are data handed to executors
-    "recognize": {"ir", "weights", "consumers"},
+    # hooks: the library-agnostic hook-chain registry, which library files fill in (as they fill ir's registries)
+    "recognize": {"ir", "weights", "consumers", "hooks"},
     "capture": {"ir"},
     "stock_watch": set(),
 }
