@@ -123,12 +123,11 @@ def _add(name: str, family: str, cls: str, model_type: str | None = None, overri
 
 
 _MOE = "routes each token to experts through a data-dependent gather/scatter over the rows"
-_SW = f"sliding window of {WINDOW} tokens: a banded mask over rows x rows"
+_SW = f"sliding window of {WINDOW} tokens: the banded [N, N] mask given, its query rows taken per chunk"
 
 _add("llama", "llama", "LlamaDecoderLayer")
 _add("mistral", "mistral", "MistralDecoderLayer", overrides=dict(sliding_window=None))
-_add("mistral_sliding", "mistral", "MistralDecoderLayer", overrides=dict(sliding_window=WINDOW), streams=False,
-     note=_SW)
+_add("mistral_sliding", "mistral", "MistralDecoderLayer", overrides=dict(sliding_window=WINDOW), note=_SW)
 _add("ministral", "ministral", "MinistralDecoderLayer", overrides=dict(sliding_window=None,
                                                                         layer_types=["full_attention"] * 2))
 _add("qwen2", "qwen2", "Qwen2DecoderLayer")
@@ -142,8 +141,7 @@ _add("gemma3_text", "gemma3", "Gemma3DecoderLayer", model_type="gemma3_text",
      overrides=dict(sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"]), layer=1,
      note="a full-attention layer")
 _add("gemma3_text_sliding", "gemma3", "Gemma3DecoderLayer", model_type="gemma3_text",
-     overrides=dict(sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"]), layer=0,
-     streams=False, note=_SW)
+     overrides=dict(sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"]), layer=0, note=_SW)
 _add("phi", "phi", "PhiDecoderLayer")
 _add("phi3", "phi3", "Phi3DecoderLayer", overrides=dict(sliding_window=None))
 _add("granite", "granite", "GraniteDecoderLayer")
