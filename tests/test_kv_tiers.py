@@ -300,3 +300,16 @@ def test_a_consumer_without_kv_blocks_keeps_the_device_tier_and_says_why():
         assert rel_err(out[0], ref[0]) <= 1e-5
     finally:
         handle.remove()
+
+
+def test_plan_cli_takes_kv_and_reports_the_store(capsys):
+    from streamplan.cli import main
+    assert main(["plan", "--family", "wan-14b-block", "--tokens", "32768", "--chunk-tokens", "8192",
+                 "--kv", "host", "--json"]) == 0
+    import json
+    (plan,) = json.loads(capsys.readouterr().out)["streamed"][""]["plans"]
+    assert plan["tier"] == "L4" and plan["kv"] == "host" and plan["host_traffic"] > 0
+    # K/V (20 KB per row at Wan2.1-14B width, bf16) leave the device: predicted below the device tier's floor
+    assert plan["predicted_peak"] < 32768 * 30 * 1024
+    with pytest.raises(SystemExit):
+        main(["plan", "--kv", "int4"])
