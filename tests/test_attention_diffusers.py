@@ -164,6 +164,9 @@ ATTENTION_CASES = {
                                             dict(attention_mask=_padding_mask(B, N))),
     "self-per-query-additive-mask": lambda B, N: (_attention(), (torch.randn(B, N, DIM), None,
                                                                  _additive_mask(B, N, N)), {}),
+    # HunyuanVideo's token refiner hands its attention a [B, 1, N, N] mask: sliced by query rows per chunk
+    "self-per-query-4d-additive-mask": lambda B, N: (_attention(), (torch.randn(B, N, DIM), None,
+                                                                    _additive_mask(B, 1, N, N)), {}),
     "cross": lambda B, N: (_attention(cross_attention_dim=CROSS_DIM), (torch.randn(B, N, DIM), _enc(B)), {}),
     "cross-bool-padding-mask": lambda B, N: (_attention(cross_attention_dim=CROSS_DIM),
                                              (torch.randn(B, N, DIM), _enc(B), _padding_mask(B, ENC_TOKENS)), {}),

@@ -23,6 +23,10 @@ STOCK = {   # blocks that stay stock on the generic path, and the reason the rep
     "mochi": "cat with a symbolic non-row size",
     "zimage": "higher-order op",
     "sana": "capture failed",
+    "hunyuan_video_i2v_double": "capture failed",      # the first frame's rows sliced off at a fixed count
+    "hunyuan_video_i2v_single": "capture failed",
+    **{f"{fam}_refiner{part}": "used other than as an attention's mask"   # repeated over heads by diffusers
+       for fam in ("hunyuan_video", "hunyuan_video15", "hunyuan_image") for part in ("", "_block")},
 }
 
 

@@ -255,3 +255,78 @@ def _key_mask(n: int, device) -> torch.Tensor:
     mask = torch.ones(1, 1, 1, n + TEXT, dtype=torch.bool, device=device)
     mask[..., n + TEXT - 3:] = False
     return mask
+
+
+# -- more breadth: copies and variants of the blocks above -------------------------------------------------------
+def _wan_inputs(n, device, dtype):
+    return ((_x(n, device, dtype), _txt(device, dtype), _r(1, 6, 64, device=device, dtype=dtype),
+             _pair(1, n, 1, 16, device=device, dtype=dtype)), {})
+
+
+_add("chronoedit", T + "transformer_chronoedit:WanTransformerBlock", lambda c: c(64, 128, 4, cross_attn_norm=True),
+     _wan_inputs, row_output=None, note="ChronoEdit's copy of the Wan block")
+_add("wan_animate", T + "transformer_wan_animate:WanTransformerBlock", lambda c: c(64, 128, 4, cross_attn_norm=True),
+     _wan_inputs, row_output=None, note="Wan-Animate's copy of the Wan block")
+_add("longcat_image_single", T + "transformer_longcat_image:LongCatImageSingleTransformerBlock",
+     lambda c: c(64, 4, 16), _flux_inputs, row_output=1)
+_add("ovis_image_single", T + "transformer_ovis_image:OvisImageSingleTransformerBlock", lambda c: c(64, 4, 16),
+     _flux_inputs, row_output=1)
+_add("bria_single", T + "transformer_bria:BriaSingleTransformerBlock", lambda c: c(64, 4, 16), _flux_inputs,
+     row_output=1)
+_add("bria_fibo", T + "transformer_bria_fibo:BriaFiboTransformerBlock", lambda c: c(64, 4, 16), _flux_inputs,
+     row_output=1)
+_add("bria_fibo_single", T + "transformer_bria_fibo:BriaFiboSingleTransformerBlock", lambda c: c(64, 4, 16),
+     lambda n, device, dtype: ((_x(n, device, dtype), _r(1, 64, device=device, dtype=dtype),
+                                _cs(n, 16, device, dtype)), {}), row_output=None,
+     note="text and image rows joined before the block: every row dynamic")
+_add("consisid", T + "consisid_transformer_3d:ConsisIDBlock", lambda c: c(64, 4, 16, 32),
+     lambda n, device, dtype: ((_x(n, device, dtype), _txt(device, dtype), _r(1, 32, device=device, dtype=dtype),
+                                _cs(n, 16, device, dtype)), {}))
+
+
+_I2V = ("HunyuanVideo I2V: the first frame's rows (num_tokens) take their own modulation, sliced off the rows at a "
+        "fixed count: not row-local for a chunk that does not start at row 0")
+
+
+def _hv_token_replace(n, device, dtype):
+    return ((_x(n, device, dtype), _txt(device, dtype), _r(1, 64, device=device, dtype=dtype), None,
+             _cs(n, 16, device, dtype)), dict(token_replace_emb=_r(1, 64, device=device, dtype=dtype), num_tokens=20))
+
+
+_add("hunyuan_video_i2v_double", T + "transformer_hunyuan_video:HunyuanVideoTokenReplaceTransformerBlock",
+     lambda c: c(4, 16, 2.0), _hv_token_replace, streams=False, note=_I2V)
+_add("hunyuan_video_i2v_single", T + "transformer_hunyuan_video:HunyuanVideoTokenReplaceSingleTransformerBlock",
+     lambda c: c(4, 16, 2.0), _hv_token_replace, streams=False, note=_I2V)
+
+
+def _refiner_mask(n, device):
+    """The [B, 1, N, N] mask HunyuanVideo's token refiner builds from its text mask (last 3 tokens padding)."""
+    valid = torch.ones(1, n, dtype=torch.bool, device=device)
+    valid[:, n - 3:] = False
+    m1 = valid.view(1, 1, 1, n).repeat(1, 1, n, 1)
+    mask = m1 & m1.transpose(2, 3)
+    mask[:, :, :, 0] = True
+    return mask
+
+
+def _refiner_block_inputs(n, device, dtype):
+    return ((_x(n, device, dtype), _r(1, 64, device=device, dtype=dtype), _refiner_mask(n, device)), {})
+
+
+def _refiner_inputs(n, device, dtype):
+    valid = torch.ones(1, n, dtype=torch.long, device=device)
+    valid[:, n - 3:] = 0
+    return ((_x(n, device, dtype, 32), torch.tensor([500], device=device), valid), {})
+
+
+for _fam, _mod in (("hunyuan_video", "transformer_hunyuan_video:HunyuanVideo"),
+                   ("hunyuan_video15", "transformer_hunyuan_video15:HunyuanVideo15"),
+                   ("hunyuan_image", "transformer_hunyuanimage:HunyuanImage")):
+    _add(f"{_fam}_refiner_block", T + _mod + "IndividualTokenRefinerBlock", lambda c: c(4, 16), _refiner_block_inputs,
+         row_output=None, streams=False,
+         note="the text token refiner's block (its rows are text tokens) with the refiner's [B, 1, N, N] padding "
+              "mask, which diffusers' prepare_attention_mask repeats over heads (repeat_interleave + view) before "
+              "SDPA: the captured path does not follow a mask through that; its attention and MLP stream by hand")
+    _add(f"{_fam}_refiner", T + _mod + "TokenRefiner", lambda c: c(32, 4, 16, 2), _refiner_inputs, row_output=None,
+         streams=False, note="the whole text refiner: pools the text over its rows (a masked mean) for its timestep "
+                             "embedding, then runs its refiner blocks (see the _refiner_block case)")

@@ -86,7 +86,12 @@ def _bind_attention(attn, args: tuple, kwargs: dict) -> AttentionCall | str:
         raw = mask
 
         def mask_rows(a, b):
-            rows = raw[:, a:b] if raw.dim() == 3 and raw.shape[1] == N else raw
+            if raw.dim() == 3 and raw.shape[1] == N:
+                rows = raw[:, a:b]
+            elif raw.dim() == 4 and raw.shape[-2] == N:      # [B, 1 or H, N, S]: a mask over query rows
+                rows = raw[..., a:b, :]
+            else:
+                rows = raw
             m = attn.prepare_attention_mask(rows, S, B)
             return m.view(B, H, -1, m.shape[-1])
 
