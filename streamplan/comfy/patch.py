@@ -284,8 +284,12 @@ def patch(model_patcher, budget: int | str | None = "auto", chunk_tokens: int | 
     ``min_tokens`` sequence rows runs the block through a streamer (created at its first such call, kept by the clone);
     shorter calls, and calls streamplan cannot stream (attention overrides, block-level patches, masks), run the
     original block, counted in the report. A block whose replacement another node already holds is left to it.
-    ``budget``, ``chunk_tokens``, ``reserve`` and ``self_check`` are ``BlockStreamer``'s. The input patcher and the
-    shared modules are not changed. ``report(patched)`` says what happened.
+    A ``DIFFUSION_MODEL`` wrapper (``forwards``) sees every model call: a new sampling run re-plans the blocks, and
+    ComfyUI 0.33.0's Wan and MiniMax-H3 forwards run streamed (input projection and head in row chunks, block inputs
+    donated). ``budget``: "auto" (ComfyUI's free memory less ``--reserve-vram`` and ``reserve``), bytes (activation
+    room above what a block call holds at entry) or None (``memory``); ``chunk_tokens`` and ``self_check`` are
+    ``BlockStreamer``'s. The input patcher and the shared modules are not changed. ``report(patched)`` says what
+    happened.
     """
     import streamplan
     if not hasattr(model_patcher, "clone") or not hasattr(model_patcher, "set_model_patch_replace"):
@@ -317,8 +321,7 @@ def patch(model_patcher, budget: int | str | None = "auto", chunk_tokens: int | 
     ext.add_wrapper_with_key(ext.WrappersMP.DIFFUSION_MODEL, WRAPPER_KEY, ModelForward(state), clone.model_options,
                              is_model_options=True)
     if not state.blocks and not state.left:
-        log.info("streamplan.comfy: %s has no block list streamplan knows; the clone is unchanged",
-                 type(dm).__name__)
+        log.info("streamplan.comfy: %s has no block list streamplan knows; its calls run stock", type(dm).__name__)
     return clone
 
 
