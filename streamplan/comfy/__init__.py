@@ -1,5 +1,6 @@
 """streamplan inside ComfyUI: ``patch`` a ``ModelPatcher`` so its diffusion-model blocks stream (a clone, through
-ComfyUI's own "dit" block replacements), ``report`` what they did; the "Stream Blocks" node is in ``nodes``.
+ComfyUI's own "dit" block replacements and a ``DIFFUSION_MODEL`` wrapper that streams Wan's and MiniMax-H3's own
+forward), ``report`` what they did; the "Stream Blocks" node is in ``nodes``, budgets in ``memory``.
 
 Importing this package does not import ComfyUI; ``nodes`` does (``comfy_api``)."""
 from __future__ import annotations
