@@ -199,3 +199,34 @@ _add("granitemoe", "granitemoe", "GraniteMoeDecoderLayer", streams=False, note=_
      overrides=dict(num_local_experts=4, num_experts_per_tok=2))
 _add("phimoe", "phimoe", "PhimoeDecoderLayer", streams=False, note=_MOE,
      overrides=dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None))
+_add("gpt_bigcode", "gpt_bigcode", "GPTBigCodeBlock", overrides=dict(multi_query=True),
+     note="multi-query attention (one K/V head)")
+_add("codegen", "codegen", "CodeGenBlock", overrides=dict(rotary_dim=8, n_ctx=8192))
+_add("deepseek_v2", "deepseek_v2", "DeepseekV2DecoderLayer",
+     overrides=dict(first_k_dense_replace=2, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                    q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                    head_dim=8),
+     note="a dense (first_k_dense_replace) layer with multi-head latent attention")
+_add("llama4_text", "llama4", "Llama4TextDecoderLayer", model_type="llama4_text",
+     overrides=dict(intermediate_size_mlp=128, num_local_experts=4, num_experts_per_tok=1, moe_layers=[],
+                    no_rope_layers=[1, 1], attention_chunk_size=8192),
+     note="a dense layer (moe_layers=[]) with rotary, attention chunk longer than the rows")
+_add("jamba_attention", "jamba", "JambaAttentionDecoderLayer",
+     overrides=dict(num_experts=1, attn_layer_period=2, attn_layer_offset=1, use_mamba_kernels=False), layer=1,
+     note="an attention layer with a dense MLP (num_experts=1)")
+_add("lfm2_attention", "lfm2", "Lfm2DecoderLayer", layer=1, overrides=dict(layer_types=["conv", "full_attention"]),
+     note="a full-attention layer")
+_add("lfm2_conv", "lfm2", "Lfm2DecoderLayer", layer=0, streams=False,
+     overrides=dict(layer_types=["conv", "full_attention"]),
+     note="a short-convolution layer: a causal convolution over the rows")
+_add("qwen3_next", "qwen3_next", "Qwen3NextDecoderLayer", layer=1, streams=False,
+     overrides=dict(layer_types=["linear_attention", "full_attention"], num_experts=4, num_experts_per_tok=2,
+                    moe_intermediate_size=32, shared_expert_intermediate_size=64),
+     note="a full-attention layer with a mixture of experts")
+_add("minimax", "minimax", "MiniMaxDecoderLayer", layer=1, streams=False, note=_MOE,
+     overrides=dict(layer_types=["linear_attention", "full_attention"], num_local_experts=4, num_experts_per_tok=2,
+                    sliding_window=None))
+_add("dbrx", "dbrx", "DbrxBlock", streams=False, note=_MOE,
+     overrides=dict(d_model=64, n_heads=4, n_layers=2, ffn_config=dict(ffn_hidden_size=64, moe_num_experts=4,
+                                                                      moe_top_k=2),
+                    attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0)))
