@@ -871,3 +871,22 @@ def test_quantized_layouts_take_row_chunks_only(fresh_captures, monkeypatch):
     assert rel_err(sample_call(patched, x, cond), stock) <= 1e-5
     text = sc.report(patched)
     assert "quantized weights (1 layer(s): ffn.0, ...): row chunks only" in text and "chunk=128" in text, text
+
+
+def test_wan_i2v_model_forward(fresh_captures):
+    """Wan image-to-video (CLIP image features through img_emb joined to the text, the I2V cross-attention's
+    context_img_len): the streamed model forward and blocks, within fp32 rel 1e-5."""
+    import streamplan.comfy as sc
+    comfy = comfyui()
+    unet = {"image_model": "wan2.1", "model_type": "i2v", "dim": 64, "ffn_dim": 128, "num_heads": 4,
+            "num_layers": 2, "in_dim": 4, "out_dim": 4, "text_dim": 32, "freq_dim": 32, "eps": 1e-6,
+            "patch_size": (1, 2, 2)}
+    model = comfy.model_base.WAN21(_config(comfy, unet, comfy.latent_formats.Wan21))
+    _random_(model)
+    base = comfy.model_patcher.ModelPatcher(model, load_device=CPU, offload_device=CPU)
+    x, cond = torch.randn(1, 4, 3, 32, 32), {"c_crossattn": torch.randn(1, 7, 32), "clip_fea": torch.randn(1, 9, 1280)}
+    stock = sample_call(base, x, cond)
+    patched = sc.patch(base, budget=None, chunk_tokens=64, min_tokens=0)
+    assert rel_err(sample_call(patched, x, cond), stock) <= 1e-5
+    text = sc.report(patched)
+    assert "model forward (WanModel): 1 call(s) streamed" in text and text.count("1 call(s) through the streamer") == 2
