@@ -200,14 +200,17 @@ def _double_buffered(store: HostStore, stop: int):
             ready[j] = copier.record_event()
 
     issue(0)
-    for i, a in enumerate(starts):
-        if i + 1 < len(starts):
-            issue(i + 1)
-        j = i % len(bufs)
-        compute.wait_event(ready[j])
-        b = min(a + store.block_rows, stop)
-        yield a, _heads_first(bufs[j][0][:b - a]), _heads_first(bufs[j][1][:b - a])
-        done[j] = compute.record_event()
+    try:
+        for i, a in enumerate(starts):
+            if i + 1 < len(starts):
+                issue(i + 1)
+            j = i % len(bufs)
+            compute.wait_event(ready[j])
+            b = min(a + store.block_rows, stop)
+            yield a, _heads_first(bufs[j][0][:b - a]), _heads_first(bufs[j][1][:b - a])
+            done[j] = compute.record_event()
+    finally:   # left early (an error in the attention): no copy may still write a buffer the allocator reuses
+        compute.wait_stream(copier)
 
 
 def _hadamard(n: int, device: torch.device) -> torch.Tensor:
