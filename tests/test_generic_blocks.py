@@ -27,6 +27,7 @@ STOCK = {   # blocks that stay stock on the generic path, and the reason the rep
     "hunyuan_video_i2v_single": "capture failed",
     **{f"{fam}_refiner{part}": "used other than as an attention's mask"   # repeated over heads by diffusers
        for fam in ("hunyuan_video", "hunyuan_video15", "hunyuan_image") for part in ("", "_block")},
+    "lumina_next": "expand gives a value with two row dimensions",   # its [B, N] key mask expanded over rows
 }
 
 

@@ -224,7 +224,13 @@ class _Analyzer:
             self.ignored.add(node)
             return
         masks = [a for a in node.all_input_nodes if a in self.masks]
-        if masks and (_name(target) not in _SDPA or masks != [bind(node).get("attn_mask")]):
+        if masks and _name(target) == "sym_size":
+            # export may read the row count off a mask (OmniGen): off its key dimension, which a Q chunk keeps
+            # whole, it is read off the query dimension instead (the same symbol), so it counts the chunk's rows
+            m = node.args[0]
+            if self.norm_dim(node.args[1], m.meta["val"].dim()) == self.masks[m].dim:
+                node.args = (m, self.rows[m].dim)
+        elif masks and (_name(target) not in _SDPA or masks != [bind(node).get("attn_mask")]):
             raise NotRowLocal(f"input {masks[0].name} over rows x rows used other than as an attention's mask")
         if all(a in self.const for a in node.all_input_nodes) and not self.random(node):
             self.const.add(node)

@@ -330,3 +330,64 @@ for _fam, _mod in (("hunyuan_video", "transformer_hunyuan_video:HunyuanVideo"),
     _add(f"{_fam}_refiner", T + _mod + "TokenRefiner", lambda c: c(32, 4, 16, 2), _refiner_inputs, row_output=None,
          streams=False, note="the whole text refiner: pools the text over its rows (a masked mean) for its timestep "
                              "embedding, then runs its refiner blocks (see the _refiner_block case)")
+
+
+# -- more breadth: image and video DiTs ---------------------------------------------------------------------------
+_add("lumina_next", T + "lumina_nextdit2d:LuminaNextDiTBlock", lambda c: c(64, 4, 2, 16, None, 1e-5, True, 32),
+     lambda n, device, dtype: ((_x(n, device, dtype), torch.ones(1, n, dtype=torch.int32, device=device),
+                                _cplx((1, n, 8), device), _txt(device, dtype, 32),
+                                torch.ones(1, TEXT, dtype=torch.bool, device=device),
+                                _r(1, 64, device=device, dtype=dtype)), dict(cross_attention_kwargs={})),
+     row_output=None, streams=False,
+     note="the patch embedder's all-ones [B, N] key mask over the image rows, which its processor expands to "
+          "[B, H, N, N] before SDPA: the captured path does not follow a key mask over the rows through that")
+
+
+def _omnigen_mask(n, device, dtype, cond=16):
+    """OmniGen's mask: causal over the condition rows, the output image's rows bidirectional among themselves."""
+    allowed = torch.ones(n, n, device=device).tril()
+    allowed[cond:, cond:] = 1
+    return ((1 - allowed) * torch.finfo(dtype).min)[None, None].to(dtype)
+
+
+_add("omnigen", T + "transformer_omnigen:OmniGenBlock", lambda c: c(64, 4, 4, 128, 1e-5),
+     lambda n, device, dtype: ((_x(n, device, dtype), _omnigen_mask(n, device, dtype), _cs(n, 16, device, dtype)),
+                               {}), row_output=None,
+     note="an additive [B, 1, N, N] mask: causal over the first 16 (condition) rows, the image rows bidirectional")
+
+
+def _k5_rope(rows, device, dtype):
+    ang = torch.rand(1, rows, 1, 8, device=device, dtype=dtype) * 6.2831853
+    c, s = ang.cos(), ang.sin()
+    return torch.stack([c, -s, s, c], dim=-1).view(1, rows, 1, 8, 2, 2)
+
+
+_add("kandinsky5_decoder", T + "transformer_kandinsky:Kandinsky5TransformerDecoderBlock", lambda c: c(64, 32, 128, 16),
+     lambda n, device, dtype: ((_x(n, device, dtype), _txt(device, dtype), _r(1, 32, device=device, dtype=dtype),
+                                _k5_rope(n, device, dtype), None), {}), row_output=None,
+     note="sparse_params=None (full attention); rotary as 2x2 rotation matrices")
+_add("kandinsky5_encoder", T + "transformer_kandinsky:Kandinsky5TransformerEncoderBlock", lambda c: c(64, 32, 128, 16),
+     lambda n, device, dtype: ((_x(n, device, dtype), _r(1, 32, device=device, dtype=dtype),
+                                _k5_rope(n, device, dtype)), {}), row_output=None,
+     note="the text encoder block (its rows are text tokens)")
+_add("prx", T + "transformer_prx:PRXBlock", lambda c: c(64, 4),
+     lambda n, device, dtype: ((_x(n, device, dtype), _txt(device, dtype), _r(1, 64, device=device, dtype=dtype),
+                                _k5_rope(n, device, dtype)[:, None, :, 0]), {}), row_output=None,
+     note="image queries over image + text keys; rotary [B, 1, N, D/2, 2, 2]")
+_add("flux3_mode", T + "transformer_flux3:Flux3ModeTransformerBlock", lambda c: c(64, 4, 16),
+     lambda n, device, dtype: ((_x(n, device, dtype), _r(1, n, 3 * 64, device=device, dtype=dtype),
+                                _cs(n, 16, device, dtype)), {}), row_output=None,
+     note="per-mode block: modulation per row")
+_add("flux3_single", T + "transformer_flux3:Flux3SingleTransformerBlock", lambda c: c(64, 4, 16),
+     lambda n, device, dtype: ((_x(n, device, dtype), _txt(device, dtype), _r(1, n, 3 * 64, device=device, dtype=dtype),
+                                _r(1, TEXT, 3 * 64, device=device, dtype=dtype), _cs(TEXT + n, 16, device, dtype)),
+                               {}), row_output=1, note="joint text + image rows; modulation per row")
+_add("krea2", T + "transformer_krea2:Krea2TransformerBlock", lambda c: c(64, 128, 4, 2, 1e-6),
+     lambda n, device, dtype: ((_x(n, device, dtype), _r(1, 1, 6 * 64, device=device, dtype=dtype),
+                                _cs(n, 16, device, dtype)), {}), row_output=None,
+     note="text and image rows joined before the block; attention_mask=None (no text padding)")
+_add("ideogram4", T + "transformer_ideogram4:Ideogram4TransformerBlock", lambda c: c(64, 128, 4, 1e-6, 32),
+     lambda n, device, dtype: ((_x(n, device, dtype), torch.ones(1, 1, n, n, dtype=torch.bool, device=device),
+                                _pair(1, n, 16, device=device, dtype=dtype), _r(1, 1, 32, device=device, dtype=dtype)),
+                               {}), row_output=None,
+     note="one segment: the block-diagonal [B, 1, N, N] segment mask all true")
