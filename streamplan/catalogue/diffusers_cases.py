@@ -391,3 +391,25 @@ _add("ideogram4", T + "transformer_ideogram4:Ideogram4TransformerBlock", lambda 
                                 _pair(1, n, 16, device=device, dtype=dtype), _r(1, 1, 32, device=device, dtype=dtype)),
                                {}), row_output=None,
      note="one segment: the block-diagonal [B, 1, N, N] segment mask all true")
+_add("minimax_h3_refiner", T + "transformer_minimax_h3:MiniMaxH3TokenRefinerBlock",
+     lambda c: c(64, 4, 16, 128, 1e-6, 1e-6),
+     lambda n, device, dtype: ((_x(n, device, dtype),), {}), row_output=None,
+     note="the text token refiner's block (its rows are text tokens)")
+_add("minimax_music3", T + "transformer_minimax_music3:MiniMaxMusic3TransformerBlock", lambda c: c(64, 4, 16, 128),
+     lambda n, device, dtype: ((_x(n, device, dtype), _cs(n, 8, device, dtype)), {}), row_output=None,
+     note="partial rotary (the first 8 of 16 dims per head)")
+_add("minimax_music3_depth", T + "minimax_music3_rvq_depth_decoder:MiniMaxMusic3DepthDecoderBlock",
+     lambda c: c(64, 4, 128), lambda n, device, dtype: ((_x(n, device, dtype),), {}), row_output=None)
+_add("krea2_text_fusion", T + "transformer_krea2:Krea2TextFusionBlock", lambda c: c(64, 4, 2, 128, 1e-6),
+     lambda n, device, dtype: ((_x(n, device, dtype),), {}), row_output=None,
+     note="the text fusion block (its rows are text tokens); attention_mask=None (no text padding)")
+_add("joyimage", T + "transformer_joyimage:JoyImageTransformerBlock", lambda c: c(64, 4, 16),
+     lambda n, device, dtype: ((_x(n, device, dtype), _txt(device, dtype), _r(1, 64, device=device, dtype=dtype),
+                                (_cs(n, 16, device, dtype), None)), {}), row_output=0,
+     note="rotary on the image rows only (rope_type without text positions)")
+_add("stable_audio", T + "stable_audio_transformer:StableAudioDiTBlock",
+     lambda c: c(128, 2, 1, 64, cross_attention_dim=32),
+     lambda n, device, dtype: ((_x(n, device, dtype, 128),), dict(
+         encoder_hidden_states=_txt(device, dtype, 32), rotary_embedding=_cs(n, 32, device, dtype))), row_output=None,
+     note="the global token joined to the audio rows before the block; partial rotary (32 of 64 dims), GQA; "
+          "attention_mask=None")
