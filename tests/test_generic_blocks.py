@@ -28,6 +28,8 @@ STOCK = {   # blocks that stay stock on the generic path, and the reason the rep
     **{f"{fam}_refiner{part}": "used other than as an attention's mask"   # repeated over heads by diffusers
        for fam in ("hunyuan_video", "hunyuan_video15", "hunyuan_image") for part in ("", "_block")},
     "lumina_next": "expand gives a value with two row dimensions",   # its [B, N] key mask expanded over rows
+    "hidream_double": "experts.0",     # a mixture of experts: the block holds a list of expert MLPs, which the
+    "hidream_single": "experts.0",     # report lists captured on their own; the block is no candidate
 }
 
 

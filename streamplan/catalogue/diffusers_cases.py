@@ -413,3 +413,34 @@ _add("stable_audio", T + "stable_audio_transformer:StableAudioDiTBlock",
          encoder_hidden_states=_txt(device, dtype, 32), rotary_embedding=_cs(n, 32, device, dtype))), row_output=None,
      note="the global token joined to the audio rows before the block; partial rotary (32 of 64 dims), GQA; "
           "attention_mask=None")
+
+
+
+_add("motif_video_double", T + "transformer_motif_video:MotifVideoTransformerBlock", lambda c: c(4, 16, 2.0),
+     lambda n, device, dtype: ((_x(n, device, dtype), _txt(device, dtype), _r(1, 64, device=device, dtype=dtype),
+                                None, _cs(n, 16, device, dtype)), {}), note="attention_mask=None")
+_add("motif_video_single", T + "transformer_motif_video:MotifVideoSingleTransformerBlock", lambda c: c(4, 16, 2.0),
+     lambda n, device, dtype: ((_x(n, device, dtype), _txt(device, dtype), _r(1, 64, device=device, dtype=dtype),
+                                None, _cs(n, 16, device, dtype)), {}), note="attention_mask=None")
+_add("joyimage_edit_plus", T + "transformer_joyimage_edit_plus:JoyImageEditPlusTransformerBlock",
+     lambda c: c(64, 4, 16),
+     lambda n, device, dtype: ((_x(n, device, dtype), _txt(device, dtype), _r(1, 64, device=device, dtype=dtype),
+                                _pair(1, n, 16, device=device, dtype=dtype)), {}), row_output=0,
+     note="rotary on the image rows only, per batch element; attention_mask=None")
+_add("kandinsky6_encoder", T + "transformer_kandinsky6:Kandinsky6TransformerEncoderBlock",
+     lambda c: c(64, 32, 128, 16),
+     lambda n, device, dtype: ((_x(n, device, dtype), _r(1, 32, device=device, dtype=dtype),
+                                _k5_rope(n, device, dtype)), {}), row_output=None,
+     note="the text encoder block (its rows are text tokens)")
+_add("hidream_double", T + "transformer_hidream_image:HiDreamImageTransformerBlock", lambda c: c(64, 4, 16),
+     lambda n, device, dtype: ((_x(n, device, dtype), None, _txt(device, dtype), _r(1, 64, device=device, dtype=dtype),
+                                _k5_rope(TEXT + n, device, dtype)), {}), streams=False,
+     note="a mixture-of-experts MLP: tokens routed to experts through a data-dependent gather over the rows")
+_add("hidream_single", T + "transformer_hidream_image:HiDreamImageSingleTransformerBlock", lambda c: c(64, 4, 16),
+     lambda n, device, dtype: ((_x(n, device, dtype), None, None, _r(1, 64, device=device, dtype=dtype),
+                                _k5_rope(n, device, dtype)), {}), row_output=None, streams=False,
+     note="a mixture-of-experts MLP: tokens routed to experts through a data-dependent gather over the rows")
+_add("dreamlite", T + "transformer_2d_dreamlite:BasicTransformerBlockDreamLite",
+     lambda c: c(64, 4, 16, cross_attention_dim=64),
+     lambda n, device, dtype: ((_x(n, device, dtype),), dict(encoder_hidden_states=_txt(device, dtype))),
+     row_output=None)
