@@ -444,3 +444,14 @@ _add("dreamlite", T + "transformer_2d_dreamlite:BasicTransformerBlockDreamLite",
      lambda c: c(64, 4, 16, cross_attention_dim=64),
      lambda n, device, dtype: ((_x(n, device, dtype),), dict(encoder_hidden_states=_txt(device, dtype))),
      row_output=None)
+_add("ace_step", T + "ace_step_transformer:AceStepTransformerBlock", lambda c: c(64, 4, 2, 16, 128),
+     lambda n, device, dtype: ((_x(n, device, dtype), _cs(n, 16, device, dtype),
+                                _r(1, 6, 64, device=device, dtype=dtype)),
+                               dict(attention_mask=None, encoder_hidden_states=_txt(device, dtype),
+                                    encoder_attention_mask=None)), row_output=None,
+     note="a full-attention layer (the sliding layers take a banded mask), GQA, cross-attention to the condition")
+_add("nucleus_image_dense", T + "transformer_nucleusmoe_image:NucleusMoEImageTransformerBlock",
+     lambda c: c(64, 4, 16, joint_attention_dim=64, moe_enabled=False),
+     lambda n, device, dtype: ((_x(n, device, dtype), _txt(device, dtype), _r(1, 64, device=device, dtype=dtype),
+                                (_cplx((n, 8), device), _cplx((TEXT, 8), device))), {}), row_output=None,
+     note="a dense layer (moe_enabled=False)")
