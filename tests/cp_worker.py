@@ -70,6 +70,15 @@ def _h3():
 CASES = {"wan": (_wan, 128), "flux": (_flux, 128), "h3": (_h3, 128)}
 
 
+def _peak(fn):
+    """(result, peak) of the lower of two measured runs: the allocations are the same each run, and a CPU run under
+    load sometimes counts a transient that is not the call's."""
+    import streamplan
+    out, first = streamplan.measure_peak(fn)
+    out, second = streamplan.measure_peak(fn)
+    return out, min(first, second)
+
+
 def _case(name: str, world: int) -> dict:
     import streamplan
     from diffusers import ContextParallelConfig
@@ -79,10 +88,10 @@ def _case(name: str, world: int) -> dict:
     with torch.no_grad():
         ref = outputs(model(**kw))
         model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=world))
-        cp, cp_peak = streamplan.measure_peak(lambda: outputs(model(**kw)))
+        cp, cp_peak = _peak(lambda: outputs(model(**kw)))
         handle = streamplan.apply(model, chunk_tokens=chunk)
         model(**kw)   # captures (once per block class), outside the measurement
-        out, peak = streamplan.measure_peak(lambda: outputs(model(**kw)))
+        out, peak = _peak(lambda: outputs(model(**kw)))
     plans = {k: [p.to_dict() for p in v] for k, v in handle.plans.items()}
     return dict(rel={k: _rel(out[k], ref[k]) for k in ref}, cp_rel={k: _rel(cp[k], ref[k]) for k in ref},
                 peak=peak, cp_peak=cp_peak, plans=plans, report=handle.report(),

