@@ -304,7 +304,7 @@ def test_a_consumer_without_kv_blocks_keeps_the_device_tier_and_says_why():
 
 def test_plan_cli_takes_kv_and_reports_the_store(capsys):
     from streamplan.cli import main
-    assert main(["plan", "--family", "wan-14b-block", "--tokens", "32768", "--chunk-tokens", "8192",
+    assert main(["plan", "--family", "wan-14b-block", "--tokens", "32768", "--chunk-tokens", "2048",
                  "--kv", "host", "--json"]) == 0
     import json
     (plan,) = json.loads(capsys.readouterr().out)["streamed"][""]["plans"]
