@@ -311,5 +311,5 @@ def test_plan_cli_takes_kv_and_reports_the_store(capsys):
     assert plan["tier"] == "L4" and plan["kv"] == "host" and plan["host_traffic"] > 0
     # K/V (20 KB per row at Wan2.1-14B width, bf16) leave the device: predicted below the device tier's floor
     assert plan["predicted_peak"] < 32768 * 30 * 1024
-    with pytest.raises(SystemExit):
-        main(["plan", "--kv", "int4"])
+    assert main(["plan", "--kv", "int4"]) == 2
+    assert "invalid choice: 'int4' (choose from 'device', 'host', 'int8', 'fp8')" in capsys.readouterr().err
