@@ -4,7 +4,8 @@ in a store (``executors.kv_store``), the error of an approximate store measured 
 call.
 
 ``kv="device"`` (the default) is exact: K/V stay whole on the device wherever the budget allows; below the floor the
-planner may stage them to the host (L4, exact) or group heads (L3). ``kv="host"`` forces L4. ``kv="int8"`` and
+planner groups heads (L3). ``kv="host"`` asks for L4 (host-staged K/V): not chosen by the planner on its own until the
+H200 run's non-finite rows at 33,792-row chunks are understood (benchmarks/RESULTS.md). ``kv="int8"`` and
 ``kv="fp8"`` (L5) are approximate and used only when asked for."""
 from __future__ import annotations
 
@@ -112,12 +113,14 @@ def costs(found, rows: int, device: torch.device) -> Costs:
 
 def options_for(found, rows: int, device: torch.device, kv: str, consumer, adapted: Any = None
                 ) -> tuple[tuple[KVOption, ...], str | None]:
-    """The stores the planner may use for this call (the one asked for, or L4 below the floor when exact), and why
+    """The stores the planner may use for this call (the one asked for; none under "device"), and why
     none can be used (None when they can)."""
     why = kv_problem(found, consumer, adapted)
     if why is not None:
         return (), why
-    return kv_options(found, rows, device, (kv,) if kv != "device" else ("host",)), None
+    if kv == "device":   # L4 only when asked: on the H200 its large-chunk plans gave inf rows (gpu_kv_217088.json)
+        return (), None
+    return kv_options(found, rows, device, (kv,)), None
 
 
 def store_factory(kind: str, device: torch.device, block_rows: int) -> Callable[[Any], Any]:

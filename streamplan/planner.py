@@ -35,6 +35,15 @@ def quantize_chunk(chunk: int, rows: int, quantum: int) -> int:
         return chunk
     return chunk // quantum * quantum
 MIN_FFN_SLICE = 256
+# Stock is kept only with this much room to spare: its estimate misses allocator fragmentation and libraries'
+# temporaries, and being wrong there is an out-of-memory, not a slower run (H200, Wan2.1-14B block at 217,088 rows
+# under group offloading and a 24 GiB cap: stock estimated 18.6 GiB, ran out with 2.9 GiB reserved unallocated;
+# benchmarks/results/gpu_compose_wan14b_40l_first.json).
+STOCK_MARGIN = 0.15
+
+
+def stock_fits(stock: int, budget: int) -> bool:
+    return stock * (1 + STOCK_MARGIN) <= budget
 
 
 class Tier(str, Enum):
@@ -137,7 +146,7 @@ def plan_mlp(spec: MLPSpec, rows: int, elem: int, *, chunk_tokens: int | None = 
         return make(Tier.L2, chunk_tokens or rows, sl)
     if chunk_tokens is not None or budget is None:
         return _fixed(rows, chunk_tokens, lambda tier, c: make(tier, c, spec.ffn))
-    if stock <= budget:
+    if stock_fits(stock, budget):
         return make(Tier.L0, rows, spec.ffn)
     chunk = _largest_chunk(lambda c: mlp_peak(spec, rows, elem, Tier.L1, c, spec.ffn), rows, budget)
     if chunk is not None:
@@ -229,7 +238,7 @@ def plan_attention(d: AttentionDims, *, chunk_tokens: int | None = None, budget:
 
     if chunk_tokens is not None or budget is None:
         return _fixed(d.rows, chunk_tokens, make, q_align)
-    if stock <= budget:
+    if stock_fits(stock, budget):
         return make(Tier.L0, d.rows)
     chunk = None
     for floor in dict.fromkeys((max(min_chunk, MIN_CHUNK_TOKENS), MIN_CHUNK_TOKENS)):
@@ -266,7 +275,7 @@ def plan_rows(rows: int, row_bytes: int, transient_per_elem: int, *, chunk_token
 
     if chunk_tokens is not None or budget is None:
         return _fixed(rows, chunk_tokens, make)
-    if stock <= budget:
+    if stock_fits(stock, budget):
         return make(Tier.L0, rows)
     chunk = _largest_chunk(lambda c: rows * row_bytes + c * row_bytes * transient_per_elem, rows, budget)
     if chunk is None:
@@ -400,7 +409,7 @@ def plan_graph(rows: int, fixed: int, transient, stock: int, *, chunk_tokens: in
         return make(Tier.L2, chunk_tokens or DEFAULT_CHUNK_TOKENS, min(ffn_slice, ffn))
     if chunk_tokens is not None or budget is None:
         return _fixed(rows, chunk_tokens, make)
-    if stock <= budget:
+    if stock_fits(stock, budget):
         return make(Tier.L0, rows)
     def sliced(floor: int) -> tuple[int, int] | None:
         """(chunk, slice) of the widest MLP slice among ``SLICES`` whose chunk a narrower one does not beat by more
