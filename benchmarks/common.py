@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
+import time
 from typing import Any, Callable
 
 import torch
@@ -28,3 +30,14 @@ def write_results(name: str, payload: dict) -> str:
     with open(path, "w") as f:
         json.dump(payload, f, indent=2)
     return path
+
+
+def wall_time(fn: Callable[[], Any], repeats: int = 2) -> float:
+    """Median wall seconds of ``fn`` over ``repeats`` runs after one warm-up (the CPU smoke runs' cuda_time)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)

@@ -34,16 +34,14 @@ import importlib.abc
 import importlib.machinery
 import math
 import os
-import statistics
 import sys
-import time
 import traceback
 import types
 
 import torch
 
 import streamplan
-from common import cuda_peak, cuda_time, device_info, write_results
+from common import cuda_peak, cuda_time, device_info, wall_time, write_results
 from streamplan.verify import compare_outputs
 
 COMFY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".vendor", "comfyui")
@@ -201,17 +199,6 @@ def block_input_bytes(patcher, x, cond) -> int:
     sample_call(patcher, x, cond)
     handle.remove()
     return sum(seen.values())
-
-
-def wall_time(fn, repeats: int = 2) -> float:
-    """Median wall seconds of ``fn`` over ``repeats`` runs after one warm-up (the CPU smoke's cuda_time)."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def main() -> int:

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import cuda_peak, cuda_time, device_info, rel_diff, write_results  # noqa: E402
+from common import cuda_peak, cuda_time, device_info, rel_diff, wall_time, write_results  # noqa: E402
 
 import streamplan  # noqa: E402
 
@@ -47,15 +47,7 @@ class Setup:
         return streamplan.measure_peak(fn, device=self.device) if self.smoke else cuda_peak(fn)
 
     def time(self, fn, repeats: int) -> float:
-        if not self.smoke:
-            return cuda_time(fn, repeats=repeats)
-        fn()
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        return sorted(times)[len(times) // 2]
+        return cuda_time(fn, repeats=repeats) if not self.smoke else wall_time(fn, repeats)
 
 
 S: Setup = None   # set in main

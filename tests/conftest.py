@@ -32,3 +32,8 @@ class RecordingConsumer:
             raise torch.OutOfMemoryError("simulated: chunk too large")
         self.calls.append((q.shape[-2], q_offset, k.shape[-2], causal))
         return streamplan.consumers.SDPA.attend(q, k, v, q_offset=q_offset, causal=causal, mask=mask, scale=scale)
+
+
+# the tiny decoder config the transformers LLM tests share (test_llm_models, test_row_masks)
+TINY_DECODER = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                    num_hidden_layers=2, vocab_size=128, head_dim=16, pad_token_id=0, bos_token_id=1, eos_token_id=2)

@@ -10,15 +10,14 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import streamplan  # noqa: E402
-from conftest import rel_err  # noqa: E402
+from conftest import TINY_DECODER, rel_err  # noqa: E402
 from streamplan.recognize import transformers_decoders as decoders  # noqa: E402
 
-HIDDEN, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 64, 4, 2, 16, 128
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, VOCAB = (TINY_DECODER[k] for k in ("hidden_size", "num_attention_heads",
+                                                             "num_key_value_heads", "head_dim", "vocab_size"))
 WINDOW = 32
 N, CHUNK = 200, 64
-COMMON = dict(hidden_size=HIDDEN, intermediate_size=128, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
-              num_hidden_layers=2, vocab_size=VOCAB, head_dim=HEAD_DIM, pad_token_id=0, bos_token_id=1,
-              eos_token_id=2)
+COMMON = TINY_DECODER
 FAMILIES = {   # name -> (model_type, config overrides, the layers whose calls stream from their graph at N tokens)
     "llama": ("llama", {}, [0, 1]),
     "mistral": ("mistral", dict(sliding_window=None), [0, 1]),
