@@ -327,15 +327,20 @@ BLOCK_CACHES = {   # config -> (apply, whether the model forward streams too)
 }
 
 
-@pytest.mark.parametrize("config", list(BLOCK_CACHES))
-def test_block_caches_stream_when_their_block_runs(config):
-    apply, root = BLOCK_CACHES[config]
+def _cached_beside_uncached(apply):
+    """A tiny Wan model with a cache hook applied, and the same weights' denoising without the cache."""
     torch.manual_seed(0)
     model = _wan_model()
     plain = _wan_model()
     plain.load_state_dict(model.state_dict())
     apply(model)
-    no_cache = _denoise(plain)
+    return model, _denoise(plain)
+
+
+@pytest.mark.parametrize("config", list(BLOCK_CACHES))
+def test_block_caches_stream_when_their_block_runs(config):
+    apply, root = BLOCK_CACHES[config]
+    model, no_cache = _cached_beside_uncached(apply)
     ref, ref_peak = streamplan.measure_peak(_denoise, model)
     assert any(rel_err(r, n) > 1e-3 for r, n in zip(ref, no_cache))   # the cache skipped or predicted something
     handle = streamplan.apply(model, chunk_tokens=256)
@@ -371,12 +376,7 @@ def test_caches_on_parts_keep_blocks_stock_with_the_reason(config):
     """A hook that replaces an attention's output by one kept from an earlier step cannot act inside a graph of the
     whole block: the block stays stock, named; its feed-forward part and the model forward still stream."""
     apply, reason = PART_CACHES[config]
-    torch.manual_seed(0)
-    model = _wan_model()
-    plain = _wan_model()
-    plain.load_state_dict(model.state_dict())
-    apply(model)
-    no_cache = _denoise(plain)
+    model, no_cache = _cached_beside_uncached(apply)
     ref = _denoise(model)
     assert any(rel_err(r, n) > 1e-3 for r, n in zip(ref, no_cache))
     handle = streamplan.apply(model, chunk_tokens=256)
