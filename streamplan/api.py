@@ -325,8 +325,9 @@ def apply(module: nn.Module, budget: int | str | None = "auto", chunk_tokens: in
     block from its captured graph unless a part recognizer knows the block itself (an MLP in a list of experts),
     "prefer" captures every block, "off" captures nothing (hand-written parts and model forwards only).
     ``kv`` says where a captured block's K and V live between its phases: "device" (default, exact: whole on the
-    device wherever the budget allows; below the floor the planner may stage them to the host, L4, or group heads,
-    L3), "host" (L4 forced: pinned host memory, read back block by block and merged by log-sum-exp, exact), "int8" or
+    device wherever the budget allows; below the floor the planner groups heads,
+    L3), "host" (L4, only when asked: pinned host memory, read back block by block and merged by log-sum-exp;
+    experimental: on the H200 it differed from stock by more than stock's kernel noise), "int8" or
     "fp8" (L5: compressed on the device, approximate; the first call per input shape also runs exact K/V and the
     report gives the error).
     """
