@@ -230,6 +230,54 @@ def test_offloaded_cache_prefill():
     handle.remove()
 
 
+def _same_fp8(a, b) -> None:
+    """Two fp8 caches (transformers' Fp8QuantizedLayer: codes and a per-tensor scale) of K/V equal to 1e-5 in fp32:
+    the scales equal to 1e-5; a code may differ by one fp8 step where its input sat on a rounding boundary (the
+    streamed K/V are computed a chunk of rows at a time), and few do."""
+    for la, lb in zip(a.layers, b.layers):
+        for (qa, sa), (qb, sb) in ((la._quantized_keys, lb._quantized_keys),
+                                   (la._quantized_values, lb._quantized_values)):
+            assert qa.shape == qb.shape and rel_err(sa, sb) <= 1e-5
+            ca, cb = qa.float(), qb.float()
+            step = torch.maximum(ca.abs().maximum(cb.abs()) * 2 ** -3, torch.full_like(ca, 2 ** -9))
+            assert ((ca - cb).abs() <= step).all()
+            assert (ca != cb).float().mean() <= 1e-3
+
+
+# generate's cache_implementation -> its extra arguments (the offloaded cache moves layers to and from CUDA)
+GENERATE_CACHES = {"dynamic": {}, "quantized": {"cache_config": {"backend": "fp8"}}, "offloaded": {}}
+
+
+@pytest.mark.parametrize("impl", sorted(GENERATE_CACHES))
+@torch.no_grad()
+def test_generate_gives_stock_tokens_logits_and_cache(impl):
+    """``generate`` with a padded batch of 2 into each of transformers' cache kinds: the prefill streams (the model
+    forward and every layer from its graph, filling the cache from the graph's K/V), the decoding steps run stock on
+    that cache; tokens, every step's logits and the cache at the end match stock's."""
+    if impl == "offloaded" and not torch.cuda.is_available():
+        pytest.skip("transformers' offloaded cache moves layers to and from CUDA")
+    device = "cuda" if impl == "offloaded" else "cpu"
+    model, ids = _lm("llama").to(device), _ids().to(device)
+    mask = torch.ones_like(ids)
+    mask[1, :11] = 0
+    kw = dict(attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0,
+              cache_implementation=impl, return_dict_in_generate=True, output_logits=True, **GENERATE_CACHES[impl])
+    ref = model.generate(ids, **kw)
+    handle = streamplan.apply(model, chunk_tokens=CHUNK)
+    out = model.generate(ids, **kw)
+    assert torch.equal(out.sequences, ref.sequences)
+    # the prefill's logits need no quantized K/V (the first update hands back what it is given); the steps after it
+    # read the fp8 cache, where a code one step apart moves a logit by about 1e-4 of the largest
+    tol = [1e-5] + [1e-5 if impl != "quantized" else 1e-3] * (len(ref.logits) - 1)
+    for step, (a, b, t) in enumerate(zip(out.logits, ref.logits, tol)):
+        assert rel_err(a, b) <= t, (step, rel_err(a, b))
+    (_same_fp8 if impl == "quantized" else _same_cache)(_cache_of(out), _cache_of(ref))
+    assert _tiers(handle, "model")[0] == "L1" and "a decoding step" in _notes(handle, "model"), handle.report()
+    for i in range(2):   # the prefill call of each layer streamed from its graph
+        assert _tiers(handle, f"model.layers.{i}")[0] == "L1", handle.report()
+    handle.remove()
+
+
 @torch.no_grad()
 def test_quantized_cache_prefill():
     try:
@@ -242,10 +290,10 @@ def test_quantized_cache_prefill():
     out_cache = transformers.QuantizedCache("fp8", model.config)
     out = model(ids, use_cache=True, **{CACHE: out_cache})
     assert rel_err(out.logits, ref.logits) <= 1e-5
-    for la, lb in zip(out_cache.layers, _cache_of(ref).layers):
-        for qa, qb in ((la._quantized_keys, lb._quantized_keys), (la._quantized_values, lb._quantized_values)):
-            assert rel_err(qa[0].float(), qb[0].float()) <= 1e-5 and torch.equal(qa[1], qb[1])
+    _same_fp8(out_cache, _cache_of(ref))
     assert _streamed(handle, "model"), handle.report()
+    for i in range(2):   # each layer streamed from its graph and filled its empty fp8 layer from the graph's K/V
+        assert _tiers(handle, f"model.layers.{i}") == ["L1"], handle.report()
     handle.remove()
 
 

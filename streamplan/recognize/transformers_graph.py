@@ -3,7 +3,9 @@
 The attention backend is the model config's ``_attn_implementation`` (its consumer serves the graph's attention). A
 layer called with an empty ``DynamicCache`` (prefill) is captured without it, and its cache is then filled from the
 graph's own K and V, as the stock attention would have done; a cache that already holds tokens (decoding, chunked
-prefill) or of another kind keeps the stock call, named."""
+prefill) or of another kind keeps the stock call, named. The same goes for the caches in ``FILLABLE``: those whose
+first update of an empty layer stores what it is given and hands it back unchanged, so that stock attends exactly
+the K and V it computed (transformers' offloaded cache is a ``DynamicCache`` with ``offloading``)."""
 from __future__ import annotations
 
 import sys
@@ -12,6 +14,12 @@ import torch
 from torch import nn
 
 from ..ir import AdaptedCall, register_backend_probe, register_call_adapter
+
+# cache classes the graph fills after it runs -> what their first update of an empty layer does (transformers 5.x)
+FILLABLE = {
+    "DynamicCache": "DynamicLayer / DynamicSlidingWindowLayer keep the K/V given (offloading: then moved to the host)",
+    "QuantizedCache": "QuantizedLayer quantizes the K/V given and returns them as given",
+}
 
 
 def _layer_attention(block: nn.Module) -> nn.Module | None:
@@ -37,14 +45,14 @@ def adapt_cache_call(block: nn.Module, args: tuple, kwargs: dict) -> AdaptedCall
     if not caches:
         return None
     cache = caches[0]
-    if len(caches) > 1 or type(cache).__name__ != "DynamicCache":
-        return f"a {type(cache).__name__}: the graph fills an empty DynamicCache only"
+    if len(caches) > 1 or type(cache).__name__ not in FILLABLE:
+        return f"a {type(cache).__name__}: the graph fills an empty {' or '.join(FILLABLE)} only"
     attn = _layer_attention(block)
     config = getattr(attn, "config", None)
     if attn is None or config is None:
         return "a cache, and no attention with a layer index and config to fill it for"
     if cache.get_seq_length(attn.layer_idx) != 0:
-        return "a cache that already holds tokens (the graph streams prefill into an empty DynamicCache)"
+        return "a cache that already holds tokens (the graph streams prefill into an empty cache)"
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
 
     def fill(k: torch.Tensor, v: torch.Tensor) -> None:
