@@ -377,4 +377,17 @@ class _H3:
         return [-video.to(video_x.dtype), -h3.unpack_audio(outs[1]).to(audio_x.dtype)]
 
 
-_FORWARDS = {comfy_models.WAN_PATH: _Wan, comfy_models.H3_PATH: _H3}
+_FORWARDS: dict[str, Any] = {}
+
+
+def register_forward(path: str, forward: Any) -> None:
+    """Follow the model class at ``path`` (a key of ``comfy_models.KNOWN``, whose fingerprints gate it) with
+    ``forward``: ``problem(model, call) -> str | None`` (why this call keeps the stock forward) and
+    ``forward(model, call, state)`` (the call streamed), ``call`` the bound arguments of the model's ``_forward``."""
+    _FORWARDS[path] = forward
+
+
+register_forward(comfy_models.WAN_PATH, _Wan)
+register_forward(comfy_models.H3_PATH, _H3)
+# the joint-stream models (Flux, HunyuanVideo) and LTX-Video register theirs, written with the helpers above
+from . import forwards_joint, forwards_ltxv  # noqa: E402,F401

@@ -15,9 +15,13 @@ from .checks import source_fingerprint
 
 H3_PATH = "comfy.ldm.minimax.model.MiniMaxH3Model"
 WAN_PATH = "comfy.ldm.wan.model.WanModel"
+FLUX_PATH = "comfy.ldm.flux.model.Flux"
+HUNYUAN_VIDEO_PATH = "comfy.ldm.hunyuan_video.model.HunyuanVideo"
+LTXV_PATH = "comfy.ldm.lightricks.model.LTXVModel"
 
 # class path -> {what: fingerprint}, ComfyUI 0.33.0. ``what`` names a function the streamed forward follows (the model
-# forward and the functions whose row layout or per-row math it reproduces chunk by chunk)
+# forward and the functions whose row layout or per-row math it reproduces chunk by chunk, or that it calls on row
+# chunks): "Class.method" or "function" as the model's module sees them, or "package.module:Class.method"
 KNOWN: dict[str, dict[str, str]] = {
     H3_PATH: {"MiniMaxH3Model.forward": "8d150257b0a71ea5", "MiniMaxH3Model._forward": "3679bddb6af97a15",
               "FinalLayer.forward": "7b83b67fbc702bc8", "patchify_video": "124c9f0151cce8ca",
@@ -25,6 +29,17 @@ KNOWN: dict[str, dict[str, str]] = {
     WAN_PATH: {"WanModel.forward": "aaf45014828962a4", "WanModel._forward": "cecb39002f09da25",
                "WanModel.forward_orig": "249cd41797b22e63", "Head.forward": "756047ae4c35fd00",
                "repeat_e": "480e9e42e517bf5c", "WanModel.unpatchify": "a6843ac57815fd3f"},
+    # the final layer is called on row chunks: it and its modulation helper must stay row-local
+    FLUX_PATH: {"Flux.forward": "6416ccb89aa32516", "Flux._forward": "327f03dd13b25d6e",
+                "Flux.forward_orig": "ff2fa9c3944a19d7", "LastLayer.forward": "bc898fe6b02c5cf0",
+                "comfy.ldm.flux.layers:apply_mod": "87f491e4c84dc95f"},
+    HUNYUAN_VIDEO_PATH: {"HunyuanVideo.forward": "ea0c5a74c0a8ef0d", "HunyuanVideo._forward": "3385f0debe956fc8",
+                         "HunyuanVideo.forward_orig": "90e86054134deef8", "LastLayer.forward": "bc898fe6b02c5cf0",
+                         "comfy.ldm.flux.layers:apply_mod": "87f491e4c84dc95f",
+                         "comfy.ldm.modules.diffusionmodules.mmdit:PatchEmbed.forward": "d6aee2a24259e371"},
+    LTXV_PATH: {"LTXVModel.forward": "818dbbc43fdbd690", "LTXVModel._forward": "1cd3eae65657c393",
+                "LTXVModel._process_transformer_blocks": "4761ee12958818ee",
+                "LTXVModel._process_output": "0795d1667bbc4784"},
 }
 _SEEN: dict[Any, str | None] = {}
 
@@ -34,9 +49,18 @@ def class_path(cls: type) -> str:
 
 
 def _function(cls: type, what: str) -> Callable | None:
-    """The function ``what`` names, looked up where the model's forward finds it (its class, its module's globals)."""
+    """The function ``what`` names, looked up where the model's forward finds it (its class, its module's globals),
+    or in the module a "module:" prefix names."""
+    module, _, what = what.rpartition(":")
     owner, _, attr = what.rpartition(".")
-    glob = getattr(cls.forward, "__globals__", {})
+    if module:
+        import importlib
+        try:
+            glob = vars(importlib.import_module(module))
+        except ImportError:
+            return None
+    else:
+        glob = getattr(cls.forward, "__globals__", {})
     if not owner:
         return glob.get(attr)
     holder = cls if owner == cls.__name__ else glob.get(owner)

@@ -1,0 +1,380 @@
+"""The streamed forwards of ComfyUI's joint-stream DiTs (0.33.0): Flux (``comfy.ldm.flux.model.Flux``) and
+HunyuanVideo (``comfy.ldm.hunyuan_video.model.HunyuanVideo``), which share Flux's double and single stream blocks.
+
+Their stock forwards keep text and image rows apart through the double blocks, then join them
+(``torch.cat((txt, img), 1)``: a second whole-sequence residual while the first is alive) for the single blocks, and
+run the final layer over every image row at once. Streamed, the rows live in one ``[batch, text + image, hidden]``
+buffer from the start:
+
+- the input projection (Flux's ``img_in`` Linear, HunyuanVideo's ``img_in`` Conv3d) writes row chunks into the
+  buffer's image rows; the text rows are written once;
+- double blocks get views of the buffer's text and image rows (the image view donated to streamplan's own block
+  replacement, which updates it in place; a stock or foreign block's output is copied back where it is not the view);
+  single blocks get the whole buffer, donated; no join is needed;
+- the final layer runs on row chunks of the image rows into its small output, which the stock layout code then
+  rearranges.
+
+What is not covered keeps the stock forward, with the reason (``problem``): reference latents, post-input patches,
+HunyuanVideo's guiding frame, reference latent, meanflow, ByT5, vision or condition-type inputs."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..executors.chunks import spans
+from ..executors.donation import donate
+from ..recognize import comfy_models
+from .forwards import chunk_rows, grid_spans, register_forward
+
+
+def _into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Rows a block returned, into the buffer's rows ``dst`` (nothing to do where the block updated ``dst`` itself)."""
+    if src is dst or (src.data_ptr() == dst.data_ptr() and src.stride() == dst.stride()):
+        return
+    dst.copy_(src)
+
+
+def _replaced(blocks_replace: dict, key: tuple, args: dict, block_wrap, donated: torch.Tensor) -> tuple[dict, bool]:
+    """One block through its "dit" replacement, with ``donated`` (a view of the buffer) donated when the replacement
+    is streamplan's own."""
+    replacement = blocks_replace[key]
+    if getattr(replacement, "streamplan_donates", False):
+        with donate(donated):
+            return replacement(args, {"original_block": block_wrap}), True
+    return replacement(args, {"original_block": block_wrap}), False
+
+
+class Joint:
+    """The block loops and the head over one joint buffer; ``Flux`` and ``HunyuanVideo`` differ in how they prepare
+    rows and conditioning, in the arguments their blocks get and in their layout of the output."""
+
+    @staticmethod
+    def double_args(img, txt, vec, pe, mask, options) -> dict:
+        raise NotImplementedError
+
+    @staticmethod
+    def single_args(img, vec, pe, mask, options) -> dict:
+        raise NotImplementedError
+
+    @staticmethod
+    def double_wrap(block):
+        raise NotImplementedError
+
+    @staticmethod
+    def single_wrap(block):
+        raise NotImplementedError
+
+    @classmethod
+    def blocks(cls, model: Any, hidden: torch.Tensor, text: int, vecs: tuple, pe: Any, mask: Any, options: dict,
+               control: Any, state: Any) -> None:
+        """Every double and single block over ``hidden`` (text rows first), updated in place; ``vecs``: the double
+        and single blocks' modulation input. ControlNet additions as the stock forward makes them."""
+        blocks_replace = options.get("patches_replace", {}).get("dit", {})
+        txt, img = hidden[:, :text], hidden[:, text:]
+        donated = 0
+        options["total_blocks"] = len(model.double_blocks)
+        options["block_type"] = "double"
+        for i, block in enumerate(model.double_blocks):
+            options["block_index"] = i
+            if ("double_block", i) in blocks_replace:
+                args = cls.double_args(img, txt, vecs[0], pe, mask, options)
+                out, gave = _replaced(blocks_replace, ("double_block", i), args, cls.double_wrap(block), img)
+                del args
+                donated += gave
+                img_out, txt_out = out["img"], out["txt"]
+                del out
+            else:   # the host's stock call is its block_wrap's
+                out = cls.double_wrap(block)(cls.double_args(img, txt, vecs[0], pe, mask, options))
+                img_out, txt_out = out["img"], out["txt"]
+                del out
+            _into(img, img_out)
+            _into(txt, txt_out)
+            del img_out, txt_out
+            if control is not None:
+                add = cls.control_at(control.get("input"), i)
+                if add is not None:
+                    cls.add_control_input(img, add)
+        if hidden.dtype == torch.float16 and cls.fp16_clean:   # the stock forward's clean-up of the image rows
+            torch.nan_to_num(img, nan=0.0, posinf=65504, neginf=-65504, out=img)
+
+        options["total_blocks"] = len(model.single_blocks)
+        options["block_type"] = "single"
+        options["img_slice"] = [text, hidden.shape[1]]
+        for i, block in enumerate(model.single_blocks):
+            options["block_index"] = i
+            if ("single_block", i) in blocks_replace:
+                args = cls.single_args(hidden, vecs[1], pe, mask, options)
+                out, gave = _replaced(blocks_replace, ("single_block", i), args, cls.single_wrap(block), hidden)
+                del args
+                donated += gave
+                out = out["img"]
+            else:
+                out = cls.single_wrap(block)(cls.single_args(hidden, vecs[1], pe, mask, options))["img"]
+            _into(hidden, out)
+            del out
+            if control is not None:
+                add = cls.control_at(control.get("output"), i)
+                if add is not None:
+                    cls.add_control_output(hidden, text, add)
+        state.forward.donated_blocks = donated
+
+    @staticmethod
+    def control_at(adds: Any, i: int):
+        return adds[i] if adds is not None and i < len(adds) else None
+
+    @staticmethod
+    def head(model: Any, img: torch.Tensor, vec: torch.Tensor, chunk: int) -> torch.Tensor:
+        """The final layer on row chunks of the image rows, into its ``[batch, rows, out]`` output."""
+        out = None
+        for a, b in spans(img.shape[1], chunk):
+            y = model.final_layer(img[:, a:b], vec)
+            if out is None:
+                out = y.new_empty(img.shape[0], img.shape[1], y.shape[-1])
+            out[:, a:b] = y
+            del y
+        return out
+
+
+# --- Flux (comfy.ldm.flux.model.Flux._forward and forward_orig, ComfyUI 0.33.0) -----------------------------------
+
+class Flux(Joint):
+    fp16_clean = True
+
+    @staticmethod
+    def double_args(img, txt, vec, pe, mask, options) -> dict:
+        return {"img": img, "txt": txt, "vec": vec, "pe": pe, "attn_mask": mask, "transformer_options": options}
+
+    @staticmethod
+    def single_args(img, vec, pe, mask, options) -> dict:
+        return {"img": img, "vec": vec, "pe": pe, "attn_mask": mask, "transformer_options": options}
+
+    @staticmethod
+    def double_wrap(block):
+        """The "original_block" the host hands a double block replacement (a closure over the block module alone)."""
+        def block_wrap(args):
+            out = {}
+            out["img"], out["txt"] = block(img=args["img"], txt=args["txt"], vec=args["vec"], pe=args["pe"],
+                                           attn_mask=args.get("attn_mask"),
+                                           transformer_options=args.get("transformer_options"))
+            return out
+        return block_wrap
+
+    @staticmethod
+    def single_wrap(block):
+        def block_wrap(args):
+            return {"img": block(args["img"], vec=args["vec"], pe=args["pe"], attn_mask=args.get("attn_mask"),
+                                 transformer_options=args.get("transformer_options"))}
+        return block_wrap
+
+    @staticmethod
+    def add_control_input(img: torch.Tensor, add: torch.Tensor) -> None:
+        img[:, :add.shape[1]] += add
+
+    @staticmethod
+    def add_control_output(hidden: torch.Tensor, text: int, add: torch.Tensor) -> None:
+        hidden[:, text:text + add.shape[1], ...] += add
+
+    @staticmethod
+    def problem(model: Any, call: dict) -> str | None:
+        x = call.get("x")
+        if not isinstance(x, torch.Tensor) or x.dim() != 4:
+            return "x is not [batch, channels, height, width]"
+        if call.get("ref_latents") is not None:
+            return "ref_latents are given (reference image rows join the sequence)"
+        if (call.get("transformer_options") or {}).get("patches", {}).get("post_input"):
+            return "post_input patches are set (they may change the rows before the blocks)"
+        return None
+
+    @classmethod
+    def forward(cls, model: Any, call: dict, state: Any) -> torch.Tensor:
+        from comfy.ldm.flux.model import timestep_embedding
+        from einops import rearrange
+
+        from .memory import room_for
+        x, timestep, context, y = call["x"], call["timestep"], call["context"], call.get("y")
+        guidance, control = call.get("guidance"), call.get("control")
+        options = call.get("transformer_options", {})
+        mask = (call.get("kwargs") or {}).get("attention_mask")
+        params, p = model.params, model.patch_size
+        bs, _, h_orig, w_orig = x.shape
+        h_len, w_len = (h_orig + p // 2) // p, (w_orig + p // 2) // p
+        patches, img_ids = model.process_img(x, transformer_options=options)   # [batch, rows, channels x p x p]
+        rows = patches.shape[1]
+        txt_ids = torch.zeros((bs, context.shape[1], len(params.axes_dim)), device=x.device, dtype=torch.float32)
+        for i in params.txt_ids_dims:
+            txt_ids[:, :, i] = torch.linspace(0, context.shape[1] - 1, steps=context.shape[1], device=x.device,
+                                              dtype=torch.float32)
+        options = options.copy()   # as forward_orig
+
+        room = room_for(state.options, x.device)
+        chunk = chunk_rows(state.options, room, model.hidden_size * 6)
+        state.forward.chunk = chunk
+        first = model.img_in(patches[:, :min(rows, chunk)])
+        dtype = first.dtype
+        vec = model.time_in(timestep_embedding(timestep, 256).to(dtype))
+        if params.guidance_embed and guidance is not None:
+            vec = vec + model.guidance_in(timestep_embedding(guidance, 256).to(dtype))
+        if model.vector_in is not None:
+            if y is None:
+                y = torch.zeros((bs, params.vec_in_dim), device=x.device, dtype=dtype)
+            vec = vec + model.vector_in(y[:, :params.vec_in_dim])
+        txt = context if model.txt_norm is None else model.txt_norm(context)
+        txt = model.txt_in(txt)
+        text = txt.shape[1]
+        pe = model.pe_embedder(torch.cat((txt_ids, img_ids), dim=1))
+
+        hidden = torch.empty(bs, text + rows, model.hidden_size, dtype=dtype, device=x.device)
+        hidden[:, :text] = txt
+        del txt
+        hidden[:, text:text + first.shape[1]] = first
+        for a, b in spans(rows, chunk):
+            if a:
+                hidden[:, text + a:text + b] = model.img_in(patches[:, a:b])
+        del first, patches
+
+        vec_orig = vec
+        if params.global_modulation:
+            vecs = ((model.double_stream_modulation_img(vec_orig), model.double_stream_modulation_txt(vec_orig)),
+                    model.single_stream_modulation(vec_orig)[0])
+        else:
+            vecs = (vec, vec)
+        cls.blocks(model, hidden, text, vecs, pe, mask, options, control, state)
+        del pe, vecs
+        out = cls.head(model, hidden[:, text:], vec_orig, chunk)
+        del hidden
+        return rearrange(out, "b (h w) (c ph pw) -> b c (h ph) (w pw)", h=h_len, w=w_len, ph=p,
+                         pw=p)[:, :, :h_orig, :w_orig]
+
+
+# --- HunyuanVideo (comfy.ldm.hunyuan_video.model.HunyuanVideo._forward and forward_orig, ComfyUI 0.33.0) ---------
+
+class HunyuanVideo(Joint):
+    fp16_clean = False
+
+    @staticmethod
+    def double_args(img, txt, vec, pe, mask, options) -> dict:
+        return {"img": img, "txt": txt, "vec": vec, "pe": pe, "attention_mask": mask, "modulation_dims_img": None,
+                "modulation_dims_txt": None, "transformer_options": options}
+
+    @staticmethod
+    def single_args(img, vec, pe, mask, options) -> dict:
+        return {"img": img, "vec": vec, "pe": pe, "attention_mask": mask, "modulation_dims": None,
+                "transformer_options": options}
+
+    @staticmethod
+    def double_wrap(block):
+        def block_wrap(args):
+            out = {}
+            out["img"], out["txt"] = block(img=args["img"], txt=args["txt"], vec=args["vec"], pe=args["pe"],
+                                           attn_mask=args["attention_mask"],
+                                           modulation_dims_img=args["modulation_dims_img"],
+                                           modulation_dims_txt=args["modulation_dims_txt"],
+                                           transformer_options=args["transformer_options"])
+            return out
+        return block_wrap
+
+    @staticmethod
+    def single_wrap(block):
+        def block_wrap(args):
+            return {"img": block(args["img"], vec=args["vec"], pe=args["pe"], attn_mask=args["attention_mask"],
+                                 modulation_dims=args["modulation_dims"],
+                                 transformer_options=args["transformer_options"])}
+        return block_wrap
+
+    @staticmethod
+    def add_control_input(img: torch.Tensor, add: torch.Tensor) -> None:
+        img += add
+
+    @staticmethod
+    def add_control_output(hidden: torch.Tensor, text: int, add: torch.Tensor) -> None:
+        hidden[:, text:] += add
+
+    @staticmethod
+    def problem(model: Any, call: dict) -> str | None:
+        x = call.get("x")
+        if not isinstance(x, torch.Tensor) or x.dim() != 5 or len(model.patch_size) != 3:
+            return "x is not [batch, channels, frames, height, width] with 3-D patches"
+        if not isinstance(model.img_in.norm, torch.nn.Identity) or not model.img_in.flatten:
+            return "img_in is not a plain patch embedding (a norm after it, or no flattening)"
+        for arg, what in (("ref_latent", "a reference latent (its rows join the sequence)"),
+                          ("guiding_frame_index", "a guiding frame (modulation per row range)"),
+                          ("clip_fea", "clip_fea (HunyuanVideo 1.5's vision rows)")):
+            if call.get(arg) is not None:
+                return f"{what} is given"
+        if model.time_r_in is not None and not call.get("disable_time_r"):
+            return "meanflow's second timestep (time_r_in) is used"
+        if model.cond_type_embedding is not None or (model.byt5_in is not None and call.get("txt_byt5") is not None):
+            return "HunyuanVideo 1.5's condition-type or ByT5 text inputs"
+        return None
+
+    @classmethod
+    def forward(cls, model: Any, call: dict, state: Any) -> torch.Tensor:
+        import comfy.ldm.common_dit as common_dit
+        from comfy.ldm.hunyuan_video.model import timestep_embedding
+
+        from .memory import room_for
+        x, timestep, context, y = call["x"], call["timestep"], call["context"], call.get("y")
+        guidance, control, txt_mask = call.get("guidance"), call.get("control"), call.get("attention_mask")
+        options = call.get("transformer_options", {})
+        bs = x.shape[0]
+        img_ids = model.img_ids(x)
+        txt_ids = torch.zeros((bs, context.shape[1], 3), device=x.device, dtype=x.dtype)
+        options = options.copy()   # as forward_orig
+        initial_shape = list(x.shape)
+        embed = model.img_in
+        padded = common_dit.pad_to_patch_size(x, embed.patch_size, padding_mode=embed.padding_mode) \
+            if embed.dynamic_img_pad else x
+        pt, ph, pw = embed.patch_size
+        grid = (padded.shape[2] // pt, padded.shape[3] // ph, padded.shape[4] // pw)
+        rows = grid[0] * grid[1] * grid[2]
+
+        room = room_for(state.options, x.device)
+        chunk = chunk_rows(state.options, room, model.hidden_size * 6)
+        state.forward.chunk = chunk
+        parts = grid_spans(grid, chunk)
+        (t0, t1), (h0, h1), span = next(parts)
+        first = embed.proj(padded[:, :, t0 * pt:t1 * pt, h0 * ph:h1 * ph]).flatten(2).transpose(1, 2)
+        dtype = first.dtype
+        vec = model.time_in(timestep_embedding(timestep, 256, time_factor=1.0).to(dtype))
+        if model.vector_in is not None:
+            vec = vec + model.vector_in(y[:, :model.params.vec_in_dim])
+        if model.params.guidance_embed and guidance is not None:
+            vec = vec + model.guidance_in(timestep_embedding(guidance, 256).to(dtype))
+        if txt_mask is not None and not torch.is_floating_point(txt_mask):
+            txt_mask = (txt_mask - 1).to(dtype) * torch.finfo(dtype).max
+        txt = model.txt_in(context, timestep, txt_mask, transformer_options=options)
+        text = txt.shape[1]
+        pe = model.pe_embedder(torch.cat((txt_ids, img_ids), dim=1))
+        del img_ids, txt_ids
+        mask = None
+        if txt_mask is not None:
+            mask = torch.zeros((1, 1, rows + text), dtype=dtype, device=x.device)
+            mask[:, 0, :text] = txt_mask
+
+        hidden = torch.empty(bs, text + rows, model.hidden_size, dtype=dtype, device=x.device)
+        hidden[:, :text] = txt
+        del txt
+        hidden[:, text + span[0]:text + span[1]] = first
+        del first
+        for (t0, t1), (h0, h1), (a, b) in parts:
+            hidden[:, text + a:text + b] = embed.proj(
+                padded[:, :, t0 * pt:t1 * pt, h0 * ph:h1 * ph]).flatten(2).transpose(1, 2)
+        del padded
+
+        cls.blocks(model, hidden, text, (vec, vec), pe, mask, options, control, state)
+        del pe, mask
+        img = cls.head(model, hidden[:, text:], vec, chunk)
+        del hidden
+        # the stock forward's layout of the final layer's rows
+        shape = initial_shape[-len(model.patch_size):]
+        for i in range(len(shape)):
+            shape[i] = shape[i] // model.patch_size[i]
+        img = img.reshape([img.shape[0]] + shape + [model.out_channels] + model.patch_size)
+        img = img.permute(0, 4, 1, 5, 2, 6, 3, 7)
+        return img.reshape(initial_shape[0], model.out_channels, initial_shape[2], initial_shape[3],
+                           initial_shape[4])
+
+
+register_forward(comfy_models.FLUX_PATH, Flux)
+register_forward(comfy_models.HUNYUAN_VIDEO_PATH, HunyuanVideo)
