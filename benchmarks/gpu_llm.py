@@ -8,17 +8,31 @@ the floor (residual + one layer's K + V: 12.0 KB/token), time against stock, the
 alone takes several (one pass of 32 layers' attention over 1M rows), so run them one command each there.
 
 generate: ``generate(max_new_tokens=16)`` greedy with transformers' offloaded cache, stock beside streamplan (the
-prefill streams: layers through their parts, the attention filling the cache; decoding steps run stock); tokens
-compared.
+prefill streams: every layer from its graph, filling the cache from the graph's K/V; decoding steps run stock); tokens,
+every step's logits and the first and last layers' cache compared.
+
+Peaked logits: random weights give near-flat logits, whose argmax flips on bf16 noise, so tokens could not be compared.
+The model stays a real ``LlamaForCausalLM`` with its own forward; ``peak_logits`` changes weights only: the
+embeddings are scaled until each position's own token embedding is ``PEAK_RATIO`` times the rms of what the 32 layers
+add to the residual (measured on a short prompt), and the untied head reads a fixed permutation of the embeddings,
+so the greedy next token is perm^-1(current) by a wide margin (the JSON has each step's top-1 minus top-2 logit),
+while every layer, and attention over the whole cache, still moves every logit (the JSON has each step's relative
+difference from stock).
 
     python benchmarks/gpu_llm.py smoke                            # 2 layers, 8192 tokens, every prefill mode, padded
     python benchmarks/gpu_llm.py prefill 131072                   # stock, chunk 16384, held to 1.15x the floor
     python benchmarks/gpu_llm.py prefill 1048576 stock            # one mode per command at 1M tokens
-    python benchmarks/gpu_llm.py prefill 1048576 held
+    python benchmarks/gpu_llm.py prefill 1048576 held layers=4    # a few layers: KB/token is per-layer, time per layer
     python benchmarks/gpu_llm.py generate 262144                  # stock and streamplan, offloaded cache
 
     python benchmarks/gpu_llm.py prefill 131072 stock,held padded=2048   # batch 2, the second left-padded
 
+    python benchmarks/gpu_llm.py prefill 131072 stock,held,chunk=2816/1024,chunk=2816,chunk=8448 layers=4
+                                                                  # where a held plan's time goes: its chunk, its slices
+
+Modes: ``stock``; ``chunk`` (16384-row chunks), ``chunk=C`` (C-row chunks), ``chunk=C/S`` (C-row chunks, the MLP in
+S-feature slices); ``held`` (the planner given 1.15x the floor). Past 256k tokens a streamed mode first runs 8192 tokens
+(its layers' capture), then one timed call; every row gives ``time_per_layer_s``.
 Optional arguments: ``layers=N`` changes the layer count (default 32); ``padded=P`` runs a batch of 2 whose second
 sequence has P tokens of left padding (``attention_mask`` zeros: stock builds a [2, 1, N, N] mask; streamed, each
 batch element attends its own keys with no mask rows). The floor then counts both sequences. Each streamed row
@@ -47,14 +61,51 @@ GENERATE_CACHE = "offloaded"    # transformers' cache_implementation for generat
 PREFILL_MODES = ("stock", "chunk", "held")
 
 
-def build(layers: int):
+PEAK_RATIO = 4.0      # a position's own (scaled) embedding against the rms of what the layers add to the residual
+PEAK_LOGIT = 30.0     # the greedy token's logit, about (the others: a few units)
+
+
+def build(layers: int, peaked: bool = False):
     from transformers import LlamaConfig, LlamaForCausalLM
     cfg = LlamaConfig(hidden_size=HIDDEN, intermediate_size=FFN, num_attention_heads=HEADS,
                       num_key_value_heads=KV_HEADS, num_hidden_layers=layers, vocab_size=VOCAB,
-                      max_position_embeddings=1 << 21, attn_implementation="sdpa")
+                      max_position_embeddings=1 << 21, attn_implementation="sdpa", tie_word_embeddings=False)
     torch.manual_seed(0)
     with torch.device(DEVICE):   # initialised on the card: 8B random weights are slow to make on a CPU
-        return LlamaForCausalLM(cfg).to(BF16).eval()
+        model = LlamaForCausalLM(cfg).to(BF16).eval()
+    model.peaked = peak_logits(model) if peaked else None
+    return model
+
+
+@torch.no_grad()
+def peak_logits(model, rounds: int = 3) -> dict:
+    """Peaked logits from random weights (see the module's doc): scale the embeddings to ``PEAK_RATIO`` x what the
+    layers add (re-measured each round: the layers see the normalised residual, so what they add barely moves), then
+    point the head at a permutation of the embeddings. Returns the measured ratio and the head's scale."""
+    emb = model.model.embed_tokens.weight
+    assert model.lm_head.weight.data_ptr() != emb.data_ptr(), "the head must be untied"
+    base = emb.float().clone()
+    ids = torch.randint(0, VOCAB, (1, 512), device=DEVICE, generator=torch.Generator(device=DEVICE).manual_seed(7))
+    seen: dict = {}
+    hook = model.model.norm.register_forward_pre_hook(lambda m, a: seen.__setitem__("x", a[0].float()))
+    try:
+        scale, ratio = 1.0, 0.0
+        for _ in range(rounds):
+            model(ids, logits_to_keep=1, use_cache=False)
+            own = model.model.embed_tokens(ids).float()
+            added = (seen["x"] - own).pow(2).mean().sqrt().item()
+            ratio = own.pow(2).mean().sqrt().item() / added
+            scale *= PEAK_RATIO / ratio
+            emb.copy_(base * scale)
+    finally:
+        hook.remove()
+    # logit of the greedy token ~ |head row| x |normalised residual| x cos = c * rms(E) * HIDDEN * cos
+    cos = PEAK_RATIO / (1 + PEAK_RATIO ** 2) ** 0.5
+    c = PEAK_LOGIT / (base.pow(2).mean().sqrt().item() * HIDDEN * cos)
+    perm = torch.randperm(VOCAB, device=DEVICE, generator=torch.Generator(device=DEVICE).manual_seed(3))
+    model.lm_head.weight.copy_(base[perm] * c)
+    return {"embedding_scale": scale, "ratio_before_last_scaling": ratio, "head_scale": c,
+            "rule": "embeddings x scale so own token is PEAK_RATIO x the layers' rms; lm_head = embeddings[perm] x c"}
 
 
 def _clean() -> None:
@@ -79,13 +130,16 @@ def _timed_peak(fn):
 def _apply(model, mode: str, inputs: int, n: int):
     if mode == "chunk":
         return streamplan.apply(model, chunk_tokens=CHUNK)
+    if mode.startswith("chunk="):   # chunk=C or chunk=C/S (S: the MLP's feature slice)
+        c, _, sl = mode[6:].partition("/")
+        return streamplan.apply(model, chunk_tokens=int(c), ffn_slice=int(sl) if sl else None)
     if mode == "held":   # the planner given the inputs plus 1.15x the floor
         return streamplan.apply(model, budget=int(inputs + 1.15 * FLOOR * n))
-    raise ValueError(f"unknown mode {mode!r}: one of {', '.join(PREFILL_MODES)}")
+    raise ValueError(f"unknown mode {mode!r}: one of {', '.join(PREFILL_MODES)}, chunk=C, chunk=C/S")
 
 
 def prefill(n: int, layers: int, modes: list[str], name: str, padded: int = 0) -> list[dict]:
-    model = build(layers)
+    model = build(layers, peaked=True)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     batch = 2 if padded else 1
     ids = torch.randint(0, VOCAB, (batch, n), device=DEVICE, generator=torch.Generator(device=DEVICE).manual_seed(1))
@@ -98,7 +152,7 @@ def prefill(n: int, layers: int, modes: list[str], name: str, padded: int = 0) -
     repeats = 2 if n <= 262144 else 0     # past 256k tokens one run is minutes: its own time is the time
     base = {"case": f"llama3-8b-width-{layers}-layers", "tokens": n, "layers": layers, "weights_GiB": weights / 2**30,
             "floor_KB_per_token": FLOOR / 1024, "transformers": __import__("transformers").__version__,
-            "batch": batch, "left_padding_of_second": padded}
+            "batch": batch, "left_padding_of_second": padded, "peaked_logits": model.peaked}
     n_all = n * batch            # KB per token and the floor count every sequence's tokens
     kb = lambda b: b / n_all / 1024  # noqa: E731
     rows: list[dict] = []
@@ -123,7 +177,8 @@ def prefill(n: int, layers: int, modes: list[str], name: str, padded: int = 0) -
                     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
                         noise = compare_outputs(call().logits, ref)["output"]["rel"]
                 emit({"mode": "stock", "KB_per_token": kb(peak), "peak_vs_floor": peak / FLOOR / n_all,
-                      "time_s": stock_t, "stock_flash_vs_default_rel_diff": noise, "logits": _logits_summary(ref)})
+                      "time_s": stock_t, "time_per_layer_s": stock_t / layers,
+                      "stock_flash_vs_default_rel_diff": noise, "logits": _logits_summary(ref)})
             except torch.OutOfMemoryError as exc:
                 emit({"mode": "stock", "error": "out of memory", "detail": str(exc)[:400],
                       "max_allocated_GiB": torch.cuda.max_memory_allocated() / 2**30
@@ -134,6 +189,10 @@ def prefill(n: int, layers: int, modes: list[str], name: str, padded: int = 0) -
             live = ids.numel() * ids.element_size() * (2 if padded else 1)   # the ids (and the mask)
             handle = _apply(model, mode, live, n_all)
             try:
+                if not repeats:   # one timed call: the layers' capture first, on a short prompt (rows are symbolic)
+                    model(ids[:, :8192], logits_to_keep=1, use_cache=False,
+                          **({"attention_mask": kw["attention_mask"][:, :8192]} if padded else {}))
+                    _clean()
                 start = time.perf_counter()
                 out, peak, t = _timed_peak(call)
                 first_s = time.perf_counter() - start
@@ -143,7 +202,7 @@ def prefill(n: int, layers: int, modes: list[str], name: str, padded: int = 0) -
                 layer_plans = [p for k, ps in handle.plans.items()
                                if k.startswith("model.layers.") and k.count(".") == 2 for p in ps]
                 emit({"mode": f"streamplan {mode}", "KB_per_token": kb(peak), "peak_vs_floor": peak / FLOOR / n_all,
-                      "time_s": t, "time_ratio": t / stock_t if stock_t else None,
+                      "time_s": t, "time_per_layer_s": t / layers, "time_ratio": t / stock_t if stock_t else None,
                       "first_call_s_with_capture": first_s,
                       "rel_diff": compare_outputs(logits, ref)["output"]["rel"] if ref is not None else None,
                       "same_argmax": bool(torch.equal(logits.argmax(-1), ref.argmax(-1))) if ref is not None else None,
@@ -163,39 +222,70 @@ def prefill(n: int, layers: int, modes: list[str], name: str, padded: int = 0) -
     return rows
 
 
+def _cache_layers(cache, which: tuple[int, ...]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """The K and V of some layers of a finished cache (the offloaded cache keeps them on the host)."""
+    return {i: (cache.layers[i].keys, cache.layers[i].values) for i in which}
+
+
+def _step_logits(out, ref) -> dict:
+    """Per generated token: stock's top-1 minus top-2 logit (how peaked) and the streamed logits' relative difference
+    (``out``, ``ref``: each step's logits)."""
+    margins, diffs = [], []
+    for i, b in enumerate(ref):
+        top = b[0].float().topk(2).values
+        margins.append(round((top[0] - top[1]).item(), 3))
+        if out is not None:
+            diffs.append(compare_outputs(out[i], b)["output"]["rel"])
+    return {"stock_top1_minus_top2": margins, "rel_diff_per_step": diffs or None}
+
+
 def generate(n: int, layers: int, name: str, new_tokens: int = 16) -> list[dict]:
-    model = build(layers)
+    model = build(layers, peaked=True)
     ids = torch.randint(0, VOCAB, (1, n), device=DEVICE, generator=torch.Generator(device=DEVICE).manual_seed(1))
     kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-              do_sample=False, cache_implementation=GENERATE_CACHE, pad_token_id=0)
+              do_sample=False, cache_implementation=GENERATE_CACHE, pad_token_id=0, return_dict_in_generate=True,
+              output_logits=True)
     call = lambda: model.generate(ids, **kw)  # noqa: E731
+    compared = (0, layers - 1)    # layers whose cache is compared (each is 1 GiB of K and V at 262k tokens)
     base = {"case": f"llama3-8b-width-{layers}-layers generate, {GENERATE_CACHE} cache", "tokens": n, "layers": layers,
-            "new_tokens": new_tokens, "floor_KB_per_token": FLOOR / 1024,
+            "new_tokens": new_tokens, "floor_KB_per_token": FLOOR / 1024, "peaked_logits": model.peaked,
             "transformers": __import__("transformers").__version__}
     rows: list[dict] = []
-    ref = stock_t = None
+    ref_tokens = ref_logits = ref_cache = stock_t = None
 
     def emit(row: dict) -> None:
         rows.append({**base, **row})
         print(rows[-1], flush=True)
         write_results(name, {**device_info(), "rows": rows})
 
+    def cache_of(out):
+        found = getattr(out, "cache", None)
+        return found if found is not None else out.past_key_values
+
     with torch.inference_mode():
         _clean()
         try:
             ref, peak, stock_t = _timed_peak(call)
+            ref_tokens, ref_logits, ref_cache = ref.sequences, ref.logits, _cache_layers(cache_of(ref), compared)
+            del ref   # the other layers' K/V go
             emit({"mode": "stock", "KB_per_token": peak / n / 1024, "time_s": stock_t,
-                  "tokens_out": ref[0, n:].tolist()})
+                  "tokens_out": ref_tokens[0, n:].tolist(), **_step_logits(None, ref_logits)})
         except torch.OutOfMemoryError as exc:
             emit({"mode": "stock", "error": "out of memory", "detail": str(exc)[:400]})
         _clean()
         handle = streamplan.apply(model, chunk_tokens=CHUNK)
         try:
             out, peak, t = _timed_peak(call)
-            emit({"mode": f"streamplan chunk {CHUNK}", "KB_per_token": peak / n / 1024, "time_s": t,
-                  "time_ratio": t / stock_t if stock_t else None, "tokens_out": out[0, n:].tolist(),
-                  "same_tokens": bool(torch.equal(out, ref)) if ref is not None else None,
-                  "report": handle.report()})
+            row = {"mode": f"streamplan chunk {CHUNK}", "KB_per_token": peak / n / 1024, "time_s": t,
+                   "time_ratio": t / stock_t if stock_t else None, "tokens_out": out.sequences[0, n:].tolist()}
+            if ref_tokens is not None:
+                got = _cache_layers(cache_of(out), compared)
+                row.update(same_tokens=bool(torch.equal(out.sequences, ref_tokens)),
+                           **_step_logits(out.logits, ref_logits),
+                           cache_rel_diff={f"layer {i} {kv}": compare_outputs(
+                               got[i][j].to(DEVICE), ref_cache[i][j].to(DEVICE))["output"]["rel"]
+                               for i in compared for j, kv in enumerate(("keys", "values"))})
+            emit({**row, "report": handle.report()})
         except (torch.OutOfMemoryError, streamplan.BudgetError) as exc:
             emit({"mode": f"streamplan chunk {CHUNK}", "error": type(exc).__name__, "detail": str(exc)[:400]})
         finally:
