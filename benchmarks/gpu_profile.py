@@ -1,8 +1,9 @@
 """H200: where a streamed block's extra time goes. CUDA kernel time by kernel, stock vs streamed, and wall time (median
 of 5) beside the kernel total, so Python/launch gaps show as wall minus kernels.
 
-    python benchmarks/gpu_profile.py h3-block:65536:held1.10 ltx-block:217088:16384
-(case from gpu_generic.BLOCKS : tokens : a fixed chunk, or heldF = the planner held to F x the floor)
+    python benchmarks/gpu_profile.py h3-block:65536:held1.10 ltx-block:217088:16384 llama3-8b-layer:131072:2816/1024
+(case from gpu_generic.BLOCKS : tokens : a fixed chunk C or C/S (the MLP in S-feature slices), or heldF = the planner
+held to F x the floor)
 """
 from __future__ import annotations
 
@@ -55,8 +56,9 @@ def profile_case(spec: str) -> dict:
     args = inputs()
     live = sum(a.numel() * a.element_size() for a in torch.utils._pytree.tree_leaves(args)
                if isinstance(a, torch.Tensor))
+    chunk, _, sl = mode.partition("/")   # C or C/S: C-row chunks, the MLP in S-feature slices
     opts = (dict(budget=int(live + float(mode[4:]) * floor)) if mode.startswith("held")
-            else dict(chunk_tokens=int(mode)))
+            else dict(chunk_tokens=int(chunk), ffn_slice=int(sl) if sl else None))
     with torch.inference_mode():
         stock = kernel_table(lambda: block(*args), f"{spec} stock")
         stock_wall = wall(lambda: block(*args))
