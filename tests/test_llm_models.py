@@ -154,6 +154,24 @@ def test_padding_mask_batch_two(name):
 
 
 @torch.no_grad()
+def test_gemma2_padded_batch_two_with_cache():
+    """Gemma 2 (eager attention, soft-capped: its layers keep their stock forward, named; tests/test_row_masks.py),
+    batch 2 padded left and right, its sliding layers' window shorter than the sequence: the streamed model forward's
+    logits and cache (full and sliding layers) match stock's."""
+    model, ids = _lm("gemma2", attn_logit_softcapping=50.0), _ids()
+    mask = torch.ones_like(ids)
+    mask[0, :9] = 0
+    mask[1, N - 13:] = 0
+    ref = model(ids, attention_mask=mask, use_cache=True)
+    handle = streamplan.apply(model, chunk_tokens=CHUNK)
+    out = model(ids, attention_mask=mask, use_cache=True)
+    assert rel_err(out.logits, ref.logits) <= 1e-5
+    _same_cache(_cache_of(out), _cache_of(ref))
+    assert _streamed(handle, "model"), handle.report()
+    handle.remove()
+
+
+@torch.no_grad()
 def test_generate_with_padding_gives_stock_tokens():
     model = _lm("llama")
     ids = _ids()
