@@ -307,7 +307,7 @@ def main() -> int:
     elif what == "prefill":
         n = int(args[1]) if len(args) > 1 else 131072
         modes = args[2].split(",") if len(args) > 2 else list(PREFILL_MODES)
-        suffix = "" if len(args) <= 2 else "_" + "_".join(modes)
+        suffix = "" if len(args) <= 2 else "_" + "_".join(m.replace("=", "").replace("/", "s") for m in modes)
         prefill(n, layers, modes, f"gpu_llm_prefill_{n}{suffix}" + ("" if layers == 32 else f"_{layers}l")
                 + (f"_padded{padded}" if padded else ""), padded)
     elif what == "generate":
