@@ -26,12 +26,15 @@ class BlockCalls:
     """``streamed(block)``: the module its streamer runs; ``call(streamer, streamed, args, kwargs)``: one host call
     through it, returning the block's output or a string saying why this call runs stock; ``img_dims``: the rank of
     the hidden states the host hands the block (``args["img"]``); ``host_attention``: whether a call the streamer
-    runs stock still gets the host's transformer_options (so an attention override is honoured there too)."""
+    runs stock still gets the host's transformer_options (so an attention override is honoured there too);
+    ``direct_weights``: the comfy.ops layers (names inside the block) whose weights the block reads itself without
+    calling them, left as they are when their per-call casts are taken (``weights.taken``)."""
 
     streamed: Callable[[nn.Module], nn.Module] = lambda block: block
     call: Callable[[Callable, nn.Module, tuple, dict], Any] = _as_called
     img_dims: int = 3
     host_attention: bool = False
+    direct_weights: tuple[str, ...] = ()
 
 
 DEFAULT = BlockCalls()
@@ -82,4 +85,4 @@ def _h3_call(streamer: Callable, adapter: comfy_h3.PackedRows, args: tuple, kwar
 
 
 register_block_calls(comfy_h3.CLASS_PATH, BlockCalls(comfy_h3.PackedRows, _h3_call, img_dims=2,
-                                                     host_attention=True))
+                                                     host_attention=True, direct_weights=comfy_h3.DIRECT_WEIGHTS))

@@ -15,13 +15,15 @@ import types
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import nn
 
 from ..consumers import ConsumerCaps, graph_consumer_scope
 from ..consumers.comfy import OVERRIDE_KEY, ComfyAttention, override_problem
 from .blocks import BlockCalls, block_calls
 from .forwards import ModelCalls, ModelForward
-from .memory import quantized_layers, streamer_budget, weights_problem
+from .memory import streamer_budget
+from .weights import quantized_layers, taken, weights_problem
 
 log = logging.getLogger("streamplan")
 
@@ -73,6 +75,7 @@ class BlockState:
     short_calls: int = 0
     stock_reasons: dict[str, int] = field(default_factory=dict)
     notes: set[str] = field(default_factory=set)
+    taken_bytes: int = 0                                      # cast weights the last call held beyond ComfyUI's own
 
     def stock(self, reason: str) -> None:
         self.stock_calls += 1
@@ -167,27 +170,35 @@ class _StreamedCall:
                 self.block.streamed, None if o.budget is None else 1, o.chunk_tokens, self_check=o.self_check,
                 name=_key_name(self.block.key))
             self.block.module_id = id(self.module)
-        x = next((a for a in list(args) + list(kwargs.values()) if hasattr(a, "device")), None)
-        quantized = quantized_layers(self.module)
-        if quantized:   # quantized layouts take row chunks only: no planner (which may slice features), a fixed chunk
-            self.block.streamer.handle.options.budget = None
-            self.block.notes.add(f"quantized weights ({len(quantized)} layer(s): {quantized[0]}, ...): row chunks "
-                                 "only, at chunk_tokens or the default chunk; the budget is not planned")
-        elif o.budget is not None and x is not None:   # the room at this call (memory.py), over what it holds live
-            self.block.streamer.handle.options.budget = streamer_budget(o, args, kwargs, x.device)
-        consumer = ComfyAttention(COMFY_CAPS, kwargs.get("transformer_options") or {}, self.block.key[1])
-        why = weights_problem(self.module, x.device) if x is not None else None
+        x = next((a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)), None)
+        direct = self.calls.direct_weights
+        why = weights_problem(self.module, x.device, direct) if x is not None else "the call has no tensor argument"
         if why is not None:
             out = why
-        else:
-            with graph_consumer_scope(consumer):
-                out = self.calls.call(self.block.streamer, self.block.streamed, args, kwargs)
+        else:   # each weight taken once for the call (weights.py), then the room at this call (memory.py)
+            with taken(self.module, x.device, x.dtype, direct) as held:
+                if held.layers:
+                    self.block.notes.add(held.note())
+                self.block.taken_bytes = held.new_bytes
+                self._budget(o, args, kwargs, x.device, held.new_bytes)
+                consumer = ComfyAttention(COMFY_CAPS, kwargs.get("transformer_options") or {}, self.block.key[1])
+                with graph_consumer_scope(consumer):
+                    out = self.calls.call(self.block.streamer, self.block.streamed, args, kwargs)
         if isinstance(out, str):
             self.block.stock(out)
             return self.module(*args, **kwargs)
         self.block.streamed_calls += 1
         self.block.consumer = consumer.label
         return out
+
+    def _budget(self, o: Options, args: tuple, kwargs: dict, device: Any, taken_bytes: int) -> None:
+        quantized = quantized_layers(self.module)
+        if quantized:   # quantized layouts take row chunks only: no planner (which may slice features), a fixed chunk
+            self.block.streamer.handle.options.budget = None
+            self.block.notes.add(f"quantized weights ({len(quantized)} layer(s): {quantized[0]}, ...): row chunks "
+                                 "only, at chunk_tokens or the default chunk; the budget is not planned")
+        elif o.budget is not None:   # the room at this call, over what it holds live
+            self.block.streamer.handle.options.budget = streamer_budget(o, args, kwargs, device, taken_bytes)
 
 
 def _key_name(key: tuple) -> str:
@@ -373,6 +384,8 @@ def report(patched) -> str:
                 entry = b.streamer.entry if b.streamer is not None else None
                 if entry is None or any(n.startswith("ran stock") for n in entry.runtime_notes):
                     parts.append("which ran stock at least once (the reason is below)")
+            if b.taken_bytes:
+                parts.append(f"{b.taken_bytes / 2**20:.2f} MiB of cast weights held in the last call")
             if b.short_calls:
                 parts.append(f"{b.short_calls} call(s) under min_tokens ran stock")
             parts += sorted(b.notes)

@@ -25,6 +25,10 @@ CLASS_PATH = "comfy.ldm.minimax.model.DiTBlock"
 KNOWN = {"DiTBlock.forward": "45fdf1af8aaa9bbc", "_mod_scale_shift": "f6fe9eca0bfb3290",
          "_mod_gate": "545028a63585bff7"}
 _HELPERS = ("_mod_scale_shift", "_mod_gate")
+# comfy.ops layers whose weights the block reads itself, never calling the layer (Attention.forward hands
+# ``cast_to(self.q_norm.weight, device=...)`` to comfy_kitchen's fused kernel: stored dtype, no weight patches): left as
+# they are when ComfyUI's per-call casts are taken for a streamed call (``streamplan.comfy.weights``)
+DIRECT_WEIGHTS = ("attn.q_norm", "attn.k_norm")
 _SEEN: dict[Any, str | None] = {}
 
 

@@ -1,0 +1,186 @@
+"""Weights as ComfyUI holds them, for a streamed block call.
+
+``comfy.ops`` layers take their weights at every call (``cast_bias_weight``): a device move (lowvram offload), a
+dtype change (manual casting), the per-call patches ComfyUI puts in ``weight_function`` / ``bias_function`` (LoRA
+under lowvram, weight wrappers) and, under DynamicVRAM (comfy-aimdo), a fault of the layer's weights into its VBAR.
+A streamed block runs its layers once per row chunk, so the layers' own path would take every weight once per chunk.
+
+``taken(block, device, dtype)`` takes each weight once per block call through ComfyUI's own path instead and holds it
+for the call's chunk loops: under DynamicVRAM the block's layers are prefetched together by ComfyUI's own prefetch
+(``comfy.model_prefetch``, as the MiniMax-H3 forward prefetches a block; where the host already did, its prefetch is
+used), then every layer's weights go through ``comfy.ops.cast_bias_weight``. For the call the layer is a plain layer
+over those tensors (``comfy_cast_weights`` off, no functions, its parameters the taken tensors), so the block's
+capture and plans see plain layers and never a per-call patch; at exit the layer's own attributes and parameters are
+put back and ComfyUI's ``uncast_bias_weight`` / prefetch cleanup release what was taken.
+
+Only layers whose cast path streamplan read (``comfy.ops.disable_weight_init``'s Linear, Conv1d/2d, LayerNorm,
+GroupNorm, RMSNorm and the ``manual_cast`` classes that inherit them) with plain tensor weights are taken. Anything
+else that casts per call (quantized layouts, fp8 or custom-node ops such as GGUF) keeps the block stock, named by
+``weights_problem``; quantized layouts on the device stream in row chunks only (``quantized_layers``).
+
+One assumption: ComfyUI runs a model's calls one at a time (the shared modules hold the taken weights for the call).
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+# the comfy.ops classes whose forward and cast path were read: with the weights cast_bias_weight returns, their
+# stock forward (torch.nn's) is their cast forward
+_KNOWN = ("Linear", "Conv1d", "Conv2d", "LayerNorm", "GroupNorm", "RMSNorm")
+_SWITCHES = ("comfy_cast_weights", "weight_function", "bias_function")
+_ABSENT = object()
+
+
+def _known_classes() -> tuple[type, ...]:
+    import comfy.ops
+    return tuple(getattr(comfy.ops.disable_weight_init, name) for name in _KNOWN)
+
+
+def _is_known(m: nn.Module, known: tuple[type, ...]) -> bool:
+    cls = type(m)
+    return any(cls.forward is k.forward and cls.forward_comfy_cast_weights is k.forward_comfy_cast_weights
+               for k in known if isinstance(m, k))
+
+
+def _plain(t: Any) -> bool:
+    return type(t) in (nn.Parameter, torch.Tensor)
+
+
+def casts_per_call(m: nn.Module) -> bool:
+    """Whether a comfy.ops layer's forward takes its cast path (the condition its own forward tests)."""
+    return (getattr(m, "weight", None) is not None and hasattr(m, "comfy_cast_weights")
+            and bool(m.comfy_cast_weights or getattr(m, "weight_function", None) or getattr(m, "bias_function", None)))
+
+
+def _why_not(m: nn.Module, device: torch.device, known: tuple[type, ...]) -> str | None:
+    """Why one comfy.ops layer's weights, as held for this call, keep its block stock, or None."""
+    w = getattr(m, "weight", None)
+    if casts_per_call(m):
+        if not _is_known(m, known):
+            return f"{type(m).__module__}.{type(m).__qualname__} casts its weights per call in a way streamplan " \
+                   "has not read (fp8, quantized or a custom node's ops)"
+        if not _plain(w) or not (getattr(m, "bias", None) is None or _plain(m.bias)):
+            return f"its weight is a {type(w).__name__} (a quantized layout cast per call: not taken yet)"
+        return None
+    if isinstance(w, torch.Tensor) and w.device != device:
+        return f"its weight is on {w.device}, not {device}, and its forward does not cast it"
+    return None
+
+
+def weights_problem(block: nn.Module, device: torch.device, direct: tuple[str, ...] = ()) -> str | None:
+    """Why the block's weights, as ComfyUI holds them for this call, keep the block stock, or None (every comfy.ops
+    layer either needs nothing or is taken by ``taken``). ``direct``: layers the block reads the weights of itself
+    (their reads, row-independent, run once per call in the block's graph)."""
+    known = _known_classes()
+    for name, m in block.named_modules():
+        if hasattr(m, "comfy_cast_weights") and name not in direct:
+            why = _why_not(m, device, known)
+            if why:
+                return f"{name or 'the block'}: {why}; the block runs stock"
+    return None
+
+
+def quantized_layers(block: nn.Module) -> list[str]:
+    """The comfy.ops layers of ``block`` whose weight is a quantized layout (``comfy.quant_ops.QuantizedTensor``):
+    their kernels are applied whole to row chunks, never to slices of the weight."""
+    return [name for name, m in block.named_modules() if hasattr(m, "comfy_cast_weights")
+            and type(getattr(m, "weight", None)).__name__ == "QuantizedTensor"]
+
+
+@dataclass(eq=False)
+class Taken:
+    """What one block call took: the layers (name -> why they cast), the bytes of tensors taken that are not the
+    layers' own storage (device copies, dtype casts, patched weights: live for the whole call), and how."""
+
+    layers: dict[str, str] = field(default_factory=dict)
+    new_bytes: int = 0
+    prefetched: bool = False       # streamplan ran ComfyUI's DynamicVRAM prefetch for the block
+    host_prefetched: bool = False  # the host (its model forward) had prefetched the block
+
+    def note(self) -> str:
+        kinds = sorted(set(self.layers.values()))
+        how = (" (the block's DynamicVRAM prefetch: " + ("the host's" if self.host_prefetched else "streamplan's")
+               + ")") if self.prefetched or self.host_prefetched else ""
+        return (f"{len(self.layers)} comfy.ops layer(s) cast per call ({', '.join(kinds)}): weights taken once per "
+                f"block call through comfy.ops.cast_bias_weight{how} and held for its chunks")
+
+
+def _kind(m: nn.Module, device: torch.device) -> str:
+    if hasattr(m, "_v"):
+        return "DynamicVRAM"
+    if getattr(m, "weight_function", None) or getattr(m, "bias_function", None):
+        return "weight patches"
+    if m.weight.device != device:
+        return "offloaded"
+    return "manual cast"
+
+
+def _storage(t: torch.Tensor | None) -> int | None:
+    try:
+        return None if t is None else t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+@contextlib.contextmanager
+def taken(block: nn.Module, device: torch.device, dtype: torch.dtype, direct: tuple[str, ...] = ()) -> Iterator[Taken]:
+    """Inside: every comfy.ops layer of ``block`` that casts per call (but those in ``direct``, whose weights the block
+    reads itself) is a plain layer over the weights ComfyUI's cast path gave for ``device`` and ``dtype`` (the dtype
+    its inputs have: the block's hidden states'). Call ``weights_problem`` first: a layer it refuses is not taken."""
+    import comfy.model_management as mm
+    import comfy.ops
+
+    layers = [(name, m) for name, m in block.named_modules() if casts_per_call(m) and name not in direct]
+    out = Taken()
+    if not layers:
+        yield out
+        return
+    import comfy.model_prefetch as prefetch
+    vbar = [m for _, m in layers if hasattr(m, "_v")]
+    queue = None
+    saved: list[tuple[nn.Module, dict, dict, tuple | None]] = []
+    try:
+        if vbar and not mm.is_device_cpu(device):
+            if any(hasattr(m, "_prefetch") for m in block.modules()):
+                out.host_prefetched = True   # the host's prefetch queue holds the block: it cleans up
+            else:   # ComfyUI's own prefetch of one module's layers, as a one-block queue: faulted together
+                queue = [None, block, None]
+                prefetch.prefetch_queue_pop(queue, device, block)
+                out.prefetched = True
+        for name, m in layers:
+            out.layers[name] = _kind(m, device)
+            vbar_layer = hasattr(m, "_v")
+            # offloadable=False outside DynamicVRAM: fresh tensors (the async-offload cast buffers are shared by the
+            # layers cast on one stream and cannot be held together); a prefetched VBAR layer resolves in place
+            result = comfy.ops.cast_bias_weight(m, None, dtype=dtype, device=device, bias_dtype=dtype,
+                                                offloadable=vbar_layer)
+            weight, bias = result[0], result[1]
+            switches = {k: m.__dict__.get(k, _ABSENT) for k in _SWITCHES}
+            params = {k: m._parameters[k] for k in ("weight", "bias") if k in m._parameters}
+            saved.append((m, switches, params, result if vbar_layer else None))
+            for t, own in ((weight, params.get("weight")), (bias, params.get("bias"))):
+                if t is not None and _storage(t) != _storage(own):
+                    out.new_bytes += t.numel() * t.element_size()
+            m.comfy_cast_weights, m.weight_function, m.bias_function = False, [], []
+            m._parameters["weight"] = nn.Parameter(weight, requires_grad=False)
+            if "bias" in params and params["bias"] is not None:
+                m._parameters["bias"] = nn.Parameter(bias, requires_grad=False)
+        yield out
+    finally:
+        for m, switches, params, result in reversed(saved):
+            m._parameters.update(params)
+            for k, v in switches.items():
+                if v is _ABSENT:
+                    m.__dict__.pop(k, None)
+                else:
+                    m.__dict__[k] = v
+            if result is not None and len(result) > 2:
+                comfy.ops.uncast_bias_weight(m, result[0], result[1], result[2])
+        saved.clear()
+        if queue is not None:
+            prefetch.prefetch_queue_pop(queue, device, None)   # waits for the streams, unpins, drops the prefetch
