@@ -21,8 +21,9 @@ difference from stock).
 
     python benchmarks/gpu_llm.py smoke                            # 2 layers, 8192 tokens, every prefill mode, padded
     python benchmarks/gpu_llm.py prefill 131072                   # stock, chunk 16384, held to 1.15x the floor
-    python benchmarks/gpu_llm.py prefill 1048576 stock            # one mode per command at 1M tokens
-    python benchmarks/gpu_llm.py prefill 1048576 held layers=4    # a few layers: KB/token is per-layer, time per layer
+    python benchmarks/gpu_llm.py prefill 1048576 stock,held layers=4 stock_layers=32
+        # 1M tokens: stock on all 32 layers (its out-of-memory), then streamplan on 4 (32 layers of attention over 1M
+        # rows is ~11 min, past one call's limit; with the residual donated the peak does not grow with the layers)
     python benchmarks/gpu_llm.py generate 262144                  # stock and streamplan, offloaded cache
 
     python benchmarks/gpu_llm.py prefill 131072 stock,held padded=2048   # batch 2, the second left-padded
@@ -33,7 +34,8 @@ difference from stock).
 Modes: ``stock``; ``chunk`` (16384-row chunks), ``chunk=C`` (C-row chunks), ``chunk=C/S`` (C-row chunks, the MLP in
 S-feature slices); ``held`` (the planner given 1.15x the floor). Past 256k tokens a streamed mode first runs 8192 tokens
 (its layers' capture), then one timed call; every row gives ``time_per_layer_s``.
-Optional arguments: ``layers=N`` changes the layer count (default 32); ``padded=P`` runs a batch of 2 whose second
+Optional arguments: ``layers=N`` changes the layer count (default 32); ``stock_layers=K`` runs the stock mode on its
+own model of K layers first (its own JSON, ``..._stock<K>l``), the other modes on N; ``padded=P`` runs a batch of 2 whose second
 sequence has P tokens of left padding (``attention_mask`` zeros: stock builds a [2, 1, N, N] mask; streamed, each
 batch element attends its own keys with no mask rows). The floor then counts both sequences. Each streamed row
 gives its layers' plans (tier/chunk/MLP slice). Results: ``$OUT/gpu_llm_<what>_<tokens>[_<modes>][_padded].json``,
@@ -294,8 +296,9 @@ def generate(n: int, layers: int, name: str, new_tokens: int = 16) -> list[dict]
 
 
 def main() -> int:
-    args = [a for a in sys.argv[1:] if not a.startswith(("layers=", "padded="))]
+    args = [a for a in sys.argv[1:] if not a.startswith(("layers=", "padded=", "stock_layers="))]
     layers = next((int(a[7:]) for a in sys.argv[1:] if a.startswith("layers=")), 32)
+    stock_layers = next((int(a[13:]) for a in sys.argv[1:] if a.startswith("stock_layers=")), None)
     padded = next((int(a[7:]) for a in sys.argv[1:] if a.startswith("padded=")), 0)
     print(device_info(), flush=True)
     what = args[0] if args else "smoke"
@@ -307,9 +310,14 @@ def main() -> int:
     elif what == "prefill":
         n = int(args[1]) if len(args) > 1 else 131072
         modes = args[2].split(",") if len(args) > 2 else list(PREFILL_MODES)
+        tail = f"_padded{padded}" if padded else ""
+        if stock_layers is not None and "stock" in modes:   # stock on its own model, first
+            prefill(n, stock_layers, ["stock"], f"gpu_llm_prefill_{n}_stock{stock_layers}l{tail}", padded)
+            modes = [m for m in modes if m != "stock"]
         suffix = "" if len(args) <= 2 else "_" + "_".join(m.replace("=", "").replace("/", "s") for m in modes)
-        prefill(n, layers, modes, f"gpu_llm_prefill_{n}{suffix}" + ("" if layers == 32 else f"_{layers}l")
-                + (f"_padded{padded}" if padded else ""), padded)
+        if modes:
+            prefill(n, layers, modes, f"gpu_llm_prefill_{n}{suffix}" + ("" if layers == 32 else f"_{layers}l") + tail,
+                    padded)
     elif what == "generate":
         n = int(args[1]) if len(args) > 1 else 262144
         generate(n, layers, f"gpu_llm_generate_{n}" + ("" if layers == 32 else f"_{layers}l"))
