@@ -4,9 +4,11 @@ in a store (``executors.kv_store``), the error of an approximate store measured 
 call.
 
 ``kv="device"`` (the default) is exact: K/V stay whole on the device wherever the budget allows; below the floor the
-planner groups heads (L3). ``kv="host"`` asks for L4 (host-staged K/V): not chosen by the planner on its own until the
-H200 run's non-finite rows at 33,792-row chunks are understood (benchmarks/RESULTS.md). ``kv="int8"`` and
-``kv="fp8"`` (L5) are approximate and used only when asked for."""
+planner takes the faster of L3 (head groups) and, on CUDA, L4 (host-staged K/V, in head groups of its own) by
+estimated extra time. ``kv="host"`` forces L4. ``kv="int8"`` and ``kv="fp8"`` (L5) are approximate and used only when
+asked for. (The H200 run's non-finite rows at 33,792-row chunks were a race: block buffers allocated for a new Q chunk
+were filled on the copy stream while the compute stream still ran the previous chunk's work in that memory; the
+staging buffers now live through phase Q and every cross-stream use waits on an event.)"""
 from __future__ import annotations
 
 import logging
@@ -67,7 +69,7 @@ def kv_options(found, rows: int, device: torch.device, kinds: tuple[str, ...]) -
     opts = []
     for kind in kinds:
         sk = store_kind(kind)
-        resident = host = block_row = merge_row = 0
+        resident = host = block_row = merge_row = merge_io = whole_row = 0
         for att in an.attentions:
             kv_ = att.k.meta["val"]
             q = att.q.meta["val"]
@@ -80,19 +82,32 @@ def kv_options(found, rows: int, device: torch.device, kinds: tuple[str, ...]) -
             elems = 2 * B * Hkv * D                      # K and V, one row
             resident += int(total * elems * sk.resident(e, D))
             host += total * elems * e if sk.on_host else 0
-            if kind == "host":   # two block buffers in turn on CUDA; views of host rows in a CPU run
-                row = 2 * elems * e if device.type == "cuda" else 0
+            if kind == "host":   # two block buffers in turn on CUDA; in a CPU run views of host rows, which the CPU
+                row = 2 * elems * e if device.type != "cpu" else elems * e   # kernel copies contiguous
             else:                # the block expanded (K and V in the compute dtype) and its fp32 working copies
                 row = elems * e + 2 * (elems // 2) * 4
             block_row = max(block_row, row)
-            # phase Q: fp32 accumulator, a block's partial output, the result; phase KV: a chunk's rows-first copy
-            # and, compressing, its fp32 working copies
-            merge = B * H * D * (4 + 2 * e) + 8 * B * H
+            # during the attention: the fp32 accumulator and a block's partial output (the result is the attention's
+            # own output); phase KV: a chunk's rows-first copy and, compressing, its fp32 working copies
+            merge = B * H * D * (4 + e) + 8 * B * H
+            if device.type == "cpu":   # PyTorch's CPU flash kernel keeps buffers of its own per call, measured at about
+                whole_row = max(whole_row, B * H * D * (8 + 2 * e))   # two fp32 outputs and two in the dtype per row
+                # of all heads, however few heads the call has (consumers.sdpa)
             write = elems * e + (0 if sk.exact else 3 * elems * 4)
             merge_row = max(merge_row, merge, write)
+            merge_io += B * H * D * (4 * 4 + e)   # per block: the accumulator read and written twice, the partial read
         tier = Tier.L4 if sk.exact else Tier.L5
-        opts.append(KVOption(kind, tier, resident, block_row, merge_row, host))
+        opts.append(KVOption(kind, tier, resident, block_row, merge_row, host, head_groups(an), merge_io, whole_row))
     return tuple(opts)
+
+
+MAX_HEAD_GROUPS = 16
+
+
+def head_groups(an) -> tuple[int, ...]:
+    """Head-group counts a store may hold every global attention's K/V in: those dividing all K/V head counts."""
+    counts = [int(att.k.meta["val"].shape[1]) for att in an.attentions]
+    return tuple(g for g in range(1, MAX_HEAD_GROUPS + 1) if all(h % g == 0 for h in counts)) or (1,)
 
 
 def costs(found, rows: int, device: torch.device) -> Costs:
@@ -118,13 +133,13 @@ def options_for(found, rows: int, device: torch.device, kv: str, consumer, adapt
     why = kv_problem(found, consumer, adapted)
     if why is not None:
         return (), why
-    if kv == "device":   # L4 only when asked: on the H200 its large-chunk plans gave inf rows (gpu_kv_217088.json)
-        return (), None
+    if kv == "device":   # L4 where the host is apart from the device and its cost is known: weighed against L3
+        return (kv_options(found, rows, device, ("host",)) if device.type in ("cuda", "meta") else ()), None
     return kv_options(found, rows, device, (kv,)), None
 
 
-def store_factory(kind: str, device: torch.device, block_rows: int) -> Callable[[Any], Any]:
-    return lambda att: make_store(kind, device, block_rows)
+def store_factory(kind: str, device: torch.device, block_rows: int, groups: int = 1) -> Callable[[Any], Any]:
+    return lambda att: make_store(kind, device, block_rows, groups)
 
 
 def store_attend(consumer) -> Callable[..., torch.Tensor]:
@@ -160,7 +175,7 @@ def run_with_store(run, plan, device: torch.device, consumer, donate: dict, exac
     ``(output, KVError | None)``."""
     error = None
     ref = exact_run() if exact_run is not None and plan.kv in APPROXIMATE else None
-    run.kv_store = store_factory(plan.kv, device, plan.kv_block)
+    run.kv_store = store_factory(plan.kv, device, plan.kv_block, plan.head_groups)
     run.attend_store = store_attend(consumer)
     run.build_kv(plan.chunk)
     out = run.run_q(plan.chunk, donate)

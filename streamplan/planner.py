@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Callable
 from enum import Enum
 
 from .budget import fmt_bytes
@@ -284,12 +285,16 @@ def plan_rows(rows: int, row_bytes: int, transient_per_elem: int, *, chunk_token
     return make(Tier.L1, chunk)
 
 
-# L4/L5: K/V read back in blocks of these many rows (the largest that fits beside the largest Q chunk)
-KV_BLOCKS = (16384, 8192, 4096, 2048, 1024, 512, 256)
+# L4/L5: K/V read back in blocks of these many rows (of one head group; the largest that fits beside the Q chunk)
+KV_BLOCKS = (65536, 32768, 16384, 8192, 4096, 2048, 1024, 512, 256)
 DEFAULT_KV_BLOCK = 8192
 # Below the floor the planner weighs L3 against L4 by estimated extra time (seconds, from the shapes):
 HOST_BANDWIDTH = 54e9        # bytes/s each way, pinned, measured on the H200 (2026-11-30)
 ATTENTION_RATE = {"cuda": 5.5e14, "meta": 5.5e14}   # FLOP/s of bf16 attention on the H200 (cuDNN 570-620 TFLOP/s)
+# the log-sum-exp merge is elementwise over the fp32 accumulator once per block: device memory bandwidth it reaches
+# (H200: 4.8 TB/s peak), and the fixed cost of one block's attention call and merge (launches, a short block's tail)
+MERGE_BANDWIDTH = {"cuda": 3.0e12, "meta": 3.0e12}
+BLOCK_STEP_S = 5e-5
 # L3 measured on the H200 (MiniMax-H3 block, 217,088 rows, 8 head groups: 1.73x stock's time, attention ~94% of it):
 # each extra head group costs about a tenth of the attention's time (projections rerun, smaller attention calls)
 L3_GROUP_COST = 0.1
@@ -299,7 +304,8 @@ L3_GROUP_COST = 0.1
 class KVOption:
     """A K/V store the planner may put a captured block's K/V in instead of whole device buffers (L4, L5): its
     memory model (bytes kept on the device, bytes per block row while a block is attended, bytes per query row of the
-    log-sum-exp merge) and what it holds on the host."""
+    log-sum-exp merge) and what it holds on the host. Block and merge bytes are for all heads: a store held in ``g``
+    head groups (``groups``: the counts it allows) needs a ``g``-th of them at a time."""
 
     kind: str             # "host", "int8", "fp8" (executors.kv_store)
     tier: Tier            # L4 exact, L5 approximate
@@ -307,6 +313,9 @@ class KVOption:
     block_row: int        # device bytes per K/V block row (double buffers, expanded copies)
     merge_row: int        # bytes per query row of the merge (fp32 accumulator, a block's partial output)
     host_bytes: int = 0   # K/V bytes held in host memory
+    groups: tuple[int, ...] = (1,)
+    merge_io_row: int = 0  # bytes the merge reads and writes per query row and block (its time)
+    whole_row: int = 0    # bytes per query row during the attention that head groups do not divide
 
 
 @dataclass(frozen=True)
@@ -325,11 +334,16 @@ def host_traffic(option: KVOption, rows: int, chunk: int) -> int:
     return option.host_bytes * (1 + -(-rows // max(1, chunk)))
 
 
-def l4_extra_seconds(option: KVOption, rows: int, chunk: int, costs: Costs) -> float:
-    """Copies out (on the compute stream) plus what of the copies back attention does not hide."""
+def l4_extra_seconds(option: KVOption, rows: int, chunk: int, costs: Costs, block: int = DEFAULT_KV_BLOCK,
+                     groups: int = 1) -> float:
+    """Copies out (a side stream, counted whole), what of the copies back attention does not hide, the merge's passes
+    over the accumulator (one per block: longer blocks, fewer passes) and a fixed cost per block and head group."""
     out = option.host_bytes / HOST_BANDWIDTH
     back = host_traffic(option, rows, chunk) / HOST_BANDWIDTH - out
-    return out + max(0.0, back - costs.attention_s)
+    passes, blocks = -(-rows // max(1, chunk)), -(-rows // max(1, block))
+    rate = MERGE_BANDWIDTH.get(costs.device, 0.0)
+    merge = passes * blocks * min(chunk, rows) * option.merge_io_row / rate if rate else 0.0
+    return out + max(0.0, back - costs.attention_s) + merge + passes * blocks * groups * BLOCK_STEP_S
 
 
 SLICE_FOR_CHUNKS_BELOW = 4   # a captured block's planner slices its MLP when row chunks alone stay under 4x the floor
@@ -342,7 +356,8 @@ def plan_graph(rows: int, fixed: int, transient, stock: int, *, chunk_tokens: in
                budget: int | None = None, min_chunk: int = MIN_CHUNK_TOKENS, quantum: int = 1,
                ffn: int = 0, ffn_slice: int | None = None, kv: int = 0, attn_out: int = 0,
                groups: tuple[int, ...] = (), head_groups: int | None = None, kv_options: tuple[KVOption, ...] = (),
-               kv_store: str = "device", costs: Costs = Costs()) -> Plan:
+               kv_store: str = "device", costs: Costs = Costs(),
+               transient_kv: Callable[[int, int, int], int] | None = None) -> Plan:
     """A captured block: whole buffers (``fixed``: K and V, the outputs) plus ``transient(chunk, ffn_slice)``, one
     chunk's values at their worst moment, both read off the graph. ``ffn``: the widest feature-sliceable MLP (0: none),
     for L2. L3 (``groups``: the head-group counts the graph allows): K and V of one group of heads at a time
@@ -350,14 +365,25 @@ def plan_graph(rows: int, fixed: int, transient, stock: int, *, chunk_tokens: in
     L4/L5 (``kv_options``): K/V in a store (no whole K/V on the device: what the store keeps there, its block
     buffers and the merge); ``kv_store`` other than "device" forces that store; "device" lets the planner stage K/V to
     the host (L4, exact) below the floor, weighed against L3 by estimated time (``costs``); an approximate store (L5)
-    is used only when asked for."""
+    is used only when asked for. ``transient_kv(chunk, slice, extra)``: the transient with ``extra`` bytes per row alive
+    during the attention alone (default: alive throughout)."""
     def peak(chunk: int, sl: int = 0, g: int = 1) -> int:
         grouped = (kv - kv // g - attn_out) if g > 1 else 0
         return fixed - grouped + transient(chunk, sl)
 
-    def peak_kv(opt: KVOption, chunk: int, sl: int, blk: int) -> int:
+    seen: dict[tuple[int, int, int], int] = {}
+
+    def at_attention(c: int, sl: int, extra: int) -> int:
+        """One chunk's worst moment with ``extra`` bytes per row alive during its attention (a store's merge)."""
+        key = (c, sl, extra)
+        if key not in seen:
+            seen[key] = transient_kv(c, sl, extra) if transient_kv is not None else transient(c, sl) + c * extra
+        return seen[key]
+
+    def peak_kv(opt: KVOption, chunk: int, sl: int, blk: int, g: int = 1) -> int:
         c = min(chunk, rows)
-        return fixed - kv + opt.resident + min(blk, rows) * opt.block_row + transient(c, sl) + c * opt.merge_row
+        return (fixed - kv + opt.resident + min(blk, rows) * opt.block_row // g
+                + at_attention(c, sl, opt.merge_row // g + opt.whole_row))
 
     def make(tier: Tier, chunk: int, sl: int = 0, g: int = 1, opt: KVOption | None = None, blk: int = 0) -> Plan:
         if tier == Tier.L0:
@@ -365,27 +391,30 @@ def plan_graph(rows: int, fixed: int, transient, stock: int, *, chunk_tokens: in
         if chunk_tokens is None:
             chunk = quantize_chunk(chunk, rows, quantum)
         chunk = min(chunk, rows)
-        if opt is not None:   # a forced chunk reads K/V in blocks of its size (at most the default block)
-            blk = min(blk or min(DEFAULT_KV_BLOCK, max(chunk, MIN_CHUNK_TOKENS)), rows)
-            return Plan(opt.tier, rows, chunk, sl, peak_kv(opt, chunk, sl, blk), stock, kv=opt.kind, kv_block=blk,
-                        host_traffic=host_traffic(opt, rows, chunk))
+        if opt is not None:   # a forced chunk reads K/V in blocks of its size (at most the default block per group)
+            blk = min(blk or min(DEFAULT_KV_BLOCK * g, max(chunk, MIN_CHUNK_TOKENS)), rows)
+            return Plan(opt.tier, rows, chunk, sl, peak_kv(opt, chunk, sl, blk, g), stock, kv=opt.kind,
+                        kv_block=blk, host_traffic=host_traffic(opt, rows, chunk), head_groups=g)
         return Plan(tier, rows, chunk, sl, peak(chunk, sl, g), stock, head_groups=g)
 
     def fit_kv(opt: KVOption, floor: int) -> Plan | None:
-        """The largest Q chunk (then the largest K/V block) this store reaches under the budget."""
+        """The fastest (Q chunk, K/V block, head groups, MLP slice) this store reaches under the budget, by the
+        estimated extra time where the device's rates are known, else the largest Q chunk, then the largest block."""
         best = None
-        for sl in (0, 4096, 1024, 256) if ffn else (0,):
-            if sl and sl >= ffn:
-                continue
-            found = None
-            for blk in sorted({min(b, rows) for b in KV_BLOCKS}, reverse=True):
-                chunk = _largest_chunk(lambda c: peak_kv(opt, c, sl, blk), rows, budget, floor)
-                if chunk is not None and (found is None or chunk > found[0]):
-                    found = (chunk, sl, blk)
-            # each pass over Q reads all of K/V again: a sliced MLP is taken when it buys L2_GAIN x the rows
-            if found is not None and (best is None or found[0] >= L2_GAIN * best[0]):
-                best = found
-        return None if best is None else make(opt.tier, best[0], best[1], opt=opt, blk=best[2])
+        for g in opt.groups:
+            for sl in (0, 4096, 1024, 256) if ffn else (0,):
+                if sl and sl >= ffn:
+                    continue
+                for blk in sorted({min(b, rows) for b in KV_BLOCKS}, reverse=True):
+                    chunk = _largest_chunk(lambda c: peak_kv(opt, c, sl, blk, g), rows, budget, floor)
+                    if chunk is None:
+                        continue
+                    c = quantize_chunk(chunk, rows, quantum)
+                    key = ((l4_extra_seconds(opt, rows, c, costs, blk, g) if costs.attention_s else 0.0)
+                           + (0.0 if not sl else 1e-9), -c, -blk, g, sl)
+                    if best is None or key < best[0]:
+                        best = (key, chunk, sl, blk, g)
+        return None if best is None else make(opt.tier, best[1], best[2], best[4], opt=opt, blk=best[3])
 
     forced = next((o for o in kv_options if o.kind == kv_store), None) if kv_store != "device" else None
     if kv_store != "device":
@@ -393,7 +422,8 @@ def plan_graph(rows: int, fixed: int, transient, stock: int, *, chunk_tokens: in
             raise ValueError(f"kv={kv_store!r}: no such K/V store for this block")
         sl = min(ffn_slice, ffn) if ffn_slice is not None and ffn else 0
         if chunk_tokens is not None or budget is None:
-            return make(forced.tier, chunk_tokens or DEFAULT_CHUNK_TOKENS, sl, opt=forced)
+            g = head_groups if head_groups in forced.groups else 1
+            return make(forced.tier, chunk_tokens or DEFAULT_CHUNK_TOKENS, sl, g, opt=forced)
         for floor in dict.fromkeys((max(min_chunk, MIN_CHUNK_TOKENS), MIN_CHUNK_TOKENS)):
             plan = fit_kv(forced, floor)
             if plan is not None:
@@ -454,7 +484,7 @@ def plan_graph(rows: int, fixed: int, transient, stock: int, *, chunk_tokens: in
                 if p.tier == Tier.L3:
                     return (p.head_groups - 1) * L3_GROUP_COST * costs.attention_s
                 opt = next(o for o in exact_kv if o.kind == p.kv)
-                return l4_extra_seconds(opt, rows, p.chunk, costs)
+                return l4_extra_seconds(opt, rows, p.chunk, costs, p.kv_block, p.head_groups)
             return min([p for p in [grouped, *staged] if p is not None], key=extra)
     least = min([fixed + transient(min(rows, MIN_CHUNK_TOKENS), 256 if ffn > 256 else 0)]
                 + [peak(min(rows, MIN_CHUNK_TOKENS), 256 if ffn > 256 else 0, g) for g in groups]

@@ -43,16 +43,17 @@ class GraphMemory:
     def value(self, node: fx.Node, rows: int) -> int:
         return self.per_row.get(node, 0) * rows + self.static.get(node, 0)
 
-    def _phase(self, nodes: list[fx.Node], rows: int, ffn_slice: int = 0, regions=()) -> int:
+    def _phase(self, nodes: list[fx.Node], rows: int, ffn_slice: int = 0, regions=(), at_attention: int = 0) -> int:
         """Peak bytes of one chunk of ``rows`` through ``nodes``; with ``ffn_slice`` the MLP ``regions`` hold one slice
-        of their hidden features at a time (all of the region's values at that width, alive at once: a bound)."""
-        work = {}
+        of their hidden features at a time (all of the region's values at that width, alive at once: a bound);
+        ``at_attention``: bytes per row alive while a global attention runs, beside what is live there (a K/V store's
+        merge)."""
+        work = {n: at_attention * rows for n in self.attention_nodes} if at_attention else {}
         if ffn_slice:
             inside = {n for r in regions for n in r.nodes}
             nodes = [n for n in nodes if n not in inside]
-            for r in regions:
-                frac = min(1.0, ffn_slice / r.ffn)
-                work[r.exit] = int(sum(self.value(n, rows) for n in r.nodes) * frac) + self.value(r.exit, rows)
+            for r in regions:   # the exit's own value (the accumulator) is live at the exit already
+                work[r.exit] = int(self._region_peak(r, rows) * min(1.0, ffn_slice / r.ffn))
         frees = _last_uses(nodes, extra={r.exit: [r.x] for r in regions} if ffn_slice else None)
         owner: dict[fx.Node, fx.Node] = {}
         refs: dict[fx.Node, int] = {}
@@ -75,10 +76,29 @@ class GraphMemory:
                         live -= self.value(b, rows)
         return peak
 
-    def transient(self, chunk: int, ffn_slice: int = 0, regions=()) -> int:
+    def _region_peak(self, r, rows: int) -> int:
+        """The worst moment of one MLP region's values at full width (``run_region`` takes it a slice at a time):
+        entries, then the elementwise nodes in graph order, each freed after its last use inside the region (what
+        the exit reads stays); a fused entry's parts and their join are alive together."""
+        nodes = [*r.entries, *r.inner]
+        frees = _last_uses(nodes)
+        live = peak = 0
+        alive: set = set()
+        for i, n in enumerate(nodes):
+            own = self.value(n, rows) if self.allocates.get(n, True) else 0
+            live += own
+            alive.add(n)
+            peak = max(peak, live + (own if r.entries.get(n, 1) > 1 else 0))
+            for m in frees.get(i, ()):
+                if m in alive:
+                    alive.discard(m)
+                    live -= self.value(m, rows) if self.allocates.get(m, True) else 0
+        return peak
+
+    def transient(self, chunk: int, ffn_slice: int = 0, regions=(), at_attention: int = 0) -> int:
         chunk = min(chunk, self.rows)
         return max([self._phase(p, chunk) for p in self.phases.kv]
-                   + [self._phase(self.phases.q, chunk, ffn_slice, regions)])
+                   + [self._phase(self.phases.q, chunk, ffn_slice, regions, at_attention)])
 
     def predicted(self, chunk: int) -> int:
         return self.kv_bytes + self.out_bytes + self.transient(chunk)

@@ -6,15 +6,23 @@ dimension of ``[B, Hkv, rows, D]``) and read back in phase Q, one block of rows 
 (``blocks(stop)``). Kinds, by registry (``register_kv_store``):
 
 - ``device``: the whole K and V as they are today (exact; ``whole()`` hands them to the consumer in one call);
-- ``host``: in pinned host memory on CUDA (plain CPU memory from a separate arena in CPU runs), copied back to two
-  device block buffers in turn on a side stream, so the next block's copy runs under this block's attention (exact);
+- ``host``: in pinned host memory on CUDA (plain CPU memory from a separate arena in CPU runs), written out on a side
+  stream in phase KV and copied back in phase Q to two persistent device block buffers in turn on another, so the next
+  block's copy runs under this block's attention (exact). Every cross-stream use is ordered by events: a buffer is
+  written only after the compute stream is done with its last block (also across Q chunks), a block is read only after
+  its copy, and a chunk's K/V are not reused before their copy out has run;
 - ``int8``: on the device, per row and head int8 after a randomized Hadamard rotation of head_dim that spreads
   outlier channels over all of them (approximate, opt-in);
 - ``fp8``: on the device, float8 e4m3 with one scale per 128-row tile and head (approximate, opt-in).
 
+A store may hold its rows in ``groups`` groups of K/V heads (the plan's ``head_groups``): phase Q then attends one
+group of heads at a time against all its blocks, so the fp32 accumulator and a block's buffers hold that group's heads
+alone, and blocks can be that many times longer for the same memory.
+
 ``attend_blocks`` attends a Q chunk against a store's blocks through a consumer's ``attend_lse`` and merges the
-blocks' partial outputs by their log-sum-exps in fp32: causal chunks (the diagonal block split at the chunk's first
-row and attended top-left causal), non-causal, GQA, masks sliced per block.
+blocks' partial outputs by their log-sum-exps in fp32 (one cast to the output's dtype at the end): causal chunks
+(the diagonal block split at the chunk's first row and attended top-left causal), non-causal, GQA, masks sliced per
+block; a row that no key of a block may see (log-sum-exp -inf) takes nothing from that block, NaN or not.
 """
 from __future__ import annotations
 
@@ -48,17 +56,25 @@ class KVStore:
     kind = "device"
     exact = True
 
-    def __init__(self, device: torch.device, block_rows: int):
+    def __init__(self, device: torch.device, block_rows: int, groups: int = 1):
         self.device = torch.device(device)
         self.block_rows = max(1, int(block_rows))
+        self.groups = max(1, int(groups))
         self.rows = 0
         self.dtype: torch.dtype | None = None
         self.shape: tuple[int, int, int] = (0, 0, 0)   # B, Hkv, D
 
     def allocate(self, k: torch.Tensor, total: int) -> None:
         B, H, _, D = k.shape
+        if H % self.groups:
+            raise ValueError(f"{self.groups} head groups do not divide {H} K/V heads")
         self.rows, self.dtype, self.shape = total, k.dtype, (B, H, D)
         self._allocate(total)
+
+    def heads(self, g: int) -> slice:
+        """The K/V heads of group ``g``."""
+        n = self.shape[1] // self.groups
+        return slice(g * n, (g + 1) * n)
 
     def _allocate(self, total: int) -> None:
         raise NotImplementedError
@@ -73,14 +89,15 @@ class KVStore:
         """The whole K and V on the device, when the store keeps them so (one consumer call per Q chunk)."""
         return None
 
-    def block(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def block(self, a: int, b: int, g: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows [a, b) of head group ``g``'s K and V on the device, [B, Hkv / groups, b - a, D]."""
         raise NotImplementedError
 
-    def blocks(self, stop: int) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
-        """(start, K block, V block) on the device, [B, Hkv, n, D], covering rows [0, stop)."""
+    def blocks(self, stop: int, g: int = 0) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        """(start, K block, V block) of head group ``g`` on the device, covering rows [0, stop)."""
         for a in range(0, stop, self.block_rows):
             b = min(a + self.block_rows, stop)
-            k, v = self.block(a, b)
+            k, v = self.block(a, b, g)
             yield a, k, v
 
     def device_bytes(self) -> int:
@@ -112,8 +129,9 @@ class DeviceStore(KVStore):
     def whole(self):
         return self.k, self.v
 
-    def block(self, a: int, b: int):
-        return self.k[:, :, a:b], self.v[:, :, a:b]
+    def block(self, a: int, b: int, g: int = 0):
+        h = self.heads(g)
+        return self.k[:, h, a:b], self.v[:, h, a:b]
 
     def device_bytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()
@@ -134,83 +152,130 @@ def _host_empty(shape: tuple[int, ...], dtype: torch.dtype, pinned: bool) -> tor
 
 
 class HostStore(KVStore):
-    """K and V in host memory; blocks come back through two device buffers in turn, copied on a side stream."""
+    """K and V in host memory, laid out ``[groups, rows, B, Hkv / groups, D]`` so that a block of one head group is one
+    contiguous range (one copy each way); blocks come back through ``_Staging``'s two device buffers."""
 
     kind = "host"
 
     def _allocate(self, total: int) -> None:
         B, H, D = self.shape
+        G = self.groups
         self.cuda = self.device.type == "cuda"
+        self.staging: _Staging | None = None
+        shape = (G, total, B, H // G, D)
         if self.device.type == "meta":   # planning on meta tensors: shapes only
-            self.hk = torch.empty(total, B, H, D, dtype=self.dtype, device="meta")
-            self.hv = torch.empty(total, B, H, D, dtype=self.dtype, device="meta")
+            self.hk = torch.empty(shape, dtype=self.dtype, device="meta")
+            self.hv = torch.empty(shape, dtype=self.dtype, device="meta")
             return
-        self.hk = _host_empty((total, B, H, D), self.dtype, self.cuda)
-        self.hv = _host_empty((total, B, H, D), self.dtype, self.cuda)
+        self.hk = _host_empty(shape, self.dtype, self.cuda)
+        self.hv = _host_empty(shape, self.dtype, self.cuda)
+        if self.cuda:   # phase KV's copies out run on a stream of their own, beside the next chunk's projections
+            self.writer = torch.cuda.Stream(self.device)
 
     def write(self, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         n = k.shape[2]
-        # on CUDA the copy is queued on the current stream: the chunk's K and V are not reused before it has run
-        self.hk[start:start + n].copy_(_rows_first(k), non_blocking=self.cuda)
-        self.hv[start:start + n].copy_(_rows_first(v), non_blocking=self.cuda)
+        if not self.cuda:
+            for t, host in ((k, self.hk), (v, self.hv)):
+                for g in range(self.groups):
+                    host[g, start:start + n].copy_(_rows_first(t[:, self.heads(g)]))
+            return
+        compute = torch.cuda.current_stream(self.device)
+        self.writer.wait_stream(compute)          # the chunk's K and V are computed
+        with torch.cuda.stream(self.writer):
+            for t, host in ((k, self.hk), (v, self.hv)):
+                for g in range(self.groups):
+                    host[g, start:start + n].copy_(_rows_first(t[:, self.heads(g)]), non_blocking=True)
+        for t in (k, v):   # their memory is not handed out again before the copies out have read it
+            t.record_stream(self.writer)
 
     def finish(self) -> None:
         if self.cuda:
-            self._written = torch.cuda.current_stream(self.device).record_event()
+            self._written = self.writer.record_event()
 
-    def block(self, a: int, b: int):   # CPU: the host rows are the device rows (views, no copy)
-        return _heads_first(self.hk[a:b]), _heads_first(self.hv[a:b])
+    def block(self, a: int, b: int, g: int = 0):   # CPU: the host rows are the device rows (views, no copy)
+        return _heads_first(self.hk[g, a:b]), _heads_first(self.hv[g, a:b])
 
-    def blocks(self, stop: int):
+    def blocks(self, stop: int, g: int = 0):
         if not self.cuda:
-            yield from super().blocks(stop)
+            yield from super().blocks(stop, g)
             return
-        yield from _double_buffered(self, stop)
+        if self.staging is None:
+            self.staging = _Staging(self)
+        yield from self.staging.blocks(stop, g)
 
     def host_bytes(self) -> int:
         return 2 * self.hk.numel() * self.hk.element_size()
 
     def release(self) -> None:
-        self.hk = self.hv = None
+        if self.staging is not None:
+            self.staging.close()
+        self.hk = self.hv = self.staging = None
 
 
-def _double_buffered(store: HostStore, stop: int):
-    """Blocks copied host -> device on a side stream into two buffers in turn: block i+1's copy is queued before block
-    i is handed out, and a buffer is written again only after the compute stream has finished with it."""
-    B, H, D = store.shape
-    compute = torch.cuda.current_stream(store.device)
-    copier = store.copier = getattr(store, "copier", None) or torch.cuda.Stream(store.device)
-    copier.wait_event(store._written)
-    n = min(store.block_rows, stop)
-    bufs = [(torch.empty(n, B, H, D, dtype=store.dtype, device=store.device),
-             torch.empty(n, B, H, D, dtype=store.dtype, device=store.device)) for _ in range(2 if stop > n else 1)]
-    done: list[Any] = [None] * len(bufs)
-    ready: list[Any] = [None] * len(bufs)
-    starts = list(range(0, stop, store.block_rows))
+class _Staging:
+    """Two device block buffers, filled in turn on a side stream from a ``HostStore``'s host rows and kept for the whole
+    of phase Q, so that the copy of the next block (and, at the end of a pass, the first block of the next pass: the
+    next head group's, or the next Q chunk's) runs while the compute stream attends this one.
 
-    def issue(i: int) -> None:
-        a = starts[i]
-        b = min(a + store.block_rows, stop)
-        j = i % len(bufs)
-        with torch.cuda.stream(copier):
-            if done[j] is not None:
-                copier.wait_event(done[j])
-            bufs[j][0][:b - a].copy_(store.hk[a:b], non_blocking=True)
-            bufs[j][1][:b - a].copy_(store.hv[a:b], non_blocking=True)
-            ready[j] = copier.record_event()
+    Ordering, by events: a buffer is written (copier stream) only after the compute stream has recorded that it is done
+    with the block last handed out from it (``done``), whichever pass that was; a block is handed out only after the
+    compute stream waits for its copy (``ready``); the copier starts after phase KV's copies out (``_written``) and after
+    the buffers' allocation on the compute stream."""
 
-    issue(0)
-    try:
-        for i, a in enumerate(starts):
-            if i + 1 < len(starts):
-                issue(i + 1)
-            j = i % len(bufs)
-            compute.wait_event(ready[j])
-            b = min(a + store.block_rows, stop)
-            yield a, _heads_first(bufs[j][0][:b - a]), _heads_first(bufs[j][1][:b - a])
-            done[j] = compute.record_event()
-    finally:   # left early (an error in the attention): no copy may still write a buffer the allocator reuses
-        compute.wait_stream(copier)
+    def __init__(self, store: HostStore):
+        self.store = store
+        B, H, D = store.shape
+        n = min(store.block_rows, store.rows)
+        dev, dt = store.device, store.dtype
+        self.compute = torch.cuda.current_stream(dev)
+        self.copier = torch.cuda.Stream(dev)
+        self.bufs = [(torch.empty(n, B, H // store.groups, D, dtype=dt, device=dev),
+                      torch.empty(n, B, H // store.groups, D, dtype=dt, device=dev)) for _ in range(2)]
+        self.copier.wait_stream(self.compute)          # the buffers' memory: whatever the compute stream did with it
+        self.copier.wait_event(store._written)
+        self.done: list[Any] = [None, None]
+        self.ready: list[Any] = [None, None]
+        self.held: list[tuple[int, int, int] | None] = [None, None]   # (group, a, b) each buffer holds or will
+        self.last = 1                                  # the buffer written last; the next copy goes to the other
+
+    def fetch(self, g: int, a: int, b: int) -> int:
+        """The buffer that holds (or will hold, once ``ready``) rows [a, b) of group ``g``: a copy queued now, unless
+        the last copy queued was this very block (the prefetch at the end of a pass)."""
+        if self.held[self.last] == (g, a, b):
+            return self.last
+        j = self.last = 1 - self.last
+        st = self.store
+        with torch.cuda.stream(self.copier):
+            if self.done[j] is not None:
+                self.copier.wait_event(self.done[j])
+            self.bufs[j][0][:b - a].copy_(st.hk[g, a:b], non_blocking=True)
+            self.bufs[j][1][:b - a].copy_(st.hv[g, a:b], non_blocking=True)
+            self.ready[j] = self.copier.record_event()
+        self.held[j] = (g, a, b)
+        return j
+
+    def blocks(self, stop: int, g: int):
+        st = self.store
+        spans = [(a, min(a + st.block_rows, stop)) for a in range(0, stop, st.block_rows)]
+        # after this pass: the next group's first block, or (after the last group) the first group's, for the next Q
+        # chunk (a causal chunk's first block has the same rows once chunks are a block long)
+        after = ((g + 1) % st.groups, 0, min(st.block_rows, st.rows))
+        j = self.fetch(g, *spans[0])
+        for i, (a, b) in enumerate(spans):
+            nxt = self.fetch(g, *spans[i + 1]) if i + 1 < len(spans) else None
+            if nxt is None:
+                self.fetch(*after)
+            self.compute.wait_event(self.ready[j])
+            try:
+                yield a, _heads_first(self.bufs[j][0][:b - a]), _heads_first(self.bufs[j][1][:b - a])
+            finally:   # also when the attention stops early: its reads are queued before this event
+                self.done[j] = self.compute.record_event()
+            j = nxt
+
+    def close(self) -> None:
+        """The compute stream (which frees the buffers) waits for every copy into them."""
+        self.compute.wait_stream(self.copier)
+        self.bufs = []
 
 
 def _hadamard(n: int, device: torch.device) -> torch.Tensor:
@@ -249,10 +314,11 @@ class Int8Store(KVStore):
             self.q[i][start:start + n] = torch.round(r / scale).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
             self.s[i][start:start + n] = scale
 
-    def block(self, a: int, b: int):
+    def block(self, a: int, b: int, g: int = 0):
+        h = self.heads(g)
         out = []
         for i in range(2):
-            x = self.q[i][a:b].float().mul_(self.s[i][a:b])
+            x = self.q[i][a:b, :, h].float().mul_(self.s[i][a:b, :, h])
             x = torch.matmul(x, self.rot.T)
             out.append(_heads_first(x.to(self.dtype)))
         return out[0], out[1]
@@ -294,7 +360,8 @@ class Fp8Store(KVStore):
         starts = [t[0] for t in self.tiles]
         self._index = (starts, torch.cat([t[1] for t in self.tiles]), torch.cat([t[2] for t in self.tiles]))
 
-    def block(self, a: int, b: int):
+    def block(self, a: int, b: int, g: int = 0):
+        h = self.heads(g)
         if self._index is None:
             self.finish()
         starts, ks, vs = self._index
@@ -303,7 +370,7 @@ class Fp8Store(KVStore):
         which = torch.searchsorted(edges, torch.arange(a, b, device=self.device), right=True) - 1 + lo
         out = []
         for i, scales in enumerate((ks, vs)):
-            x = self.q[i][a:b].float().mul_(scales[which])
+            x = self.q[i][a:b, :, h].float().mul_(scales[which][:, :, h])
             out.append(_heads_first(x.to(self.dtype)))
         return out[0], out[1]
 
@@ -319,7 +386,7 @@ class StoreKind:
     """A registered store: how to make one, and its memory model for the planner (bytes per K/V element kept on the
     device, and whether the rows live on the host)."""
 
-    factory: Callable[[torch.device, int], KVStore]
+    factory: Callable[..., KVStore]   # (device, block rows, head groups)
     exact: bool
     resident: Callable[[int, int], float]   # (elem bytes, head_dim) -> device bytes kept per K/V element
     on_host: bool = False
@@ -336,8 +403,8 @@ def store_kind(kind: str) -> StoreKind:
     return _STORES[kind]
 
 
-def make_store(kind: str, device: torch.device, block_rows: int) -> KVStore:
-    return _STORES[kind].factory(device, block_rows)
+def make_store(kind: str, device: torch.device, block_rows: int, groups: int = 1) -> KVStore:
+    return _STORES[kind].factory(device, block_rows, groups)
 
 
 register_kv_store("device", StoreKind(DeviceStore, True, lambda e, d: float(e)))
@@ -361,7 +428,8 @@ def write_rows(store: KVStore, k: torch.Tensor, v: torch.Tensor, pre: int, post:
 
 
 class _Merge:
-    """Partial attention outputs merged by their log-sum-exps, in fp32."""
+    """Partial attention outputs merged by their log-sum-exps, in fp32: the accumulator and the log-sum-exps stay fp32
+    throughout, each block's output is widened as it is added, and the result is cast once at the end."""
 
     def __init__(self, q: torch.Tensor):
         B, H, c, D = q.shape
@@ -369,19 +437,25 @@ class _Merge:
         self.lse = torch.full((B, H, c), float("-inf"), dtype=torch.float32, device=q.device)
         self.spare: torch.Tensor | None = None   # a whole-chunk partial output, reused for the result
 
-    def add(self, o: torch.Tensor, lse: torch.Tensor, r0: int = 0) -> None:
+    def add(self, o: torch.Tensor, lse: torch.Tensor, r0: int = 0, masked: bool = False) -> None:
+        """Block output ``o`` of rows ``r0``.. with log-sum-exp ``lse``. ``masked``: rows may see no key of the block
+        (-inf); they take nothing from it even where a kernel wrote NaN (decided without reading the device)."""
         acc, old = self.acc[:, :, r0:], self.lse[:, :, r0:]
         lse = lse.float()
         new = torch.logaddexp(old, lse)
         safe = torch.where(torch.isinf(new), 0.0, new)
         a = torch.exp(old - safe).unsqueeze(-1)
         w = torch.exp(lse - safe).unsqueeze(-1)
-        acc.mul_(a).addcmul_(o, w)
+        acc.mul_(a)
+        acc.addcmul_(torch.where(w > 0, o, 0.0) if masked else o, w)
         old.copy_(new)
         if r0 == 0 and o.shape == self.acc.shape and o.is_contiguous():
             self.spare = o
 
-    def result(self, dtype: torch.dtype) -> torch.Tensor:
+    def result(self, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The merged output in ``dtype`` (into ``out`` when given)."""
+        if out is not None:
+            return out.copy_(self.acc)
         if dtype == torch.float32:
             return self.acc
         if self.spare is not None and self.spare.dtype == dtype:
@@ -391,31 +465,50 @@ class _Merge:
 
 def attend_blocks(consumer: Any, q: torch.Tensor, store: KVStore, *, q_offset: int, causal: bool,
                   scale: float | None, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Q chunk [B, H, c, D] (rows ``q_offset`` .. ``q_offset + c``) against a store's K/V, block by block, through
-    ``consumer.attend_lse``; exact up to summation order. ``mask``: [.., c, keys] over all the store's rows."""
+    """Q chunk [B, H, c, D] (rows ``q_offset`` .. ``q_offset + c``) against a store's K/V, head group by head group,
+    block by block, through ``consumer.attend_lse``; exact up to summation order. ``mask``: [.., c, keys] over all the
+    store's rows."""
     if q.device.type == "meta":   # planning on meta tensors (``streamplan plan``): shapes only
         return torch.empty_like(q)
     whole = store.whole()
     if whole is not None and mask is None:
         return consumer.attend(q, whole[0], whole[1], q_offset=q_offset, causal=causal, mask=None, scale=scale)
+    H = q.shape[1]
+    G = store.groups
+    if H % G:
+        raise ValueError(f"{G} head groups do not divide {H} query heads")
+    if G == 1:
+        return _attend_group(consumer, q, store, 0, q_offset, causal, scale, mask).result(q.dtype)
+    out = torch.empty_like(q)
+    hq = H // G
+    for g in range(G):
+        h = slice(g * hq, (g + 1) * hq)
+        m = mask[..., h, :, :] if mask is not None and mask.dim() >= 3 and mask.shape[-3] == H else mask
+        _attend_group(consumer, q[:, h], store, g, q_offset, causal, scale, m).result(q.dtype, out[:, h])
+    return out
+
+
+def _attend_group(consumer: Any, q: torch.Tensor, store: KVStore, g: int, q_offset: int, causal: bool,
+                  scale: float | None, mask: torch.Tensor | None) -> _Merge:
+    """Head group ``g``'s query heads against its K/V blocks, merged."""
     c = q.shape[2]
     stop = min(store.rows, q_offset + c) if causal else store.rows
     merge = _Merge(q)
-    for s, k, v in store.blocks(stop):
+    for s, k, v in store.blocks(stop, g):
         e = s + k.shape[2]
         cut = q_offset - s if causal and s < q_offset < e else (0 if causal and s >= q_offset else k.shape[2])
         if cut > 0:   # keys every row of the chunk sees whole
             m = mask[..., s:s + cut] if mask is not None else None
             o, lse = consumer.attend_lse(q, k[:, :, :cut], v[:, :, :cut], causal=False, mask=m, scale=scale)
-            merge.add(o, lse)
+            merge.add(o, lse, masked=m is not None)
         if cut < k.shape[2]:   # keys on the chunk's diagonal: row r0 + i sees keys ds .. ds + i
             ds = s + cut
             r0 = ds - q_offset
             m = mask[..., r0:, ds:e] if mask is not None else None
             o, lse = consumer.attend_lse(q[:, :, r0:], k[:, :, cut:], v[:, :, cut:], causal=True, mask=m, scale=scale)
-            merge.add(o, lse, r0)
+            merge.add(o, lse, r0, masked=m is not None)
         del k, v
-    return merge.result(q.dtype)
+    return merge
 
 
 __all__ = ["KV_KINDS", "APPROXIMATE", "KVStore", "DeviceStore", "HostStore", "Int8Store", "Fp8Store", "StoreKind",

@@ -197,6 +197,8 @@ def _run_onloaded(handle, entry, args: tuple, kwargs: dict) -> Any:
                           min_chunk=UTILISATION_FLOOR.get(device.type, 0), quantum=quantum,
                           ffn=max((r.ffn for r in regions), default=0), ffn_slice=o.ffn_slice,
                           kv=mem.kv_bytes, attn_out=attn_out, groups=groups, head_groups=o.head_groups,
+                          transient_kv=lambda c, sl, extra: (mem.transient(c, sl, regions, extra)
+                                                             + ws * min(c, rows) + mask_bytes(c)),
                           **kv_args)
 
     plan = handle.plan_for(entry, sig, make_plan, args, kwargs, device)
