@@ -24,6 +24,21 @@ gpu_comfy_h3_<rows>.json.
 
     python benchmarks/gpu_comfy.py --model h3 --tokens 217088   # 512 text + 2000 audio + 106x44x46 video = 217056
     python benchmarks/gpu_comfy.py --model h3 --smoke
+
+``--weights``: where ComfyUI holds the weights (``streamplan/comfy/weights.py`` takes each once per block call).
+``device`` (default): on the GPU. ``lowvram``: built on the CPU, loaded by ``ModelPatcher.patch_model`` with 1 byte of
+lowvram room, as ComfyUI loads a model that does not fit: every comfy.ops layer keeps its weights on the CPU and casts
+them to the GPU per call. ``dynamic``: DynamicVRAM, ComfyUI 0.33.0's default on NVIDIA, set up as its main.py does
+(``comfy_aimdo.control.init`` before ComfyUI imports, ``init_device``, ``aimdo_enabled``), the model built on the CPU
+and loaded by ``load_models_gpu`` through a ``ModelPatcherDynamic``; the VBAR's memory is outside PyTorch's allocator,
+so the peaks count activations and cast copies. ``--lora S``: a LoRA-style diff patch of scale S on every block's
+attention output and first FFN/MLP weight, applied per call by ComfyUI (``LowVramPatch``) under lowvram and DynamicVRAM.
+Written to gpu_comfy[_h3]_<weights>[_lora]_<rows>.json.
+
+    python benchmarks/gpu_comfy.py --weights lowvram --lora 0.01 --tokens 217088
+    python benchmarks/gpu_comfy.py --weights dynamic --lora 0.01 --tokens 217088
+    python benchmarks/gpu_comfy.py --model h3 --weights dynamic --lora 0.01 --tokens 217088
+    python benchmarks/gpu_comfy.py --weights lowvram --lora 0.01 --smoke   # CPU: lowvram casts end to end
 """
 from __future__ import annotations
 
@@ -80,8 +95,13 @@ def _drop_torchvision():
         del sys.modules[name]
 
 
-def import_comfy(cpu: bool):
-    """ComfyUI's model code with PyTorch SDPA attention; a torchvision placeholder only where torchvision fails."""
+def import_comfy(cpu: bool, dynamic: bool = False):
+    """ComfyUI's model code with PyTorch SDPA attention; a torchvision placeholder only where torchvision fails.
+    ``dynamic``: comfy-aimdo initialised first, as ComfyUI's main.py does before it imports ComfyUI."""
+    if dynamic:
+        import comfy_aimdo.control
+        if not comfy_aimdo.control.init():
+            raise SystemExit("--weights dynamic: comfy_aimdo.control.init() failed (see the log above)")
     placeholder = None
     try:
         import torchvision  # noqa: F401
@@ -115,7 +135,49 @@ def latent_grid(n: int, max_frames: int = 128) -> tuple[int, int, int]:
     return best[1]
 
 
-def build(comfy, dev, dtype, smoke: bool, n: int, text: int):
+def enable_dynamic_vram(comfy) -> None:
+    """The rest of main.py's DynamicVRAM set-up, after the model was built with its weights materialised (with
+    ``aimdo_enabled`` on, comfy.ops layers are created empty for a state-dict load)."""
+    import comfy_aimdo.control
+    if not comfy_aimdo.control.init_device(comfy.model_management.get_torch_device().index):
+        raise SystemExit("--weights dynamic: comfy_aimdo.control.init_device failed")
+    comfy.model_patcher.CoreModelPatcher = comfy.model_patcher.ModelPatcherDynamic
+    comfy.memory_management.aimdo_enabled = True
+
+
+def held_as(comfy, base, dev, weights: str, lora: float):
+    """The ModelPatcher for ``base`` (built on the CPU unless ``weights`` is "device"), loaded the way ComfyUI loads it
+    before sampling, with a LoRA-style patch of scale ``lora`` on every block's attention output and first FFN/MLP
+    weight. Returns (patcher, a line saying how the weights are held)."""
+    cpu = torch.device("cpu")
+    if weights == "dynamic":
+        enable_dynamic_vram(comfy)
+        patcher = comfy.model_patcher.ModelPatcherDynamic(base, load_device=dev, offload_device=cpu)
+    else:
+        patcher = comfy.model_patcher.ModelPatcher(base, load_device=dev,
+                                                   offload_device=dev if weights == "device" else cpu)
+    if lora:
+        sd = base.state_dict()
+        keys = [k for k in sd if ".blocks." in k and k.endswith(("self_attn.o.weight", "ffn.0.weight",
+                                                                   "attn.out_proj.weight", "mlp.fc1.weight"))]
+        g = torch.Generator().manual_seed(2)
+        patcher.add_patches({k: (torch.randn(sd[k].shape, generator=g, dtype=torch.float32).to(sd[k].dtype) * lora,)
+                             for k in keys}, 1.0)
+    if weights == "lowvram":
+        patcher.patch_model(dev, lowvram_model_memory=1)
+    elif weights == "dynamic":
+        comfy.model_management.load_models_gpu([patcher])
+    elif lora:
+        patcher.patch_model(dev)   # the patches merged into the weights on the device, as a full load does
+    layers = [m for m in base.diffusion_model.blocks.modules() if hasattr(m, "comfy_cast_weights")]
+    line = (f"{weights}: {sum(bool(m.comfy_cast_weights) for m in layers)} of {len(layers)} block comfy.ops layers "
+            f"cast per call, {sum(hasattr(m, '_v') for m in layers)} in a DynamicVRAM VBAR, "
+            f"{sum(bool(getattr(m, 'weight_function', None)) for m in layers)} with weight functions (LoRA: "
+            f"{lora or 'none'})")
+    return patcher, line
+
+
+def build(comfy, dev, dtype, smoke: bool, n: int, text: int, model_dev=None):
     dims = (dict(dim=64, ffn_dim=128, num_heads=4, text_dim=32, freq_dim=32) if smoke else
             dict(dim=5120, ffn_dim=13824, num_heads=40, text_dim=4096, freq_dim=256))
     unet = {"image_model": "wan2.1", "model_type": "t2v", "num_layers": 1, "in_dim": 16, "out_dim": 16, "eps": 1e-6,
@@ -125,7 +187,7 @@ def build(comfy, dev, dtype, smoke: bool, n: int, text: int):
         unet_config, unet_extra_config, sampling_settings = {}, {}, {"shift": 1.0}
         supported_inference_dtypes = [dtype]
         latent_format = comfy.latent_formats.Wan21
-    base = comfy.model_base.WAN21(Config(unet), device=dev)
+    base = comfy.model_base.WAN21(Config(unet), device=model_dev or dev)
     torch.manual_seed(0)
     with torch.no_grad():
         for name, p in base.named_parameters():   # comfy.ops layers skip init: every weight is uninitialised memory
@@ -133,8 +195,8 @@ def build(comfy, dev, dtype, smoke: bool, n: int, text: int):
     f, h, w = latent_grid(n)
     g = torch.Generator(device=dev).manual_seed(1)
     x = torch.randn(1, 16, f, 2 * h, 2 * w, device=dev, generator=g)
-    cond = {"c_crossattn": torch.randn(1, text, dims["text_dim"], device=dev, dtype=dtype, generator=g)}
-    return comfy.model_patcher.ModelPatcher(base, load_device=dev, offload_device=dev), x, cond, (f, h, w), dims["dim"]
+    context = torch.randn(1, text, dims["text_dim"], device=dev, dtype=dtype, generator=g)
+    return base, x, lambda: {"c_crossattn": context}, (f, h, w), dims["dim"]
 
 
 H3_DIMS = dict(hidden_size=5376, num_attention_heads=56, attention_head_dim=128, ffn_hidden_size=14336)
@@ -143,7 +205,7 @@ H3_SMOKE_DIMS = dict(hidden_size=64, num_attention_heads=2, attention_head_dim=3
                      time_embed_dim=32, rope_inv_freq_len=4)
 
 
-def build_h3(comfy, dev, dtype, smoke: bool, n: int, text: int, audio: int):
+def build_h3(comfy, dev, dtype, smoke: bool, n: int, text: int, audio: int, model_dev=None):
     """MiniMax-H3 with 1 DiTBlock; the packed latent (video then audio) and its conditioning as ComfyUI samples it.
     ``n`` counts every packed row: text + audio + video (video takes the patched grid closest to the rest)."""
     importlib.import_module("comfy.ldm.minimax.model")
@@ -156,7 +218,7 @@ def build_h3(comfy, dev, dtype, smoke: bool, n: int, text: int, audio: int):
         sampling_settings = {"shift": 12.0, "audio_shift": 3.0}
         supported_inference_dtypes = [dtype]
         latent_format = comfy.latent_formats.MiniMaxH3AV
-    base = comfy.model_base.MiniMaxH3(Config(unet), device=dev)
+    base = comfy.model_base.MiniMaxH3(Config(unet), device=model_dev or dev)
     model = base.diffusion_model
     torch.manual_seed(0)
     with torch.no_grad():
@@ -173,10 +235,11 @@ def build_h3(comfy, dev, dtype, smoke: bool, n: int, text: int, audio: int):
     x, shapes = comfy.utils.pack_latents([video, sound])
     text_dim = dims.get("text_dim", 5120)
     context = torch.randn(1, text, text_dim, device=dev, dtype=dtype, generator=g)
-    cond = {k: v.cond for k, v in base.extra_conds(device=dev, cross_attn=context, latent_shapes=shapes).items()}
-    patcher = comfy.model_patcher.ModelPatcher(base, load_device=dev, offload_device=dev)
+    # after the load (``held_as``): extra_conds runs the token refiner, whose weights the load puts in place
+    cond = lambda: {k: v.cond for k, v in  # noqa: E731
+                    base.extra_conds(device=dev, cross_attn=context, latent_shapes=shapes).items()}
     widths = (dims["hidden_size"], dims["num_attention_heads"], dims["attention_head_dim"], dims["ffn_hidden_size"])
-    return patcher, x, cond, (f, h, w), widths, (list(video.shape), list(sound.shape))
+    return base, x, cond, (f, h, w), widths, (list(video.shape), list(sound.shape))
 
 
 def sample_call(patcher, x, cond):
@@ -210,13 +273,20 @@ def main() -> int:
     p.add_argument("--model", choices=("wan", "h3"), default="wan",
                    help="wan: WanModel (default); h3: MiniMax-H3, --tokens counting every packed row")
     p.add_argument("--audio", type=int, default=None, help="h3: audio rows, even (default 2000; smoke 80)")
+    p.add_argument("--weights", choices=("device", "lowvram", "dynamic"), default="device",
+                   help="where ComfyUI holds the weights: device (default), lowvram (on the CPU, cast per call), "
+                        "dynamic (DynamicVRAM, comfy-aimdo; GPU only)")
+    p.add_argument("--lora", type=float, default=0.0, help="scale of a LoRA-style patch ComfyUI applies per call")
     a = p.parse_args()
+    if a.weights == "dynamic" and a.smoke:
+        raise SystemExit("--weights dynamic needs a GPU (comfy-aimdo's VBAR is CUDA memory); no --smoke")
     cuda, dtype = not a.smoke, torch.bfloat16
     n, text = a.tokens or (4096 if a.smoke else 217088), a.text or (16 if a.smoke else 512)
     chunk, dev = a.chunk or (512 if a.smoke else 16384), torch.device("cpu" if a.smoke else "cuda")
     info = device_info() if cuda else {"device": "cpu (smoke)", "torch": torch.__version__}
     print(info, flush=True)
-    comfy = import_comfy(cpu=not cuda)
+    comfy = import_comfy(cpu=not cuda, dynamic=a.weights == "dynamic")
+    model_dev = dev if a.weights == "device" else torch.device("cpu")
     import streamplan.comfy as sc
     if cuda:
         peak_of, time_of = cuda_peak, (lambda fn: cuda_time(fn, repeats=2))
@@ -224,10 +294,11 @@ def main() -> int:
         peak_of, time_of = (lambda fn: streamplan.measure_peak(fn, device="cpu")), wall_time
 
     extra = {}
+    held_tag = "" if a.weights == "device" and not a.lora else f"{a.weights}_{'lora_' if a.lora else ''}"
     if a.model == "h3":
         audio = a.audio if a.audio is not None else (80 if a.smoke else 2000)
-        stock, x, cond, (f, h, w), (dim, heads, head_dim, ffn), (vshape, ashape) = build_h3(
-            comfy, dev, dtype, a.smoke, n, text, audio)
+        base_model, x, cond, (f, h, w), (dim, heads, head_dim, ffn), (vshape, ashape) = build_h3(
+            comfy, dev, dtype, a.smoke, n, text, audio, model_dev)
         video_rows = f * h * w
         tokens = text + audio + video_rows
         print(f"video latent {vshape} -> {f} x {h} x {w} = {video_rows} video rows, audio latent {ashape} -> {audio} "
@@ -239,16 +310,20 @@ def main() -> int:
         extra = {"video_rows": video_rows, "audio_rows": audio, "text_rows": text, "video_latent": list(vshape),
                  "audio_latent": list(ashape), "packed_latent": list(x.shape),
                  "sampling": "ModelSamplingAV shift 12, audio_shift 3 (audio carried scaled onto the video schedule)"}
-        name = f"gpu_comfy_h3_{'smoke_' if a.smoke else ''}{tokens}"
+        name = f"gpu_comfy_h3_{'smoke_' if a.smoke else ''}{held_tag}{tokens}"
     else:
-        stock, x, cond, (f, h, w), dim = build(comfy, dev, dtype, a.smoke, n, text)
+        base_model, x, cond, (f, h, w), dim = build(comfy, dev, dtype, a.smoke, n, text, model_dev)
         tokens = f * h * w
         print(f"latent {list(x.shape)} -> {f} x {h} x {w} = {tokens} block tokens (asked {n}), {text} text tokens",
               flush=True)
         floor = tokens * (dim + 2 * dim) * 2   # residual + K + V, bf16
         model = f"comfy WanModel 1 layer (dim {dim}), bf16, ComfyUI 0.33.0 apply_model"
         latent, inputs_named = list(x.shape), "x, context, e0, freqs"
-        name = f"gpu_comfy_{'smoke_' if a.smoke else ''}{tokens}"
+        name = f"gpu_comfy_{'smoke_' if a.smoke else ''}{held_tag}{tokens}"
+    stock, held = held_as(comfy, base_model, dev, a.weights, a.lora)
+    cond = cond()
+    print(held, flush=True)
+    extra["weights"] = held
     inputs = block_input_bytes(stock, x, cond)
     budget = int(1.15 * floor)
     kb = lambda b: b / tokens / 1024  # noqa: E731
@@ -271,12 +346,14 @@ def main() -> int:
     stock_t = time_of(lambda: sample_call(stock, x, cond))
     emit({**base, "mode": "stock", "KB_per_token": kb(stock_peak), "peak_vs_floor": stock_peak / floor,
           "time_s": stock_t, "time_ratio": 1.0})
-    for label, kw, wrapper in ((f"patch chunk_tokens={chunk}, min_tokens=0, budget=None",
-                                dict(budget=None, chunk_tokens=chunk, min_tokens=0), True),
-                               ("patch budget held to 1.15x floor, min_tokens=0", dict(budget=budget, min_tokens=0),
-                                True),
-                               (f"blocks only (wrapper taken out), chunk_tokens={chunk}",
-                                dict(budget=None, chunk_tokens=chunk, min_tokens=0), False)):
+    modes = [(f"patch chunk_tokens={chunk}, min_tokens=0, budget=None",
+              dict(budget=None, chunk_tokens=chunk, min_tokens=0), True),
+             ("patch budget held to 1.15x floor, min_tokens=0", dict(budget=budget, min_tokens=0), True),
+             (f"blocks only (wrapper taken out), chunk_tokens={chunk}",
+              dict(budget=None, chunk_tokens=chunk, min_tokens=0), False)]
+    if a.weights != "device":   # what "auto" reads where ComfyUI holds the weights off the device (memory.py)
+        modes.append(("patch budget='auto', min_tokens=0", dict(budget="auto", min_tokens=0), True))
+    for label, kw, wrapper in modes:
         try:
             patched = sc.patch(stock, **kw)
             if not wrapper:

@@ -117,7 +117,7 @@ def _kind(m: nn.Module, device: torch.device) -> str:
         return "weight patches"
     if m.weight.device != device:
         return "offloaded"
-    return "manual cast"
+    return "comfy_cast_weights"
 
 
 def _storage(t: torch.Tensor | None) -> int | None:
