@@ -17,6 +17,7 @@ from conftest import rel_err
 from test_comfy import _block_lines, fresh_captures, h3_patcher, sample_call, wan_patcher  # noqa: F401
 
 CPU = torch.device("cpu")
+pytestmark = pytest.mark.usefixtures("fresh_captures")   # every test starts without cached captures
 
 
 class Count:
@@ -76,7 +77,7 @@ def _stream_lowvram(base, x, cond, counts, keys, run=lambda p: p):
     return patched, out, text
 
 
-def test_wan_lowvram_lora_blocks_stream(fresh_captures):
+def test_wan_lowvram_lora_blocks_stream():
     """Wan blocks under lowvram, one with a LoRA patch applied per call and one without (one capture for both: the
     patch is in the weights taken for the call, never in the graph): equal to ComfyUI's own forward, every weight
     taken once per block call at 12 chunks, the patched weights' copies counted and reported."""
@@ -109,7 +110,7 @@ def test_wan_lowvram_lora_blocks_stream(fresh_captures):
     assert rel_err(sample_call(patched, x, cond), stock) <= 1e-5
 
 
-def test_h3_lowvram_lora_blocks_stream(fresh_captures):
+def test_h3_lowvram_lora_blocks_stream():
     """MiniMax-H3's DiTBlock under lowvram with a LoRA on its fused QKV and its MLP: equal to ComfyUI's own forward
     within fp32 1e-5, each weight taken once per block call; the q/k norm weights the block reads itself are left
     to it."""
@@ -124,7 +125,7 @@ def test_h3_lowvram_lora_blocks_stream(fresh_captures):
     assert "attn.q_norm" not in text
 
 
-def test_unknown_cast_ops_keep_the_block_stock(fresh_captures):
+def test_unknown_cast_ops_keep_the_block_stock():
     """A comfy.ops layer of a class whose cast path streamplan has not read (a custom node's ops: here a subclass
     with its own ``forward_comfy_cast_weights``) that casts per call: that block runs stock, exactly, and says why;
     the other block streams."""
@@ -151,7 +152,7 @@ def test_unknown_cast_ops_keep_the_block_stock(fresh_captures):
         layer.__class__ = comfy.ops.disable_weight_init.Linear
 
 
-def test_explicit_budget_pays_for_cast_weights(fresh_captures):
+def test_explicit_budget_pays_for_cast_weights():
     """An explicit budget is the activation room above what the call holds at entry, less the cast weights it takes;
     "auto" reads free memory after they were taken."""
     comfyui()
@@ -164,7 +165,7 @@ def test_explicit_budget_pays_for_cast_weights(fresh_captures):
 
 
 @pytest.mark.parametrize("budget", [None, 64 * 2**20])
-def test_taken_weights_are_released_after_the_call(fresh_captures, budget):
+def test_taken_weights_are_released_after_the_call(budget):
     """The weights a call took are let go at its end (the peak of a second call is no higher than the first's), and
     the model's layers are left exactly as ComfyUI set them."""
     import streamplan.comfy as sc

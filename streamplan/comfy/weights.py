@@ -149,9 +149,9 @@ def taken(block: nn.Module, device: torch.device, dtype: torch.dtype, direct: tu
             if any(hasattr(m, "_prefetch") for m in block.modules()):
                 out.host_prefetched = True   # the host's prefetch queue holds the block: it cleans up
             else:   # ComfyUI's own prefetch of one module's layers, as a one-block queue: faulted together
-                queue = [None, block, None]
-                prefetch.prefetch_queue_pop(queue, device, block)
-                out.prefetched = True
+                one = [None, block, None]
+                prefetch.prefetch_queue_pop(one, device, block)
+                queue, out.prefetched = one, True
         for name, m in layers:
             out.layers[name] = _kind(m, device)
             vbar_layer = hasattr(m, "_v")
