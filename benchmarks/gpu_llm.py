@@ -211,6 +211,11 @@ def prefill(n: int, layers: int, modes: list[str], name: str, padded: int = 0) -
                       "logits": _logits_summary(logits),
                       "layer_tiers": sorted({f"{p.tier}/{p.chunk}" + (f"/ffn_slice {p.ffn_slice}" if str(p.tier) == "L2"
                                                                          else "") for p in layer_plans}),
+                      # what the first layer was planned in (bytes per token): alive around it, left to it, predicted
+                      "layer0_plan_B_per_token": {k: v / n_all for k, v in (
+                          ("live", getattr(layer_plans[0], "live_bytes", 0) or 0),
+                          ("budget", getattr(layer_plans[0], "budget", 0) or 0),
+                          ("predicted_total", layer_plans[0].predicted_total))} if layer_plans else None,
                       "model_forward_notes": [x for k in ("", "model") if k in handle.installed
                                               for x in handle.installed[k].runtime_notes],
                       "report": handle.report()})
