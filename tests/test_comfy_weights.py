@@ -88,7 +88,15 @@ def test_wan_lowvram_lora_blocks_stream():
     counts = _lowvram(base, lora, counted)
     q = base.model.diffusion_model.blocks[1].self_attn.q
     assert q.comfy_cast_weights and type(q.weight_function[0]).__name__ == "LowVramPatch"
+    for n, m in base.model.named_modules():   # what ModelPatcherDynamic.load writes on each layer (GPU only)
+        if hasattr(m, "comfy_cast_weights"):
+            m.seed_key = n
     patched, out, text = _stream_lowvram(base, x, cond, counts, list(lora) + counted)
+    # one capture serves both blocks: the patch and ComfyUI's per-layer bookkeeping are not in the graph
+    import streamplan.capture as capture
+    keys = [k for k, v in capture._CACHE.items() if type(v).__name__ == "Streamable"]
+    assert len(keys) == 1, keys
+    assert q.seed_key == "diffusion_model.blocks.1.self_attn.q"
     # the copies each call takes beyond ComfyUI's weights (a patched weight is a new tensor; the others are the
     # layers' own on this CPU machine): block 1's q, ffn.2 and o weights, block 0's ffn.0
     sections = _block_lines(text)

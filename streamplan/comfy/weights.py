@@ -33,6 +33,10 @@ from torch import nn
 # stock forward (torch.nn's) is their cast forward
 _KNOWN = ("Linear", "Conv1d", "Conv2d", "LayerNorm", "GroupNorm", "RMSNorm")
 _SWITCHES = ("comfy_cast_weights", "weight_function", "bias_function")
+# ModelPatcher's per-layer bookkeeping, read only by the cast path: hidden while a layer is plain, so the capture (keyed
+# by the layers' plain attributes) is shared by every block of a class (ModelPatcherDynamic's seed_key is the layer's
+# own name; lowvram marks some layers and not others)
+_BOOKKEEPING = ("prev_comfy_cast_weights", "comfy_patched_weights", "comfy_force_cast_weights", "seed_key")
 _ABSENT = object()
 
 
@@ -135,13 +139,17 @@ def taken(block: nn.Module, device: torch.device, dtype: torch.dtype, direct: tu
     import comfy.model_management as mm
     import comfy.ops
 
-    layers = [(name, m) for name, m in block.named_modules() if casts_per_call(m) and name not in direct]
+    known = _known_classes()
+    # every known comfy.ops layer is made plain for the call (the same attributes in every block: one capture); those
+    # with a weight that cast per call are taken
+    plain = [(name, m) for name, m in block.named_modules()
+             if hasattr(m, "comfy_cast_weights") and name not in direct and _is_known(m, known)]
     out = Taken()
-    if not layers:
+    if not any(casts_per_call(m) for _, m in plain):
         yield out
         return
     import comfy.model_prefetch as prefetch
-    vbar = [m for _, m in layers if hasattr(m, "_v")]
+    vbar = [m for _, m in plain if hasattr(m, "_v") and casts_per_call(m)]
     queue = None
     saved: list[tuple[nn.Module, dict, dict, tuple | None]] = []
     try:
@@ -152,24 +160,29 @@ def taken(block: nn.Module, device: torch.device, dtype: torch.dtype, direct: tu
                 one = [None, block, None]
                 prefetch.prefetch_queue_pop(one, device, block)
                 queue, out.prefetched = one, True
-        for name, m in layers:
-            out.layers[name] = _kind(m, device)
-            vbar_layer = hasattr(m, "_v")
-            # offloadable=False outside DynamicVRAM: fresh tensors (the async-offload cast buffers are shared by the
-            # layers cast on one stream and cannot be held together); a prefetched VBAR layer resolves in place
-            result = comfy.ops.cast_bias_weight(m, None, dtype=dtype, device=device, bias_dtype=dtype,
-                                                offloadable=vbar_layer)
-            weight, bias = result[0], result[1]
-            switches = {k: m.__dict__.get(k, _ABSENT) for k in _SWITCHES}
+        for name, m in plain:
+            result = None
+            if casts_per_call(m):
+                out.layers[name] = _kind(m, device)
+                vbar_layer = hasattr(m, "_v")
+                # offloadable=False outside DynamicVRAM: fresh tensors (the async-offload cast buffers are shared by
+                # the layers cast on one stream and cannot be held together); a prefetched VBAR layer resolves in place
+                result = comfy.ops.cast_bias_weight(m, None, dtype=dtype, device=device, bias_dtype=dtype,
+                                                    offloadable=vbar_layer)
+            switches = {k: m.__dict__.get(k, _ABSENT) for k in _SWITCHES + _BOOKKEEPING}
             params = {k: m._parameters[k] for k in ("weight", "bias") if k in m._parameters}
-            saved.append((m, switches, params, result if vbar_layer else None))
-            for t, own in ((weight, params.get("weight")), (bias, params.get("bias"))):
-                if t is not None and _storage(t) != _storage(own):
-                    out.new_bytes += t.numel() * t.element_size()
+            saved.append((m, switches, params, result if result is not None and hasattr(m, "_v") else None))
+            for k in _BOOKKEEPING:
+                m.__dict__.pop(k, None)
             m.comfy_cast_weights, m.weight_function, m.bias_function = False, [], []
-            m._parameters["weight"] = nn.Parameter(weight, requires_grad=False)
-            if "bias" in params and params["bias"] is not None:
-                m._parameters["bias"] = nn.Parameter(bias, requires_grad=False)
+            if result is None:
+                continue
+            for t, key in ((result[0], "weight"), (result[1], "bias")):
+                if t is None or params.get(key) is None:
+                    continue
+                if _storage(t) != _storage(params[key]):
+                    out.new_bytes += t.numel() * t.element_size()
+                m._parameters[key] = nn.Parameter(t, requires_grad=False)
         yield out
     finally:
         for m, switches, params, result in reversed(saved):
