@@ -1,0 +1,220 @@
+"""streamplan.comfy's streamed model forwards of ComfyUI 0.33.0's Flux, HunyuanVideo and LTX-Video
+(``streamplan/comfy/forwards_joint.py``, ``forwards_ltxv.py``): tiny random-weight models in real ``BaseModel``s and
+``ModelPatcher``s, whole ``apply_model`` calls as ComfyUI samples them, stock against ``patch``."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import streamplan
+from comfy_support import comfyui
+from conftest import rel_err
+from test_comfy import (_attention_spy, _block_lines, _forwards_installed, _without_wrapper, flux_patcher,
+                        fresh_captures, hunyuan_video_patcher, ltxv_patcher, sample_call)
+
+__all__ = ["fresh_captures"]   # the fixture, used by name
+
+
+def _long(family: str):
+    """(patcher, x, cond, its block list) with 4096 image rows (chunk transients small beside the rows)."""
+    if family == "flux":
+        base, _, cond = flux_patcher()
+        return base, torch.randn(1, 4, 128, 128), cond, "double_blocks"
+    if family == "hunyuan_video":
+        base, _, cond = hunyuan_video_patcher()
+        return base, torch.randn(1, 4, 4, 64, 64), cond, "double_blocks"
+    base, _, cond = ltxv_patcher()
+    return base, torch.randn(1, 8, 4, 32, 32), cond, "transformer_blocks"
+
+
+def _first_block_inputs(patcher, x, cond, blocks: str) -> dict:
+    """What the stock forward hands its first block (measured with a pre-hook): the rows it sees and the bytes of the
+    rope table (and mask) every block reads, which the streamed forward keeps as the stock one does."""
+    seen = {}
+
+    def hook(_module, args, kwargs):
+        img = kwargs.get("img", args[0] if args else None)
+        txt = kwargs.get("txt")
+        seen["rows"] = img.shape[1] + (txt.shape[1] if txt is not None else 0)
+        pe = kwargs["pe"]
+        tables = [t for t in (pe if isinstance(pe, tuple) else (pe,)) if isinstance(t, torch.Tensor)]
+        seen["shared"] = sum(t.numel() * t.element_size() for t in tables)
+    handle = getattr(patcher.model.diffusion_model, blocks)[0].register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        sample_call(patcher, x, cond)
+    finally:
+        handle.remove()
+    return seen
+
+
+@pytest.mark.parametrize("family", ["flux", "hunyuan_video", "ltxv"])
+def test_model_forward_streams_to_the_blocks_floor(fresh_captures, family):
+    """The whole apply_model call through patch(): the model forward streamed (Flux and HunyuanVideo on one joint
+    text+image buffer, so the stock join never makes a second residual; every block's input donated; the final layer
+    on row chunks), within fp32 rel 1e-5 of stock, its peak near the blocks' floor (residual + K + V of every row, and
+    the rope table the blocks read). Measured at 256-row chunks: Flux 1.21x, HunyuanVideo 1.20x, LTX-Video 1.10x of
+    that floor (stock 3.70x, 3.63x, 2.84x; the blocks streamed under the stock forward 1.87x, 1.80x, 1.54x)."""
+    import streamplan.comfy as sc
+    base, x, cond, blocks = _long(family)
+    before = copy.copy(base.model_options["transformer_options"])
+    seen = _first_block_inputs(base, x, cond, blocks)
+    stock, stock_peak = streamplan.measure_peak(sample_call, base, x, cond)
+    patched = sc.patch(base, budget=None, chunk_tokens=256, min_tokens=0)
+    out, peak = streamplan.measure_peak(sample_call, patched, x, cond)
+    assert rel_err(out, stock) <= 1e-5
+    text = sc.report(patched)
+    blocks_only, blocks_peak = streamplan.measure_peak(sample_call, _without_wrapper(patched), x, cond)
+    assert rel_err(blocks_only, stock) <= 1e-5
+    dm = base.model.diffusion_model
+    width = dm.inner_dim if family == "ltxv" else dm.hidden_size
+    floor = seen["rows"] * 3 * width * 4 + seen["shared"]        # residual + K + V (fp32) + the rope table
+    ratio = peak / floor
+    print(f"{family}: whole apply_model peak / blocks' floor {ratio:.2f} (stock {stock_peak / floor:.2f}, blocks "
+          f"alone streamed {blocks_peak / floor:.2f})")
+    assert ratio <= 1.3, (ratio, peak, floor)
+    assert peak < 0.8 * blocks_peak and peak < 0.4 * stock_peak, (peak, blocks_peak, stock_peak)
+    blocks_n = len(sc.block_keys(dm))
+    assert f"model forward ({type(dm).__name__}): 1 call(s) streamed (input projection and output head in 256-row " \
+        f"chunks, {blocks_n} block input(s) donated in the last)" in text, text
+    assert text.count("1 call(s) through the streamer") == blocks_n and "ran stock" not in text, text
+    assert base.model_options["transformer_options"] == before
+    assert "wrappers" not in base.model_options["transformer_options"]
+    assert _forwards_installed(base.model) == []
+
+
+@pytest.mark.parametrize("family", ["flux", "hunyuan_video", "ltxv"])
+def test_chunks_attend_through_comfy_optimized_attention(fresh_captures, monkeypatch, family):
+    """Every streamed Q chunk of every block goes to ``comfy.ldm.modules.attention.optimized_attention`` (what
+    ComfyUI selected at start-up); the stock blocks' own imports keep theirs."""
+    comfyui()
+    import comfy.ldm.modules.attention as attention
+
+    import streamplan.comfy as sc
+    calls: list = []
+    patcher, x, cond = {"flux": flux_patcher, "hunyuan_video": hunyuan_video_patcher, "ltxv": ltxv_patcher}[family]()
+    stock = sample_call(patcher, x, cond)
+    monkeypatch.setattr(attention, "optimized_attention", _attention_spy(calls))
+    if family != "ltxv":   # Flux's blocks took their own reference at import: the stock run never saw the spy
+        assert calls == []
+    calls.clear()
+    patched = sc.patch(patcher, budget=None, chunk_tokens=64, min_tokens=0)
+    assert rel_err(sample_call(patched, x, cond), stock) <= 1e-5
+    calls = [c for c in calls if type(c) is int]   # LTX-Video's capture traced its attention through the spy too
+    if family == "flux":   # 9 text + 576 image rows: the text rows join a double block's first chunk
+        assert calls == ([73] + [64] * 8) * 2 + ([64] * 9 + [9]) * 2, calls
+    elif family == "hunyuan_video":   # 9 text + 192 image rows
+        assert calls == [73, 64, 64] * 2 + [64, 64, 64, 9] * 2, calls
+    else:                  # 768 rows; the cross-attention to the text is row-local, replayed from the graph (as Wan's)
+        assert calls == [64] * 12 * 2, calls
+    assert sc.report(patched).count("attention chunks to ComfyUI optimized_attention") == len(
+        sc.block_keys(patcher.model.diffusion_model))
+
+
+def test_flux_foreign_replacements_and_controlnet(fresh_captures):
+    """Inside the joint buffer: a foreign block replacement that returns new tensors (its output copied back into
+    the rows) and ControlNet's additions to the image rows after double and single blocks, exact against stock."""
+    import streamplan.comfy as sc
+    base, x, cond = flux_patcher()
+    calls = []
+
+    def foreign(args, extra):
+        calls.append(sorted(args))
+        out = extra["original_block"](args)
+        return {k: v.clone() + 0.01 for k, v in out.items()}
+
+    other = base.clone()
+    other.set_model_patch_replace(foreign, "dit", "double_block", 0)
+    other.set_model_patch_replace(foreign, "dit", "single_block", 1)
+    g = torch.Generator().manual_seed(3)
+    control = {"input": [torch.randn(1, 576, 64, generator=g), None],
+               "output": [None, torch.randn(1, 500, 64, generator=g)]}
+    run = {**cond, "control": control}
+    stock = sample_call(other, x, run)
+    calls.clear()
+    patched = sc.patch(other, budget=None, chunk_tokens=64, min_tokens=0)
+    assert rel_err(sample_call(patched, x, run), stock) <= 1e-5
+    assert len(calls) == 2
+    text = sc.report(patched)
+    assert "1 call(s) streamed (input projection and output head in 64-row chunks, 2 block input(s) donated" in text
+    sections = _block_lines(text)
+    assert sc.LEFT_TO_EXISTING in sections["double_block.0"] and sc.LEFT_TO_EXISTING in sections["single_block.1"]
+    assert "1 call(s) through the streamer" in sections["double_block.1"], text
+
+
+def test_hunyuan_video_text_mask_streams_the_forward(fresh_captures):
+    """HunyuanVideo with ComfyUI's text mask: the forward builds the same additive key mask over the joint rows,
+    exact against stock."""
+    import streamplan.comfy as sc
+    base, x, cond = hunyuan_video_patcher(text_mask=True)
+    stock = sample_call(base, x, cond)
+    patched = sc.patch(base, budget=None, chunk_tokens=64, min_tokens=0)
+    assert rel_err(sample_call(patched, x, cond), stock) <= 1e-5
+    assert "model forward (HunyuanVideo): 1 call(s) streamed" in sc.report(patched)
+
+
+def test_model_forwards_fail_closed(fresh_captures, monkeypatch):
+    """What the streamed forwards do not cover runs the stock forward (its blocks still stream), exactly, with the
+    reason: code that is not ComfyUI 0.33.0's (a final layer, a patch embedding), reference latents, a subclass with
+    its own forward; keyframes, guiding frames, HunyuanVideo 1.5's inputs (judged on the call's arguments)."""
+    comfyui()
+    import comfy.ldm.flux.layers as flux_layers
+    import comfy.ldm.lightricks.model as ltx
+    import comfy.ldm.modules.diffusionmodules.mmdit as mmdit
+
+    import streamplan.comfy as sc
+    base, x, cond = flux_patcher()
+    g_ref = torch.randn(1, 4, 16, 16)
+    stock_ref = sample_call(base, x, {**cond, "ref_latents": [g_ref]})
+    run = sc.patch(base, budget=None, chunk_tokens=64, min_tokens=0)
+    assert rel_err(sample_call(run, x, {**cond, "ref_latents": [g_ref]}), stock_ref) <= 1e-5
+    text = sc.report(run)
+    assert "1 call(s) stock: ref_latents are given" in text and text.count("through the streamer") == 4, text
+
+    stock_last = flux_layers.LastLayer.forward
+
+    def forward(self, *args, **kwargs):
+        return stock_last(self, *args, **kwargs)
+
+    monkeypatch.setattr(flux_layers.LastLayer, "forward", forward)
+    stock = sample_call(base, x, cond)
+    run = sc.patch(base, budget=None, chunk_tokens=64, min_tokens=0)
+    assert rel_err(sample_call(run, x, cond), stock) <= 1e-5
+    assert "1 call(s) stock: LastLayer.forward is not the code streamplan follows (ComfyUI 0.33.0's)" in \
+        sc.report(run), sc.report(run)
+    monkeypatch.undo()
+
+    base, x, cond = hunyuan_video_patcher()
+    stock_embed = mmdit.PatchEmbed.forward
+
+    def embed(self, x):
+        return stock_embed(self, x)
+
+    monkeypatch.setattr(mmdit.PatchEmbed, "forward", embed)
+    stock = sample_call(base, x, cond)
+    run = sc.patch(base, budget=None, chunk_tokens=64, min_tokens=0)
+    assert rel_err(sample_call(run, x, cond), stock) <= 1e-5
+    assert "comfy.ldm.modules.diffusionmodules.mmdit:PatchEmbed.forward is not the code streamplan follows" in \
+        sc.report(run), sc.report(run)
+    monkeypatch.undo()
+
+    class OwnForwardLTXV(ltx.LTXVModel):
+        def _forward(self, *args, **kwargs):
+            return super()._forward(*args, **kwargs)
+
+    sub, x, cond = ltxv_patcher()
+    sub.model.diffusion_model.__class__ = OwnForwardLTXV
+    stock = sample_call(sub, x, cond)
+    run = sc.patch(sub, budget=None, chunk_tokens=64, min_tokens=0)
+    assert rel_err(sample_call(run, x, cond), stock) <= 1e-5
+    assert "OwnForwardLTXV is a subclass of LTXVModel with its own forward" in sc.report(run)
+
+    from streamplan.comfy.forwards_joint import HunyuanVideo
+    from streamplan.comfy.forwards_ltxv import LTXV
+    hv = hunyuan_video_patcher()[0].model.diffusion_model
+    video = torch.zeros(1, 4, 1, 4, 4)
+    assert "keyframe_idxs are given" in LTXV.problem(None, {"x": video, "keyframe_idxs": torch.zeros(1, 3, 2, 2)})
+    assert "a guiding frame" in HunyuanVideo.problem(hv, {"x": video, "guiding_frame_index": torch.zeros(1)})
+    assert "a reference latent" in HunyuanVideo.problem(hv, {"x": video, "ref_latent": video})
+    assert "clip_fea" in HunyuanVideo.problem(hv, {"x": video, "clip_fea": torch.zeros(1, 2, 4)})
