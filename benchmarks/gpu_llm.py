@@ -35,11 +35,11 @@ Modes: ``stock``; ``chunk`` (16384-row chunks), ``chunk=C`` (C-row chunks), ``ch
 S-feature slices); ``held`` (the planner given 1.15x the floor). Past 256k tokens a streamed mode first runs 8192 tokens
 (its layers' capture), then one timed call; every row gives ``time_per_layer_s``.
 Optional arguments: ``layers=N`` changes the layer count (default 32); ``stock_layers=K`` runs the stock mode on its
-own model of K layers first (its own JSON, ``..._stock<K>l``), the other modes on N; ``padded=P`` runs a batch of 2 whose second
-sequence has P tokens of left padding (``attention_mask`` zeros: stock builds a [2, 1, N, N] mask; streamed, each
-batch element attends its own keys with no mask rows). The floor then counts both sequences. Each streamed row
-gives its layers' plans (tier/chunk/MLP slice). Results: ``$OUT/gpu_llm_<what>_<tokens>[_<modes>][_padded].json``,
-written after every row.
+own model of K layers first (its own JSON, ``..._stock<K>l``), the other modes on N; ``padded=P`` runs a batch of 2
+whose second sequence has P tokens of left padding (``attention_mask`` zeros: stock builds a [2, 1, N, N] mask;
+streamed, each batch element attends its own keys with no mask rows). The floor then counts both sequences. Each
+streamed row gives its layers' plans (tier/chunk/MLP slice). Results:
+``$OUT/gpu_llm_<what>_<tokens>[_<modes>][_padded].json``, written after every row.
 """
 from __future__ import annotations
 

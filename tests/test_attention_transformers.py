@@ -57,6 +57,27 @@ def test_causal_prefill_matches(impl, heads, kv_heads, batch, tokens, chunk):
     assert torch.equal(model(ids).last_hidden_state, ref)
 
 
+@torch.no_grad()
+def test_a_causal_chunk_with_grouped_heads_stays_within_the_declared_workspace():
+    """A causal Q chunk after the first through the SDPA consumer, as a streamed Llama-3 layer calls it (32 query heads
+    on 8 K/V heads of 128, q laid out [B, rows, heads, D] underneath): exact against PyTorch's SDPA over the chunk's
+    keys, and its measured peak beyond its output within the workspace the consumer declares to the planner (the
+    diagonal block's K/V heads, repeated for the query heads, are let go before the past keys' call)."""
+    n, c, heads, kv_heads, d = 1024, 128, 32, 8, 128
+    k, v = (torch.randn(1, n, kv_heads, d).transpose(1, 2) for _ in range(2))
+    q = torch.randn(1, c, heads, d).transpose(1, 2)
+    sdpa = streamplan.consumers.SDPA
+    out, peak = streamplan.measure_peak(lambda: sdpa.attend(q, k, v, q_offset=n - c, causal=True, mask=None,
+                                                            scale=None))
+    rep = heads // kv_heads
+    seen = torch.ones(c, n, dtype=torch.bool).tril(n - c)   # row i of the chunk sees keys 0 .. n - c + i
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
+                                                           attn_mask=seen)
+    assert rel_err(out, ref) <= 1e-5
+    declared = sdpa.workspace_row_bytes(heads=heads, head_dim=d, elem=4, causal=True, masked=False)
+    assert peak - out.numel() * 4 <= declared * c, (peak / c - heads * d * 4, declared)
+
+
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
 @torch.no_grad()
 def test_padded_batch_with_attention_mask(impl):

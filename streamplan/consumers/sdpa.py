@@ -56,6 +56,7 @@ def _causal_by_parts(q, k, v, q_offset: int, scale):
     if rep > 1:
         k_diag, v_diag = k_diag.repeat_interleave(rep, dim=1), v_diag.repeat_interleave(rep, dim=1)
     diag = _fused_with_lse(q, k_diag, v_diag, True, scale)
+    del k_diag, v_diag   # the diagonal block's repeated K/V heads (2 x heads x head_dim per row) go before the past
     past = _fused_with_lse(_grouped(q, Hkv) if rep > 1 else q, k[..., :q_offset, :], v[..., :q_offset, :], False,
                            scale)
     if diag is None or past is None:
