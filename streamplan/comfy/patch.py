@@ -295,10 +295,12 @@ def patch(model_patcher, budget: int | str | None = "auto", chunk_tokens: int | 
     ``min_tokens`` sequence rows runs the block through a streamer (created at its first such call, kept by the clone);
     shorter calls, and calls streamplan cannot stream (attention overrides, block-level patches, masks), run the
     original block, counted in the report. A block whose replacement another node already holds is left to it.
-    A ``DIFFUSION_MODEL`` wrapper (``forwards``) sees every model call: a new sampling run re-plans the blocks, and
-    ComfyUI 0.33.0's Wan and MiniMax-H3 forwards run streamed (input projection and head in row chunks, block inputs
-    donated). ``budget``: "auto" (ComfyUI's free memory less ``--reserve-vram`` and ``reserve``), bytes (activation
-    room above what a block call holds at entry) or None (``memory``); ``chunk_tokens`` and ``self_check`` are
+    Weights ComfyUI casts per call (lowvram offload, DynamicVRAM, LoRA applied per call, manual casting) are taken once
+    per block call through comfy.ops' own cast path and held for its chunks (``weights``). A ``DIFFUSION_MODEL``
+    wrapper (``forwards``) sees every model call: a new sampling run re-plans the blocks, and ComfyUI 0.33.0's Wan and
+    MiniMax-H3 forwards run streamed (input projection and head in row chunks, block inputs donated). ``budget``:
+    "auto" (ComfyUI's free memory less ``--reserve-vram`` and ``reserve``), bytes (activation room above what a block
+    call holds at entry, its cast weights paid from it) or None (``memory``); ``chunk_tokens`` and ``self_check`` are
     ``BlockStreamer``'s. The input patcher and the shared modules are not changed. ``report(patched)`` says what
     happened.
     """
