@@ -171,6 +171,24 @@ def test_explicit_budget_pays_for_cast_weights():
     x = torch.zeros(10, 4)
     assert streamer_budget(PatchOptions(budget=1000), (x,), {}, CPU, taken=100) == 900 + 160
 
+    # a budget the block fits in with ComfyUI's own weights no longer fits once every weight is a patched copy
+    import streamplan.comfy as sc
+    room = 768 * 64 * 4 * 4    # K + V and as much again for a chunk (768 rows, 64 wide, fp32)
+    for lora in (False, True):
+        base, x, cond = wan_patcher(layers=1)
+        sd = base.model.state_dict()
+        keys = [k for k in sd if ".blocks.0." in k and k.endswith("weight") and sd[k].dim() == 2] if lora else []
+        _lowvram(base, {k: 0.01 for k in keys}, [])
+        stock = sample_call(base, x, cond)
+        patched = sc.patch(base, budget=room, min_tokens=0)
+        if not lora:
+            assert rel_err(sample_call(patched, x, cond), stock) <= 1e-5
+            assert "L1 rows=768" in sc.report(patched)
+        else:
+            with pytest.raises(streamplan.BudgetError, match="cannot hold it"):
+                sample_call(patched, x, cond)
+            assert base.model.diffusion_model.blocks[0].ffn[0].comfy_cast_weights is True   # released on the error
+
 
 @pytest.mark.parametrize("budget", [None, 64 * 2**20])
 def test_taken_weights_are_released_after_the_call(budget):
