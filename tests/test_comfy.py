@@ -202,7 +202,10 @@ def _block_lines(text: str) -> dict[str, str]:
 
 def test_patch_streams_every_hunyuan_video_block(fresh_captures):
     """HunyuanVideo (Flux's double and single stream blocks under its own forward, "attention_mask" in the args
-    dict): every block streams without a text mask; with one (a mask over the joint rows' keys) each stays stock."""
+    dict): every block streams without a text mask, and with one (a mask over the joint rows' keys, whole for every
+    Q chunk) under the streamed model forward, which gives it as the [1, 1, 1, keys] view ComfyUI's attention makes
+    of it. Under the stock forward (the wrapper taken out) the [1, 1, keys] mask is reshaped inside the block: each
+    block stays stock, naming it."""
     import streamplan.comfy as sc
     patched, text, keys = _stream_and_compare(*hunyuan_video_patcher())
     assert keys == [("double_block", 0), ("double_block", 1), ("single_block", 0), ("single_block", 1)]
@@ -217,8 +220,12 @@ def test_patch_streams_every_hunyuan_video_block(fresh_captures):
     patched = sc.patch(masked, budget=None, chunk_tokens=64, min_tokens=0)
     assert rel_err(sample_call(patched, x, cond), stock) <= 1e-5
     text = sc.report(patched)
-    # a text mask over the joint rows' keys: the capture keeps each block stock and names it
-    assert "ran stock" in text and ": L1 rows=" not in text, text
+    assert text.count("attn_mask=(1, 1, 1, 201)") == 4 and "ran stock" not in text, text
+    blocks_only = _without_wrapper(sc.patch(masked, budget=None, chunk_tokens=64, min_tokens=0))
+    assert rel_err(sample_call(blocks_only, x, cond), stock) <= 1e-5
+    text = sc.report(blocks_only)
+    assert text.count("an attention mask over the rows' keys built inside the block") == 4, text
+    assert ": L1 rows=" not in text, text
 
 
 def test_patch_streams_every_ltxv_block(fresh_captures):

@@ -143,17 +143,6 @@ def test_flux_foreign_replacements_and_controlnet(fresh_captures):
     assert "1 call(s) through the streamer" in sections["double_block.1"], text
 
 
-def test_hunyuan_video_text_mask_streams_the_forward(fresh_captures):
-    """HunyuanVideo with ComfyUI's text mask: the forward builds the same additive key mask over the joint rows,
-    exact against stock."""
-    import streamplan.comfy as sc
-    base, x, cond = hunyuan_video_patcher(text_mask=True)
-    stock = sample_call(base, x, cond)
-    patched = sc.patch(base, budget=None, chunk_tokens=64, min_tokens=0)
-    assert rel_err(sample_call(patched, x, cond), stock) <= 1e-5
-    assert "model forward (HunyuanVideo): 1 call(s) streamed" in sc.report(patched)
-
-
 def test_model_forwards_fail_closed(fresh_captures, monkeypatch):
     """What the streamed forwards do not cover runs the stock forward (its blocks still stream), exactly, with the
     reason: code that is not ComfyUI 0.33.0's (a final layer, a patch embedding), reference latents, a subclass with

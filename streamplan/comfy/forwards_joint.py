@@ -35,6 +35,10 @@ def _into(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.copy_(src)
 
 
+def _mask_for(blocks_replace: dict, key: tuple, mask: Any, own_mask: Any) -> Any:
+    return own_mask if getattr(blocks_replace[key], "streamplan_donates", False) else mask
+
+
 def _replaced(blocks_replace: dict, key: tuple, args: dict, block_wrap, donated: torch.Tensor) -> tuple[dict, bool]:
     """One block through its "dit" replacement, with ``donated`` (a view of the buffer) donated when the replacement
     is streamplan's own."""
@@ -72,13 +76,15 @@ class Joint:
         and single blocks' modulation input. ControlNet additions as the stock forward makes them."""
         blocks_replace = options.get("patches_replace", {}).get("dit", {})
         txt, img = hidden[:, :text], hidden[:, text:]
+        own_mask = cls.streamed_mask(mask)
         donated = 0
         options["total_blocks"] = len(model.double_blocks)
         options["block_type"] = "double"
         for i, block in enumerate(model.double_blocks):
             options["block_index"] = i
             if ("double_block", i) in blocks_replace:
-                args = cls.double_args(img, txt, vecs[0], pe, mask, options)
+                args = cls.double_args(img, txt, vecs[0], pe, _mask_for(blocks_replace, ("double_block", i), mask,
+                                                                        own_mask), options)
                 out, gave = _replaced(blocks_replace, ("double_block", i), args, cls.double_wrap(block), img)
                 del args
                 donated += gave
@@ -104,7 +110,8 @@ class Joint:
         for i, block in enumerate(model.single_blocks):
             options["block_index"] = i
             if ("single_block", i) in blocks_replace:
-                args = cls.single_args(hidden, vecs[1], pe, mask, options)
+                args = cls.single_args(hidden, vecs[1], pe, _mask_for(blocks_replace, ("single_block", i), mask,
+                                                                      own_mask), options)
                 out, gave = _replaced(blocks_replace, ("single_block", i), args, cls.single_wrap(block), hidden)
                 del args
                 donated += gave
@@ -118,6 +125,11 @@ class Joint:
                 if add is not None:
                     cls.add_control_output(hidden, text, add)
         state.forward.donated_blocks = donated
+
+    @staticmethod
+    def streamed_mask(mask: Any) -> Any:
+        """The attention mask as streamplan's own block replacements get it (the same values)."""
+        return mask
 
     @staticmethod
     def control_at(adds: Any, i: int):
@@ -281,6 +293,14 @@ class HunyuanVideo(Joint):
                                  modulation_dims=args["modulation_dims"],
                                  transformer_options=args["transformer_options"])}
         return block_wrap
+
+    @staticmethod
+    def streamed_mask(mask: Any) -> Any:
+        """The text mask over the joint rows' keys, ``[1, 1, keys]``, as a ``[1, 1, 1, keys]`` view: the layout
+        ComfyUI's attention functions make of it before attending (``attention_pytorch`` unsqueezes a 3-D mask), so
+        the block's captured graph gets it straight at its attention, where a mask over the keys alone streams (whole
+        for every Q chunk); given as ``[1, 1, keys]``, the unsqueeze inside the block keeps the block stock."""
+        return mask.unsqueeze(1) if isinstance(mask, torch.Tensor) and mask.dim() == 3 else mask
 
     @staticmethod
     def add_control_input(img: torch.Tensor, add: torch.Tensor) -> None:

@@ -13,11 +13,13 @@ head_dim]``); otherwise the block stays stock, saying so (``override_problem``).
 Nothing here imports ComfyUI until a chunk is attended (or an override is judged)."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 
 CONTRACT_FLAG = "supports_streamed_h3_qkv"
+MASKS = frozenset({"additive"})
 OVERRIDE_KEY = "optimized_attention_override"
 
 
@@ -59,11 +61,13 @@ class ComfyAttention:
     name = "comfyui"
 
     def __init__(self, caps, transformer_options: dict, layer_index: int):
-        self.caps = caps
         self.options = transformer_options
         self.layer_index = layer_index
         override = transformer_options.get(OVERRIDE_KEY)
         self.contract = override if override is not None and _opted_in(override) else None
+        # ComfyUI's attention functions take an additive mask broadcast over [batch, heads, queries, keys] (each Q
+        # chunk gets its rows of it, or the whole of a mask over the keys alone); the streamed contract takes none
+        self.caps = dataclasses.replace(caps, masks=caps.masks | MASKS if self.contract is None else frozenset())
 
     @property
     def label(self) -> str:
@@ -77,8 +81,9 @@ class ComfyAttention:
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_offset: int, causal: bool,
                mask: torch.Tensor | None, scale: float | None) -> torch.Tensor:
-        if causal or mask is not None:   # caps refuse both; a call that gets here anyway is a bug upstream
-            raise ValueError("ComfyUI's attention consumer takes neither causal attention nor masks")
+        if causal or (mask is not None and self.contract is not None):   # caps refuse these: a bug upstream
+            raise ValueError("ComfyUI's attention consumer takes no causal attention, nor masks for the streamed "
+                             "contract")
         if self.contract is not None:
             out = self.contract.consume(q_chunk=q, global_k=k, global_v=v, q_start=q_offset, q_total=k.shape[-2],
                                         layer_index=self.layer_index, transformer_options=self.options)
@@ -88,5 +93,7 @@ class ComfyAttention:
             return out
         from comfy.ldm.modules.attention import optimized_attention
         extra = {} if scale is None else {"scale": scale}
+        if mask is not None:
+            extra["mask"] = mask
         return optimized_attention(q, k, v, q.shape[1], skip_reshape=True, skip_output_reshape=True,
                                    transformer_options=self.options, **extra)
