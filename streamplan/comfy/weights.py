@@ -35,8 +35,9 @@ _KNOWN = ("Linear", "Conv1d", "Conv2d", "LayerNorm", "GroupNorm", "RMSNorm")
 _SWITCHES = ("comfy_cast_weights", "weight_function", "bias_function")
 # ModelPatcher's per-layer bookkeeping, read only by the cast path: hidden while a layer is plain, so the capture (keyed
 # by the layers' plain attributes) is shared by every block of a class (ModelPatcherDynamic's seed_key is the layer's
-# own name; lowvram marks some layers and not others)
-_BOOKKEEPING = ("prev_comfy_cast_weights", "comfy_patched_weights", "comfy_force_cast_weights", "seed_key")
+# own name and its LoRA sits in *_lowvram_function on the patched layers only; lowvram marks some layers, not others)
+_BOOKKEEPING = ("prev_comfy_cast_weights", "comfy_patched_weights", "comfy_force_cast_weights", "seed_key",
+                "weight_lowvram_function", "bias_lowvram_function")
 _ABSENT = object()
 
 
