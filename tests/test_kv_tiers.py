@@ -15,8 +15,8 @@ from streamplan.planner import Costs, KVOption, Tier, plan_graph
 CPU = torch.device("cpu")
 
 
-def _store(kind, k, v, block, write_chunk=64):
-    st = make_store(kind, CPU, block)
+def _store(kind, k, v, block, write_chunk=64, groups=1):
+    st = make_store(kind, CPU, block, groups)
     n = k.shape[2]
     for a in range(0, n, write_chunk):
         b = min(a + write_chunk, n)
@@ -25,8 +25,8 @@ def _store(kind, k, v, block, write_chunk=64):
     return st
 
 
-def _blockwise(kind, q, k, v, *, causal, q_chunk, block, mask=None):
-    st = _store(kind, k, v, block)
+def _blockwise(kind, q, k, v, *, causal, q_chunk, block, mask=None, groups=1, write_chunk=64):
+    st = _store(kind, k, v, block, write_chunk, groups)
     outs = []
     for a in range(0, q.shape[2], q_chunk):
         b = min(a + q_chunk, q.shape[2])
@@ -44,6 +44,53 @@ def test_lse_merge_of_kv_blocks_matches_whole_attention(causal, heads, kv_heads,
     ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
     out = _blockwise("host", q, k, v, causal=causal, q_chunk=q_chunk, block=block)
     assert rel_err(out, ref) <= 1e-5
+
+
+# The H200's non-finite plan read 33,792-row Q chunks against 512-row blocks (66 blocks a chunk, 6.4 chunks a
+# sequence, a short last chunk): the same ratios scaled down, odd sizes, blocks longer than chunks, writes out of step
+# with blocks, and K/V held in head groups (a group's heads attended against all its blocks, then the next group's).
+@pytest.mark.parametrize("causal", [False, True], ids=["non-causal", "causal"])
+@pytest.mark.parametrize("heads, kv_heads, groups", [(4, 4, 2), (8, 4, 4), (8, 2, 2), (6, 6, 3)],
+                         ids=["mha-2", "gqa-4", "gqa-2", "mha-3"])
+@pytest.mark.parametrize("n, q_chunk, block, write_chunk", [(870, 132, 2, 50), (301, 47, 113, 64), (257, 300, 31, 17)],
+                         ids=["66-blocks-a-chunk", "odd", "one-chunk"])
+def test_lse_merge_in_head_groups_at_the_failing_ratios(causal, heads, kv_heads, groups, n, q_chunk, block,
+                                                         write_chunk):
+    q, k, v = torch.randn(1, heads, n, 8), torch.randn(1, kv_heads, n, 8), torch.randn(1, kv_heads, n, 8)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+    out = _blockwise("host", q, k, v, causal=causal, q_chunk=q_chunk, block=block, groups=groups,
+                     write_chunk=write_chunk)
+    assert out.isfinite().all()
+    assert rel_err(out, ref) <= 1e-5
+
+
+def test_head_groups_must_divide_the_heads():
+    k = torch.randn(1, 6, 32, 8)
+    with pytest.raises(ValueError, match="4 head groups do not divide 6 K/V heads"):
+        _store("host", k, k, 16, groups=4)
+
+
+class _NaNWhereEmpty:
+    """SDPA's blocks, but a row that sees no key of a block comes back NaN (as some fused kernels leave such rows):
+    the merge must take nothing from it."""
+
+    caps = SDPA.caps
+
+    def attend_lse(self, q, k, v, *, causal, mask, scale):
+        o, lse = SDPA.attend_lse(q, k, v, causal=causal, mask=mask, scale=scale)
+        return o.masked_fill(torch.isneginf(lse).unsqueeze(-1), float("nan")), lse
+
+
+def test_rows_that_see_no_key_of_a_block_stay_finite():
+    n = 192
+    q, k, v = torch.randn(1, 2, n, 16), torch.randn(1, 2, n, 16), torch.randn(1, 2, n, 16)
+    keep = torch.rand(1, 1, n, n) > 0.5
+    keep[..., :40, 64:] = False      # rows 0..39 see nothing of the second and third 64-row blocks
+    keep[..., :, 0] = True
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+    st = _store("host", k, v, 64)
+    out = attend_blocks(_NaNWhereEmpty(), q, st, q_offset=0, causal=False, scale=None, mask=keep)
+    assert out.isfinite().all() and rel_err(out, ref) <= 1e-5
 
 
 @pytest.mark.parametrize("form", ["bool", "additive"])
@@ -152,6 +199,45 @@ def test_l5_only_when_asked_and_l4_when_forced():
     assert _plan(10**6, kv_options=(HOST,)).tier in (Tier.L0, Tier.L1)   # above the floor: K/V stay on the device
 
 
+def test_l4_in_head_groups_when_they_buy_rows():
+    # a merge of 16 bytes per query row over all heads: in 4 head groups a quarter of it, so longer chunks fit
+    opt = KVOption("host", Tier.L4, resident=0, block_row=8, merge_row=16, host_bytes=KV, groups=(1, 2, 4))
+    budget = OUT + 2048 * 4 + 2048 * 2 + 8 * 1024
+    plan = _plan(budget, kv_options=(opt,), kv_store="host")
+    one = _plan(budget, kv_options=(KVOption("host", Tier.L4, 0, 8, 16, KV),), kv_store="host")
+    assert plan.head_groups == 4 and plan.chunk > one.chunk and plan.predicted_peak <= budget
+    assert plan.predicted_peak == OUT + plan.kv_block * 8 // 4 + plan.chunk * (4 + 16 // 4)
+    assert "head_groups=4" in plan.describe()
+    # a forced chunk takes the head groups asked for, when the store allows them
+    forced = plan_graph(ROWS, KV + OUT, TRANSIENT, 10**9, chunk_tokens=512, kv=KV, kv_options=(opt,),
+                        kv_store="host", head_groups=2)
+    assert forced.head_groups == 2 and forced.kv_block == 512
+
+
+def test_l4_cost_counts_merge_passes_and_block_steps():
+    from streamplan.planner import l4_extra_seconds
+    opt = KVOption("host", Tier.L4, 0, 8, 16, host_bytes=6 * 2**30, merge_io_row=18 * 7168)
+    costs = Costs(attention_s=2.4)
+    # at 217,088 rows: 512-row blocks cost seconds of merging (the H200's 3.1x plan), 64k-row blocks little
+    small = l4_extra_seconds(opt, 217088, 33792, costs, 512, 1)
+    large = l4_extra_seconds(opt, 217088, 33792, costs, 65536, 8)
+    assert small > 1.0 > 0.3 > large
+
+
+def test_the_planner_weighs_l4_with_its_time_model():
+    # the same block below the floor, with L3 and an L4 that fits only with short blocks or in head groups
+    attn_out = 10_000
+    budget = OUT + attn_out + KV // 8 + 2048 * 4
+    groups = (2, 4, 8)
+    cheap = KVOption("host", Tier.L4, 0, 8, 2, host_bytes=KV, groups=(1, 2, 4), merge_io_row=18)
+    plan = _plan(budget, groups=groups, attn_out=attn_out, kv_options=(cheap,), costs=Costs(attention_s=1.0))
+    assert plan.tier == Tier.L4
+    # a merge heavy enough (per block and row) that L4's passes cost more than L3's reruns: L3
+    heavy = KVOption("host", Tier.L4, 0, 8, 2, host_bytes=KV, groups=(1,), merge_io_row=10**9)
+    assert _plan(budget, groups=groups, attn_out=attn_out, kv_options=(heavy,),
+                 costs=Costs(attention_s=1.0)).tier == Tier.L3
+
+
 def test_below_the_floor_the_planner_weighs_l3_against_l4():
     attn_out = 10_000
     budget = OUT + attn_out + KV // 8 + 2048 * 4
@@ -226,6 +312,39 @@ def test_host_staged_kv_on_real_blocks_is_exact_below_the_floor(name):
             handle.remove()
     # the device tier holds the floor (outputs + K + V); staged to the host, K/V leave the device
     assert peaks["device"] > floor and peaks["host"] < floor, (name, peaks, floor)
+
+
+@pytest.mark.parametrize("name", ["wan", "minimax_h3"])
+@torch.no_grad()
+def test_host_staged_kv_in_head_groups_is_exact_and_smaller(name):
+    module, args, kwargs = _case(name)
+    ref = _leaves(module(*args, **kwargs))
+    peaks = {}
+    for g in (1, 4):
+        handle = streamplan.apply(module, chunk_tokens=256, capture="prefer", kv="host", head_groups=g)
+        try:
+            module(*args, **kwargs)
+            out, peaks[g] = streamplan.measure_peak(lambda: module(*args, **kwargs), device=CPU)
+            (plan,) = handle.plans[""]
+            assert plan.tier == Tier.L4 and plan.head_groups == g, handle.report()
+            for o, r in zip(_leaves(out), ref):
+                assert rel_err(o, r) <= 1e-5, (name, g, rel_err(o, r))
+            assert plan.predicted_peak >= 0.9 * peaks[g]
+        finally:
+            handle.remove()
+    # the accumulator and a block's partial output of a quarter of the heads: lower where the attention is the peak
+    # (Wan at this width; the tiny H3's MLP is its peak)
+    assert peaks[4] < peaks[1] if name == "wan" else peaks[4] <= peaks[1], peaks
+
+
+def test_kv_device_offers_l4_where_host_and_device_are_apart():
+    from streamplan import kv_tiers
+    from streamplan.capture import streamable
+    module, args, kwargs = _case("wan", 256)
+    found, _ = streamable(module, args, kwargs, 256)
+    assert kv_tiers.options_for(found, 256, CPU, "device", SDPA) == ((), None)
+    (opt,), why = kv_tiers.options_for(found, 256, torch.device("meta"), "device", SDPA)
+    assert why is None and opt.kind == "host" and opt.tier == Tier.L4 and 4 in opt.groups
 
 
 @pytest.mark.parametrize("name", ["wan", "minimax_h3"])
