@@ -135,8 +135,8 @@ def test_h3_lowvram_lora_blocks_stream():
 
 def test_unknown_cast_ops_keep_the_block_stock():
     """A comfy.ops layer of a class whose cast path streamplan has not read (a custom node's ops: here a subclass
-    with its own ``forward_comfy_cast_weights``) that casts per call: that block runs stock, exactly, and says why;
-    the other block streams."""
+    with its own ``forward_comfy_cast_weights``) with a patch applied per call: that block runs stock, exactly, and
+    says why; the other block streams. Without the patch (its weights on the device) its cast is traced as before."""
     comfy = comfyui()
     import streamplan.comfy as sc
 
@@ -152,12 +152,18 @@ def test_unknown_cast_ops_keep_the_block_stock():
         stock = sample_call(base, x, cond)
         patched = sc.patch(base, budget=None, chunk_tokens=64, min_tokens=0)
         assert rel_err(sample_call(patched, x, cond), stock) <= 1e-5
+        assert "1 call(s) stock" not in sc.report(patched)
+        layer.weight_function = [lambda w: w * 2]
+        stock = sample_call(base, x, cond)
+        patched = sc.patch(base, budget=None, chunk_tokens=64, min_tokens=0)
+        assert rel_err(sample_call(patched, x, cond), stock) <= 1e-5
         sections = _block_lines(sc.report(patched))
         assert sections["double_block.0"].startswith("  double_block.0: 1 call(s) through the streamer")
-        assert "1 call(s) stock: ffn.0: " in sections["double_block.1"] and "NodeLinear casts its weights per call" \
-            in sections["double_block.1"], sections
+        assert "1 call(s) stock: ffn.0: weight patches applied per call on a layer streamplan does not take" \
+            in sections["double_block.1"] and "NodeLinear" in sections["double_block.1"], sections
     finally:
         layer.__class__ = comfy.ops.disable_weight_init.Linear
+        layer.__dict__.pop("weight_function", None)
 
 
 def test_explicit_budget_pays_for_cast_weights():

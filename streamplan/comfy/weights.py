@@ -14,9 +14,10 @@ capture and plans see plain layers and never a per-call patch; at exit the layer
 put back and ComfyUI's ``uncast_bias_weight`` / prefetch cleanup release what was taken.
 
 Only layers whose cast path streamplan read (``comfy.ops.disable_weight_init``'s Linear, Conv1d/2d, LayerNorm,
-GroupNorm, RMSNorm and the ``manual_cast`` classes that inherit them) with plain tensor weights are taken. Anything
-else that casts per call (quantized layouts, fp8 or custom-node ops such as GGUF) keeps the block stock, named by
-``weights_problem``; quantized layouts on the device stream in row chunks only (``quantized_layers``).
+GroupNorm, RMSNorm and the ``manual_cast`` classes that inherit them) with plain tensor weights are taken. Any other
+layer (quantized layouts, fp8 or custom-node ops such as GGUF) is traced as its forward runs where that holds (its
+weights on the device, no per-call patches); with per-call patches or weights off the device it keeps the block stock,
+named by ``weights_problem``. Quantized layouts stream in row chunks only (``quantized_layers``).
 
 One assumption: ComfyUI runs a model's calls one at a time (the shared modules hold the taken weights for the call).
 """
@@ -63,17 +64,19 @@ def casts_per_call(m: nn.Module) -> bool:
 
 
 def _why_not(m: nn.Module, device: torch.device, known: tuple[type, ...]) -> str | None:
-    """Why one comfy.ops layer's weights, as held for this call, keep its block stock, or None."""
+    """Why one comfy.ops layer's weights, as held for this call, keep its block stock, or None. A layer ``taken``
+    takes needs nothing more; any other is traced as its forward runs, which holds only where its cast is the same at
+    every call and on the device (a dtype change, as manual casting on the device always was)."""
     w = getattr(m, "weight", None)
-    if casts_per_call(m):
-        if not _is_known(m, known):
-            return f"{type(m).__module__}.{type(m).__qualname__} casts its weights per call in a way streamplan " \
-                   "has not read (fp8, quantized or a custom node's ops)"
-        if not _plain(w) or not (getattr(m, "bias", None) is None or _plain(m.bias)):
-            return f"its weight is a {type(w).__name__} (a quantized layout cast per call: not taken yet)"
+    if casts_per_call(m) and _is_known(m, known) and _plain(w) and (getattr(m, "bias", None) is None
+                                                                   or _plain(m.bias)):
         return None
-    if isinstance(w, torch.Tensor) and w.device != device:
-        return f"its weight is on {w.device}, not {device}, and its forward does not cast it"
+    what = (f"{type(m).__module__}.{type(m).__qualname__}" if not _is_known(m, known)
+            else f"{type(m).__qualname__} with a {type(w).__name__} weight")
+    if getattr(m, "weight_function", None) or getattr(m, "bias_function", None):
+        return f"weight patches applied per call on a layer streamplan does not take ({what})"
+    if hasattr(m, "_v") or (isinstance(w, torch.Tensor) and w.device != device):
+        return f"weights held off {device} (lowvram or DynamicVRAM) on a layer streamplan does not take ({what})"
     return None
 
 
