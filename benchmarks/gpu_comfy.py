@@ -39,6 +39,19 @@ Written to gpu_comfy[_h3]_<weights>[_lora]_<rows>.json.
     python benchmarks/gpu_comfy.py --weights dynamic --lora 0.01 --tokens 217088
     python benchmarks/gpu_comfy.py --model h3 --weights dynamic --lora 0.01 --tokens 217088
     python benchmarks/gpu_comfy.py --weights lowvram --lora 0.01 --smoke   # CPU: lowvram casts end to end
+
+``--model flux|hunyuan_video|ltxv`` (``comfy_dits.py``): ComfyUI's Flux (1 double + 1 single block at Flux.1-dev
+width, 3072 = 24 x 128), HunyuanVideo (the same blocks under its own forward, with a padded-text mask) and LTX-Video
+(1 block of the 2B model, 2048 = 32 x 64), bf16, through their streamed model forwards (``forwards_joint.py``,
+``forwards_ltxv.py``). ``--tokens`` counts the rows a block sees (Flux and HunyuanVideo: text + image rows). Also
+written: ``rope_KB_per_token``, the rope table every block reads (built whole by the model forward, stock and
+streamed). --lora does not reach these blocks (its keys are Wan's and H3's).
+Written to gpu_comfy_<model>_<rows>.json.
+
+    python benchmarks/gpu_comfy.py --model flux --tokens 217088
+    python benchmarks/gpu_comfy.py --model hunyuan_video --tokens 217088
+    python benchmarks/gpu_comfy.py --model ltxv --tokens 217088
+    python benchmarks/gpu_comfy.py --model ltxv --smoke
 """
 from __future__ import annotations
 
@@ -56,6 +69,7 @@ import types
 import torch
 
 import streamplan
+import comfy_dits
 from common import cuda_peak, cuda_time, device_info, wall_time, write_results
 from streamplan.verify import compare_outputs
 
@@ -169,7 +183,9 @@ def held_as(comfy, base, dev, weights: str, lora: float):
         comfy.model_management.load_models_gpu([patcher])
     elif lora:
         patcher.patch_model(dev)   # the patches merged into the weights on the device, as a full load does
-    layers = [m for m in base.diffusion_model.blocks.modules() if hasattr(m, "comfy_cast_weights")]
+    from streamplan.comfy import block_keys
+    layers = [m for _, _, b in block_keys(base.diffusion_model) for m in b.modules()
+              if hasattr(m, "comfy_cast_weights")]
     line = (f"{weights}: {sum(bool(m.comfy_cast_weights) for m in layers)} of {len(layers)} block comfy.ops layers "
             f"cast per call, {sum(hasattr(m, '_v') for m in layers)} in a DynamicVRAM VBAR, "
             f"{sum(bool(getattr(m, 'weight_function', None)) for m in layers)} with weight functions (LoRA: "
@@ -258,7 +274,9 @@ def block_input_bytes(patcher, x, cond) -> int:
         for v in [*args, *kwargs.values()]:
             if isinstance(v, torch.Tensor):
                 seen[v.untyped_storage().data_ptr()] = v.untyped_storage().nbytes()
-    handle = patcher.model.diffusion_model.blocks[0].register_forward_pre_hook(hook, with_kwargs=True)
+    from streamplan.comfy import block_keys
+    first = block_keys(patcher.model.diffusion_model)[0][2]
+    handle = first.register_forward_pre_hook(hook, with_kwargs=True)
     sample_call(patcher, x, cond)
     handle.remove()
     return sum(seen.values())
@@ -270,8 +288,9 @@ def main() -> int:
     p.add_argument("--text", type=int, default=None, help="text tokens (default 512; smoke 16)")
     p.add_argument("--chunk", type=int, default=None, help="chunk_tokens of mode (a) (default 16384; smoke 512)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes on CPU")
-    p.add_argument("--model", choices=("wan", "h3"), default="wan",
-                   help="wan: WanModel (default); h3: MiniMax-H3, --tokens counting every packed row")
+    p.add_argument("--model", choices=("wan", "h3", *comfy_dits.MODELS), default="wan",
+                   help="wan: WanModel (default); h3: MiniMax-H3, --tokens counting every packed row; flux, "
+                        "hunyuan_video, ltxv: comfy_dits.py, --tokens counting the rows a block sees")
     p.add_argument("--audio", type=int, default=None, help="h3: audio rows, even (default 2000; smoke 80)")
     p.add_argument("--weights", choices=("device", "lowvram", "dynamic"), default="device",
                    help="where ComfyUI holds the weights: device (default), lowvram (on the CPU, cast per call), "
@@ -311,6 +330,15 @@ def main() -> int:
                  "audio_latent": list(ashape), "packed_latent": list(x.shape),
                  "sampling": "ModelSamplingAV shift 12, audio_shift 3 (audio carried scaled onto the video schedule)"}
         name = f"gpu_comfy_h3_{'smoke_' if a.smoke else ''}{held_tag}{tokens}"
+    elif a.model in comfy_dits.MODELS:
+        base_model, x, cond, grid, tokens, dim, model, extra = comfy_dits.build(
+            comfy, a.model, dev, dtype, a.smoke, n, text, latent_grid, model_dev)
+        print(f"latent {list(x.shape)} -> grid {grid}: {tokens} rows a block sees (asked {n}), {text} text tokens",
+              flush=True)
+        floor = tokens * 3 * dim * 2   # residual + K + V, bf16
+        model = f"{model}, bf16, ComfyUI 0.33.0 apply_model"
+        latent, inputs_named = list(x.shape), "the first block's inputs (rows, text, modulation, rope table)"
+        name = f"gpu_comfy_{a.model}_{'smoke_' if a.smoke else ''}{held_tag}{tokens}"
     else:
         base_model, x, cond, (f, h, w), dim = build(comfy, dev, dtype, a.smoke, n, text, model_dev)
         tokens = f * h * w
@@ -325,6 +353,10 @@ def main() -> int:
     print(held, flush=True)
     extra["weights"] = held
     inputs = block_input_bytes(stock, x, cond)
+    if a.model in comfy_dits.MODELS:
+        rope = comfy_dits.rope_bytes(stock, x, cond, sample_call)
+        extra.update(rope_KB_per_token=rope / tokens / 1024, rope_note="the rope table every block reads, built "
+                     "whole by the model forward (stock and streamed)")
     budget = int(1.15 * floor)
     kb = lambda b: b / tokens / 1024  # noqa: E731
     base = {"model": model, "tokens": tokens, "latent": latent, "text_tokens": text, "floor_KB_per_token": kb(floor)}
