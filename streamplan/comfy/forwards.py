@@ -1,7 +1,8 @@
 """The ``DIFFUSION_MODEL`` wrapper ``patch`` installs (ComfyUI's ``patcher_extension``): what a block replacement cannot
 see. Each model call goes through it, so it keeps the per-call facts (the run a call belongs to, which resets the
 blocks' plans; the memory room under the budget) and, for the models whose forward streamplan follows (ComfyUI
-0.33.0's MiniMax-H3 and Wan, ``recognize.comfy_models``), runs the forward streamed:
+0.33.0's MiniMax-H3 and Wan here, Flux and HunyuanVideo in ``forwards_joint``, LTX-Video in ``forwards_ltxv``; each
+registered with ``register_forward``, gated by ``recognize.comfy_models``), runs the forward streamed:
 
 - the input projection (Wan's patch embedding, H3's video and audio patch projections, both fp32) runs on row chunks
   written into one hidden-state buffer of the model's dtype, so no fp32 ``[rows, hidden]`` tensor exists;
