@@ -14,7 +14,8 @@ import torch
 import streamplan
 from comfy_support import comfyui
 from conftest import rel_err
-from test_comfy import _block_lines, fresh_captures, h3_patcher, sample_call, wan_patcher  # noqa: F401
+from test_comfy import (_block_lines, flux_patcher, fresh_captures, h3_patcher, hunyuan_video_patcher,  # noqa: F401
+                        ltxv_patcher, sample_call, wan_patcher)
 
 CPU = torch.device("cpu")
 pytestmark = pytest.mark.usefixtures("fresh_captures")   # every test starts without cached captures
@@ -131,6 +132,22 @@ def test_h3_lowvram_lora_blocks_stream():
     counts = _lowvram(base, lora, counted)
     _, _, text = _stream_lowvram(base, x, cond, counts, list(lora) + counted, run=_h3_run)
     assert "attn.q_norm" not in text
+
+
+@pytest.mark.parametrize("family", ["flux", "hunyuan_video", "ltxv"])
+def test_other_dits_lowvram_lora_blocks_stream(family):
+    """Flux's double and single stream blocks (also HunyuanVideo's) and LTX-Video's block under lowvram, a LoRA on
+    the first block's modulation and attention projections: equal to ComfyUI's own forward, each weight taken once per
+    block call."""
+    comfyui()
+    base, x, cond = {"flux": flux_patcher, "hunyuan_video": hunyuan_video_patcher, "ltxv": ltxv_patcher}[family]()
+    first, last = ("transformer_blocks.0.", "transformer_blocks.1.") if family == "ltxv" else (
+        "double_blocks.0.", "single_blocks.1.")
+    sd = base.model.state_dict()
+    matrices = [k for k in sd if k.endswith("weight") and sd[k].dim() == 2]
+    lora = {k: 0.1 for k in [k for k in matrices if first in k][:3]}
+    counted = [k for k in matrices if last in k][:1]
+    _stream_lowvram(base, x, cond, _lowvram(base, lora, counted), list(lora) + counted)
 
 
 def test_unknown_cast_ops_keep_the_block_stock():
