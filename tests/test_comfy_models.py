@@ -143,10 +143,41 @@ def test_flux_foreign_replacements_and_controlnet(fresh_captures):
     assert "1 call(s) through the streamer" in sections["double_block.1"], text
 
 
+def test_hunyuan_video_15_inputs(fresh_captures):
+    """HunyuanVideo 1.5's text-side inputs under the streamed forward: the condition-type embedding, ByT5 rows and
+    vision rows joined to the text, and meanflow's second timestep (the next sigma of the run), exact against stock,
+    every block streamed."""
+    comfy = comfyui()
+    import streamplan.comfy as sc
+    from test_comfy import _config, _conds, _random_
+    unet = {"image_model": "hunyuan_video", "in_channels": 4, "out_channels": 4, "vec_in_dim": 16,
+            "context_in_dim": 32, "hidden_size": 64, "mlp_ratio": 2.0, "num_heads": 4, "depth": 1,
+            "depth_single_blocks": 1, "axes_dim": [4, 6, 6], "theta": 256, "patch_size": [1, 2, 2],
+            "qkv_bias": True, "guidance_embed": False, "byt5": True, "meanflow": True,
+            "use_cond_type_embedding": True, "vision_in_dim": 8, "meanflow_sum": True}
+    base = comfy.model_base.HunyuanVideo(_config(comfy, unet, comfy.latent_formats.HunyuanVideo))
+    _random_(base)
+    patcher = comfy.model_patcher.ModelPatcher(base, load_device=torch.device("cpu"),
+                                               offload_device=torch.device("cpu"))
+    patcher.model_options.setdefault("transformer_options", {})["sample_sigmas"] = torch.tensor([1.0, 0.7, 0.3, 0.0])
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(1, 4, 3, 16, 16, generator=g)
+    cond = _conds(base, cross_attn=torch.randn(1, 9, 32, generator=g), pooled_output=torch.randn(1, 16, generator=g))
+    cond.update(txt_byt5=torch.randn(1, 5, 1472, generator=g), clip_fea=torch.randn(1, 4, 8, generator=g))
+    stock = sample_call(patcher, x, cond)
+    no_extras = sample_call(patcher, x, {k: v for k, v in cond.items() if k not in ("txt_byt5", "clip_fea")})
+    assert rel_err(no_extras, stock) > 1e-3   # the inputs reach the output
+    patched = sc.patch(patcher, budget=None, chunk_tokens=64, min_tokens=0)
+    assert rel_err(sample_call(patched, x, cond), stock) <= 1e-5
+    text = sc.report(patched)
+    assert "model forward (HunyuanVideo): 1 call(s) streamed" in text, text
+    assert text.count("1 call(s) through the streamer") == 2 and "ran stock" not in text, text
+
+
 def test_model_forwards_fail_closed(fresh_captures, monkeypatch):
     """What the streamed forwards do not cover runs the stock forward (its blocks still stream), exactly, with the
     reason: code that is not ComfyUI 0.33.0's (a final layer, a patch embedding), reference latents, a subclass with
-    its own forward; keyframes, guiding frames, HunyuanVideo 1.5's inputs (judged on the call's arguments)."""
+    its own forward; keyframes, guiding frames, reference latents (judged on the call's arguments)."""
     comfyui()
     import comfy.ldm.flux.layers as flux_layers
     import comfy.ldm.lightricks.model as ltx
@@ -206,4 +237,3 @@ def test_model_forwards_fail_closed(fresh_captures, monkeypatch):
     assert "keyframe_idxs are given" in LTXV.problem(None, {"x": video, "keyframe_idxs": torch.zeros(1, 3, 2, 2)})
     assert "a guiding frame" in HunyuanVideo.problem(hv, {"x": video, "guiding_frame_index": torch.zeros(1)})
     assert "a reference latent" in HunyuanVideo.problem(hv, {"x": video, "ref_latent": video})
-    assert "clip_fea" in HunyuanVideo.problem(hv, {"x": video, "clip_fea": torch.zeros(1, 2, 4)})

@@ -15,7 +15,8 @@ buffer from the start:
   rearranges.
 
 What is not covered keeps the stock forward, with the reason (``problem``): reference latents, post-input patches,
-HunyuanVideo's guiding frame, reference latent, meanflow, ByT5, vision or condition-type inputs."""
+HunyuanVideo's guiding frame (modulation per row range) and reference latent. HunyuanVideo 1.5's text-side inputs
+(condition-type embedding, ByT5 and vision rows, meanflow's second timestep) are followed."""
 from __future__ import annotations
 
 from typing import Any
@@ -318,15 +319,41 @@ class HunyuanVideo(Joint):
         if not isinstance(model.img_in.norm, torch.nn.Identity) or not model.img_in.flatten:
             return "img_in is not a plain patch embedding (a norm after it, or no flattening)"
         for arg, what in (("ref_latent", "a reference latent (its rows join the sequence)"),
-                          ("guiding_frame_index", "a guiding frame (modulation per row range)"),
-                          ("clip_fea", "clip_fea (HunyuanVideo 1.5's vision rows)")):
+                          ("guiding_frame_index", "a guiding frame (modulation per row range)")):
             if call.get(arg) is not None:
                 return f"{what} is given"
-        if model.time_r_in is not None and not call.get("disable_time_r"):
-            return "meanflow's second timestep (time_r_in) is used"
-        if model.cond_type_embedding is not None or (model.byt5_in is not None and call.get("txt_byt5") is not None):
-            return "HunyuanVideo 1.5's condition-type or ByT5 text inputs"
         return None
+
+    @staticmethod
+    def text(model: Any, call: dict, timestep: torch.Tensor, txt_mask: Any, txt_ids: torch.Tensor, options: dict):
+        """The text rows and their ids as forward_orig builds them: the token refiner's rows, then (HunyuanVideo 1.5)
+        the condition-type embedding, ByT5 rows and vision rows joined to them (text-sized)."""
+        txt = model.txt_in(call["context"], timestep, txt_mask, transformer_options=options)
+        cond_type = model.cond_type_embedding
+        if cond_type is not None:
+            cond_type.to(txt.device)
+            txt = txt + cond_type(torch.zeros_like(txt[:, :, 0], device=txt.device, dtype=torch.long)).to(txt.dtype)
+        byt5 = call.get("txt_byt5")
+        if model.byt5_in is not None and byt5 is not None:
+            byt5 = model.byt5_in(byt5)
+            if cond_type is not None:
+                byt5 = byt5 + cond_type(torch.ones_like(byt5[:, :, 0], device=byt5.device,
+                                                        dtype=torch.long)).to(byt5.dtype)
+                txt = torch.cat((byt5, txt), dim=1)
+            else:
+                txt = torch.cat((txt, byt5), dim=1)
+            txt_ids = torch.cat((txt_ids, torch.zeros((txt_ids.shape[0], byt5.shape[1], txt_ids.shape[-1]),
+                                                      device=txt_ids.device, dtype=txt_ids.dtype)), dim=1)
+        clip_fea = call.get("clip_fea")
+        if clip_fea is not None:
+            vision = model.vision_in(clip_fea)
+            if cond_type is not None:
+                vision = vision + cond_type(2 * torch.ones_like(vision[:, :, 0], dtype=torch.long,
+                                                                device=vision.device))
+            txt = torch.cat((vision.to(txt.dtype), txt), dim=1)
+            txt_ids = torch.cat((txt_ids, torch.zeros((txt_ids.shape[0], vision.shape[1], txt_ids.shape[-1]),
+                                                      device=txt_ids.device, dtype=txt_ids.dtype)), dim=1)
+        return txt, txt_ids
 
     @classmethod
     def forward(cls, model: Any, call: dict, state: Any) -> torch.Tensor:
@@ -357,13 +384,19 @@ class HunyuanVideo(Joint):
         first = embed.proj(padded[:, :, t0 * pt:t1 * pt, h0 * ph:h1 * ph]).flatten(2).transpose(1, 2)
         dtype = first.dtype
         vec = model.time_in(timestep_embedding(timestep, 256, time_factor=1.0).to(dtype))
+        if model.time_r_in is not None and not call.get("disable_time_r"):   # meanflow: the next sigma's embedding
+            w = torch.where(options["sigmas"][0] == options["sample_sigmas"])[0]
+            if len(w) > 0:
+                t_r = options["sample_sigmas"][w[0] + 1].unsqueeze(0).to(device=timestep.device, dtype=timestep.dtype)
+                vec_r = model.time_r_in(timestep_embedding(t_r, 256, time_factor=1000.0).to(dtype))
+                vec = (vec + vec_r) if model.params.meanflow_sum else (vec + vec_r) / 2
         if model.vector_in is not None:
             vec = vec + model.vector_in(y[:, :model.params.vec_in_dim])
         if model.params.guidance_embed and guidance is not None:
             vec = vec + model.guidance_in(timestep_embedding(guidance, 256).to(dtype))
         if txt_mask is not None and not torch.is_floating_point(txt_mask):
             txt_mask = (txt_mask - 1).to(dtype) * torch.finfo(dtype).max
-        txt = model.txt_in(context, timestep, txt_mask, transformer_options=options)
+        txt, txt_ids = cls.text(model, call, timestep, txt_mask, txt_ids, options)
         text = txt.shape[1]
         pe = model.pe_embedder(torch.cat((txt_ids, img_ids), dim=1))
         del img_ids, txt_ids
