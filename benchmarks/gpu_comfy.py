@@ -45,7 +45,7 @@ width, 3072 = 24 x 128), HunyuanVideo (the same blocks under its own forward, wi
 (1 block of the 2B model, 2048 = 32 x 64), bf16, through their streamed model forwards (``forwards_joint.py``,
 ``forwards_ltxv.py``). ``--tokens`` counts the rows a block sees (Flux and HunyuanVideo: text + image rows). Also
 written: ``rope_KB_per_token``, the rope table every block reads (built whole by the model forward, stock and
-streamed). --lora does not reach these blocks (its keys are Wan's and H3's).
+streamed).
 Written to gpu_comfy_<model>_<rows>.json.
 
     python benchmarks/gpu_comfy.py --model flux --tokens 217088
@@ -159,6 +159,12 @@ def enable_dynamic_vram(comfy) -> None:
     comfy.memory_management.aimdo_enabled = True
 
 
+# the weights --lora patches in every block: its attention output and first FFN/MLP matrix (Wan, MiniMax-H3, Flux and
+# HunyuanVideo's double and single blocks, LTX-Video)
+LORA_TARGETS = ("self_attn.o.weight", "ffn.0.weight", "attn.out_proj.weight", "mlp.fc1.weight", "img_attn.proj.weight",
+                "img_mlp.0.weight", "linear1.weight", "attn1.to_out.0.weight", "ff.net.0.proj.weight")
+
+
 def held_as(comfy, base, dev, weights: str, lora: float):
     """The ModelPatcher for ``base`` (built on the CPU unless ``weights`` is "device"), loaded the way ComfyUI loads it
     before sampling, with a LoRA-style patch of scale ``lora`` on every block's attention output and first FFN/MLP
@@ -172,8 +178,7 @@ def held_as(comfy, base, dev, weights: str, lora: float):
                                                    offload_device=dev if weights == "device" else cpu)
     if lora:
         sd = base.state_dict()
-        keys = [k for k in sd if ".blocks." in k and k.endswith(("self_attn.o.weight", "ffn.0.weight",
-                                                                   "attn.out_proj.weight", "mlp.fc1.weight"))]
+        keys = [k for k in sd if "blocks." in k and k.endswith(LORA_TARGETS)]
         g = torch.Generator().manual_seed(2)
         patcher.add_patches({k: (torch.randn(sd[k].shape, generator=g, dtype=torch.float32).to(sd[k].dtype) * lora,)
                              for k in keys}, 1.0)
@@ -186,9 +191,11 @@ def held_as(comfy, base, dev, weights: str, lora: float):
     from streamplan.comfy import block_keys
     layers = [m for _, _, b in block_keys(base.diffusion_model) for m in b.modules()
               if hasattr(m, "comfy_cast_weights")]
+    patched = sum(bool(getattr(m, "weight_function", None) or getattr(m, "weight_lowvram_function", None))
+                  for m in layers)
     line = (f"{weights}: {sum(bool(m.comfy_cast_weights) for m in layers)} of {len(layers)} block comfy.ops layers "
             f"cast per call, {sum(hasattr(m, '_v') for m in layers)} in a DynamicVRAM VBAR, "
-            f"{sum(bool(getattr(m, 'weight_function', None)) for m in layers)} with weight functions (LoRA: "
+            f"{patched} with per-call weight patches (LoRA: "
             f"{lora or 'none'})")
     return patcher, line
 
