@@ -1,19 +1,28 @@
 """Below the floor (issue 14) on the H200: MiniMax-H3 and Wan2.1-14B blocks at real width, bf16, from their captured
-graphs, with K/V kept whole on the device (the exact tier), host-staged (L4, exact), int8 and fp8 (L5, approximate),
-and the planner under a budget that both L3 and L4 reach (it should take the faster; both are also run forced).
+graphs, with K/V kept whole on the device (the exact tier), host-staged (L4, exact; whole heads and in head groups),
+int8 and fp8 (L5, approximate), and the planner under a budget that both L3 and L4 reach (it should take the faster;
+both are also run forced).
 
 Per mode: peak KB/token above weights and inputs (CUDA allocator), against the floor (residual + K + V); time against
 stock in the same run; output difference against stock (rel, max abs) and against the exact device tier, beside
-stock's own flash-vs-default difference; the plan (tier, chunk, K/V block, host traffic) and the report's notes
-(an approximate store's first-call error). JSON to $OUT (or benchmarks/results/) as gpu_kv_<tokens>.json.
+stock's own kernel-to-kernel differences (flash and mem-efficient against SDPA's default, cuDNN); non-finite outputs
+counted; the plan (tier, chunk, K/V block, head groups, host traffic) and the report's notes (an approximate store's
+first-call error). JSON to $OUT (or benchmarks/results/) as gpu_kv_<tokens>.json.
 
-    python benchmarks/gpu_kv.py 217088                 # both blocks, every mode
-    python benchmarks/gpu_kv.py 217088 h3-block        # one block
+The self-check (first, H3 width) looks for the non-finite rows the first H200 run had (33,792-row Q chunks against
+512-row K/V blocks): (a) the store and merge alone at that geometry and others, Q chunk by Q chunk against the exact
+tier's own call on the same Q/K/V, with other work between chunks; (b) the whole block under L4 at several chunks and
+head groups against the exact tier's output. Each prints the first non-finite position, if any.
+
+    python benchmarks/gpu_kv.py 217088                 # self-check, then both blocks, every mode (~6 min)
+    python benchmarks/gpu_kv.py 217088 h3-block        # one block (no self-check)
+    python benchmarks/gpu_kv.py selfcheck 217088       # the self-check alone
     python benchmarks/gpu_kv.py smoke                  # 8192 tokens on the GPU, every mode
     python benchmarks/gpu_kv.py dry                    # CPU, tiny widths: the same code path, no GPU needed
 """
 from __future__ import annotations
 
+import math
 import sys
 import time
 from typing import Callable
@@ -92,7 +101,23 @@ def _time(fn, device: str, repeats: int = 2) -> float:
 
 def _diff(out, ref) -> dict[str, float]:
     d = compare_outputs(out, ref)
-    return {"rel": max(v["rel"] for v in d.values()), "max_abs": max(v["max_abs"] for v in d.values())}
+    return {"rel": max(v["rel"] for v in d.values()), "max_abs": max(v["max_abs"] for v in d.values()),
+            "nan_mismatch": sum(v.get("nan_mismatch", 0) for v in d.values())}
+
+
+def _nonfinite(out) -> dict:
+    """How many values of the output are not finite, and where the first is (flat index, and row, feature of a
+    [B, rows, features] output)."""
+    t = [x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor)][0]
+    bad = ~torch.isfinite(t)
+    count = int(bad.sum().item())
+    if not count:
+        return {"nonfinite": 0}
+    first = int(bad.flatten().nonzero()[0].item())
+    where = {"first_flat": first}
+    if t.dim() == 3:
+        where.update(row=first // t.shape[-1] % t.shape[1], feature=first % t.shape[-1])
+    return {"nonfinite": count, **where}
 
 
 def _live(args) -> int:
@@ -101,10 +126,12 @@ def _live(args) -> int:
 
 def modes(floor: int, live: int, chunk: int) -> list[tuple[str, dict]]:
     below = int(live + 0.8 * floor)       # L3 reaches it (0.77x measured on H3), and so does L4
+    big = chunk * 3 // 2
     return [
         (f"device tier, chunk {chunk}", dict(chunk_tokens=chunk)),
-        ("device tier, planner held to 1.15x floor", dict(budget=int(live + 1.15 * floor))),
         (f"L4 host, chunk {chunk}", dict(chunk_tokens=chunk, kv="host")),
+        (f"L4 host, chunk {big}, 8 head groups, MLP slices of 2048", dict(chunk_tokens=big, kv="host", head_groups=8,
+                                                                        ffn_slice=2048 if chunk > 256 else 64)),
         ("L4 host, planner held to 0.5x floor", dict(budget=int(live + 0.5 * floor), kv="host")),
         (f"L5 int8, chunk {chunk}", dict(chunk_tokens=chunk, kv="int8")),
         (f"L5 fp8, chunk {chunk}", dict(chunk_tokens=chunk, kv="fp8")),
@@ -128,20 +155,27 @@ def run_block(case: str, n: int, device: str, chunk: int, dry: bool = False) -> 
     with torch.inference_mode():
         ref, stock_peak = _peak(lambda: block(*args), device)
         stock_t = _time(lambda: block(*args), device)
-        noise = None
-        if device == "cuda":
+        noise = {}
+        if device == "cuda":   # stock's own kernel-to-kernel differences: what "exact" in bf16 can mean
             from torch.nn.attention import SDPBackend, sdpa_kernel
-            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                noise = _diff(block(*args), ref)["rel"]
+            for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
+                with sdpa_kernel(backend):
+                    noise[f"stock_{name}_vs_default"] = _diff(block(*args), ref)
         rows.append({**base, "mode": "stock", "KB_per_token": kb(stock_peak), "time_s": stock_t, "time_ratio": 1.0,
-                     "stock_flash_vs_default_rel_diff": noise})
+                     "stock_flash_vs_default_rel_diff": noise.get("stock_flash_vs_default", {}).get("rel"),
+                     **noise, **_nonfinite(ref)})
         print(rows[-1], flush=True)
         exact = None
         for label, kw in modes(floor, live, chunk):
             handle = streamplan.apply(block, capture="prefer", **kw)
             try:
                 out, peak = _peak(lambda: block(*args), device)   # first call: plans (and measures L5's error)
-                out, peak = _peak(lambda: block(*args), device)   # measured call
+                del out
+                start = time.perf_counter()
+                out, peak = _peak(lambda: block(*args), device)   # measured call (timed too)
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                measured_t = time.perf_counter() - start
             except streamplan.BudgetError as exc:
                 rows.append({**base, "mode": label, "error": str(exc)[:300]})
                 print(rows[-1], flush=True)
@@ -151,9 +185,11 @@ def run_block(case: str, n: int, device: str, chunk: int, dry: bool = False) -> 
             if exact is None and plan is not None and plan.kv == "device":
                 exact = out
             row = {**base, "mode": label, "KB_per_token": kb(peak), "peak_vs_floor": peak / floor,
-                   "vs_stock": _diff(out, ref), "vs_exact_tier": _diff(out, exact) if exact is not None else None}
-            t = _time(lambda: block(*args), device)
+                   "vs_stock": _diff(out, ref), "vs_exact_tier": _diff(out, exact) if exact is not None else None,
+                   **_nonfinite(out)}
+            t = min(measured_t, _time(lambda: block(*args), device, repeats=1))
             row.update({"time_s": t, "time_ratio": t / stock_t, "plan": plan.to_dict() if plan else None,
+                        "plan_text": plan.describe() if plan else None,
                         "predicted_KB_per_token": kb(plan.predicted_peak) if plan else None,
                         "notes": [x for e in handle.installed.values() for x in e.runtime_notes]})
             if kw.get("kv") == "int8":
@@ -170,16 +206,114 @@ def run_block(case: str, n: int, device: str, chunk: int, dry: bool = False) -> 
     return rows
 
 
+# (Q chunk, K/V block, head groups) of the store-alone check at 217,088 rows, scaled with the tokens: the first H200
+# run's non-finite plan first
+SELF_CHECK = ((33792, 512, 1), (16384, 8192, 1), (12672, 4096, 1), (24576, 24576, 8), (33792, 4096, 7))
+BLOCK_CHECK = ((33792, 1, None), (16384, 1, None), (12672, 2, None), (24576, 8, 2048))   # (chunk, groups, ffn_slice)
+
+
+def _scaled(x: int, n: int) -> int:
+    return max(1, x * n // 217088)
+
+
+def self_check_store(n: int, device: str, dry: bool) -> list[dict]:
+    """(a) The K/V store and merge alone at H3's attention width: each Q chunk against the blocks, beside the exact
+    tier's call on the same Q and whole K/V, with other work on the device between chunks (as a block has)."""
+    from streamplan.consumers import SDPA
+    from streamplan.executors.kv_store import attend_blocks, make_store, write_rows
+    H, D, dt = (8, 16, torch.float32) if dry else (56, 128, BF16)
+    g = torch.Generator(device=device).manual_seed(3)
+    k = torch.randn(1, n, H, D, device=device, dtype=dt, generator=g).transpose(1, 2)
+    v = torch.randn(1, n, H, D, device=device, dtype=dt, generator=g).transpose(1, 2)
+    rows = []
+    for chunk, block, groups in SELF_CHECK:
+        chunk, block, groups = _scaled(chunk, n), _scaled(block, n), math.gcd(groups, H)
+        st = make_store("host", torch.device(device), block, groups)
+        for a in range(0, n, chunk):
+            b = min(a + chunk, n)
+            write_rows(st, k[:, :, a:b], v[:, :, a:b], 0, 0, n, a, b, a == 0)
+        st.finish()
+        worst, bad, first, start = 0.0, 0, None, time.perf_counter()
+        for a in range(0, n, chunk):
+            b = min(a + chunk, n)
+            q = torch.randn(1, b - a, H, D, device=device, dtype=dt, generator=g).transpose(1, 2)
+            out = attend_blocks(SDPA, q, st, q_offset=a, causal=False, scale=None)
+            ref = SDPA.attend(q, k, v, q_offset=a, causal=False, mask=None, scale=None)
+            churn = torch.empty_like(out).copy_(out).float().mul_(2)   # other work in freed memory, as a block has
+            del churn
+            nf = ~torch.isfinite(out)
+            if bool(nf.any()) and first is None:
+                i = int(nf.flatten().nonzero()[0].item())
+                first = {"q_row": a + i // D % (b - a), "head": i // (D * (b - a)), "dim": i % D}
+            bad += int(nf.sum().item())
+            worst = max(worst, _diff(out, ref)["rel"])
+        if device == "cuda":
+            torch.cuda.synchronize()
+        st.release()
+        row = {"check": "store alone", "tokens": n, "heads": H, "q_chunk": chunk, "kv_block": block,
+               "head_groups": groups, "nonfinite": bad, "first_nonfinite": first, "max_rel_vs_exact_call": worst,
+               "time_s": time.perf_counter() - start}
+        print(row, flush=True)
+        rows.append(row)
+    return rows
+
+
+def self_check_block(n: int, device: str, dry: bool) -> list[dict]:
+    """(b) The whole H3 block under L4 at several chunks and head groups against the exact tier's output."""
+    make, real, tiny = BLOCKS["h3-block"]
+    width = tiny if dry else real
+    torch.manual_seed(0)
+    _, block, inputs, _ = make(n, device, width)
+    block = block.to(device).to(width["dtype"]).eval()
+    args = inputs()
+    rows = []
+    with torch.inference_mode():
+        handle = streamplan.apply(block, capture="prefer", chunk_tokens=_scaled(16384, n))
+        exact = block(*args)
+        handle.remove()
+        for chunk, groups, sl in BLOCK_CHECK:
+            chunk, groups = _scaled(chunk, n), math.gcd(groups, width["heads"])
+            handle = streamplan.apply(block, capture="prefer", chunk_tokens=chunk, kv="host", head_groups=groups,
+                                      ffn_slice=sl and (sl if not dry else 64))
+            start = time.perf_counter()
+            out = block(*args)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            plan = (handle.plans.get("") or [None])[0]
+            row = {"check": "H3 block, L4 against the exact tier", "tokens": n, "chunk": chunk,
+                   "plan": plan.describe() if plan else None, "vs_exact_tier": _diff(out, exact), **_nonfinite(out),
+                   "time_s": time.perf_counter() - start}
+            print(row, flush=True)
+            rows.append(row)
+            handle.remove()
+            del out
+    del block, args, exact
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main(argv: list[str]) -> int:
     what = argv[1] if len(argv) > 1 else "smoke"
     dry = what == "dry"
     device = "cpu" if dry else "cuda"
+    check_only = what == "selfcheck"
+    if check_only:
+        what = argv[2] if len(argv) > 2 else "217088"
     n = 1024 if dry else 8192 if what == "smoke" else int(what)
     chunk = 256 if dry else 2048 if what == "smoke" else 16384
-    cases = argv[2].split(",") if len(argv) > 2 else list(BLOCKS)
+    cases = argv[2].split(",") if len(argv) > 2 and not check_only else list(BLOCKS)
     info = {"device": "cpu (dry run, tiny widths)"} if dry else device_info()
     print(info, flush=True)
     rows: list[dict] = []
+    if check_only or len(argv) <= 2:
+        rows += self_check_store(n, device, dry)
+        rows += self_check_block(n, device, dry)
+        if not dry:
+            write_results(f"gpu_kv_{n}", {**info, "rows": rows})
+    if check_only:
+        print(write_results(f"gpu_kv_selfcheck_{n}", {**info, "rows": rows}))
+        return 0
     for case in cases:
         rows += run_block(case, n, device, chunk, dry)
         if not dry:
