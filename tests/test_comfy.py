@@ -581,7 +581,8 @@ def test_example_workflows_name_real_nodes():
     text = (src / "nodes.py").read_text() + "".join(p.read_text() for p in (src / "comfy_extras").glob("*.py"))
     ours = {nodes.NODE_ID: nodes.stream_blocks, nodes.REPORT_NODE_ID: nodes.stream_report}
     files = sorted((Path(__file__).resolve().parent.parent / "examples").glob("*.json"))
-    assert [f.name for f in files] == ["minimax_h3_stream_blocks_api.json", "wan_stream_blocks_api.json"]
+    assert [f.name for f in files] == ["ltxv_stream_blocks_api.json", "minimax_h3_stream_blocks_api.json",
+                                       "wan_stream_blocks_api.json"]
     for f in files:
         graph = json.loads(f.read_text())
         for nid, node in graph.items():
