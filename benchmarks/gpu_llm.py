@@ -43,6 +43,7 @@ streamed row gives its layers' plans (tier/chunk/MLP slice). Results:
 """
 from __future__ import annotations
 
+import collections
 import gc
 import sys
 import time
@@ -122,6 +123,39 @@ def _logits_summary(logits: torch.Tensor) -> dict:
             "norm": last.norm().item()}
 
 
+class AttentionCalls:
+    """How the streamed layers' chunks attended, counted around a call (a benchmark-side spy on the SDPA consumer's
+    own module: its fused call with a log-sum-exp, and its ``F``; nothing of torch is patched, so a capture inside the
+    call is unaffected): a causal chunk's two parts should both run fused (cuDNN or flash, with their log-sum-exps);
+    a refusal, or SDPA called with a mask (its slower kernels), shows here."""
+
+    def __enter__(self) -> collections.Counter:
+        from streamplan.consumers import sdpa
+        self.module, self.fused, self.functional = sdpa, sdpa._fused_with_lse, sdpa.F
+        counts = self.counts = collections.Counter()
+        real_fused, real_f = self.fused, self.functional
+
+        def fused(q, k, v, causal, scale):
+            got = real_fused(q, k, v, causal, scale)
+            counts["fused with log-sum-exp" if got is not None else "fused refused"] += 1
+            return got
+
+        class Functional:
+            def __getattr__(self, name):
+                return getattr(real_f, name)
+
+            @staticmethod
+            def scaled_dot_product_attention(*args, **kwargs):
+                counts["F.sdpa" + (" with a mask" if kwargs.get("attn_mask") is not None else "")] += 1
+                return real_f.scaled_dot_product_attention(*args, **kwargs)
+
+        sdpa._fused_with_lse, sdpa.F = fused, Functional()
+        return counts
+
+    def __exit__(self, *exc) -> None:
+        self.module._fused_with_lse, self.module.F = self.fused, self.functional
+
+
 def _timed_peak(fn):
     """(result, peak bytes, seconds) of one run: peak from the allocator (measure_peak synchronises)."""
     start = time.perf_counter()
@@ -196,7 +230,8 @@ def prefill(n: int, layers: int, modes: list[str], name: str, padded: int = 0) -
                           **({"attention_mask": kw["attention_mask"][:, :8192]} if padded else {}))
                     _clean()
                 start = time.perf_counter()
-                out, peak, t = _timed_peak(call)
+                with AttentionCalls() as attention_calls:
+                    out, peak, t = _timed_peak(call)
                 first_s = time.perf_counter() - start
                 logits = out.logits
                 del out
@@ -205,7 +240,7 @@ def prefill(n: int, layers: int, modes: list[str], name: str, padded: int = 0) -
                                if k.startswith("model.layers.") and k.count(".") == 2 for p in ps]
                 emit({"mode": f"streamplan {mode}", "KB_per_token": kb(peak), "peak_vs_floor": peak / FLOOR / n_all,
                       "time_s": t, "time_per_layer_s": t / layers, "time_ratio": t / stock_t if stock_t else None,
-                      "first_call_s_with_capture": first_s,
+                      "first_call_s_with_capture": first_s, "attention_calls": dict(attention_calls),
                       "rel_diff": compare_outputs(logits, ref)["output"]["rel"] if ref is not None else None,
                       "same_argmax": bool(torch.equal(logits.argmax(-1), ref.argmax(-1))) if ref is not None else None,
                       "logits": _logits_summary(logits),
