@@ -237,3 +237,53 @@ def test_model_forwards_fail_closed(fresh_captures, monkeypatch):
     assert "keyframe_idxs are given" in LTXV.problem(None, {"x": video, "keyframe_idxs": torch.zeros(1, 3, 2, 2)})
     assert "a guiding frame" in HunyuanVideo.problem(hv, {"x": video, "guiding_frame_index": torch.zeros(1)})
     assert "a reference latent" in HunyuanVideo.problem(hv, {"x": video, "ref_latent": video})
+
+
+def _generic(family: str):
+    """A ComfyUI DiT with no recognizer and no streamed forward of its own: Qwen-Image (its
+    ``transformer_blocks``, joint text+image attention) and Chroma (Flux's blocks, modulation handed in as
+    ``ChromaModulationOut`` dataclasses)."""
+    comfy = comfyui()
+    from test_comfy import _config, _random_
+    if family == "qwen_image":
+        unet = {"image_model": "qwen_image", "patch_size": 2, "in_channels": 16, "out_channels": 4, "num_layers": 2,
+                "attention_head_dim": 16, "num_attention_heads": 4, "joint_attention_dim": 32,
+                "axes_dims_rope": (4, 6, 6)}
+        base = comfy.model_base.QwenImage(_config(comfy, unet, comfy.latent_formats.Wan21))
+        x, cond = torch.randn(1, 4, 1, 48, 48), {"c_crossattn": torch.randn(1, 7, 32)}
+    else:
+        unet = {"image_model": "chroma", "in_channels": 16, "out_channels": 16, "context_in_dim": 32,
+                "hidden_size": 64, "mlp_ratio": 2.0, "num_heads": 4, "depth": 2, "depth_single_blocks": 2,
+                "axes_dim": [4, 6, 6], "theta": 10000, "patch_size": 2, "qkv_bias": True, "in_dim": 64,
+                "out_dim": 64, "hidden_dim": 32, "n_layers": 2, "txt_ids_dims": [], "vec_in_dim": 16}
+        base = comfy.model_base.Chroma(_config(comfy, unet, comfy.latent_formats.Flux))
+        x, cond = torch.randn(1, 4, 48, 48), {"c_crossattn": torch.randn(1, 7, 32), "guidance": torch.zeros(1)}
+    _random_(base)
+    cpu = torch.device("cpu")
+    return comfy.model_patcher.ModelPatcher(base, load_device=cpu, offload_device=cpu), x, cond
+
+
+def test_generic_path_for_other_dits(fresh_captures):
+    """Other DiTs whose forwards hand their blocks to "dit" replacements get them through the generic captured-graph
+    path: Qwen-Image's blocks stream, exact against stock, peak down; Chroma's stay stock (its modulation arrives as
+    ``ChromaModulationOut`` dataclasses the capture does not take), exactly, naming it. Neither model forward is
+    followed (said in the report)."""
+    import streamplan.comfy as sc
+    patcher, x, cond = _generic("qwen_image")
+    stock, stock_peak = streamplan.measure_peak(sample_call, patcher, x, cond)
+    patched = sc.patch(patcher, budget=None, chunk_tokens=64, min_tokens=0)
+    out, peak = streamplan.measure_peak(sample_call, patched, x, cond)
+    assert rel_err(out, stock) <= 1e-5
+    assert peak < 0.75 * stock_peak, (peak, stock_peak)
+    text = sc.report(patched)
+    assert text.count("1 call(s) through the streamer") == 2 and text.count(": L1 rows=576") == 2, text
+    assert "ran stock" not in text, text
+    assert "QwenImageTransformer2DModel has no streamed model forward in streamplan (its blocks still stream)" in text
+
+    patcher, x, cond = _generic("chroma")
+    stock = sample_call(patcher, x, cond)
+    patched = sc.patch(patcher, budget=None, chunk_tokens=64, min_tokens=0)
+    assert rel_err(sample_call(patched, x, cond), stock) <= 1e-5
+    text = sc.report(patched)
+    assert text.count("ran stock: an argument of type ChromaModulationOut the capture cannot take") == 4, text
+    assert "Chroma has no streamed model forward in streamplan" in text, text
