@@ -147,8 +147,9 @@ def _unsupported_options(options: dict, calls: BlockCalls) -> str | None:
     return None
 
 
-# ComfyUI's attention for the streamed chunks: no causal masks, no masks, no grouped K/V heads (its functions take
-# the heads of Q); every dtype its kernels take
+# ComfyUI's attention for the streamed chunks: no causal masks, no grouped K/V heads (its functions take the heads of
+# Q); every dtype its kernels take. Mask forms: ComfyAttention adds the additive masks ComfyUI's functions take
+# (none for the streamed contract)
 COMFY_CAPS = ConsumerCaps(q_offset=False, gqa=False, masks=frozenset())
 
 
@@ -293,12 +294,13 @@ def patch(model_patcher, budget: int | str | None = "auto", chunk_tokens: int | 
 
     One "dit" block replacement per block index (``clone.set_model_patch_replace``): a call with at least
     ``min_tokens`` sequence rows runs the block through a streamer (created at its first such call, kept by the clone);
-    shorter calls, and calls streamplan cannot stream (attention overrides, block-level patches, masks), run the
+    shorter calls, and calls streamplan cannot stream (opaque attention overrides, block-level patches), run the
     original block, counted in the report. A block whose replacement another node already holds is left to it.
     Weights ComfyUI casts per call (lowvram offload, DynamicVRAM, LoRA applied per call, manual casting) are taken once
     per block call through comfy.ops' own cast path and held for its chunks (``weights``). A ``DIFFUSION_MODEL``
-    wrapper (``forwards``) sees every model call: a new sampling run re-plans the blocks, and ComfyUI 0.33.0's Wan and
-    MiniMax-H3 forwards run streamed (input projection and head in row chunks, block inputs donated). ``budget``:
+    wrapper (``forwards``) sees every model call: a new sampling run re-plans the blocks, and ComfyUI 0.33.0's Wan,
+    MiniMax-H3, Flux, HunyuanVideo and LTX-Video forwards run streamed (input projection and head in row chunks,
+    block inputs donated; Flux and HunyuanVideo on one joint text+image buffer). ``budget``:
     "auto" (ComfyUI's free memory less ``--reserve-vram`` and ``reserve``), bytes (activation room above what a block
     call holds at entry, its cast weights paid from it) or None (``memory``); ``chunk_tokens`` and ``self_check`` are
     ``BlockStreamer``'s. The input patcher and the shared modules are not changed. ``report(patched)`` says what
