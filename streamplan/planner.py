@@ -22,19 +22,48 @@ UTILISATION_FLOOR = {"cuda": 2048, "meta": 2048}   # planning on meta tensors is
 ATTENTION_TILE_ROWS = 128
 
 
-def wave_quantum(multiprocessors: int, batch_heads: int, tile: int = ATTENTION_TILE_ROWS) -> int:
-    """Smallest row count whose attention blocks (batch_heads per ``tile`` rows) fill whole waves."""
-    import math
-    if multiprocessors <= 0 or batch_heads <= 0:
-        return 1
-    return tile * multiprocessors // math.gcd(batch_heads, multiprocessors)
+@dataclass(frozen=True)
+class Waves:
+    """How one chunk's attention blocks (``batch_heads`` per ``tile`` query rows) fill the device's multiprocessors;
+    the default (nothing known) leaves chunks as the budget gives them."""
+
+    multiprocessors: int = 0
+    batch_heads: int = 0
+    tile: int = ATTENTION_TILE_ROWS
+
+    @property
+    def quantum(self) -> int:
+        """Smallest row count whose attention blocks fill whole waves."""
+        import math
+        if self.multiprocessors <= 0 or self.batch_heads <= 0:
+            return 1
+        return self.tile * self.multiprocessors // math.gcd(self.batch_heads, self.multiprocessors)
+
+    def round(self, chunk: int, rows: int) -> int:
+        """A planner-chosen chunk rounded down to whole waves when that keeps at least one quantum; below one
+        quantum, the tile count (down to ``BELOW_QUANTUM_KEEP`` of it) whose last wave is fullest: 21 tiles x 56 heads
+        fill 9 waves of 132 to 99%, 22 tiles fill 10 to 93% (the H3 block at 65,536 rows)."""
+        q = self.quantum
+        if q <= 1 or chunk >= rows:
+            return chunk
+        if chunk >= q:
+            return chunk // q * q
+        most = chunk // self.tile
+        if most < 2:
+            return chunk
+
+        def per_tile(t: int) -> float:   # waves per tile: the time of a row, up to a constant
+            return -(-t * self.batch_heads // self.multiprocessors) / t
+
+        least = max(1, int(most * BELOW_QUANTUM_KEEP + 0.999))
+        best = min(per_tile(t) for t in range(least, most + 1))
+        # the most tiles within 1% of the best: fewer rows per chunk cost per-chunk work the waves do not show
+        return max(t for t in range(least, most + 1) if per_tile(t) <= best * 1.01) * self.tile
 
 
-def quantize_chunk(chunk: int, rows: int, quantum: int) -> int:
-    """Round a planner-chosen chunk down to whole waves when that keeps at least one quantum."""
-    if quantum <= 1 or chunk >= rows or chunk < quantum:
-        return chunk
-    return chunk // quantum * quantum
+BELOW_QUANTUM_KEEP = 0.85
+
+
 MIN_FFN_SLICE = 256
 # Stock is kept only with this much room to spare: its estimate misses allocator fragmentation and libraries'
 # temporaries, and being wrong there is an out-of-memory, not a slower run (H200, Wan2.1-14B block at 217,088 rows
@@ -353,7 +382,7 @@ L2_GAIN = 1.5                # L2 is taken over L1 when it buys 1.5x the rows pe
 
 
 def plan_graph(rows: int, fixed: int, transient, stock: int, *, chunk_tokens: int | None = None,
-               budget: int | None = None, min_chunk: int = MIN_CHUNK_TOKENS, quantum: int = 1,
+               budget: int | None = None, min_chunk: int = MIN_CHUNK_TOKENS, waves: Waves = Waves(),
                ffn: int = 0, ffn_slice: int | None = None, kv: int = 0, attn_out: int = 0,
                groups: tuple[int, ...] = (), head_groups: int | None = None, kv_options: tuple[KVOption, ...] = (),
                kv_store: str = "device", costs: Costs = Costs(),
@@ -389,7 +418,7 @@ def plan_graph(rows: int, fixed: int, transient, stock: int, *, chunk_tokens: in
         if tier == Tier.L0:
             return Plan(Tier.L0, rows, rows, 0, stock, stock)
         if chunk_tokens is None:
-            chunk = quantize_chunk(chunk, rows, quantum)
+            chunk = waves.round(chunk, rows)
         chunk = min(chunk, rows)
         if opt is not None:   # a forced chunk reads K/V in blocks of its size (at most the default block per group)
             blk = min(blk or min(DEFAULT_KV_BLOCK * g, max(chunk, MIN_CHUNK_TOKENS)), rows)
@@ -409,7 +438,7 @@ def plan_graph(rows: int, fixed: int, transient, stock: int, *, chunk_tokens: in
                     chunk = _largest_chunk(lambda c: peak_kv(opt, c, sl, blk, g), rows, budget, floor)
                     if chunk is None:
                         continue
-                    c = quantize_chunk(chunk, rows, quantum)
+                    c = waves.round(chunk, rows)
                     key = ((l4_extra_seconds(opt, rows, c, costs, blk, g) if costs.attention_s else 0.0)
                            + (0.0 if not sl else 1e-9), -c, -blk, g, sl)
                     if best is None or key < best[0]:

@@ -213,9 +213,16 @@ def test_the_default_is_the_auto_budget_and_costs_nothing_when_stock_fits():
 
 
 def test_planner_chosen_chunks_fill_whole_gpu_waves():
-    from streamplan.planner import quantize_chunk, wave_quantum
-    assert wave_quantum(132, 40) == 4224          # H200, Wan2.1-14B: 40 heads
-    assert wave_quantum(132, 24) == 1408          # Flux: 24 heads
-    assert quantize_chunk(9472, 65536, 4224) == 8448
-    assert quantize_chunk(3000, 65536, 4224) == 3000   # below one quantum: left as the budget allows
-    assert quantize_chunk(70000, 65536, 4224) == 70000  # the whole sequence in one chunk: nothing to round
+    from streamplan.planner import Waves
+    wan, flux, h3 = Waves(132, 40), Waves(132, 24), Waves(132, 56)   # H200: 132 multiprocessors
+    assert (wan.quantum, flux.quantum, h3.quantum) == (4224, 1408, 4224)
+    assert wan.round(9472, 65536) == 8448
+    assert wan.round(70000, 65536) == 70000           # the whole sequence in one chunk: nothing to round
+    assert Waves().round(3000, 65536) == 3000         # nothing known about the device: as the budget allows
+    # below one quantum: the tile count whose last wave is fullest, never under 85% of what the budget allows
+    assert h3.round(2816, 65536) == 21 * 128          # 22 tiles x 56 heads: 10 waves at 93%; 21: 9 waves at 99%
+    assert wan.round(3000, 65536) == 23 * 128         # 23 tiles x 40 heads: 7 waves at 99.6%
+    assert wan.round(2816, 65536) == 22 * 128         # 19 tiles would be 0.7% better per row: not worth 14% fewer
+    for chunk in range(256, 4224, 97):
+        got = h3.round(chunk, 65536)
+        assert got % 128 == 0 and 0.85 * (chunk // 128 * 128) - 128 < got <= chunk

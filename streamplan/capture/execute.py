@@ -84,7 +84,9 @@ def phases(cap: Captured, an: Analysis) -> Phases:
         kv_bases = {base.get(att.k, att.k), base.get(att.v, att.v)}
         late = [w for w in extra.get(att.node, ()) if base.get(w) in kv_bases]
         need = _ancestors([att.k, att.v, *late], stop, extra)
-        kv.append([n for n in order if n in need])
+        # K's chain first, then what V alone needs: V's projection is not held through K's norm and rotary
+        first = _ancestors([att.k], stop, extra) if not late else need
+        kv.append([n for n in order if n in first] + [n for n in order if n in need and n not in first])
     q_only = {att.node: [att.q, *(w for w in extra.get(att.node, ()) if base.get(w) == base.get(att.q, att.q))]
               for att in an.attentions}
     need = _ancestors([o for o in an.outputs if isinstance(o, fx.Node)] + list(extra.get(output, ())), stop, extra,

@@ -25,10 +25,27 @@ class MLPRegion:
     exit: fx.Node                              # the linear that contracts the hidden features
     ffn: int
     parts: dict[fx.Node, int] = field(default_factory=dict)   # every region node -> ffn-wide parts in its last dim
+    _dead: dict | None = field(default=None, repr=False)
 
     @property
     def nodes(self) -> set[fx.Node]:
         return set(self.entries) | set(self.inner)
+
+    def dead_after(self) -> dict[fx.Node, list[fx.Node]]:
+        """Per inner node, the region values it uses for the last time (what the exit reads stays): a slice frees
+        them as it goes, as the memory model assumes."""
+        if self._dead is None:
+            last: dict[fx.Node, fx.Node] = {}
+            for n in self.inner:
+                for m in n.all_input_nodes:
+                    if m in self.entries or m in self.parts:
+                        last[m] = n
+            keep = set(self.exit.all_input_nodes)
+            self._dead = {}
+            for m, n in last.items():
+                if m not in keep:
+                    self._dead.setdefault(n, []).append(m)
+        return self._dead
 
 
 def _width(node) -> int | None:
@@ -160,6 +177,7 @@ def run_region(region: MLPRegion, env: dict, ffn_slice: int) -> torch.Tensor:
     w_out = env[region.exit.args[1]]
     b_out = env[region.exit.args[2]] if len(region.exit.args) > 2 and region.exit.args[2] is not None else None
     out = None
+    dead = region.dead_after()
     for a in range(0, region.ffn, ffn_slice):
         b = min(a + ffn_slice, region.ffn)
         local: dict[fx.Node, object] = {}
@@ -185,6 +203,9 @@ def run_region(region: MLPRegion, env: dict, ffn_slice: int) -> torch.Tensor:
             elif name == "split":
                 args = (args[0], b - a, *args[2:])
             local[n] = args[0][args[1]] if n.target is operator.getitem else n.target(*args, **kwargs)
+            del args, kwargs
+            for m in dead.get(n, ()):
+                local.pop(m, None)
         h = local[region.exit.args[0]]  # noqa: F821 (local is rebuilt per slice; the closure above reads it)
         if out is None:
             out = F.linear(h, w_out[:, a:b], b_out)

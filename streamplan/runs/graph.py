@@ -14,7 +14,7 @@ from ..callstate import bypass, needs_grad, shapes
 from ..consumers import graph_consumer, unsupported
 from ..executors.donation import donated
 from ..ir import GraphSpec, RowMask, adapt_call, block_backend, row_masks_whole
-from ..planner import UTILISATION_FLOOR, Plan, Tier, plan_graph, wave_quantum
+from ..planner import UTILISATION_FLOOR, Plan, Tier, Waves, plan_graph
 from ..recognize.checks import hooks_added_inside
 from . import handles
 from .parts import workspace_row_bytes
@@ -171,11 +171,11 @@ def _run_onloaded(handle, entry, args: tuple, kwargs: dict) -> Any:
     def plan_for_budget(budget: int | None) -> Plan:
         mem = graph_memory(an, found.phases, rows, set(donate))
         order = [n for n in cap.graph.nodes if n.op == "call_function" and n not in an.ignored]
-        quantum, ws, attn_out, mask_bytes = 1, 0, 0, (lambda c: 0)
+        waves, ws, attn_out, mask_bytes = Waves(), 0, 0, (lambda c: 0)
         if att is not None:
             if device.type == "cuda":
-                quantum = wave_quantum(torch.cuda.get_device_properties(device).multi_processor_count,
-                                       qv.shape[0] * qv.shape[1])
+                waves = Waves(torch.cuda.get_device_properties(device).multi_processor_count,
+                              qv.shape[0] * qv.shape[1])
             ws = workspace_row_bytes(consumer, SimpleNamespace(heads=qv.shape[1], head_dim=qv.shape[-1],
                                                                causal=att.causal, mask=row_mask,
                                                                device_type=device.type), qv.element_size())
@@ -194,7 +194,7 @@ def _run_onloaded(handle, entry, args: tuple, kwargs: dict) -> Any:
                           lambda c, sl: mem.transient(c, sl, regions) + ws * min(c, rows) + mask_bytes(c),
                           mem.stock(order) + mask_bytes(rows),
                           chunk_tokens=o.chunk_tokens, budget=budget,
-                          min_chunk=UTILISATION_FLOOR.get(device.type, 0), quantum=quantum,
+                          min_chunk=UTILISATION_FLOOR.get(device.type, 0), waves=waves,
                           ffn=max((r.ffn for r in regions), default=0), ffn_slice=o.ffn_slice,
                           kv=mem.kv_bytes, attn_out=attn_out, groups=groups, head_groups=o.head_groups,
                           transient_kv=lambda c, sl, extra: (mem.transient(c, sl, regions, extra)
