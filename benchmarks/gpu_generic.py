@@ -191,8 +191,22 @@ def run_block(case: str, n: int, chunks: list[int], held: bool, hold: float = 1.
                 out, peak = cuda_peak(donated)
                 del out
                 peak = max(0, peak - fresh_bytes)
+                times = []
+                for _ in range(3):   # the block call alone: each on fresh inputs (a donated input is overwritten)
+                    fresh = inputs()
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    with donate(fresh[0]):
+                        o = block(*fresh)
+                    torch.cuda.synchronize()
+                    times.append(time.perf_counter() - t0)
+                    del o, fresh
+                t_don = sorted(times)[1]
+                dplan = next((p for p in handle.plans.get("", []) if p is not plan), None)
                 rows.append({**base, "mode": f"{path} {label}, input donated", "KB_per_token": kb(peak),
-                             "peak_vs_floor": peak / floor})
+                             "peak_vs_floor": peak / floor, "time_s": t_don, "time_ratio": t_don / stock_t,
+                             "tier": dplan.tier if dplan else None, "chunk": dplan.chunk if dplan else None,
+                             "ffn_slice": dplan.ffn_slice if dplan else None})
                 print(rows[-1], flush=True)
                 handle.remove()
     del block, args, ref
