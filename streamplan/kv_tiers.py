@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import torch
 
-from .executors.kv_store import APPROXIMATE, KV_KINDS, attend_blocks, make_store, store_kind
+from .executors.kv_store import APPROXIMATE, KV_KINDS, WRITE_ROWS, attend_blocks, make_store, store_kind
 from .planner import ATTENTION_RATE, Costs, KVOption, Tier
 
 log = logging.getLogger("streamplan")
@@ -81,6 +81,8 @@ def kv_options(found, rows: int, device: torch.device, kinds: tuple[str, ...]) -
             total = rows + att.kv_rows.pre + att.kv_rows.post
             elems = 2 * B * Hkv * D                      # K and V, one row
             resident += int(total * elems * sk.resident(e, D))
+            if kind == "host" and device.type != "cpu":   # phase KV's two write buffers (executors.kv_store)
+                resident += 2 * WRITE_ROWS * elems * e
             host += total * elems * e if sk.on_host else 0
             if kind == "host":   # two block buffers in turn on CUDA; in a CPU run views of host rows, which the CPU
                 row = 2 * elems * e if device.type != "cpu" else elems * e   # kernel copies contiguous
@@ -93,7 +95,7 @@ def kv_options(found, rows: int, device: torch.device, kinds: tuple[str, ...]) -
             if device.type == "cpu":   # PyTorch's CPU flash kernel keeps buffers of its own per call, measured at about
                 whole_row = max(whole_row, B * H * D * (8 + 2 * e))   # two fp32 outputs and two in the dtype per row
                 # of all heads, however few heads the call has (consumers.sdpa)
-            write = elems * e + (0 if sk.exact else 3 * elems * 4)
+            write = (0 if kind == "host" and device.type != "cpu" else elems * e) + (0 if sk.exact else 3 * elems * 4)
             merge_row = max(merge_row, merge, write)
             merge_io += B * H * D * (4 * 4 + e)   # per block: the accumulator read and written twice, the partial read
         tier = Tier.L4 if sk.exact else Tier.L5

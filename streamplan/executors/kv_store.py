@@ -6,8 +6,8 @@ dimension of ``[B, Hkv, rows, D]``) and read back in phase Q, one block of rows 
 (``blocks(stop)``). Kinds, by registry (``register_kv_store``):
 
 - ``device``: the whole K and V as they are today (exact; ``whole()`` hands them to the consumer in one call);
-- ``host``: in pinned host memory on CUDA (plain CPU memory from a separate arena in CPU runs), written out on a side
-  stream in phase KV and copied back in phase Q to two persistent device block buffers in turn on another, so the next
+- ``host``: in pinned host memory on CUDA (plain CPU memory from a separate arena in CPU runs), written out in pieces
+  through two small device buffers on a side stream in phase KV and copied back in phase Q to two persistent device block buffers in turn on another, so the next
   block's copy runs under this block's attention (exact). Every cross-stream use is ordered by events: a buffer is
   written only after the compute stream is done with its last block (also across Q chunks), a block is read only after
   its copy, and a chunk's K/V are not reused before their copy out has run;
@@ -36,6 +36,7 @@ import torch
 KV_KINDS = ("device", "host", "int8", "fp8")
 APPROXIMATE = frozenset({"int8", "fp8"})
 FP8_TILE = 128          # rows per fp8 scale (per head)
+WRITE_ROWS = 2048       # rows per piece a host store's phase KV lays out and copies out (two such buffers)
 FP8_MAX = 448.0         # largest finite float8 e4m3fn
 INT8_MAX = 127.0
 
@@ -171,6 +172,9 @@ class HostStore(KVStore):
         self.hv = _host_empty(shape, self.dtype, self.cuda)
         if self.cuda:   # phase KV's copies out run on a stream of their own, beside the next chunk's projections
             self.writer = torch.cuda.Stream(self.device)
+            self._wbufs: list[torch.Tensor] = []
+            self._wdone: list[Any] = [None, None]
+            self._wj = 1
 
     def write(self, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         n = k.shape[2]
@@ -179,18 +183,37 @@ class HostStore(KVStore):
                 for g in range(self.groups):
                     host[g, start:start + n].copy_(_rows_first(t[:, self.heads(g)]))
             return
+        # in pieces of rows through two device buffers in turn: the compute stream lays a piece out rows-first, the
+        # writer stream copies it out while the compute stream goes on; a buffer is laid out again only after its
+        # copy out has run, so phase KV holds two pieces more than stock, whatever the chunk
         compute = torch.cuda.current_stream(self.device)
-        self.writer.wait_stream(compute)          # the chunk's K and V are computed
-        with torch.cuda.stream(self.writer):
-            for t, host in ((k, self.hk), (v, self.hv)):
-                for g in range(self.groups):
-                    host[g, start:start + n].copy_(_rows_first(t[:, self.heads(g)]), non_blocking=True)
-        for t in (k, v):   # their memory is not handed out again before the copies out have read it
-            t.record_stream(self.writer)
+        if not self._wbufs:
+            B, H, D = self.shape
+            self._wbufs = [torch.empty(2, WRITE_ROWS, B, H // self.groups, D, dtype=self.dtype, device=self.device)
+                           for _ in range(2)]
+        for g in range(self.groups):
+            h = self.heads(g)
+            for r in range(0, n, WRITE_ROWS):
+                m = min(WRITE_ROWS, n - r)
+                j = self._wj = 1 - self._wj
+                if self._wdone[j] is not None:
+                    compute.wait_event(self._wdone[j])
+                buf = self._wbufs[j]
+                buf[0, :m].copy_(k[:, h, r:r + m].permute(2, 0, 1, 3))
+                buf[1, :m].copy_(v[:, h, r:r + m].permute(2, 0, 1, 3))
+                laid_out = compute.record_event()
+                with torch.cuda.stream(self.writer):
+                    self.writer.wait_event(laid_out)
+                    self.hk[g, start + r:start + r + m].copy_(buf[0, :m], non_blocking=True)
+                    self.hv[g, start + r:start + r + m].copy_(buf[1, :m], non_blocking=True)
+                    self._wdone[j] = self.writer.record_event()
 
     def finish(self) -> None:
         if self.cuda:
             self._written = self.writer.record_event()
+            for buf in self._wbufs:   # freed now, handed out again only once the copies out have read them
+                buf.record_stream(self.writer)
+            self._wbufs, self._wdone = [], [None, None]
 
     def block(self, a: int, b: int, g: int = 0):   # CPU: the host rows are the device rows (views, no copy)
         return _heads_first(self.hk[g, a:b]), _heads_first(self.hv[g, a:b])
