@@ -188,6 +188,18 @@ def register_capture_state(*names: str) -> None:
     CAPTURE_STATE_ATTRS.update(names)
 
 
+# Argument records: dataclasses of tensors a block takes as arguments (ComfyUI Flux's ``ModulationOut``), declared by
+# the library's recognizer file as "module:QualName". The capture flattens them into their fields (registering them
+# as pytree nodes when first met); any other object argument keeps its block stock.
+ARGUMENT_RECORDS: set[str] = set()
+
+
+def register_argument_record(path: str) -> None:
+    if ":" not in path:
+        raise ValueError(f"an argument record is named 'module:QualName', got {path!r}")
+    ARGUMENT_RECORDS.add(path)
+
+
 # Who decides a captured block's attention kernel: a library whose modules dispatch attention through a backend of
 # their own (diffusers' attention backends) registers a probe ``(block) -> backend name | None``; a block whose
 # backend has no streamplan consumer runs stock, named, as a hand-written attention does.

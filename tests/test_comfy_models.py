@@ -143,6 +143,36 @@ def test_flux_foreign_replacements_and_controlnet(fresh_captures):
     assert "1 call(s) through the streamer" in sections["double_block.1"], text
 
 
+@pytest.mark.parametrize("variant", ["flux2", "ovis"])
+def test_flux_variants(fresh_captures, variant):
+    """The Flux forward's other configurations, as ComfyUI's model detection sets them: Flux 2 (global modulation
+    tables handed to the blocks as ``ModulationOut`` records, SiLU-gated MLP, no biases, text position ids, 4 rope
+    axes, no pooled vector) and Ovis (YaK MLP, a norm on the text, 2 text id axes): exact against stock, every block
+    streamed."""
+    comfy = comfyui()
+    import streamplan.comfy as sc
+    from test_comfy import _config, _random_
+    unet = {"image_model": "flux", "in_channels": 4, "out_channels": 4, "vec_in_dim": None, "context_in_dim": 32,
+            "hidden_size": 64, "mlp_ratio": 2.0, "num_heads": 4, "depth": 1, "depth_single_blocks": 1,
+            "theta": 10000, "patch_size": 2, "qkv_bias": False, "guidance_embed": False}
+    if variant == "flux2":
+        unet.update(axes_dim=[4, 4, 4, 4], global_modulation=True, mlp_silu_act=True, ops_bias=False,
+                    txt_ids_dims=[3])
+    else:
+        unet.update(axes_dim=[4, 6, 6], yak_mlp=True, txt_norm=True, txt_ids_dims=[1, 2])
+    base = comfy.model_base.Flux(_config(comfy, unet, comfy.latent_formats.Flux))
+    _random_(base)
+    cpu = torch.device("cpu")
+    patcher = comfy.model_patcher.ModelPatcher(base, load_device=cpu, offload_device=cpu)
+    x, cond = torch.randn(1, 4, 32, 32), {"c_crossattn": torch.randn(1, 9, 32)}
+    stock = sample_call(patcher, x, cond)
+    patched = sc.patch(patcher, budget=None, chunk_tokens=64, min_tokens=0)
+    assert rel_err(sample_call(patched, x, cond), stock) <= 1e-5
+    text = sc.report(patched)
+    assert "model forward (Flux): 1 call(s) streamed" in text, text
+    assert text.count("1 call(s) through the streamer") == 2 and "ran stock" not in text, text
+
+
 def test_hunyuan_video_15_inputs(fresh_captures):
     """HunyuanVideo 1.5's text-side inputs under the streamed forward: the condition-type embedding, ByT5 rows and
     vision rows joined to the text, and meanflow's second timestep (the next sigma of the run), exact against stock,
@@ -240,9 +270,8 @@ def test_model_forwards_fail_closed(fresh_captures, monkeypatch):
 
 
 def _generic(family: str):
-    """A ComfyUI DiT with no recognizer and no streamed forward of its own: Qwen-Image (its
-    ``transformer_blocks``, joint text+image attention) and Chroma (Flux's blocks, modulation handed in as
-    ``ChromaModulationOut`` dataclasses)."""
+    """A ComfyUI DiT with no streamed forward of its own: Qwen-Image (its ``transformer_blocks``, joint text+image
+    attention) and Chroma (Flux's blocks, modulation handed in as ``ChromaModulationOut`` dataclasses)."""
     comfy = comfyui()
     from test_comfy import _config, _random_
     if family == "qwen_image":
@@ -265,25 +294,19 @@ def _generic(family: str):
 
 def test_generic_path_for_other_dits(fresh_captures):
     """Other DiTs whose forwards hand their blocks to "dit" replacements get them through the generic captured-graph
-    path: Qwen-Image's blocks stream, exact against stock, peak down; Chroma's stay stock (its modulation arrives as
-    ``ChromaModulationOut`` dataclasses the capture does not take), exactly, naming it. Neither model forward is
-    followed (said in the report)."""
+    path: Qwen-Image's blocks and Chroma's (Flux's blocks, their modulation handed in as ``ChromaModulationOut``
+    records, ``recognize/comfy_flux.py``) stream, exact against stock, peak down. Neither model forward is followed
+    (said in the report)."""
     import streamplan.comfy as sc
-    patcher, x, cond = _generic("qwen_image")
-    stock, stock_peak = streamplan.measure_peak(sample_call, patcher, x, cond)
-    patched = sc.patch(patcher, budget=None, chunk_tokens=64, min_tokens=0)
-    out, peak = streamplan.measure_peak(sample_call, patched, x, cond)
-    assert rel_err(out, stock) <= 1e-5
-    assert peak < 0.75 * stock_peak, (peak, stock_peak)
-    text = sc.report(patched)
-    assert text.count("1 call(s) through the streamer") == 2 and text.count(": L1 rows=576") == 2, text
-    assert "ran stock" not in text, text
-    assert "QwenImageTransformer2DModel has no streamed model forward in streamplan (its blocks still stream)" in text
-
-    patcher, x, cond = _generic("chroma")
-    stock = sample_call(patcher, x, cond)
-    patched = sc.patch(patcher, budget=None, chunk_tokens=64, min_tokens=0)
-    assert rel_err(sample_call(patched, x, cond), stock) <= 1e-5
-    text = sc.report(patched)
-    assert text.count("ran stock: an argument of type ChromaModulationOut the capture cannot take") == 4, text
-    assert "Chroma has no streamed model forward in streamplan" in text, text
+    for family, blocks, rows in (("qwen_image", 2, [576, 576]), ("chroma", 4, [576, 576, 583, 583])):
+        patcher, x, cond = _generic(family)
+        stock, stock_peak = streamplan.measure_peak(sample_call, patcher, x, cond)
+        patched = sc.patch(patcher, budget=None, chunk_tokens=64, min_tokens=0)
+        out, peak = streamplan.measure_peak(sample_call, patched, x, cond)
+        assert rel_err(out, stock) <= 1e-5
+        assert peak < 0.75 * stock_peak, (family, peak, stock_peak)
+        text = sc.report(patched)
+        assert text.count("1 call(s) through the streamer") == blocks and "ran stock" not in text, text
+        assert [int(t.split()[0]) for t in text.split(": L1 rows=")[1:]] == rows, text
+        name = type(patcher.model.diffusion_model).__name__
+        assert f"{name} has no streamed model forward in streamplan (its blocks still stream)" in text, text

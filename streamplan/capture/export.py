@@ -5,14 +5,14 @@ from __future__ import annotations
 import inspect
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, is_dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from ..ir import CAPTURE_STATE_ATTRS
+from ..ir import ARGUMENT_RECORDS, CAPTURE_STATE_ATTRS
 
 log = logging.getLogger("streamplan")
 
@@ -57,9 +57,31 @@ def _size_key(s: int, rows: int, offsets: set[int]):
     return s
 
 
+def _records(args: tuple, kwargs: dict) -> None:
+    """Register as pytree nodes the declared argument records (``ir.register_argument_record``) among the call's
+    leaves, so they flatten into their tensor fields (before the cache signature and the export see them)."""
+    for leaf in pytree.tree_leaves((args, kwargs)):
+        cls = type(leaf)
+        if f"{cls.__module__}:{cls.__qualname__}" in ARGUMENT_RECORDS and is_dataclass(cls) and \
+                cls not in pytree.SUPPORTED_NODES:
+            pytree.register_dataclass(cls)
+            _records(args, kwargs)   # a record inside a record
+            return
+
+
+def _is_record(x: object) -> bool:
+    cls = type(x)
+    return f"{cls.__module__}:{cls.__qualname__}" in ARGUMENT_RECORDS and cls in pytree.SUPPORTED_NODES
+
+
+def _dyn_leaf(x: object) -> bool:
+    return isinstance(x, torch.Tensor) or x is None or _is_record(x)
+
+
 def signature(module: nn.Module, args: tuple, kwargs: dict, rows: int) -> tuple:
     """What a capture depends on: the class and forward, each leaf's shape with the row count abstracted, dtypes,
     devices, the non-tensor leaves, and the call's structure."""
+    _records(args, kwargs)
     leaves, spec = pytree.tree_flatten((args, kwargs))
     offsets = joined_offsets(args, kwargs, rows)
     sig = []
@@ -123,6 +145,7 @@ def capture(module: nn.Module, args: tuple, kwargs: dict, rows: int) -> Captured
     from torch.export import Dim, export
     from torch.export.graph_signature import InputKind
 
+    _records(args, kwargs)
     odd = [type(leaf).__name__ for leaf in pytree.tree_leaves((args, kwargs))
            if not isinstance(leaf, (torch.Tensor, int, float, bool, str, type(None)))]
     if odd:   # a cache object, say: export takes tensors and plain values only
@@ -131,6 +154,9 @@ def capture(module: nn.Module, args: tuple, kwargs: dict, rows: int) -> Captured
     dim = None
 
     def dyn(leaf, joined: bool):
+        if _is_record(leaf):   # export takes a dataclass's dynamic shapes as the list of its fields'
+            return [pytree.tree_map(lambda x: dyn(x, joined), getattr(leaf, f.name), is_leaf=_dyn_leaf)
+                    for f in fields(leaf)]
         if isinstance(leaf, torch.Tensor):
             return {i: (dim if s == rows else dim + (s - rows)) for i, s in enumerate(leaf.shape)
                     if s == rows or (joined and s - rows in offsets)} or None
@@ -172,8 +198,7 @@ def capture(module: nn.Module, args: tuple, kwargs: dict, rows: int) -> Captured
         first_error: Exception | None = None
         for i, (joined, lo) in enumerate(attempts):
             dim = Dim("rows", min=lo, max=MAX_ROWS)
-            dynamic = {k: pytree.tree_map(lambda x: dyn(x, joined), v,
-                                          is_leaf=lambda x: isinstance(x, torch.Tensor) or x is None)
+            dynamic = {k: pytree.tree_map(lambda x: dyn(x, joined), v, is_leaf=_dyn_leaf)
                        for k, v in bound.items()}
             try:
                 with torch.no_grad():

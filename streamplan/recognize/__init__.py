@@ -8,6 +8,7 @@ from torch import nn
 from ..ir import AttentionSpec, GraphSpec, MLPSpec, ModelSpec, RowLocalSpec, Skip
 from . import accelerate_hooks, diffusers_hooks  # noqa: F401  (register their hook chains with streamplan.hooks)
 from . import comfy_kitchen_ops  # noqa: F401  (declares comfy_kitchen's row-local ops)
+from . import comfy_flux  # noqa: F401  (declares ComfyUI Flux's modulation records, block arguments)
 from . import peft_layers  # noqa: F401  (declares the adapter state peft's layers read)
 from .diffusers_attention import recognize_attention
 from .diffusers_mlp import recognize_feedforward
