@@ -97,6 +97,10 @@ class BudgetError(ValueError):
     """Nothing the planner can build fits the budget; raised before any work runs."""
 
 
+# tiers whose plan's ``ffn_slice`` slices the MLP (L1's is the whole MLP; L4/L5 plans may slice it to fit their chunk)
+SLICED_TIERS = (Tier.L2, Tier.L3, Tier.L4, Tier.L5)
+
+
 @dataclass
 class Plan:
     """One operation's schedule for one input signature: data, printable, serialisable."""
@@ -127,7 +131,7 @@ class Plan:
             return f"{self.tier} {self.note}"
         if self.tier == Tier.L0:
             return f"L0 stock  rows={self.rows}  peak~{fmt_bytes(self.predicted_peak)}"
-        sl = f"  ffn_slice={self.ffn_slice}" if self.ffn_slice and self.tier in (Tier.L2, Tier.L3) else ""
+        sl = f"  ffn_slice={self.ffn_slice}" if self.ffn_slice and self.tier in SLICED_TIERS else ""
         hg = f"  head_groups={self.head_groups}" if self.head_groups > 1 else ""
         kv = ""
         if self.kv != "device":
@@ -324,6 +328,9 @@ ATTENTION_RATE = {"cuda": 5.5e14, "meta": 5.5e14}   # FLOP/s of bf16 attention o
 # (H200: 4.8 TB/s peak), and the fixed cost of one block's attention call and merge (launches, a short block's tail)
 MERGE_BANDWIDTH = {"cuda": 3.0e12, "meta": 3.0e12}
 BLOCK_STEP_S = 5e-5
+# copies back hide under the attention up to this share of its time (they share the memory bandwidth, and each pass's
+# first block waits for the previous pass): the H200's 16,384-row plan hid copies of 64% of the attention's time
+HIDDEN_UNDER_ATTENTION = 0.75
 # L3 measured on the H200 (MiniMax-H3 block, 217,088 rows, 8 head groups: 1.73x stock's time, attention ~94% of it):
 # each extra head group costs about a tenth of the attention's time (projections rerun, smaller attention calls)
 L3_GROUP_COST = 0.1
@@ -372,7 +379,8 @@ def l4_extra_seconds(option: KVOption, rows: int, chunk: int, costs: Costs, bloc
     passes, blocks = -(-rows // max(1, chunk)), -(-rows // max(1, block))
     rate = MERGE_BANDWIDTH.get(costs.device, 0.0)
     merge = passes * blocks * min(chunk, rows) * option.merge_io_row / rate if rate else 0.0
-    return out + max(0.0, back - costs.attention_s) + merge + passes * blocks * groups * BLOCK_STEP_S
+    unhidden = max(0.0, back - HIDDEN_UNDER_ATTENTION * costs.attention_s)
+    return out + unhidden + merge + passes * blocks * groups * BLOCK_STEP_S
 
 
 SLICE_FOR_CHUNKS_BELOW = 4   # a captured block's planner slices its MLP when row chunks alone stay under 4x the floor

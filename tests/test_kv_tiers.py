@@ -337,6 +337,27 @@ def test_host_staged_kv_in_head_groups_is_exact_and_smaller(name):
     assert peaks[4] < peaks[1] if name == "wan" else peaks[4] <= peaks[1], peaks
 
 
+@torch.no_grad()
+def test_l4_runs_the_mlp_slices_it_planned():
+    module, args, kwargs = _case("minimax_h3")   # its MLP is its peak at this width
+    ref = _leaves(module(*args, **kwargs))
+    peaks = {}
+    for sl in (None, 64):
+        handle = streamplan.apply(module, chunk_tokens=512, capture="prefer", kv="host", ffn_slice=sl)
+        try:
+            module(*args, **kwargs)
+            out, peaks[sl] = streamplan.measure_peak(lambda: module(*args, **kwargs), device=CPU)
+            (plan,) = handle.plans[""]
+            assert plan.tier == Tier.L4 and plan.ffn_slice == (sl or 0), handle.report()
+            assert (f"ffn_slice={sl}" in plan.describe()) == bool(sl)
+            for o, r in zip(_leaves(out), ref):
+                assert rel_err(o, r) <= 1e-5
+            assert plan.predicted_peak >= 0.9 * peaks[sl]
+        finally:
+            handle.remove()
+    assert peaks[64] < peaks[None], peaks   # the MLP hidden a slice at a time: the plan's slice is what runs
+
+
 def test_kv_device_offers_l4_where_host_and_device_are_apart():
     from streamplan import kv_tiers
     from streamplan.capture import streamable

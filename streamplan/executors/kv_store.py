@@ -7,10 +7,11 @@ dimension of ``[B, Hkv, rows, D]``) and read back in phase Q, one block of rows 
 
 - ``device``: the whole K and V as they are today (exact; ``whole()`` hands them to the consumer in one call);
 - ``host``: in pinned host memory on CUDA (plain CPU memory from a separate arena in CPU runs), written out in pieces
-  through two small device buffers on a side stream in phase KV and copied back in phase Q to two persistent device block buffers in turn on another, so the next
-  block's copy runs under this block's attention (exact). Every cross-stream use is ordered by events: a buffer is
-  written only after the compute stream is done with its last block (also across Q chunks), a block is read only after
-  its copy, and a chunk's K/V are not reused before their copy out has run;
+  through two small device buffers on a side stream in phase KV and copied back in phase Q to two persistent device
+  block buffers in turn on another, so the next block's copy runs under this block's attention (exact). Every
+  cross-stream use is ordered by events: a buffer is written only after the compute stream is done with its last
+  block (also across Q chunks), a block is read only after its copy, a write buffer is laid out again only after its
+  copy out has run;
 - ``int8``: on the device, per row and head int8 after a randomized Hadamard rotation of head_dim that spreads
   outlier channels over all of them (approximate, opt-in);
 - ``fp8``: on the device, float8 e4m3 with one scale per 128-row tile and head (approximate, opt-in).
@@ -242,8 +243,8 @@ class _Staging:
 
     Ordering, by events: a buffer is written (copier stream) only after the compute stream has recorded that it is done
     with the block last handed out from it (``done``), whichever pass that was; a block is handed out only after the
-    compute stream waits for its copy (``ready``); the copier starts after phase KV's copies out (``_written``) and after
-    the buffers' allocation on the compute stream."""
+    compute stream waits for its copy (``ready``); the copier starts after phase KV's copies out (``_written``) and
+    after the buffers' allocation on the compute stream."""
 
     def __init__(self, store: HostStore):
         self.store = store

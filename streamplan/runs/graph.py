@@ -14,7 +14,7 @@ from ..callstate import bypass, needs_grad, shapes
 from ..consumers import graph_consumer, unsupported
 from ..executors.donation import donated
 from ..ir import GraphSpec, RowMask, adapt_call, block_backend, row_masks_whole
-from ..planner import UTILISATION_FLOOR, Plan, Tier, Waves, plan_graph
+from ..planner import SLICED_TIERS, UTILISATION_FLOOR, Plan, Tier, Waves, plan_graph
 from ..recognize.checks import hooks_added_inside
 from . import handles
 from .parts import workspace_row_bytes
@@ -222,7 +222,7 @@ def _run_onloaded(handle, entry, args: tuple, kwargs: dict) -> Any:
         if not any(n.startswith("streams under") for n in entry.runtime_notes):
             handle.note(entry, f"streams under {par.label}: attention through {consumer.name}")
     run = GraphRun(cap, an, found.phases, module, args, kwargs, rows, attend,
-                   ffn_slice=plan.ffn_slice if plan.tier in (Tier.L2, Tier.L3) else 0, regions=regions, **stores)
+                   ffn_slice=plan.ffn_slice if plan.tier in SLICED_TIERS else 0, regions=regions, **stores)
     if par is not None:
         run._retries = 0   # a chunk retried alone would leave the other ranks waiting in its exchanges
     if plan.kv != "device" and run.kv_store is None:   # L4/L5: K/V into a store, attended block by block
