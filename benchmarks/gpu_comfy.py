@@ -69,6 +69,7 @@ import types
 import torch
 
 import streamplan
+import comfy_blocks
 import comfy_dits
 from common import cuda_peak, cuda_time, device_info, wall_time, write_results
 from streamplan.verify import compare_outputs
@@ -303,6 +304,9 @@ def main() -> int:
                    help="where ComfyUI holds the weights: device (default), lowvram (on the CPU, cast per call), "
                         "dynamic (DynamicVRAM, comfy-aimdo; GPU only)")
     p.add_argument("--lora", type=float, default=0.0, help="scale of a LoRA-style patch ComfyUI applies per call")
+    p.add_argument("--blocks", action="store_true",
+                   help="also each block call (comfy_blocks.py): its peak above its entry against the floor, its time "
+                        "against the stock block's; modes stock, fixed chunks, held (and auto off the device)")
     a = p.parse_args()
     if a.weights == "dynamic" and a.smoke:
         raise SystemExit("--weights dynamic needs a GPU (comfy-aimdo's VBAR is CUDA memory); no --smoke")
@@ -355,6 +359,7 @@ def main() -> int:
         model = f"comfy WanModel 1 layer (dim {dim}), bf16, ComfyUI 0.33.0 apply_model"
         latent, inputs_named = list(x.shape), "x, context, e0, freqs"
         name = f"gpu_comfy_{'smoke_' if a.smoke else ''}{held_tag}{tokens}"
+    name += "_blocks" if a.blocks else ""
     stock, held = held_as(comfy, base_model, dev, a.weights, a.lora)
     cond = cond()
     print(held, flush=True)
@@ -387,14 +392,21 @@ def main() -> int:
         # after a sampling run's first
         sample_call(stock, x, cond)
     ref, stock_peak = peak_of(lambda: sample_call(stock, x, cond))
-    stock_t = time_of(lambda: sample_call(stock, x, cond))
+    blocks = {}
+    if a.blocks:   # the block calls metered and timed; the model call timed in the same calls
+        blocks = comfy_blocks.block_figures(stock, lambda pt: sample_call(pt, x, cond), dev, floor)
+        stock_t, stock_block_t = blocks.pop("call_time_s"), blocks["block_time_s"]
+    else:
+        stock_t = time_of(lambda: sample_call(stock, x, cond))
     emit({**base, "mode": "stock", "KB_per_token": kb(stock_peak), "peak_vs_floor": stock_peak / floor,
-          "time_s": stock_t, "time_ratio": 1.0})
+          "time_s": stock_t, "time_ratio": 1.0, **blocks})
     modes = [(f"patch chunk_tokens={chunk}, min_tokens=0, budget=None",
               dict(budget=None, chunk_tokens=chunk, min_tokens=0), True),
              ("patch budget held to 1.15x floor, min_tokens=0", dict(budget=budget, min_tokens=0), True),
              (f"blocks only (wrapper taken out), chunk_tokens={chunk}",
               dict(budget=None, chunk_tokens=chunk, min_tokens=0), False)]
+    if a.blocks:   # the criterion: fixed chunks and held, with the wrapper
+        modes = modes[:2]
     if a.weights != "device":   # what "auto" reads where ComfyUI holds the weights off the device (memory.py)
         modes.append(("patch budget='auto', min_tokens=0", dict(budget="auto", min_tokens=0), True))
     for label, kw, wrapper in modes:
@@ -405,10 +417,16 @@ def main() -> int:
             out, peak = peak_of(lambda: sample_call(patched, x, cond))
             diff = compare_outputs(out, ref)["output"]["rel"]
             del out
-            t = time_of(lambda: sample_call(patched, x, cond))
+            if a.blocks:
+                blocks = comfy_blocks.block_figures(patched, lambda pt: sample_call(pt, x, cond), dev, floor)
+                t = blocks.pop("call_time_s")
+                blocks.update(block_time_ratio=blocks["block_time_s"] / stock_block_t,
+                              plans=comfy_blocks.plans_of(patched))
+            else:
+                t = time_of(lambda: sample_call(patched, x, cond))
             emit({**base, "mode": label, "KB_per_token": kb(peak), "peak_vs_floor": peak / floor,
                   "peak_vs_stock": peak / stock_peak if stock_peak else None, "time_s": t, "time_ratio": t / stock_t,
-                  "rel_diff": diff, "report": sc.report(patched)})
+                  "rel_diff": diff, **blocks, "report": sc.report(patched)})
         except Exception as exc:  # noqa: BLE001 -- the row says what failed; the other mode still runs
             traceback.print_exc()
             emit({**base, "mode": label, "error": f"{type(exc).__name__}: {exc}"[:600]})
