@@ -325,9 +325,9 @@ def apply(module: nn.Module, budget: int | str | None = "auto", chunk_tokens: in
     block from its captured graph unless a part recognizer knows the block itself (an MLP in a list of experts),
     "prefer" captures every block, "off" captures nothing (hand-written parts and model forwards only).
     ``kv`` says where a captured block's K and V live between its phases: "device" (default, exact: whole on the
-    device wherever the budget allows; below the floor the planner groups heads,
-    L3), "host" (L4, only when asked: pinned host memory, read back block by block and merged by log-sum-exp;
-    experimental: on the H200 it differed from stock by more than stock's kernel noise), "int8" or
+    device wherever the budget allows; below the floor the planner takes the faster by estimate of head groups, L3,
+    and, on CUDA, host-staged K/V, L4), "host" (forces L4: pinned host memory, read back block by block, in head
+    groups, merged by log-sum-exp in fp32; ``head_groups`` then sets its groups), "int8" or
     "fp8" (L5: compressed on the device, approximate; the first call per input shape also runs exact K/V and the
     report gives the error).
     """

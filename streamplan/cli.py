@@ -287,8 +287,8 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
                         help="log planning decisions")
     kv_help = ("where captured blocks keep K/V between phases: device (exact, default; below the floor the planner "
-               "groups heads, L3), host (L4: pinned host memory, experimental), int8 or fp8 (L5: compressed, "
-               "approximate, error reported)")
+               "takes the faster of head groups, L3, and on CUDA host-staged K/V, L4), host (forces L4: pinned host "
+               "memory), int8 or fp8 (L5: compressed, approximate, error reported)")
     budget_help = ("peak memory the planner may use, inputs included: bytes, a size like '12GiB' or '900MB', or "
                    "'auto' (the free memory less 512 MiB)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", title="commands")
