@@ -6,9 +6,10 @@ call.
 ``kv="device"`` (the default) is exact: K/V stay whole on the device wherever the budget allows; below the floor the
 planner takes the faster of L3 (head groups) and, on CUDA, L4 (host-staged K/V, in head groups of its own) by
 estimated extra time. ``kv="host"`` forces L4. ``kv="int8"`` and ``kv="fp8"`` (L5) are approximate and used only when
-asked for. (The H200 run's non-finite rows at 33,792-row chunks were a race: block buffers allocated for a new Q chunk
-were filled on the copy stream while the compute stream still ran the previous chunk's work in that memory; the
-staging buffers now live through phase Q and every cross-stream use waits on an event.)"""
+asked for. (The first H200 run's non-finite rows at 33,792-row chunks, traced by reading the code: block buffers
+allocated for each new Q chunk were filled on the copy stream with no wait on the compute stream, which could still be
+running the previous chunk's work in that memory. The staging buffers now live through phase Q and every cross-stream
+use waits on an event; ``benchmarks/gpu_kv.py``'s self-check runs that plan's geometry against the exact tier.)"""
 from __future__ import annotations
 
 import logging
