@@ -78,6 +78,30 @@ def test_a_causal_chunk_with_grouped_heads_stays_within_the_declared_workspace()
     assert peak - out.numel() * 4 <= declared * c, (peak / c - heads * d * 4, declared)
 
 
+@pytest.mark.parametrize("heads, kv_heads, causal", [(8, 2, True), (4, 4, True), (8, 2, False)],
+                         ids=["gqa-causal", "mha-causal", "gqa-full"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@torch.no_grad()
+def test_the_consumer_declares_what_a_chunk_allocates(heads, kv_heads, causal, dtype):
+    """Every chunk of a streamed attention through the SDPA consumer (the first causal one, later ones split into past
+    keys and diagonal block, a non-causal one): its measured peak beyond its output is within the whole-call workspace
+    the consumer declares to the captured path's planner, and the declaration is tight for the worst chunk (the CPU
+    flash kernel's per-thread tiles do not scale with the rows: a per-row figure cannot say them)."""
+    n, c, d = 1200, 400, 32
+    k, v = (torch.randn(1, n, kv_heads, d, dtype=dtype).transpose(1, 2) for _ in range(2))
+    sdpa = streamplan.consumers.SDPA
+    elem = k.element_size()
+    declared = sdpa.workspace_bytes(rows=c, keys=n, heads=heads, kv_heads=kv_heads, head_dim=d, elem=elem,
+                                    causal=causal, masked=False, device_type="cpu")
+    worst = 0
+    for a in range(0, n, c):
+        q = torch.randn(1, c, heads, d, dtype=dtype).transpose(1, 2)
+        out, peak = streamplan.measure_peak(lambda: sdpa.attend(q, k, v, q_offset=a, causal=causal, mask=None,
+                                                                scale=None))
+        worst = max(worst, peak - out.numel() * elem)
+    assert 0.9 * declared <= worst <= declared, (worst, declared)
+
+
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
 @torch.no_grad()
 def test_padded_batch_with_attention_mask(impl):

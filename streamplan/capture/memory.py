@@ -43,12 +43,14 @@ class GraphMemory:
     def value(self, node: fx.Node, rows: int) -> int:
         return self.per_row.get(node, 0) * rows + self.static.get(node, 0)
 
-    def _phase(self, nodes: list[fx.Node], rows: int, ffn_slice: int = 0, regions=(), at_attention: int = 0) -> int:
+    def _phase(self, nodes: list[fx.Node], rows: int, ffn_slice: int = 0, regions=(), at_attention: int = 0,
+               workspace: int = 0) -> int:
         """Peak bytes of one chunk of ``rows`` through ``nodes``; with ``ffn_slice`` the MLP ``regions`` hold one slice
         of their hidden features at a time (all of the region's values at that width, alive at once: a bound);
         ``at_attention``: bytes per row alive while a global attention runs, beside what is live there (a K/V store's
-        merge)."""
-        work = {n: at_attention * rows for n in self.attention_nodes} if at_attention else {}
+        merge); ``workspace``: bytes the attention call itself allocates then (the consumer's declaration)."""
+        extra = at_attention * rows + workspace
+        work = {n: extra for n in self.attention_nodes} if extra else {}
         if ffn_slice:
             inside = {n for r in regions for n in r.nodes}
             nodes = [n for n in nodes if n not in inside]
@@ -95,10 +97,10 @@ class GraphMemory:
                     live -= self.value(m, rows) if self.allocates.get(m, True) else 0
         return peak
 
-    def transient(self, chunk: int, ffn_slice: int = 0, regions=(), at_attention: int = 0) -> int:
+    def transient(self, chunk: int, ffn_slice: int = 0, regions=(), at_attention: int = 0, workspace: int = 0) -> int:
         chunk = min(chunk, self.rows)
         return max([self._phase(p, chunk) for p in self.phases.kv]
-                   + [self._phase(self.phases.q, chunk, ffn_slice, regions, at_attention)])
+                   + [self._phase(self.phases.q, chunk, ffn_slice, regions, at_attention, workspace)])
 
     def predicted(self, chunk: int) -> int:
         return self.kv_bytes + self.out_bytes + self.transient(chunk)

@@ -76,6 +76,15 @@ def _causal_by_parts(q, k, v, q_offset: int, scale):
     return o2
 
 
+def _cpu_flash_tiles(q_rows: int, k_rows: int, head_dim: int, elem: int) -> int:
+    """PyTorch's CPU flash kernel allocates per thread, for the call: fp32 scores of one (query split x key split)
+    tile, their row maxima and sums, an fp32 output tile, and the scores again in the input dtype for 16-bit inputs;
+    the splits are fixed sizes cut to the call's rows (``FlashAttentionKernel.cpp``)."""
+    qs = min(q_rows, 256 if q_rows >= 768 else 64 if q_rows >= 192 else 32)
+    ks = min(k_rows, 512)
+    return torch.get_num_threads() * ((qs * ks + 2 * qs + qs * head_dim) * 4 + (qs * ks * elem if elem < 4 else 0))
+
+
 MERGE_GROUPS = 8   # head groups the causal merge runs in (its fp32 copies: 2 x 4 bytes x heads/8 per row and head dim)
 
 
@@ -146,6 +155,30 @@ class SDPAConsumer:
         if device_type in ("cuda", "meta"):   # CUDA's fused kernels allocate their output and log-sum-exp alone
             return heads * head_dim * elem + 2 * 4 * head_dim * max(1, heads // MERGE_GROUPS)
         return heads * head_dim * (8 + 2 * elem)
+
+    def workspace_bytes(self, *, rows: int, keys: int, heads: int, kv_heads: int, head_dim: int, elem: int,
+                        causal: bool, masked: bool, device_type: str | None = None) -> int:
+        """Bytes ``attend`` allocates besides its output for one chunk of ``rows`` query rows against up to ``keys``
+        keys, at its worst moment (the planner charges them while the chunk's attention runs). A causal chunk after
+        the first: the diagonal block's repeated K/V heads (GQA), then the grouped Q copy and the past keys' output,
+        then the merge's fp32 weights and head-group copies. Each fused call adds its log-sum-exp and, on CPU, the
+        flash kernel's per-thread tiles, which scale with the thread count, not the rows."""
+        if masked:
+            return self.workspace_row_bytes(heads=heads, head_dim=head_dim, elem=elem, causal=causal, masked=masked,
+                                            device_type=device_type) * rows
+        cpu = device_type not in ("cuda", "meta")
+
+        def call(q_rows: int, k_rows: int, h: int) -> int:
+            return 4 * h * q_rows + (_cpu_flash_tiles(q_rows, k_rows, head_dim, elem) if cpu else 0)
+
+        if not causal or keys <= rows:   # one call: a non-causal chunk, or the first causal one (square block)
+            return call(rows, keys, heads)
+        rep = heads // max(1, kv_heads)
+        out = heads * head_dim * elem * rows
+        diag = (2 * out if rep > 1 else 0) + call(rows, rows, heads)
+        past = (out if rep > 1 else 0) + out + 4 * heads * rows + call(rep * rows, keys, kv_heads)
+        merge = out + 20 * heads * rows + (2 * 4 * head_dim * rows * max(1, heads // MERGE_GROUPS) if elem < 4 else 0)
+        return max(diag, past, merge)
 
     def attend_lse(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
                    mask: torch.Tensor | None, scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,7 +17,7 @@ from ..ir import GraphSpec, RowMask, adapt_call, block_backend, row_masks_whole
 from ..planner import SLICED_TIERS, UTILISATION_FLOOR, Plan, Tier, Waves, plan_graph
 from ..recognize.checks import hooks_added_inside
 from . import handles
-from .parts import workspace_row_bytes
+from .parts import workspace_bytes, workspace_row_bytes
 
 
 @handles(GraphSpec)
@@ -171,14 +171,18 @@ def _run_onloaded(handle, entry, args: tuple, kwargs: dict) -> Any:
     def plan_for_budget(budget: int | None) -> Plan:
         mem = graph_memory(an, found.phases, rows, set(donate))
         order = [n for n in cap.graph.nodes if n.op == "call_function" and n not in an.ignored]
-        waves, ws, attn_out, mask_bytes = Waves(), 0, 0, (lambda c: 0)
+        waves, ws, attn_out, mask_bytes = Waves(), (lambda c: 0), 0, (lambda c: 0)
         if att is not None:
             if device.type == "cuda":
                 waves = Waves(torch.cuda.get_device_properties(device).multi_processor_count,
                               qv.shape[0] * qv.shape[1])
-            ws = workspace_row_bytes(consumer, SimpleNamespace(heads=qv.shape[1], head_dim=qv.shape[-1],
-                                                               causal=att.causal, mask=row_mask,
-                                                               device_type=device.type), qv.element_size())
+            # the consumer's own allocations, charged while the chunk's attention runs (its Q chunk and static rows
+            # against every key)
+            call = SimpleNamespace(heads=qv.shape[1], kv_heads=kv_.shape[1], head_dim=qv.shape[-1], causal=att.causal,
+                                   mask=row_mask, device_type=device.type)
+            q_static = att.q_rows.pre + att.q_rows.post if att.q_rows is not None else 0
+            keys = rows + att.kv_rows.pre + att.kv_rows.post
+            ws = functools.partial(_workspace, consumer, call, qv.element_size(), rows, q_static, keys)
             if row_mask is not None:   # each Q chunk's mask rows (or its per-element pieces): in the transient
                 elem = qv.element_size()
                 causal_ws = workspace_row_bytes(consumer, SimpleNamespace(
@@ -191,14 +195,14 @@ def _run_onloaded(handle, entry, args: tuple, kwargs: dict) -> Any:
             out_val = att.node.meta["val"]
             attn_out = numel_besides(out_val, 2) * rows * out_val.element_size() if groups else 0
         return plan_graph(rows, mem.kv_bytes + mem.out_bytes,
-                          lambda c, sl: mem.transient(c, sl, regions) + ws * min(c, rows) + mask_bytes(c),
+                          lambda c, sl: mem.transient(c, sl, regions, workspace=ws(c)) + mask_bytes(c),
                           mem.stock(order) + mask_bytes(rows),
                           chunk_tokens=o.chunk_tokens, budget=budget,
                           min_chunk=UTILISATION_FLOOR.get(device.type, 0), waves=waves,
                           ffn=max((r.ffn for r in regions), default=0), ffn_slice=o.ffn_slice,
                           kv=mem.kv_bytes, attn_out=attn_out, groups=groups, head_groups=o.head_groups,
-                          transient_kv=lambda c, sl, extra: (mem.transient(c, sl, regions, extra)
-                                                             + ws * min(c, rows) + mask_bytes(c)),
+                          transient_kv=lambda c, sl, extra: (mem.transient(c, sl, regions, extra, ws(c))
+                                                             + mask_bytes(c)),
                           **kv_args)
 
     plan = handle.plan_for(entry, sig, make_plan, args, kwargs, device)
@@ -240,6 +244,10 @@ def _run_onloaded(handle, entry, args: tuple, kwargs: dict) -> Any:
 
 
 _BOOL_MASK = torch.empty(0, dtype=torch.bool)
+
+
+def _workspace(consumer, call, elem: int, rows: int, q_static: int, keys: int, chunk: int) -> int:
+    return workspace_bytes(consumer, call, elem, min(chunk, rows) + q_static, keys)
 
 
 def _given_mask_bytes(mask, elem: int, rows: int, chunk: int) -> int:

@@ -45,6 +45,16 @@ def workspace_row_bytes(consumer, call, elem: int) -> int:
     return declare(**kw)
 
 
+def workspace_bytes(consumer, call, elem: int, rows: int, keys: int) -> int:
+    """What the consumer itself allocates for one chunk of ``rows`` query rows against ``keys`` keys, as it declares
+    (a whole-call declaration where it makes one, which may not be linear in the rows; else its per-row one)."""
+    declare = getattr(consumer, "workspace_bytes", None)
+    if declare is None:
+        return workspace_row_bytes(consumer, call, elem) * rows
+    return declare(rows=rows, keys=keys, heads=call.heads, kv_heads=call.kv_heads, head_dim=call.head_dim, elem=elem,
+                   causal=call.causal, masked=call.mask is not None, device_type=getattr(call, "device_type", None))
+
+
 @handles(RowLocalSpec)
 def run_row_local(handle, entry, args: tuple, kwargs: dict) -> Any:
     x = args[0] if args else None
