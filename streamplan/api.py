@@ -203,12 +203,14 @@ class StreamHandle:
         plan = entry.plans.get(sig)
         if plan is None:
             available, live = self._available(args, kwargs or {}, device)
-            if available is not None and available <= 0:
+            if available is not None and self.options.smallest_when_short:
+                plan = _smallest_when_short(self, entry, make, available)
+            elif available is not None and available <= 0:
                 raise BudgetError(f"{entry.name or type(entry.module).__name__}: the budget "
                                   f"{fmt_bytes(self.options.budget)} is already taken by the call's inputs "
                                   f"({fmt_bytes(live)}); nothing is left for its work")
             try:
-                plan = make(available)
+                plan = plan or make(available)
             except BudgetError as exc:
                 raise BudgetError(f"{entry.name or type(entry.module).__name__}: budget "
                                   f"{fmt_bytes(self.options.budget) if self.options.budget != 'auto' else 'auto'} "
@@ -280,6 +282,36 @@ def _supersede(root: nn.Module) -> list["StreamHandle"]:
     for other in superseded:
         other.remove()
     return superseded
+
+
+def _smallest_when_short(handle: "StreamHandle", entry: Installed, make: Callable[[int | None], Plan],
+                         available: int) -> Plan:
+    """Under ``smallest_when_short``: the plan for ``available`` where one fits (planned as usual), else the plan at
+    the smallest peak the planner reaches (the least budget it plans under, found by bisection on its own memory model;
+    planning is arithmetic, no work runs), noted on the entry."""
+    if available > 0:
+        try:
+            return make(available)
+        except BudgetError:
+            pass
+    lo, hi = max(0, available), max(2 * available, 2**20)
+    while True:   # a budget the planner fits (its stock estimate bounds it)
+        try:
+            plan = make(hi)
+            break
+        except BudgetError:
+            lo, hi = hi, hi * 2
+            if hi > 2**62:
+                raise
+    while hi - lo > max(2**10, hi // 1000):
+        mid = (lo + hi) // 2
+        try:
+            plan, hi = make(mid), mid
+        except BudgetError:
+            lo = mid
+    handle.note(entry, f"the budget left {fmt_bytes(max(0, available))} for it, below the smallest peak it reaches: "
+                       f"planned at that smallest peak ({fmt_bytes(plan.predicted_peak)}) instead of refusing")
+    return plan
 
 
 class BlockStreamer:

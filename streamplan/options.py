@@ -16,6 +16,9 @@ class StreamOptions:
     self_check: bool = False
     head_groups: int | None = None
     kv: str = "device"   # where K/V live between the phases: device (exact), host (L4), int8 / fp8 (L5, approximate)
+    # the budget is a target, not a ceiling: where nothing fits it, plan at the smallest reachable peak (reported)
+    # instead of raising (ComfyUI's "auto": its DynamicVRAM weights fill the card and are evicted on demand)
+    smallest_when_short: bool = False
 
 
 _INT_MEANING = {"chunk_tokens": "rows per chunk", "ffn_slice": "MLP hidden features per slice",

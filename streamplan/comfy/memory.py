@@ -6,10 +6,14 @@ is activation room, never a share of the card:
   ``reserve``, read when a block is planned, after the block's weights were taken (``weights.taken``: under lowvram
   or DynamicVRAM the block's cast weights are live for its whole call, so they are not free). Weights that
   DynamicVRAM (comfy-aimdo) could evict are not counted as free: ``ModelPatcher.get_free_memory`` adds them for
-  batching decisions, streamplan does not use it.
+  batching decisions, streamplan does not use it. "auto" never refuses: where that room holds no plan (DynamicVRAM
+  fills the card with weights it evicts on demand, so a model larger than the card leaves little free), the block
+  streams at the smallest peak the planner reaches (its smallest chunk, head groups where the graph allows), and the
+  report says so; ComfyUI evicts weights for it as it would for the stock block.
 - bytes (``"12GiB"``): the activation ceiling above what is allocated when the block is entered (its inputs, the
   residual, ComfyUI's weights): a block plans its chunks to stay within it, and the copies its cast weights need
-  (device moves, dtype casts, patched weights) are paid from it.
+  (device moves, dtype casts, patched weights) are paid from it. A ceiling: below the smallest peak the block
+  reaches, ``BudgetError`` before any work runs, naming that peak.
 - ``None``: no planning; every long enough call streams at ``chunk_tokens`` (or the default chunk).
 
 ``room_for`` is that room; ``streamer_budget`` turns it into the byte budget a ``BlockStreamer`` plans under (which

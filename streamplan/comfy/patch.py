@@ -199,7 +199,11 @@ class _StreamedCall:
             self.block.notes.add(f"quantized weights ({len(quantized)} layer(s): {quantized[0]}, ...): row chunks "
                                  "only, at chunk_tokens or the default chunk; the budget is not planned")
         elif o.budget is not None:   # the room at this call, over what it holds live
-            self.block.streamer.handle.options.budget = streamer_budget(o, args, kwargs, device, taken_bytes)
+            options = self.block.streamer.handle.options
+            options.budget = streamer_budget(o, args, kwargs, device, taken_bytes)
+            # "auto" never refuses: where ComfyUI's free memory (evictable DynamicVRAM weights not counted) holds no
+            # plan, the block runs at the smallest peak it reaches (ComfyUI evicts for it, as it would for stock)
+            options.smallest_when_short = o.budget == "auto"
 
 
 def _key_name(key: tuple) -> str:
@@ -301,8 +305,9 @@ def patch(model_patcher, budget: int | str | None = "auto", chunk_tokens: int | 
     wrapper (``forwards``) sees every model call: a new sampling run re-plans the blocks, and ComfyUI 0.33.0's Wan,
     MiniMax-H3, Flux, HunyuanVideo and LTX-Video forwards run streamed (input projection and head in row chunks,
     block inputs donated; Flux and HunyuanVideo on one joint text+image buffer). ``budget``:
-    "auto" (ComfyUI's free memory less ``--reserve-vram`` and ``reserve``), bytes (activation room above what a block
-    call holds at entry, its cast weights paid from it) or None (``memory``); ``chunk_tokens`` and ``self_check`` are
+    "auto" (ComfyUI's free memory less ``--reserve-vram`` and ``reserve``; never refuses: with too little free, the
+    smallest reachable peak, reported), bytes (activation room above what a block call holds at entry, its cast
+    weights paid from it; ``BudgetError`` below the smallest peak) or None (``memory``); ``chunk_tokens`` and ``self_check`` are
     ``BlockStreamer``'s. The input patcher and the shared modules are not changed. ``report(patched)`` says what
     happened.
     """
