@@ -77,3 +77,27 @@ def test_explicit_budget_still_refuses(monkeypatch):
     assert least > 0
     with pytest.raises(streamplan.BudgetError):
         sample_call(sc.patch(base, budget=least // 2, min_tokens=0), x, cond)
+
+
+def test_stream_blocks_node_says_what_it_does():
+    """The "Stream Blocks" node tells the user what happens under lowvram, DynamicVRAM and LoRA (weights taken once
+    per block call) and what "auto" and a size mean."""
+    comfyui()
+    from streamplan.comfy import nodes
+    for words in ("lowvram", "DynamicVRAM", "LoRA", "once per block call", "min_tokens", "runs stock"):
+        assert words in nodes.DESCRIPTION, words
+    for words in ('"auto"', "--reserve-vram", "not counted as free", "smallest peak", "instead of failing",
+                  '"12GiB"', "ceiling", "an error", '"none"'):
+        assert words in nodes.BUDGET_TOOLTIP, words
+
+
+def test_stream_blocks_schema_carries_the_texts():
+    comfyui()
+    from streamplan.comfy import nodes
+    try:
+        from comfy_api.latest import io  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 -- the vendored tree lacks ComfyUI's server-side modules
+        pytest.skip(f"comfy_api.latest does not import here: {type(exc).__name__}: {exc}")
+    schema = nodes.node_classes()[0].GET_SCHEMA()
+    assert schema.description == nodes.DESCRIPTION
+    assert next(i for i in schema.inputs if i.id == "budget").tooltip == nodes.BUDGET_TOOLTIP

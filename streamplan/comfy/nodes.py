@@ -16,6 +16,27 @@ REPORT_DISPLAY_NAME = "Stream Report (streamplan)"
 CATEGORY = "advanced/model"
 
 
+DESCRIPTION = (
+    "Runs every block of the diffusion model over the sequence in row chunks once a call has at least min_tokens rows: "
+    "the same math, with the block's K and V for all rows and one chunk's work alive instead of the whole sequence's "
+    "intermediates. For Wan, MiniMax-H3, Flux, HunyuanVideo and LTX-Video the model's input projection and output "
+    "head run in row chunks too. Weights stay ComfyUI's: under lowvram (weights offloaded, cast to the GPU per call), "
+    "DynamicVRAM (weights faulted in and evicted on demand) and LoRA applied per call, each layer's weight is taken "
+    "once per block call through ComfyUI's own cast and patch path (the patched weight, not the LoRA math again per "
+    "chunk) and released when the block returns; quantized layers (fp8, ...) take row chunks only. Each chunk attends "
+    "through ComfyUI's optimized_attention (so --use-sage-attention and the like still apply). What cannot stream "
+    "(attention patches or overrides, unknown forwards, custom ops with per-call patches) runs stock; the report says "
+    "which and why.")
+BUDGET_TOOLTIP = (
+    '"auto": plan each block within what ComfyUI reports free on the device, less --reserve-vram and reserve '
+    "(weights DynamicVRAM could evict are not counted as free); where that holds no plan, the block streams at the "
+    "smallest peak it can reach instead of failing (ComfyUI evicts weights for it as for the stock block), and the "
+    'report says so. A size ("12GiB"): a ceiling on the memory a block adds above what it holds when entered (its '
+    "inputs and ComfyUI's weights), its per-call weight copies (lowvram, DynamicVRAM, LoRA) paid from it; an error "
+    'before anything runs if the block cannot fit. "none": no planning, every long enough call at chunk_tokens (or '
+    "the default chunk).")
+
+
 def _budget(text: str):
     text = (text or "").strip()
     if text.lower() in ("", "auto"):
@@ -53,18 +74,13 @@ def node_classes():
                 node_id=NODE_ID,
                 display_name=DISPLAY_NAME,
                 category=CATEGORY,
-                description=("Runs every block of the diffusion model over the sequence in row chunks (same math, "
-                             "less activation memory) once a call has at least min_tokens rows; for Wan and "
-                             "MiniMax-H3 the model's input projection and output head too. What cannot stream runs "
-                             "stock; the report says which and why."),
+                description=DESCRIPTION,
                 inputs=[
                     io.Model.Input("model"),
-                    io.String.Input("budget", default="auto",
-                                    tooltip='"auto": ComfyUI\'s free memory less --reserve-vram and reserve; '
-                                            '"none": no planning; or a size ("12GiB"): the activation room above '
-                                            'what a block holds when it is entered'),
+                    io.String.Input("budget", default="auto", tooltip=BUDGET_TOOLTIP),
                     io.Int.Input("chunk_tokens", default=0, min=0, max=1 << 24, step=256,
-                                 tooltip="rows per chunk; 0 lets the planner choose"),
+                                 tooltip="rows per chunk, fixed (the budget is then not planned); 0 lets the planner "
+                                         "choose from the budget"),
                     io.Int.Input("min_tokens", default=4096, min=0, max=1 << 24, step=256,
                                  tooltip="shorter calls run the stock block"),
                     io.String.Input("reserve", default="",
