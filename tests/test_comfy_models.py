@@ -143,6 +143,31 @@ def test_flux_foreign_replacements_and_controlnet(fresh_captures):
     assert "1 call(s) through the streamer" in sections["double_block.1"], text
 
 
+@pytest.mark.parametrize("family", ["flux", "hunyuan_video", "ltxv"])
+def test_cond_and_uncond_in_one_batch(fresh_captures, family):
+    """A batch of 2 (ComfyUI runs cond and uncond together under CFG): exact against stock, every block streamed
+    (the joint models' image rows reach the double blocks contiguous and join their text rows in place after)."""
+    import streamplan.comfy as sc
+    patcher, x, cond = {"flux": flux_patcher, "hunyuan_video": hunyuan_video_patcher, "ltxv": ltxv_patcher}[family]()
+    g = torch.Generator().manual_seed(4)
+    x2 = torch.cat([x, torch.randn(x.shape, generator=g)])
+    cond2 = {k: torch.cat([v, torch.randn(v.shape, generator=g)]) if isinstance(v, torch.Tensor) else v
+             for k, v in cond.items()}
+
+    def call(p):
+        options = {**p.model_options["transformer_options"], "cond_or_uncond": [0, 1],
+                   "sigmas": torch.tensor([0.7, 0.7])}
+        with torch.no_grad():
+            return p.model.apply_model(x2, torch.tensor([0.7, 0.7]), transformer_options=options, **cond2)
+
+    stock = call(patcher)
+    patched = sc.patch(patcher, budget=None, chunk_tokens=64, min_tokens=0)
+    assert rel_err(call(patched), stock) <= 1e-5
+    text = sc.report(patched)
+    assert "1 call(s) streamed" in text and "ran stock" not in text, text
+    assert text.count("1 call(s) through the streamer") == len(sc.block_keys(patcher.model.diffusion_model)), text
+
+
 @pytest.mark.parametrize("variant", ["flux2", "ovis"])
 def test_flux_variants(fresh_captures, variant):
     """The Flux forward's other configurations, as ComfyUI's model detection sets them: Flux 2 (global modulation

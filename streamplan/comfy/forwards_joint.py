@@ -3,14 +3,15 @@ HunyuanVideo (``comfy.ldm.hunyuan_video.model.HunyuanVideo``), which share Flux'
 
 Their stock forwards keep text and image rows apart through the double blocks, then join them
 (``torch.cat((txt, img), 1)``: a second whole-sequence residual while the first is alive) for the single blocks, and
-run the final layer over every image row at once. Streamed, the rows live in one ``[batch, text + image, hidden]``
-buffer from the start:
+run the final layer over every image row at once. Streamed, the image rows live in one buffer sized for the joint rows
+from the start:
 
 - the input projection (Flux's ``img_in`` Linear, HunyuanVideo's ``img_in`` Conv3d) writes row chunks into the
-  buffer's image rows; the text rows are written once;
-- double blocks get views of the buffer's text and image rows (the image view donated to streamplan's own block
-  replacement, which updates it in place; a stock or foreign block's output is copied back where it is not the view);
-  single blocks get the whole buffer, donated; no join is needed;
+  buffer's image rows, ``[batch, rows, hidden]`` contiguous at its start;
+- double blocks get those rows (donated to streamplan's own block replacement, which updates them in place; a stock or
+  foreign block's output is copied back where it is not them) and the text rows as the stock forward has them;
+- the join is made in place (``join``): each sample's image rows move up behind room for its text rows; single blocks
+  get the joint rows, donated;
 - the final layer runs on row chunks of the image rows into its small output, which the stock layout code then
   rearranges.
 
@@ -34,6 +35,24 @@ def _into(dst: torch.Tensor, src: torch.Tensor) -> None:
     if src is dst or (src.data_ptr() == dst.data_ptr() and src.stride() == dst.stride()):
         return
     dst.copy_(src)
+
+
+def join(buf: torch.Tensor, txt: torch.Tensor, chunk: int) -> torch.Tensor:
+    """The stock forward's ``torch.cat((txt, img), 1)`` made in place: ``buf`` holds the image rows
+    ``[batch, rows, width]`` contiguous from its start and has room for the text rows; each sample's image rows move
+    up to follow its text rows (the last sample first, its last rows first, each chunk through a chunk-sized copy, so
+    no row is overwritten before it has moved), then its text rows go in front. Returns ``buf`` as
+    ``[batch, text + rows, width]``. (The double blocks get the image rows contiguous: a view of the joint layout
+    would carry a batch stride of text + rows, which the capture cannot express over a symbolic row count.)"""
+    bs, text, width = txt.shape
+    rows = buf.numel() // (bs * width) - text
+    img = buf[:bs * rows * width].view(bs, rows, width)
+    hidden = buf.view(bs, text + rows, width)
+    for b in reversed(range(bs)):
+        for a, e in reversed(list(spans(rows, chunk))):
+            hidden[b, text + a:text + e] = img[b, a:e].clone()
+        hidden[b, :text] = txt[b]
+    return hidden
 
 
 def _mask_for(blocks_replace: dict, key: tuple, mask: Any, own_mask: Any) -> Any:
@@ -71,12 +90,16 @@ class Joint:
         raise NotImplementedError
 
     @classmethod
-    def blocks(cls, model: Any, hidden: torch.Tensor, text: int, vecs: tuple, pe: Any, mask: Any, options: dict,
-               control: Any, state: Any) -> None:
-        """Every double and single block over ``hidden`` (text rows first), updated in place; ``vecs``: the double
-        and single blocks' modulation input. ControlNet additions as the stock forward makes them."""
+    def blocks(cls, model: Any, buf: torch.Tensor, txt: torch.Tensor, vecs: tuple, pe: Any, mask: Any, options: dict,
+               control: Any, state: Any, chunk: int) -> torch.Tensor:
+        """Every double block over the image rows at the start of ``buf`` and the text rows ``txt``, the rows
+        joined in place (``join``), every single block over them: the joint rows ``[batch, text + rows, width]``
+        (a view of ``buf``). ``vecs``: the double and single blocks' modulation input. ControlNet additions as the
+        stock forward makes them."""
         blocks_replace = options.get("patches_replace", {}).get("dit", {})
-        txt, img = hidden[:, :text], hidden[:, text:]
+        bs, text, width = txt.shape
+        rows = buf.numel() // (bs * width) - text
+        img = buf[:bs * rows * width].view(bs, rows, width)
         own_mask = cls.streamed_mask(mask)
         donated = 0
         options["total_blocks"] = len(model.double_blocks)
@@ -96,14 +119,17 @@ class Joint:
                 img_out, txt_out = out["img"], out["txt"]
                 del out
             _into(img, img_out)
-            _into(txt, txt_out)
+            txt = txt_out   # text-sized: the block's own (stock blocks update it in place, fp16 cleans a copy)
             del img_out, txt_out
             if control is not None:
                 add = cls.control_at(control.get("input"), i)
                 if add is not None:
                     cls.add_control_input(img, add)
-        if hidden.dtype == torch.float16 and cls.fp16_clean:   # the stock forward's clean-up of the image rows
+        if img.dtype == torch.float16 and cls.fp16_clean:   # the stock forward's clean-up of the image rows
             torch.nan_to_num(img, nan=0.0, posinf=65504, neginf=-65504, out=img)
+        del img
+        hidden = join(buf, txt, chunk)
+        del txt
 
         options["total_blocks"] = len(model.single_blocks)
         options["block_type"] = "single"
@@ -126,6 +152,7 @@ class Joint:
                 if add is not None:
                     cls.add_control_output(hidden, text, add)
         state.forward.donated_blocks = donated
+        return hidden
 
     @staticmethod
     def streamed_mask(mask: Any) -> Any:
@@ -237,14 +264,13 @@ class Flux(Joint):
         text = txt.shape[1]
         pe = model.pe_embedder(torch.cat((txt_ids, img_ids), dim=1))
 
-        hidden = torch.empty(bs, text + rows, model.hidden_size, dtype=dtype, device=x.device)
-        hidden[:, :text] = txt
-        del txt
-        hidden[:, text:text + first.shape[1]] = first
+        buf = torch.empty(bs * (text + rows) * model.hidden_size, dtype=dtype, device=x.device)
+        img = buf[:bs * rows * model.hidden_size].view(bs, rows, model.hidden_size)
+        img[:, :first.shape[1]] = first
         for a, b in spans(rows, chunk):
             if a:
-                hidden[:, text + a:text + b] = model.img_in(patches[:, a:b])
-        del first, patches
+                img[:, a:b] = model.img_in(patches[:, a:b])
+        del first, patches, img
 
         vec_orig = vec
         if params.global_modulation:
@@ -252,8 +278,8 @@ class Flux(Joint):
                     model.single_stream_modulation(vec_orig)[0])
         else:
             vecs = (vec, vec)
-        cls.blocks(model, hidden, text, vecs, pe, mask, options, control, state)
-        del pe, vecs
+        hidden = cls.blocks(model, buf, txt, vecs, pe, mask, options, control, state, chunk)
+        del buf, txt, pe, vecs
         out = cls.head(model, hidden[:, text:], vec_orig, chunk)
         del hidden
         return rearrange(out, "b (h w) (c ph pw) -> b c (h ph) (w pw)", h=h_len, w=w_len, ph=p,
@@ -405,18 +431,16 @@ class HunyuanVideo(Joint):
             mask = torch.zeros((1, 1, rows + text), dtype=dtype, device=x.device)
             mask[:, 0, :text] = txt_mask
 
-        hidden = torch.empty(bs, text + rows, model.hidden_size, dtype=dtype, device=x.device)
-        hidden[:, :text] = txt
-        del txt
-        hidden[:, text + span[0]:text + span[1]] = first
+        buf = torch.empty(bs * (text + rows) * model.hidden_size, dtype=dtype, device=x.device)
+        img = buf[:bs * rows * model.hidden_size].view(bs, rows, model.hidden_size)
+        img[:, span[0]:span[1]] = first
         del first
         for (t0, t1), (h0, h1), (a, b) in parts:
-            hidden[:, text + a:text + b] = embed.proj(
-                padded[:, :, t0 * pt:t1 * pt, h0 * ph:h1 * ph]).flatten(2).transpose(1, 2)
-        del padded
+            img[:, a:b] = embed.proj(padded[:, :, t0 * pt:t1 * pt, h0 * ph:h1 * ph]).flatten(2).transpose(1, 2)
+        del padded, img
 
-        cls.blocks(model, hidden, text, (vec, vec), pe, mask, options, control, state)
-        del pe, mask
+        hidden = cls.blocks(model, buf, txt, (vec, vec), pe, mask, options, control, state, chunk)
+        del buf, txt, pe, mask
         img = cls.head(model, hidden[:, text:], vec, chunk)
         del hidden
         # the stock forward's layout of the final layer's rows
