@@ -133,6 +133,17 @@ def test_compressed_stores_within_their_bound(kind, bound, causal):
     assert 0 < err <= bound, err
 
 
+@pytest.mark.parametrize("kind", ["device", "int8", "fp8"])
+def test_every_store_serves_head_groups(kind):
+    # a group's blocks are its heads of the whole store: the same attention, head group by head group
+    n = 200
+    q, k, v = torch.randn(1, 8, n, 32), torch.randn(1, 4, n, 32), torch.randn(1, 4, n, 32)
+    whole = _blockwise(kind, q, k, v, causal=True, q_chunk=64, block=48, mask=torch.ones(1, 1, n, n, dtype=bool))
+    grouped = _blockwise(kind, q, k, v, causal=True, q_chunk=64, block=48, groups=4,
+                         mask=torch.ones(1, 1, n, n, dtype=bool))
+    assert rel_err(grouped, whole) <= 1e-6
+
+
 def test_int8_rotation_is_what_keeps_an_outlier_channel_cheap():
     from streamplan.executors import kv_store
     n = 256
