@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 import sys
 import time
+import traceback
 from typing import Callable
 
 import torch
@@ -182,10 +183,14 @@ def run_block(case: str, n: int, device: str, chunk: int, dry: bool = False) -> 
                 if device == "cuda":
                     torch.cuda.synchronize()
                 measured_t = time.perf_counter() - start
-            except streamplan.BudgetError as exc:
-                rows.append({**base, "mode": label, "error": str(exc)[:300]})
+            except Exception as exc:   # a budget nothing reaches, or a failure: the row says which, the run goes on
+                rows.append({**base, "mode": label, "error": f"{type(exc).__name__}: {exc}"[:300],
+                             "traceback": traceback.format_exc()[-1500:]})
                 print(rows[-1], flush=True)
                 handle.remove()
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                    torch.cuda.empty_cache()
                 continue
             plan = (handle.plans.get("") or [None])[0]
             if exact is None and plan is not None and plan.kv == "device":
@@ -224,9 +229,8 @@ def _scaled(x: int, n: int) -> int:
 
 def self_check_store(n: int, device: str, dry: bool) -> list[dict]:
     """(a) The K/V store and merge alone at H3's attention width: each Q chunk against the blocks, beside the exact
-    tier's call on the same Q and whole K/V, with other work on the device between chunks (as a block has)."""
-    from streamplan.consumers import SDPA
-    from streamplan.executors.kv_store import attend_blocks, make_store, write_rows
+    tier's call on the same Q and whole K/V, with other work on the device between chunks (as a block has) and nothing
+    read back until the end, so the host runs ahead of the device as it does in a block."""
     H, D, dt = (8, 16, torch.float32) if dry else (56, 128, BF16)
     g = torch.Generator(device=device).manual_seed(3)
     k = torch.randn(1, n, H, D, device=device, dtype=dt, generator=g).transpose(1, 2)
@@ -234,34 +238,52 @@ def self_check_store(n: int, device: str, dry: bool) -> list[dict]:
     rows = []
     for chunk, block, groups in SELF_CHECK:
         chunk, block, groups = _scaled(chunk, n), _scaled(block, n), math.gcd(groups, H)
-        st = make_store("host", torch.device(device), block, groups)
-        for a in range(0, n, chunk):
-            b = min(a + chunk, n)
-            write_rows(st, k[:, :, a:b], v[:, :, a:b], 0, 0, n, a, b, a == 0)
-        st.finish()
-        worst, bad, first, start = 0.0, 0, None, time.perf_counter()
-        for a in range(0, n, chunk):
-            b = min(a + chunk, n)
-            q = torch.randn(1, b - a, H, D, device=device, dtype=dt, generator=g).transpose(1, 2)
-            out = attend_blocks(SDPA, q, st, q_offset=a, causal=False, scale=None)
-            ref = SDPA.attend(q, k, v, q_offset=a, causal=False, mask=None, scale=None)
-            churn = torch.empty_like(out).copy_(out).float().mul_(2)   # other work in freed memory, as a block has
-            del churn
-            nf = ~torch.isfinite(out)
-            if bool(nf.any()) and first is None:
-                i = int(nf.flatten().nonzero()[0].item())
-                first = {"q_row": a + i // D % (b - a), "head": i // (D * (b - a)), "dim": i % D}
-            bad += int(nf.sum().item())
-            worst = max(worst, _diff(out, ref)["rel"])
-        if device == "cuda":
-            torch.cuda.synchronize()
-        st.release()
-        row = {"check": "store alone", "tokens": n, "heads": H, "q_chunk": chunk, "kv_block": block,
-               "head_groups": groups, "nonfinite": bad, "first_nonfinite": first, "max_rel_vs_exact_call": worst,
-               "time_s": time.perf_counter() - start}
-        print(row, flush=True)
-        rows.append(row)
+        try:
+            rows.append(_check_store(n, device, H, D, dt, k, v, g, chunk, block, groups))
+        except Exception as exc:
+            rows.append({"check": "store alone", "q_chunk": chunk, "kv_block": block, "head_groups": groups,
+                         "error": f"{type(exc).__name__}: {exc}"[:300], "traceback": traceback.format_exc()[-1500:]})
+        print(rows[-1], flush=True)
+    del k, v
+    if device == "cuda":
+        torch.cuda.empty_cache()
     return rows
+
+
+def _check_store(n, device, H, D, dt, k, v, g, chunk, block, groups) -> dict:
+    from streamplan.consumers import SDPA
+    from streamplan.executors.kv_store import attend_blocks, make_store, write_rows
+    st = make_store("host", torch.device(device), block, groups)
+    for a in range(0, n, chunk):
+        b = min(a + chunk, n)
+        write_rows(st, k[:, :, a:b], v[:, :, a:b], 0, 0, n, a, b, a == 0)
+    st.finish()
+    start = time.perf_counter()
+    found = []   # per Q chunk, on the device: non-finite count, first non-finite flat index, rel. difference
+    for a in range(0, n, chunk):
+        b = min(a + chunk, n)
+        q = torch.randn(1, b - a, H, D, device=device, dtype=dt, generator=g).transpose(1, 2)
+        out = attend_blocks(SDPA, q, st, q_offset=a, causal=False, scale=None)
+        ref = SDPA.attend(q, k, v, q_offset=a, causal=False, mask=None, scale=None)
+        churn = torch.empty_like(out).copy_(out).float().mul_(2)   # other work in freed memory, as a block has
+        del churn
+        nf = (~torch.isfinite(out)).flatten()
+        diff = torch.nan_to_num((out.float() - ref.float()).abs(), nan=0.0, posinf=0.0).max()
+        found.append((a, b, nf.sum(), nf.int().argmax(), diff / ref.float().abs().max()))
+        del out, ref, q
+    if device == "cuda":
+        torch.cuda.synchronize()
+    st.release()
+    bad, first, worst = 0, None, 0.0
+    for a, b, count, at, rel in found:
+        bad += int(count)
+        worst = max(worst, float(rel))
+        if int(count) and first is None:
+            i = int(at)
+            first = {"q_row": a + i // D % (b - a), "head": i // (D * (b - a)), "dim": i % D}
+    return {"check": "store alone", "tokens": n, "heads": H, "q_chunk": chunk, "kv_block": block,
+            "head_groups": groups, "nonfinite": bad, "first_nonfinite": first, "max_rel_vs_exact_call": worst,
+            "time_s": time.perf_counter() - start}
 
 
 def self_check_block(n: int, device: str, dry: bool) -> list[dict]:
@@ -282,17 +304,21 @@ def self_check_block(n: int, device: str, dry: bool) -> list[dict]:
             handle = streamplan.apply(block, capture="prefer", chunk_tokens=chunk, kv="host", head_groups=groups,
                                       ffn_slice=sl and (sl if not dry else 64))
             start = time.perf_counter()
-            out = block(*args)
-            if device == "cuda":
-                torch.cuda.synchronize()
-            plan = (handle.plans.get("") or [None])[0]
-            row = {"check": "H3 block, L4 against the exact tier", "tokens": n, "chunk": chunk,
-                   "plan": plan.describe() if plan else None, "vs_exact_tier": _diff(out, exact), **_nonfinite(out),
-                   "time_s": time.perf_counter() - start}
+            try:
+                out = block(*args)
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                plan = (handle.plans.get("") or [None])[0]
+                row = {"check": "H3 block, L4 against the exact tier", "tokens": n, "chunk": chunk,
+                       "plan": plan.describe() if plan else None, "vs_exact_tier": _diff(out, exact),
+                       **_nonfinite(out), "time_s": time.perf_counter() - start}
+                del out
+            except Exception as exc:
+                row = {"check": "H3 block, L4 against the exact tier", "tokens": n, "chunk": chunk,
+                       "error": f"{type(exc).__name__}: {exc}"[:300], "traceback": traceback.format_exc()[-1500:]}
             print(row, flush=True)
             rows.append(row)
             handle.remove()
-            del out
     del block, args, exact
     if device == "cuda":
         torch.cuda.empty_cache()
