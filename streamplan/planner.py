@@ -328,8 +328,9 @@ ATTENTION_RATE = {"cuda": 5.5e14, "meta": 5.5e14}   # FLOP/s of bf16 attention o
 # (H200: 4.8 TB/s peak), and the fixed cost of one block's attention call and merge (launches, a short block's tail)
 MERGE_BANDWIDTH = {"cuda": 3.0e12, "meta": 3.0e12}
 BLOCK_STEP_S = 5e-5
-# copies back hide under the attention up to this share of its time (they share the memory bandwidth, and each pass's
-# first block waits for the previous pass): the H200's 16,384-row plan hid copies of 64% of the attention's time
+# copies back hide under the attention up to this share of its time (they share the memory bandwidth with it; an
+# estimate: the first H200 run's 16,384-row plan, copies 64% of the attention's time, cost 0.56 s over the device
+# tier with its merge passes and copies out on the compute stream)
 HIDDEN_UNDER_ATTENTION = 0.75
 # L3 measured on the H200 (MiniMax-H3 block, 217,088 rows, 8 head groups: 1.73x stock's time, attention ~94% of it):
 # each extra head group costs about a tenth of the attention's time (projections rerun, smaller attention calls)
