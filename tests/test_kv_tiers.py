@@ -464,3 +464,17 @@ def test_plan_cli_takes_kv_and_reports_the_store(capsys):
     assert plan["predicted_peak"] < 32768 * 30 * 1024
     assert main(["plan", "--kv", "int4"]) == 2
     assert "invalid choice: 'int4' (choose from 'device', 'host', 'int8', 'fp8')" in capsys.readouterr().err
+
+
+def test_plan_cli_below_the_floor_weighs_l4_by_default(capsys):
+    # H3 at 217,088 tokens in bf16 (floor 8.56 GB) under 9 GB, inputs included (~2.4 GB): about 0.77x the floor,
+    # which L3 (8 head groups: 8 projection reruns) and L4 both reach; on meta (the H200's rates) L4 is estimated faster
+    from streamplan.cli import main
+    assert main(["plan", "--family", "h3-block", "--tokens", "217088", "--dtype", "bf16", "--budget", "9000000000",
+                 "--json"]) == 0
+    import json
+    (plan,) = json.loads(capsys.readouterr().out)["streamed"][""]["plans"]
+    assert plan["tier"] == "L4" and plan["kv"] == "host" and plan["host_traffic"] > 0
+    assert plan["live_bytes"] + plan["predicted_peak"] <= 9_000_000_000
+    passes = -(-217088 // plan["chunk"])
+    assert passes * 217088 * 2 * 56 * 128 * 2 / 54e9 <= 0.75 * 4 * 217088 ** 2 * 56 * 128 / 5.5e14   # copies hidden
