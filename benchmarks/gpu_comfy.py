@@ -13,6 +13,19 @@ take chunks a quarter of that room holds.
     python benchmarks/gpu_comfy.py --tokens 217088
     python benchmarks/gpu_comfy.py --smoke          # tiny sizes on CPU: the script end to end
 
+``--blocks`` (``comfy_blocks.py``): the issue's criterion is of the block call, so each block call inside these whole
+calls is measured too: its peak above what was allocated at its entry against the floor (``block_peak_vs_floor``;
+with a donated input the residual it overwrites is in that entry, ``..._with_donated_residual_vs_floor`` adds it
+back) and its time against the stock block's (``block_time_ratio``); modes stock, (a) and (b) (and ``auto`` off the
+device). Why (b)'s whole Wan call peaks above (a)'s (1.46x against 1.21x the floor): (b)'s room is above the block's
+entry, where the donated residual already is, so the planner takes the largest chunk whose K + V + transients fill
+1.15x the floor (measured on CPU with the meter, Wan at width 256, 8192 rows, bf16: 1536-row chunks against (a)'s
+512, block 1.17x against 0.84x the floor above its entry, the whole call 2.00x against 1.67x: the same 0.33); the
+forward holds the residual and the rope table besides. Written to ``..._blocks.json``.
+
+    python benchmarks/gpu_comfy.py --blocks --tokens 217088
+    python benchmarks/gpu_comfy.py --blocks --smoke
+
 ``--model h3``: ComfyUI's MiniMax-H3 (``comfy.model_base.MiniMaxH3``, ``comfy.ldm.minimax``), 1 DiTBlock at real width
 (hidden 5376, 56 heads x 128, SwiGLU 14336; token refiner and embedders as shipped), bf16, sampled the way ComfyUI
 samples its packed audio-video latent: ``comfy.utils.pack_latents([video, audio])``, conditioning from
