@@ -143,12 +143,13 @@ def test_flux_foreign_replacements_and_controlnet(fresh_captures):
     assert "1 call(s) through the streamer" in sections["double_block.1"], text
 
 
-@pytest.mark.parametrize("family", ["flux", "hunyuan_video", "ltxv"])
+@pytest.mark.parametrize("family", ["flux", "hunyuan_video", "ltxv", "chroma"])
 def test_cond_and_uncond_in_one_batch(fresh_captures, family):
     """A batch of 2 (ComfyUI runs cond and uncond together under CFG): exact against stock, every block streamed
     (the joint models' image rows reach the double blocks contiguous and join their text rows in place after)."""
     import streamplan.comfy as sc
-    patcher, x, cond = {"flux": flux_patcher, "hunyuan_video": hunyuan_video_patcher, "ltxv": ltxv_patcher}[family]()
+    patcher, x, cond = {"flux": flux_patcher, "hunyuan_video": hunyuan_video_patcher, "ltxv": ltxv_patcher,
+                        "chroma": lambda: _generic("chroma")}[family]()
     g = torch.Generator().manual_seed(4)
     x2 = torch.cat([x, torch.randn(x.shape, generator=g)])
     cond2 = {k: torch.cat([v, torch.randn(v.shape, generator=g)]) if isinstance(v, torch.Tensor) else v
@@ -319,12 +320,16 @@ def _generic(family: str):
 
 def test_generic_path_for_other_dits(fresh_captures):
     """Other DiTs whose forwards hand their blocks to "dit" replacements get them through the generic captured-graph
-    path: Qwen-Image's blocks and Chroma's (Flux's blocks, their modulation handed in as ``ChromaModulationOut``
-    records, ``recognize/comfy_flux.py``) stream, exact against stock, peak down. Neither model forward is followed
-    (said in the report)."""
+    path: Qwen-Image's blocks stream (its model forward is stock, said in the report), and Chroma's (Flux's blocks,
+    their modulation handed in as ``ChromaModulationOut`` records, ``recognize/comfy_flux.py``) under Chroma's
+    streamed forward (``forwards_joint.Chroma``: per-block modulation, a block in ``skip_mmdit`` skipped as stock
+    skips it), exact against stock, peak down."""
     import streamplan.comfy as sc
-    for family, blocks, rows in (("qwen_image", 2, [576, 576]), ("chroma", 4, [576, 576, 583, 583])):
-        patcher, x, cond = _generic(family)
+    for family, blocks, rows in (("qwen_image", 2, [576, 576]), ("chroma", 4, [576, 576, 583, 583]),
+                                 ("chroma_skip", 3, [576, 583, 583])):
+        patcher, x, cond = _generic(family.split("_skip")[0])
+        if family == "chroma_skip":
+            patcher.model.diffusion_model.skip_mmdit = [1]
         stock, stock_peak = streamplan.measure_peak(sample_call, patcher, x, cond)
         patched = sc.patch(patcher, budget=None, chunk_tokens=64, min_tokens=0)
         out, peak = streamplan.measure_peak(sample_call, patched, x, cond)
@@ -334,4 +339,7 @@ def test_generic_path_for_other_dits(fresh_captures):
         assert text.count("1 call(s) through the streamer") == blocks and "ran stock" not in text, text
         assert [int(t.split()[0]) for t in text.split(": L1 rows=")[1:]] == rows, text
         name = type(patcher.model.diffusion_model).__name__
-        assert f"{name} has no streamed model forward in streamplan (its blocks still stream)" in text, text
+        if family == "qwen_image":
+            assert f"{name} has no streamed model forward in streamplan (its blocks still stream)" in text, text
+        else:
+            assert f"model forward ({name}): 1 call(s) streamed" in text, text

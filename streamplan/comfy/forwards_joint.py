@@ -90,12 +90,14 @@ class Joint:
         raise NotImplementedError
 
     @classmethod
-    def blocks(cls, model: Any, buf: torch.Tensor, txt: torch.Tensor, vecs: tuple, pe: Any, mask: Any, options: dict,
+    def blocks(cls, model: Any, buf: torch.Tensor, txt: torch.Tensor, vecs: Any, pe: Any, mask: Any, options: dict,
                control: Any, state: Any, chunk: int) -> torch.Tensor:
         """Every double block over the image rows at the start of ``buf`` and the text rows ``txt``, the rows
         joined in place (``join``), every single block over them: the joint rows ``[batch, text + rows, width]``
-        (a view of ``buf``). ``vecs``: the double and single blocks' modulation input. ControlNet additions as the
+        (a view of ``buf``). ``vecs``: the double and single blocks' modulation input, or ``vecs(kind, i)`` giving
+        block ``i``'s ("double" or "single"; None: the stock forward skips that block). ControlNet additions as the
         stock forward makes them."""
+        vec_of = vecs if callable(vecs) else (lambda kind, i: vecs[0] if kind == "double" else vecs[1])
         blocks_replace = options.get("patches_replace", {}).get("dit", {})
         bs, text, width = txt.shape
         rows = buf.numel() // (bs * width) - text
@@ -106,16 +108,19 @@ class Joint:
         options["block_type"] = "double"
         for i, block in enumerate(model.double_blocks):
             options["block_index"] = i
+            vec = vec_of("double", i)
+            if vec is None:
+                continue
             if ("double_block", i) in blocks_replace:
-                args = cls.double_args(img, txt, vecs[0], pe, _mask_for(blocks_replace, ("double_block", i), mask,
-                                                                        own_mask), options)
+                args = cls.double_args(img, txt, vec, pe, _mask_for(blocks_replace, ("double_block", i), mask,
+                                                                    own_mask), options)
                 out, gave = _replaced(blocks_replace, ("double_block", i), args, cls.double_wrap(block), img)
                 del args
                 donated += gave
                 img_out, txt_out = out["img"], out["txt"]
                 del out
             else:   # the host's stock call is its block_wrap's
-                out = cls.double_wrap(block)(cls.double_args(img, txt, vecs[0], pe, mask, options))
+                out = cls.double_wrap(block)(cls.double_args(img, txt, vec, pe, mask, options))
                 img_out, txt_out = out["img"], out["txt"]
                 del out
             _into(img, img_out)
@@ -136,15 +141,18 @@ class Joint:
         options["img_slice"] = [text, hidden.shape[1]]
         for i, block in enumerate(model.single_blocks):
             options["block_index"] = i
+            vec = vec_of("single", i)
+            if vec is None:
+                continue
             if ("single_block", i) in blocks_replace:
-                args = cls.single_args(hidden, vecs[1], pe, _mask_for(blocks_replace, ("single_block", i), mask,
-                                                                      own_mask), options)
+                args = cls.single_args(hidden, vec, pe, _mask_for(blocks_replace, ("single_block", i), mask,
+                                                                  own_mask), options)
                 out, gave = _replaced(blocks_replace, ("single_block", i), args, cls.single_wrap(block), hidden)
                 del args
                 donated += gave
                 out = out["img"]
             else:
-                out = cls.single_wrap(block)(cls.single_args(hidden, vecs[1], pe, mask, options))["img"]
+                out = cls.single_wrap(block)(cls.single_args(hidden, vec, pe, mask, options))["img"]
             _into(hidden, out)
             del out
             if control is not None:
@@ -453,5 +461,98 @@ class HunyuanVideo(Joint):
                            initial_shape[4])
 
 
+# --- Chroma (comfy.ldm.chroma.model.Chroma._forward and forward_orig, ComfyUI 0.33.0) ------------------------------
+
+class Chroma(Flux):
+    """Flux's blocks and block arguments; its modulation per block from the distilled guidance layer's vectors
+    (``get_modulations``, the model's own), blocks in ``skip_mmdit`` / ``skip_dit`` skipped as the stock forward
+    skips them, ControlNet additions as Chroma makes them."""
+
+    fp16_clean = False
+
+    @staticmethod
+    def add_control_input(img: torch.Tensor, add: torch.Tensor) -> None:
+        img += add
+
+    @staticmethod
+    def add_control_output(hidden: torch.Tensor, text: int, add: torch.Tensor) -> None:
+        hidden[:, text:, ...] += add
+
+    @staticmethod
+    def problem(model: Any, call: dict) -> str | None:
+        x = call.get("x")
+        if not isinstance(x, torch.Tensor) or x.dim() != 4:
+            return "x is not [batch, channels, height, width]"
+        if not hasattr(model, "final_layer"):
+            return "the model has no final layer (its forward returns the rows)"
+        return None
+
+    @classmethod
+    def forward(cls, model: Any, call: dict, state: Any) -> torch.Tensor:
+        import comfy.ldm.common_dit as common_dit
+        from comfy.ldm.chroma.model import timestep_embedding
+        from einops import rearrange, repeat
+
+        from .memory import room_for
+        x, timestep, context, guidance = call["x"], call["timestep"], call["context"], call["guidance"]
+        control, options = call.get("control"), call.get("transformer_options", {})
+        mask = (call.get("kwargs") or {}).get("attention_mask")
+        bs, _, h, w = x.shape
+        p = model.patch_size
+        x = common_dit.pad_to_patch_size(x, (p, p))
+        patches = rearrange(x, "b c (h ph) (w pw) -> b (h w) (c ph pw)", ph=p, pw=p)
+        h_len, w_len = (h + (p // 2)) // p, (w + (p // 2)) // p
+        img_ids = torch.zeros((h_len, w_len, 3), device=x.device, dtype=x.dtype)
+        img_ids[:, :, 1] = img_ids[:, :, 1] + torch.linspace(0, h_len - 1, steps=h_len, device=x.device,
+                                                             dtype=x.dtype).unsqueeze(1)
+        img_ids[:, :, 2] = img_ids[:, :, 2] + torch.linspace(0, w_len - 1, steps=w_len, device=x.device,
+                                                             dtype=x.dtype).unsqueeze(0)
+        img_ids = repeat(img_ids, "h w c -> b (h w) c", b=bs)
+        txt_ids = torch.zeros((bs, context.shape[1], 3), device=x.device, dtype=x.dtype)
+        options = options.copy()   # as forward_orig
+        rows = patches.shape[1]
+
+        room = room_for(state.options, x.device)
+        chunk = chunk_rows(state.options, room, model.hidden_size * 6)
+        state.forward.chunk = chunk
+        first = model.img_in(patches[:, :min(rows, chunk)])
+        dtype, device = first.dtype, first.device
+        # the distilled guidance layer's modulation vectors, as forward_orig builds them
+        length = 344
+        distill_timestep = timestep_embedding(timestep.detach().clone(), 16).to(device, dtype)
+        distil_guidance = timestep_embedding(guidance.detach().clone(), 16).to(device, dtype)
+        index = timestep_embedding(torch.arange(length, device=device), 32).to(device, dtype)
+        index = index.unsqueeze(0).repeat(bs, 1, 1).to(device, dtype)
+        timestep_guidance = torch.cat([distill_timestep, distil_guidance], dim=1).unsqueeze(1).repeat(
+            1, length, 1).to(dtype).to(device, dtype)
+        mod_vectors = model.distilled_guidance_layer(torch.cat([timestep_guidance, index], dim=-1).to(device, dtype))
+        del timestep_guidance, index
+        txt = model.txt_in(context)
+        pe = model.pe_embedder(torch.cat((txt_ids, img_ids), dim=1))
+        text = txt.shape[1]
+
+        buf = torch.empty(bs * (text + rows) * model.hidden_size, dtype=dtype, device=device)
+        img = buf[:bs * rows * model.hidden_size].view(bs, rows, model.hidden_size)
+        img[:, :first.shape[1]] = first
+        for a, b in spans(rows, chunk):
+            if a:
+                img[:, a:b] = model.img_in(patches[:, a:b])
+        del first, patches, img
+
+        def vecs(kind: str, i: int):
+            if kind == "double":
+                return None if i in model.skip_mmdit else (model.get_modulations(mod_vectors, "double_img", idx=i),
+                                                           model.get_modulations(mod_vectors, "double_txt", idx=i))
+            return None if i in model.skip_dit else model.get_modulations(mod_vectors, "single", idx=i)
+
+        hidden = cls.blocks(model, buf, txt, vecs, pe, mask, options, control, state, chunk)
+        del buf, txt, pe
+        out = cls.head(model, hidden[:, text:], model.get_modulations(mod_vectors, "final"), chunk)
+        del hidden
+        return rearrange(out, "b (h w) (c ph pw) -> b c (h ph) (w pw)", h=h_len, w=w_len, ph=p,
+                         pw=p)[:, :, :h, :w]
+
+
 register_forward(comfy_models.FLUX_PATH, Flux)
+register_forward(comfy_models.CHROMA_PATH, Chroma)
 register_forward(comfy_models.HUNYUAN_VIDEO_PATH, HunyuanVideo)

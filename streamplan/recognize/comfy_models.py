@@ -18,6 +18,7 @@ WAN_PATH = "comfy.ldm.wan.model.WanModel"
 FLUX_PATH = "comfy.ldm.flux.model.Flux"
 HUNYUAN_VIDEO_PATH = "comfy.ldm.hunyuan_video.model.HunyuanVideo"
 LTXV_PATH = "comfy.ldm.lightricks.model.LTXVModel"
+CHROMA_PATH = "comfy.ldm.chroma.model.Chroma"
 
 # class path -> {what: fingerprint}, ComfyUI 0.33.0. ``what`` names a function the streamed forward follows (the model
 # forward and the functions whose row layout or per-row math it reproduces chunk by chunk, or that it calls on row
@@ -37,6 +38,9 @@ KNOWN: dict[str, dict[str, str]] = {
                          "HunyuanVideo.forward_orig": "90e86054134deef8", "LastLayer.forward": "bc898fe6b02c5cf0",
                          "comfy.ldm.flux.layers:apply_mod": "87f491e4c84dc95f",
                          "comfy.ldm.modules.diffusionmodules.mmdit:PatchEmbed.forward": "d6aee2a24259e371"},
+    CHROMA_PATH: {"Chroma.forward": "5007d16575e3e9d4", "Chroma._forward": "b6821ebfe49e5f94",
+                  "Chroma.forward_orig": "fb05dc2ddbd95dcd",
+                  "comfy.ldm.chroma.layers:LastLayer.forward": "a8161c71d4789d8a"},
     LTXV_PATH: {"LTXVModel.forward": "818dbbc43fdbd690", "LTXVModel._forward": "1cd3eae65657c393",
                 "LTXVModel._process_transformer_blocks": "4761ee12958818ee",
                 "LTXVModel._process_output": "0795d1667bbc4784"},
