@@ -124,3 +124,16 @@ def block_figures(patcher, call: Callable[[Any], Any], device: torch.device, flo
             "block_peak_vs_floor": worst["peak"] / floor, "block_input_donated": worst["donated"],
             "block_peak_with_donated_residual_vs_floor": with_residual / floor,
             "block_time_s": statistics.median(blocks), "call_time_s": statistics.median(whole)}
+
+
+def kitchen_backends() -> dict:
+    """Which comfy_kitchen backends serve here (the rotary and norm ops inside the blocks are its custom ops, opaque to
+    the capture's memory model: a fused CUDA kernel allocates only its output, the eager reference fp32 copies of its
+    input too, which no plan charges)."""
+    try:
+        import comfy_kitchen
+    except ImportError as exc:
+        return {"error": str(exc)}
+    return {name: ("available" if b.get("available") and not b.get("disabled") else
+                   f"unavailable: {b.get('unavailable_reason') or 'disabled'}")
+            for name, b in comfy_kitchen.list_backends().items()}

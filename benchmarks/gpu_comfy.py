@@ -372,7 +372,9 @@ def main() -> int:
         model = f"comfy WanModel 1 layer (dim {dim}), bf16, ComfyUI 0.33.0 apply_model"
         latent, inputs_named = list(x.shape), "x, context, e0, freqs"
         name = f"gpu_comfy_{'smoke_' if a.smoke else ''}{held_tag}{tokens}"
-    name += "_blocks" if a.blocks else ""
+    if a.blocks:
+        name += "_blocks"
+        extra["comfy_kitchen_backends"] = comfy_blocks.kitchen_backends()
     stock, held = held_as(comfy, base_model, dev, a.weights, a.lora)
     cond = cond()
     print(held, flush=True)
