@@ -53,10 +53,11 @@ Written to gpu_comfy[_h3]_<weights>[_lora]_<rows>.json.
     python benchmarks/gpu_comfy.py --model h3 --weights dynamic --lora 0.01 --tokens 217088
     python benchmarks/gpu_comfy.py --weights lowvram --lora 0.01 --smoke   # CPU: lowvram casts end to end
 
-``--model flux|hunyuan_video|ltxv`` (``comfy_dits.py``): ComfyUI's Flux (1 double + 1 single block at Flux.1-dev
-width, 3072 = 24 x 128), HunyuanVideo (the same blocks under its own forward, with a padded-text mask) and LTX-Video
-(1 block of the 2B model, 2048 = 32 x 64), bf16, through their streamed model forwards (``forwards_joint.py``,
-``forwards_ltxv.py``). ``--tokens`` counts the rows a block sees (Flux and HunyuanVideo: text + image rows). Also
+``--model flux|hunyuan_video|ltxv|chroma`` (``comfy_dits.py``): ComfyUI's Flux (1 double + 1 single block at Flux.1-dev
+width, 3072 = 24 x 128), HunyuanVideo (the same blocks under its own forward, with a padded-text mask), LTX-Video
+(1 block of the 2B model, 2048 = 32 x 64) and Chroma (Flux's blocks, modulation from its distilled guidance layer),
+bf16, through their streamed model forwards (``forwards_joint.py``, ``forwards_ltxv.py``). ``--tokens`` counts the
+rows a block sees (Flux, HunyuanVideo, Chroma: text + image rows). Also
 written: ``rope_KB_per_token``, the rope table every block reads (built whole by the model forward, stock and
 streamed).
 Written to gpu_comfy_<model>_<rows>.json.
@@ -64,6 +65,7 @@ Written to gpu_comfy_<model>_<rows>.json.
     python benchmarks/gpu_comfy.py --model flux --tokens 217088
     python benchmarks/gpu_comfy.py --model hunyuan_video --tokens 217088
     python benchmarks/gpu_comfy.py --model ltxv --tokens 217088
+    python benchmarks/gpu_comfy.py --model chroma --tokens 217088
     python benchmarks/gpu_comfy.py --model ltxv --smoke
 """
 from __future__ import annotations
@@ -311,7 +313,7 @@ def main() -> int:
     p.add_argument("--smoke", action="store_true", help="tiny sizes on CPU")
     p.add_argument("--model", choices=("wan", "h3", *comfy_dits.MODELS), default="wan",
                    help="wan: WanModel (default); h3: MiniMax-H3, --tokens counting every packed row; flux, "
-                        "hunyuan_video, ltxv: comfy_dits.py, --tokens counting the rows a block sees")
+                        "hunyuan_video, ltxv, chroma: comfy_dits.py, --tokens counting the rows a block sees")
     p.add_argument("--audio", type=int, default=None, help="h3: audio rows, even (default 2000; smoke 80)")
     p.add_argument("--weights", choices=("device", "lowvram", "dynamic"), default="device",
                    help="where ComfyUI holds the weights: device (default), lowvram (on the CPU, cast per call), "
