@@ -17,6 +17,7 @@ from ..executors.kv_store import write_rows
 from .analyze import VIEW_OPS, Analysis, GlobalAttention, Rows, _name, written_args
 from .export import Captured
 from .mlp import MLPRegion, run_region
+from .pieces import RowRun, find_runs, run_pieces, schedule
 
 _LAYOUT = {"cat", "concat", "slice", "narrow", "split", "split_with_sizes", "chunk", "tensor_split"}
 
@@ -272,11 +273,13 @@ class GraphRun:
 
     def _run(self, nodes: list[fx.Node], env: dict, a: int, keep: set[fx.Node], rows: int | None = None) -> dict:
         """Run ``nodes`` on one chunk; ``rows`` set: the chunk's dynamic rows alone (static rows done once)."""
-        nodes, frees = self._schedule(nodes)
+        nodes, frees, pieces = self._schedule(nodes, keep)
         regions, globals_ = self._region_at, self._attention_at
         for i, node in enumerate(nodes):
             att = globals_.get(node)
-            if node in regions:
+            if node in pieces:
+                run_pieces(pieces[node], env, self.an, self.cap.row_symbol, self._call)
+            elif node in regions:
                 env[node] = run_region(regions[node], env, self.ffn_slice)
             elif att is not None:
                 env[node] = self._attention(att, env, a)
@@ -291,17 +294,21 @@ class GraphRun:
                     env.pop(m, None)
         return env
 
-    def _schedule(self, nodes: list[fx.Node]) -> tuple[list[fx.Node], dict[int, list[fx.Node]]]:
+    def _schedule(self, nodes: list[fx.Node], keep: set[fx.Node]) -> tuple[list[fx.Node], dict[int, list[fx.Node]],
+                                                                         dict[fx.Node, RowRun]]:
         """A phase's nodes as this call runs them (a feature-sliced MLP runs at its exit: its inner nodes are skipped,
-        their inputs used there) and when each value is freed: worked out once per call, not per chunk."""
-        key = tuple(nodes)
+        their inputs used there; a run of row-local nodes runs in row pieces at its last node, ``pieces``) and when
+        each value is freed: worked out once per call, not per chunk."""
+        key = (tuple(nodes), frozenset(keep))
         found = self._schedules.get(key)
         if found is None:
             inside = {n for r in self.regions for n in r.nodes}
             run = [n for n in nodes if n not in inside] if inside else nodes
-            frees = _last_uses(run, extra={r.exit: [r.x, *(m for n in r.nodes for m in n.all_input_nodes)]
-                                           for r in self.regions})
-            found = self._schedules[key] = (run, frees)
+            extra = {r.exit: [r.x, *(m for n in r.nodes for m in n.all_input_nodes)] for r in self.regions}
+            runs = find_runs(run, self.an, keep, extra)
+            run = schedule(run, runs)
+            frees = _last_uses(run, extra={**extra, **{r.marker: r.inputs for r in runs}})
+            found = self._schedules[key] = (run, frees, {r.marker: r for r in runs})
         return found
 
     # -- the phases ---------------------------------------------------------------------------------------------

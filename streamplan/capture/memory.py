@@ -13,6 +13,8 @@ from torch import fx
 from .analyze import Analysis, Rows, _name
 from .analyze import VIEW_OPS
 from .execute import Phases, _last_uses
+from . import pieces
+from .pieces import RowRun, find_runs, schedule
 
 
 def _numel(val, dim: int | None) -> int:
@@ -39,38 +41,77 @@ class GraphMemory:
     kv_bytes: int                      # every global attention's K and V over all rows
     out_bytes: int                     # the row outputs over all rows (a donated output costs nothing)
     attention_nodes: set
+    analysis: Analysis
 
     def value(self, node: fx.Node, rows: int) -> int:
         return self.per_row.get(node, 0) * rows + self.static.get(node, 0)
 
     def _phase(self, nodes: list[fx.Node], rows: int, ffn_slice: int = 0, regions=(), at_attention: int = 0,
-               workspace: int = 0) -> int:
+               workspace: int = 0, keep: set | None = None) -> int:
         """Peak bytes of one chunk of ``rows`` through ``nodes``; with ``ffn_slice`` the MLP ``regions`` hold one slice
         of their hidden features at a time (all of the region's values at that width, alive at once: a bound);
         ``at_attention``: bytes per row alive while a global attention runs, beside what is live there (a K/V store's
-        merge); ``workspace``: bytes the attention call itself allocates then (the consumer's declaration)."""
+        merge); ``workspace``: bytes the attention call itself allocates then (the consumer's declaration); ``keep``
+        (what the phase hands on) given: its row-local runs in pieces, as ``GraphRun`` runs them."""
         extra = at_attention * rows + workspace
         work = {n: extra for n in self.attention_nodes} if extra else {}
+        reads: dict[fx.Node, list[fx.Node]] = {}
         if ffn_slice:
             inside = {n for r in regions for n in r.nodes}
             nodes = [n for n in nodes if n not in inside]
             for r in regions:   # the exit's own value (the accumulator) is live at the exit already
                 work[r.exit] = int(self._region_peak(r, rows) * min(1.0, ffn_slice / r.ffn))
-        frees = _last_uses(nodes, extra={r.exit: [r.x] for r in regions} if ffn_slice else None)
+                reads[r.exit] = [r.x, *(m for n in r.nodes for m in n.all_input_nodes)]
+        runs = find_runs(nodes, self.analysis, keep, reads) if keep is not None else []
+        at_run = {r.marker: r for r in runs}
+        nodes = schedule(nodes, runs)
+        frees = _last_uses(nodes, extra={**reads, **{r.marker: r.inputs for r in runs}})
         owner: dict[fx.Node, fx.Node] = {}
         refs: dict[fx.Node, int] = {}
         live = peak = 0
         for i, n in enumerate(nodes):
-            base = None if self.allocates.get(n, True) else next(
-                (owner[m] for m in n.all_input_nodes if m in owner), None)
-            if base is None:
-                owner[n], refs[n] = n, 1
-                live += self.value(n, rows)
+            run = at_run.get(n)
+            if run is not None:   # its outputs whole, beside one piece's values at their worst
+                outs = sum(self.value(o, rows) for o in run.outputs)
+                peak = max(peak, live + outs + self._pieces_peak(run, -(-rows // pieces.PIECES)))
+                for o in run.outputs:
+                    owner[o], refs[o] = o, 1
+                live += outs
             else:
-                owner[n] = base
-                refs[base] += 1
+                base = None if self.allocates.get(n, True) else next(
+                    (owner[m] for m in n.all_input_nodes if m in owner), None)
+                if base is None:
+                    owner[n], refs[n] = n, 1
+                    live += self.value(n, rows)
+                else:
+                    owner[n] = base
+                    refs[base] += 1
             peak = max(peak, live + work.get(n, 0))
             for m in frees.get(i, ()):
+                if m in owner:
+                    b = owner.pop(m)
+                    refs[b] -= 1
+                    if refs[b] == 0:
+                        live -= self.value(b, rows)
+        return peak
+
+    def _pieces_peak(self, run: RowRun, rows: int) -> int:
+        """One piece of ``rows`` rows through a run: its values, each freed after its last use in the run (a view keeps
+        its base), the piece's outputs until they are copied into their buffers."""
+        owner: dict[fx.Node, fx.Node] = {}
+        refs: dict[fx.Node, int] = {}
+        live = peak = 0
+        for i, n in enumerate(run.nodes):
+            base = None if self.allocates.get(n, True) else next(
+                (owner[m] for m in n.all_input_nodes if m in owner), None)
+            if base is not None:
+                owner[n] = base
+                refs[base] += 1
+            elif self.allocates.get(n, True):
+                owner[n], refs[n] = n, 1
+                live += self.value(n, rows)
+            peak = max(peak, live)
+            for m in run.dead.get(i, ()):
                 if m in owner:
                     b = owner.pop(m)
                     refs[b] -= 1
@@ -98,9 +139,12 @@ class GraphMemory:
         return peak
 
     def transient(self, chunk: int, ffn_slice: int = 0, regions=(), at_attention: int = 0, workspace: int = 0) -> int:
+        """One chunk's worst moment over the phases, as the executor runs them (row-local runs in pieces)."""
         chunk = min(chunk, self.rows)
-        return max([self._phase(p, chunk) for p in self.phases.kv]
-                   + [self._phase(self.phases.q, chunk, ffn_slice, regions, at_attention, workspace)])
+        an = self.analysis
+        outputs = {o for o in an.outputs if isinstance(o, fx.Node)}
+        return max([self._phase(p, chunk, keep={a.k, a.v}) for p, a in zip(self.phases.kv, an.attentions)]
+                   + [self._phase(self.phases.q, chunk, ffn_slice, regions, at_attention, workspace, keep=outputs)])
 
     def predicted(self, chunk: int) -> int:
         return self.kv_bytes + self.out_bytes + self.transient(chunk)
@@ -147,4 +191,4 @@ def graph_memory(an: Analysis, ph: Phases, rows: int, donated_outputs: set[int])
         if isinstance(r, Rows) and i not in donated_outputs:
             v = o.meta["val"]
             out += _numel(v, r.dim) * v.element_size() * (rows + r.pre + r.post)
-    return GraphMemory(rows, per_row, static, allocates, ph, kv, out, {a.node for a in an.attentions})
+    return GraphMemory(rows, per_row, static, allocates, ph, kv, out, {a.node for a in an.attentions}, an)

@@ -1,0 +1,173 @@
+"""Row pieces inside a chunk: a maximal run of row-local nodes that are neither GEMMs nor attentions (norms in fp32,
+rotary, modulation) runs a piece of the chunk's rows at a time, the values that leave it written into chunk-sized
+buffers, so its temporaries cost a fraction of the chunk instead of the chunk's worst moment. The memory model
+(``memory.GraphMemory``) prices a run the same way, from the same ``find_runs``."""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+from .analyze import _MATMUL, _SDPA, VIEW_OPS, Analysis, Rows, _name, written_args
+
+PIECES = 4   # pieces a run is cut into: its temporaries cost a quarter of the chunk's, each piece still wide on a GPU
+
+
+@dataclass(eq=False)
+class RowRun:
+    prelude: list[fx.Node]     # views of values from before the run: taken on the whole chunk, first
+    nodes: list[fx.Node]       # run a piece of rows at a time, in graph order
+    inputs: list[fx.Node]      # values from outside the run its nodes read
+    outputs: list[fx.Node]     # its values read after it (or kept), views excepted: each a chunk-sized buffer
+    post: list[fx.Node]        # views of the outputs read after it: taken on the whole buffers, after it
+    dead: dict[int, list[fx.Node]]   # after which node a piece's value is no longer needed (outputs excepted)
+    marker: fx.Node            # the node at whose place the schedule runs the whole run
+
+
+def _view(n: fx.Node) -> bool:
+    return n.target is operator.getitem or _name(n.target) in VIEW_OPS
+
+
+def _dynamic(r) -> bool:
+    """Rows without static ones (a tuple's parts each so)."""
+    parts = r if isinstance(r, list) else [r]
+    return bool(parts) and all(isinstance(p, Rows) and not (p.pre or p.post) for p in parts)
+
+
+def _member(n: fx.Node, an: Analysis, attention: set) -> bool:
+    if n.op != "call_function" or n in attention:
+        return False
+    if n.target is operator.getitem:
+        return _dynamic(an.rows.get(n))
+    if not isinstance(n.target, torch._ops.OpOverload) or n.target.namespace != "aten":
+        return False   # a custom kernel may assume contiguous rows: left whole
+    name = _name(n.target)
+    if name in _MATMUL or name in _SDPA or name.endswith("_") or written_args(n):
+        return False
+    return _dynamic(an.rows.get(n))
+
+
+def find_runs(nodes: list[fx.Node], an: Analysis, keep: set, extra: dict | None = None) -> list[RowRun]:
+    """The runs among ``nodes`` (a phase as it is scheduled) worth cutting into pieces: at least two values allocated
+    inside. None where the graph has static rows (their rows are computed once per phase) or writes in place (a
+    piece's buffer would not be the storage the write reaches). ``keep``: values the phase hands on; ``extra``: inputs
+    a node reads off the graph's edges (a feature-sliced MLP's exit)."""
+    parts = [r for v in an.rows.values() for r in (v if isinstance(v, list) else [v]) if isinstance(r, Rows)]
+    if an.input_writes or any(r.pre or r.post for r in parts):
+        return []
+    if any(n.op == "call_function" and (_name(n.target).endswith("_") or written_args(n)) for n in nodes
+           if n.target is not operator.getitem):
+        return []
+    attention = {a.node for a in an.attentions}
+    segments, seg = [], []
+    for n in nodes:
+        if _member(n, an, attention):
+            seg.append(n)
+        else:
+            segments.append(seg)
+            seg = []
+    segments.append(seg)
+    pos = {n: i for i, n in enumerate(nodes)}
+    runs = []
+    for seg in segments:
+        run = _run(seg, pos, nodes, an, keep, extra or {})
+        if run is not None:
+            runs.append(run)
+    return runs
+
+
+def _run(seg: list[fx.Node], pos: dict, nodes: list[fx.Node], an: Analysis, keep: set,
+         extra: dict) -> RowRun | None:
+    inside = set(seg)
+    prelude: list[fx.Node] = []
+    for n in seg:   # views of what came before the run cost nothing whole: taken first, read in pieces
+        if _view(n) and all(m not in inside or m in prelude for m in n.all_input_nodes):
+            prelude.append(n)
+    members = [n for n in seg if n not in prelude]
+    if sum(not _view(n) for n in members) < 2:
+        return None
+    mset = set(members)
+    last = pos[members[-1]]
+    want = set(keep)
+    for n in nodes[last + 1:]:
+        want.update(n.all_input_nodes)
+        want.update(extra.get(n, ()))
+    outputs, post = [], []
+    for n in reversed(members):   # a view read after the run is taken again on its base's buffer: one buffer each
+        if n not in want:
+            continue
+        if _view(n) and all(m in mset or m not in inside for m in n.all_input_nodes):
+            post.insert(0, n)
+            want.update(n.all_input_nodes)
+        else:
+            outputs.insert(0, n)
+    if not outputs or any(not isinstance(n.meta.get("val"), torch.Tensor) for n in outputs):
+        return None
+    inputs = list(dict.fromkeys(m for n in members for m in n.all_input_nodes if m not in mset))
+    last_use: dict[fx.Node, int] = {}
+    for i, n in enumerate(members):
+        for m in n.all_input_nodes:
+            if m in mset:
+                last_use[m] = i
+    dead: dict[int, list[fx.Node]] = {}
+    for m, i in last_use.items():
+        if m not in outputs:
+            dead.setdefault(i, []).append(m)
+    marker = next(n for n in reversed(members) if n not in post)
+    return RowRun(prelude, members, inputs, outputs, post, dead, marker)
+
+
+def schedule(nodes: list[fx.Node], runs: list[RowRun]) -> list[fx.Node]:
+    """``nodes`` with each run's members replaced by its prelude, its marker and the views taken after it."""
+    if not runs:
+        return nodes
+    skip = {n for r in runs for n in (*r.nodes, *r.prelude) if n is not r.marker}
+    at = {r.marker: r for r in runs}
+    out = []
+    for n in nodes:
+        if n in at:
+            out += [*at[n].prelude, n, *at[n].post]
+        elif n not in skip:
+            out.append(n)
+    return out
+
+
+def run_pieces(run: RowRun, env: dict, an: Analysis, symbol, call) -> None:
+    """The run over one chunk, a piece of its rows at a time; its outputs written into chunk-sized buffers in
+    ``env``. ``call(node, env)`` runs one node; sizes that count the rows count the piece's."""
+    rows = next(env[m].shape[an.rows[m].dim] for m in run.inputs
+                if isinstance(an.rows.get(m), Rows) and isinstance(env[m], torch.Tensor))
+    step = -(-rows // PIECES)
+    outs: dict[fx.Node, torch.Tensor] = {}
+    for s in range(0, rows, step):
+        e = min(rows, s + step)
+        local = {}
+        for m in run.inputs:
+            v, r = env[m], an.rows.get(m)
+            if isinstance(r, Rows) and isinstance(v, torch.Tensor):
+                local[m] = v.narrow(r.dim, s, e - s)
+            elif isinstance(m.meta.get("val"), torch.SymInt) and symbol in m.meta["val"].node.expr.free_symbols:
+                local[m] = int(m.meta["val"].node.expr.subs(symbol, e - s))
+            else:
+                local[m] = v
+        for i, n in enumerate(run.nodes):
+            local[n] = call(n, local)
+            for m in run.dead.get(i, ()):
+                local.pop(m, None)
+        for o in run.outputs:
+            v, d = local[o], an.rows[o].dim
+            if o not in outs:
+                outs[o] = _buffer(v, d, rows)
+            outs[o].narrow(d, s, e - s).copy_(v)
+        del local
+    env.update(outs)
+
+
+def _buffer(like: torch.Tensor, dim: int, rows: int) -> torch.Tensor:
+    """A chunk-sized buffer laid out as a piece is (a permuted view's order kept), ``rows`` along ``dim``."""
+    shape = list(like.shape)
+    shape[dim] = rows
+    order = sorted(range(like.dim()), key=lambda d: (-like.stride(d), d))
+    return like.new_empty([shape[d] for d in order]).permute([order.index(d) for d in range(like.dim())])

@@ -1,0 +1,64 @@
+"""Row-local runs of a captured block (norms, rotary, modulation between its GEMMs and attention) run a piece of the
+chunk's rows at a time: exact against the real module, the measured peak lower than the same plan with the runs
+whole, and the memory model pricing the pieces as they run."""
+import pytest
+import torch
+
+import streamplan
+from conftest import rel_err
+from streamplan.capture import pieces
+
+N = 1200
+
+
+def _h3():
+    """Wide enough for the modulation and rotary runs to be the chunk's worst moment once the MLP is sliced."""
+    from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3TransformerBlock
+    block = MiniMaxH3TransformerBlock(256, 2, 64, 512, 32, 1e-6, 1e-6).eval()
+    return block, (torch.randn(1, N, 256), torch.randn(2, 32), torch.randint(0, 6, (N,)),
+                   (torch.randn(N, 16), torch.randn(N, 16))), {}
+
+
+def _llama():
+    """Its RMSNorms between the GEMMs, wide against its attention (the CPU flash kernel's tiles do not shrink)."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+    cfg = LlamaConfig(hidden_size=1024, intermediate_size=512, num_attention_heads=2, num_key_value_heads=1,
+                      head_dim=64, attn_implementation="sdpa")
+    layer = LlamaDecoderLayer(cfg, layer_idx=0).eval()
+    x = torch.randn(1, N, 1024)
+    cos, sin = LlamaRotaryEmbedding(cfg)(x, torch.arange(N)[None])
+    return layer, (x,), {"position_embeddings": (cos, sin)}
+
+
+@pytest.mark.parametrize("make", [_h3, _llama], ids=["h3-modulation-rotary", "llama-norms"])
+@torch.no_grad()
+def test_row_local_runs_in_pieces_are_exact_and_smaller(make, monkeypatch):
+    block, args, kwargs = make()
+    first = lambda out: out[0] if isinstance(out, tuple) else out  # noqa: E731
+    ref = first(block(*args, **kwargs))
+    peaks = {}
+    for count in (1, pieces.PIECES):   # one piece: the runs whole, as before they were cut
+        monkeypatch.setattr(pieces, "PIECES", count)
+        handle = streamplan.apply(block, capture="prefer", chunk_tokens=400, ffn_slice=32)
+        out, peaks[count] = streamplan.measure_peak(lambda: first(block(*args, **kwargs)))
+        (plan,) = handle.plans[""]
+        handle.remove()
+        assert rel_err(out, ref) <= 1e-5
+        assert plan.predicted_peak >= 0.9 * peaks[count], (plan.predicted_peak, peaks[count])
+    assert peaks[pieces.PIECES] < 0.95 * peaks[1], peaks
+
+
+@torch.no_grad()
+def test_no_runs_where_the_graph_has_static_rows():
+    """Text rows joined to the image rows are computed once per phase: their runs are left whole."""
+    from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock
+    from streamplan.capture import streamable
+    block = FluxSingleTransformerBlock(64, 4, 16).eval()
+    args = (torch.randn(1, 300, 64), torch.randn(1, 20, 64), torch.randn(1, 64))
+    kwargs = {"image_rotary_emb": (torch.randn(320, 16), torch.randn(320, 16))}
+    found, _ = streamable(block, args, kwargs, 300)
+    if isinstance(found, str) or not found.static_rows:
+        pytest.skip(f"this diffusers' Flux single block does not capture with static rows: {found}")
+    an = found.analysis
+    assert pieces.find_runs(found.phases.q, an, set(an.outputs)) == []
