@@ -72,10 +72,11 @@ class GraphMemory:
         for i, n in enumerate(nodes):
             run = at_run.get(n)
             if run is not None:   # its outputs whole, beside one piece's values at their worst
-                outs = sum(self.value(o, rows) for o in run.outputs)
+                outs = sum(self.value(o, rows) for o in run.outputs if o not in run.reuse)
                 peak = max(peak, live + outs + self._pieces_peak(run, -(-rows // pieces.PIECES)))
-                for o in run.outputs:
-                    owner[o], refs[o] = o, 1
+                for o in run.outputs:   # an output in a dead input's storage keeps that storage alive
+                    b = owner.get(run.reuse.get(o)) or o
+                    owner[o], refs[b] = b, refs.get(b, 0) + 1
                 live += outs
             else:
                 base = None if self.allocates.get(n, True) else next(

@@ -24,6 +24,7 @@ class RowRun:
     post: list[fx.Node]        # views of the outputs read after it: taken on the whole buffers, after it
     dead: dict[int, list[fx.Node]]   # after which node a piece's value is no longer needed (outputs excepted)
     marker: fx.Node            # the node at whose place the schedule runs the whole run
+    reuse: dict[fx.Node, fx.Node]    # output -> an input (a GEMM's rows, dead after the run) whose storage it takes
 
 
 def _view(n: fx.Node) -> bool:
@@ -116,7 +117,52 @@ def _run(seg: list[fx.Node], pos: dict, nodes: list[fx.Node], an: Analysis, keep
         if m not in outputs:
             dead.setdefault(i, []).append(m)
     marker = next(n for n in reversed(members) if n not in post)
-    return RowRun(prelude, members, inputs, outputs, post, dead, marker)
+    return RowRun(prelude, members, inputs, outputs, post, dead, marker,
+                  _reuse(inputs, outputs, nodes[:pos[seg[0]]], nodes[last + 1:], keep, extra, an))
+
+
+def _storage(n: fx.Node) -> fx.Node:
+    while _view(n) and n.all_input_nodes:
+        n = n.args[0] if isinstance(n.args[0], fx.Node) else n.all_input_nodes[0]
+    return n
+
+
+def _row_bytes(n: fx.Node, an: Analysis) -> int | None:
+    """Bytes per row of a value whose rows are its outermost dimension (only size-1 dimensions before them)."""
+    val, r = n.meta.get("val"), an.rows.get(n)
+    if not isinstance(val, torch.Tensor) or not isinstance(r, Rows):
+        return None
+    total = val.element_size()
+    for i, size in enumerate(val.shape):
+        if i == r.dim:
+            continue
+        if isinstance(size, torch.SymInt) or (i < r.dim and size != 1):
+            return None
+        total *= int(size)
+    return total
+
+
+def _reuse(inputs: list[fx.Node], outputs: list[fx.Node], before: list[fx.Node], after: list[fx.Node], keep: set,
+           extra: dict, an: Analysis) -> dict[fx.Node, fx.Node]:
+    """Outputs written into the storage of an input the phase made with a GEMM and nobody reads after the run, row
+    for row (each piece's rows only once that piece has read them): the output costs no buffer of its own."""
+    read_after = {_storage(m) for n in after for m in [*n.all_input_nodes, *extra.get(n, ())]}
+    read_after |= {_storage(k) for k in keep}
+    made = set(before)
+    free = {}
+    for m in inputs:
+        b = _storage(m)
+        if b in made and b not in read_after and b.op == "call_function" and _name(b.target) in _MATMUL \
+                and b not in free.values() and _row_bytes(b, an):
+            free[m] = b
+    reuse = {}
+    for o in outputs:
+        size = _row_bytes(o, an)
+        m = next((m for m, b in free.items() if size and _row_bytes(b, an) == size), None)
+        if m is not None:
+            reuse[o] = m
+            del free[m]
+    return reuse
 
 
 def schedule(nodes: list[fx.Node], runs: list[RowRun]) -> list[fx.Node]:
@@ -159,15 +205,26 @@ def run_pieces(run: RowRun, env: dict, an: Analysis, symbol, call) -> None:
         for o in run.outputs:
             v, d = local[o], an.rows[o].dim
             if o not in outs:
-                outs[o] = _buffer(v, d, rows)
+                outs[o] = _buffer(v, d, rows, env.get(run.reuse.get(o)))
             outs[o].narrow(d, s, e - s).copy_(v)
         del local
     env.update(outs)
 
 
-def _buffer(like: torch.Tensor, dim: int, rows: int) -> torch.Tensor:
-    """A chunk-sized buffer laid out as a piece is (a permuted view's order kept), ``rows`` along ``dim``."""
+def _buffer(like: torch.Tensor, dim: int, rows: int, storage: torch.Tensor | None = None) -> torch.Tensor:
+    """A chunk-sized buffer laid out as a piece is (a permuted view's order kept), ``rows`` along ``dim``; in
+    ``storage`` (a dead input of as many bytes, contiguous, rows outermost) where both are laid out row by row."""
     shape = list(like.shape)
     shape[dim] = rows
+    if storage is not None and like.is_contiguous() and storage.is_contiguous() \
+            and storage.numel() * storage.element_size() == like.element_size() * _prod(shape):
+        return storage.reshape(-1).view(like.dtype).view(shape)
     order = sorted(range(like.dim()), key=lambda d: (-like.stride(d), d))
     return like.new_empty([shape[d] for d in order]).permute([order.index(d) for d in range(like.dim())])
+
+
+def _prod(shape: list[int]) -> int:
+    n = 1
+    for size in shape:
+        n *= size
+    return n
