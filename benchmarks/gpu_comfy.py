@@ -188,7 +188,9 @@ def held_as(comfy, base, dev, weights: str, lora: float):
     cpu = torch.device("cpu")
     if weights == "dynamic":
         enable_dynamic_vram(comfy)
-        patcher = comfy.model_patcher.ModelPatcherDynamic(base, load_device=dev, offload_device=cpu)
+        # the VBAR is made on the load device's index: "cuda" alone has none (ComfyUI's own device is "cuda:0")
+        patcher = comfy.model_patcher.ModelPatcherDynamic(base, load_device=comfy.model_management.get_torch_device(),
+                                                          offload_device=cpu)
     else:
         patcher = comfy.model_patcher.ModelPatcher(base, load_device=dev,
                                                    offload_device=dev if weights == "device" else cpu)
@@ -319,6 +321,8 @@ def main() -> int:
                    help="where ComfyUI holds the weights: device (default), lowvram (on the CPU, cast per call), "
                         "dynamic (DynamicVRAM, comfy-aimdo; GPU only)")
     p.add_argument("--lora", type=float, default=0.0, help="scale of a LoRA-style patch ComfyUI applies per call")
+    p.add_argument("--modes", default=None, help="with --blocks: a comma list of chunk, held, held-residual "
+                   "(default all three; stock always runs)")
     p.add_argument("--blocks", action="store_true",
                    help="also each block call (comfy_blocks.py): its peak above its entry against the floor, its time "
                         "against the stock block's; modes stock, fixed chunks, held (and auto off the device)")
@@ -422,8 +426,15 @@ def main() -> int:
              ("patch budget held to 1.15x floor, min_tokens=0", dict(budget=budget, min_tokens=0), True),
              (f"blocks only (wrapper taken out), chunk_tokens={chunk}",
               dict(budget=None, chunk_tokens=chunk, min_tokens=0), False)]
-    if a.blocks:   # the criterion: fixed chunks and held, with the wrapper
-        modes = modes[:2]
+    if a.blocks:   # the criterion: fixed chunks and held, with the wrapper; and held with the donated residual
+        # counted inside the 1.15x (the room above the block's entry less the residual the block overwrites)
+        modes = modes[:2] + [("patch budget held to 1.15x floor counting the residual, min_tokens=0",
+                              dict(budget=budget - tokens * dim * 2, min_tokens=0), True)]
+        if a.modes:
+            keep = {"chunk": 0, "held": 1, "held-residual": 2}
+            if not set(a.modes.split(",")) <= set(keep):
+                raise SystemExit(f"--modes {a.modes!r}: choose from {', '.join(keep)}")
+            modes = [modes[keep[m]] for m in a.modes.split(",")]
     if a.weights != "device":   # what "auto" reads where ComfyUI holds the weights off the device (memory.py)
         modes.append(("patch budget='auto', min_tokens=0", dict(budget="auto", min_tokens=0), True))
     for label, kw, wrapper in modes:
