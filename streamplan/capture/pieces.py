@@ -28,7 +28,14 @@ class RowRun:
 
 
 def _view(n: fx.Node) -> bool:
-    return n.target is operator.getitem or _name(n.target) in VIEW_OPS
+    """A value in its input's storage: a view, or a conversion to the dtype it has (which returns its input)."""
+    if n.target is operator.getitem or _name(n.target) in VIEW_OPS:
+        return True
+    if _name(n.target) in ("to", "type_as") and n.all_input_nodes:
+        val, src = n.meta.get("val"), n.all_input_nodes[0].meta.get("val")
+        return isinstance(val, torch.Tensor) and isinstance(src, torch.Tensor) and val.dtype == src.dtype \
+            and val.device == src.device and not n.kwargs.get("copy", False)
+    return False
 
 
 def _dynamic(r) -> bool:
