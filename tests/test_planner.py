@@ -197,8 +197,9 @@ def test_the_ladder_climbs_to_head_grouped_kv_when_whole_kv_does_not_fit():
     assert plan.tier == "L3" and plan.head_groups > 1, handle.report()
     assert rel_err(out, ref) <= 1e-5
     assert peak <= budget - live
-    # the graph's memory model bounds each MLP slice's values as alive at once: over, never under, by up to 15%
-    assert peak <= plan.predicted_peak <= 1.15 * peak, (plan.predicted_peak / MiB, peak / MiB)
+    # the graph's memory model is a bound (a fused entry's parts and their join alive together, views priced as their
+    # base): over, never under, by up to 20% at these tiny widths
+    assert peak <= plan.predicted_peak <= 1.2 * peak, (plan.predicted_peak / MiB, peak / MiB)
 
 
 @torch.no_grad()
