@@ -307,9 +307,9 @@ def patch(model_patcher, budget: int | str | None = "auto", chunk_tokens: int | 
     block inputs donated; Flux and HunyuanVideo on one joint text+image buffer). ``budget``:
     "auto" (ComfyUI's free memory less ``--reserve-vram`` and ``reserve``; never refuses: with too little free, the
     smallest reachable peak, reported), bytes (activation room above what a block call holds at entry, its cast
-    weights paid from it; ``BudgetError`` below the smallest peak) or None (``memory``); ``chunk_tokens`` and ``self_check`` are
-    ``BlockStreamer``'s. The input patcher and the shared modules are not changed. ``report(patched)`` says what
-    happened.
+    weights paid from it; ``BudgetError`` below the smallest peak) or None (``memory``); ``chunk_tokens`` and
+    ``self_check`` are ``BlockStreamer``'s. The input patcher and the shared modules are not changed.
+    ``report(patched)`` says what happened.
     """
     import streamplan
     if not hasattr(model_patcher, "clone") or not hasattr(model_patcher, "set_model_patch_replace"):
