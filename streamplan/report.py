@@ -70,7 +70,10 @@ def render(handle) -> str:
         if not e.plans and not e.runtime_notes and any(_inside(name, g) for g in graphs):
             continue   # a block's part, idle while its graph takes every call: the block's label says so
         if not e.plans:
-            lines.append(f"  {name or '<root>':<{nw}} {label:<{lw}} (not called yet: planned at the first call)")
+            ran_stock = any(n.startswith("ran stock") for n in e.runtime_notes)
+            lines.append(f"  {name or '<root>':<{nw}} {label:<{lw}} "
+                         + ("stock (not planned: see the note)" if ran_stock
+                            else "(not called yet: planned at the first call)"))
         for sig, plan in e.plans.items():
             if plan.note:
                 lines.append(f"  {name or '<root>':<{nw}} {label:<{lw}} {plan.tier:<4} {plan.note}")

@@ -108,3 +108,21 @@ def test_a_block_streamer_streams_calls_without_touching_the_module():
     block.eval().mlp[0].register_forward_hook(lambda m, i, o: o)
     hooked = streamplan.BlockStreamer(block, chunk_tokens=64)   # a hook inside: the stock forward, and why
     assert torch.equal(hooked(x), block(x)) and "has forward hooks" in hooked.report()
+
+
+@torch.no_grad()
+def test_sequence_first_blocks_stay_stock_saying_why():
+    """Ernie-Image's blocks take [rows, batch, features]: rows are read from dim 1, so they are not streamed, and the
+    report says so instead of showing the blocks as never called."""
+    from diffusers.models.transformers.transformer_ernie_image import ErnieImageTransformer2DModel
+    torch.manual_seed(0)
+    model = ErnieImageTransformer2DModel(hidden_size=64, num_attention_heads=2, num_layers=2, ffn_hidden_size=128,
+                                         in_channels=8, out_channels=8, text_in_dim=32, rope_axes_dim=(8, 12, 12))
+    args = (torch.randn(1, 8, 32, 32), torch.tensor([500.0]), torch.randn(1, 16, 32), torch.tensor([16]))
+    ref = model.eval()(*args).sample
+    handle = streamplan.apply(model, chunk_tokens=256)
+    assert torch.equal(model(*args).sample, ref)
+    report = handle.report()
+    assert report.count("sequence-first [rows, batch, features] layout") == 2, report
+    assert "not called yet" not in report, report
+    handle.remove()

@@ -10,7 +10,7 @@ from torch import nn
 
 from .analyze import Analysis, _name, analyze
 from .execute import Phases, phases
-from .export import Captured, capture, rows_of_call, signature
+from .export import Captured, capture, rows_of_call, rows_problem, signature
 
 
 @dataclass(eq=False)
@@ -65,4 +65,4 @@ def streamable(module: nn.Module, args: tuple, kwargs: dict, rows: int) -> tuple
     return found, True
 
 
-__all__ = ["Streamable", "streamable", "rows_of_call", "Captured", "Analysis"]
+__all__ = ["Streamable", "streamable", "rows_of_call", "rows_problem", "Captured", "Analysis"]

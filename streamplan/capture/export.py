@@ -42,6 +42,18 @@ def rows_of_call(args: tuple, kwargs: dict) -> int | None:
     return None
 
 
+def rows_problem(args: tuple, kwargs: dict) -> str:
+    """Why a call has no rows to stream, in the report's words (``rows_of_call`` found fewer than two)."""
+    first = next((leaf for leaf in pytree.tree_leaves((args, kwargs))
+                  if isinstance(leaf, torch.Tensor) and leaf.dim() == 3), None)
+    if first is None:
+        return "no [batch, rows, features] input to take rows from"
+    if first.shape[0] > 1 >= first.shape[1]:
+        return (f"its first 3-D input is {tuple(first.shape)}: a sequence-first [rows, batch, features] layout "
+                "(rows are read from dim 1 of [batch, rows, features]) is not streamed")
+    return f"{first.shape[1]} row(s) in its first [batch, rows, features] input: nothing to stream"
+
+
 def joined_offsets(args: tuple, kwargs: dict, rows: int) -> set[int]:
     """Static row counts that may be joined to the rows in an input (a rotary table may cover text + image rows:
     ``[T + N, d]``): the sequence lengths (dim 1) of the call's other 3-D tensors."""

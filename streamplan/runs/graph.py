@@ -46,7 +46,7 @@ def head_groups_allowed(found) -> tuple[int, ...]:
 
 
 def _run_onloaded(handle, entry, args: tuple, kwargs: dict) -> Any:
-    from ..capture import rows_of_call, streamable
+    from ..capture import rows_of_call, rows_problem, streamable
     from ..capture.execute import GraphRun
     from ..capture.memory import _numel as numel_besides, graph_memory
 
@@ -75,6 +75,7 @@ def _run_onloaded(handle, entry, args: tuple, kwargs: dict) -> Any:
         return stock()
     rows = rows_of_call(args, kwargs)
     if rows is None or rows < 2:
+        handle.note(entry, f"ran stock: {rows_problem(args, kwargs)}")
         return stock()
     hooked = hooks_added_inside(module)
     if hooked:
@@ -196,7 +197,7 @@ def _run_onloaded(handle, entry, args: tuple, kwargs: dict) -> Any:
             attn_out = numel_besides(out_val, 2) * rows * out_val.element_size() if groups else 0
         return plan_graph(rows, mem.kv_bytes + mem.out_bytes,
                           lambda c, sl: mem.transient(c, sl, regions, workspace=ws(c)) + mask_bytes(c),
-                          mem.stock(order) + mask_bytes(rows),
+                          mem.stock(order) + mask_bytes(rows) + ws(rows),   # stock's one call has its workspace too
                           chunk_tokens=o.chunk_tokens, budget=budget,
                           min_chunk=UTILISATION_FLOOR.get(device.type, 0), waves=waves,
                           ffn=max((r.ffn for r in regions), default=0), ffn_slice=o.ffn_slice,
