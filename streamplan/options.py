@@ -19,10 +19,14 @@ class StreamOptions:
     # the budget is a target, not a ceiling: where nothing fits it, plan at the smallest reachable peak (reported)
     # instead of raising (ComfyUI's "auto": its DynamicVRAM weights fill the card and are evicted on demand)
     smallest_when_short: bool = False
+    # row-local chains of a captured block (norms, rotary, modulation) run in this many pieces of each chunk's rows:
+    # a lower peak per row, more and smaller kernels (1: whole; see ``capture.pieces``)
+    row_pieces: int = 1
 
 
 _INT_MEANING = {"chunk_tokens": "rows per chunk", "ffn_slice": "MLP hidden features per slice",
-                "head_groups": "groups the K/V heads are split into"}
+                "head_groups": "groups the K/V heads are split into",
+                "row_pieces": "pieces of a chunk's rows its row-local chains run in"}
 
 
 def positive_int(value: Any, arg: str) -> int | None:
@@ -33,7 +37,8 @@ def positive_int(value: Any, arg: str) -> int | None:
     return value
 
 
-def make_options(budget, chunk_tokens, ffn_slice, head_groups, reserve, self_check, kv="device") -> StreamOptions:
+def make_options(budget, chunk_tokens, ffn_slice, head_groups, reserve, self_check, kv="device",
+                 row_pieces=None) -> StreamOptions:
     from .kv_tiers import check_kv
     kv = check_kv(kv)
     chunk_tokens = positive_int(chunk_tokens, "chunk_tokens")
@@ -44,4 +49,6 @@ def make_options(budget, chunk_tokens, ffn_slice, head_groups, reserve, self_che
         parsed: int | str | None = "auto"   # resolved when each operation is planned, from what is free then
     else:
         parsed = parse_budget(budget, None)
-    return StreamOptions(parsed, reserve, chunk_tokens, ffn_slice, bool(self_check), head_groups, kv)
+    pieces = positive_int(row_pieces, "row_pieces") or 1
+    return StreamOptions(parsed, reserve, chunk_tokens, ffn_slice, bool(self_check), head_groups, kv,
+                         row_pieces=pieces)

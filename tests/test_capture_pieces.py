@@ -34,7 +34,7 @@ def _llama():
 
 @pytest.mark.parametrize("make, gain", [(_h3, 0.97), (_llama, 1.0)], ids=["h3-modulation-rotary", "llama-norms"])
 @torch.no_grad()
-def test_row_local_runs_in_pieces_are_exact_and_smaller(make, gain, monkeypatch):
+def test_row_local_runs_in_pieces_are_exact_and_smaller(make, gain):
     """On CPU the flash kernel's tiles and the MLP exit (residual, its input and the accumulator: three rows of the
     residual's width, as many as an fp32 RMSNorm holds) bound these small blocks; the runs must not raise the peak
     anywhere, and lower it where the rotary is the worst moment (real-width figures: the meta-device planner)."""
@@ -42,12 +42,9 @@ def test_row_local_runs_in_pieces_are_exact_and_smaller(make, gain, monkeypatch)
     first = lambda out: out[0] if isinstance(out, tuple) else out  # noqa: E731
     ref = first(block(*args, **kwargs))
     peaks = {}
-    for cut in (False, True):   # without runs: every node on the whole chunk, as before they were cut
-        if not cut:
-            runs_off(monkeypatch)
-        else:
-            monkeypatch.undo()
-        handle = streamplan.apply(block, capture="prefer", chunk_tokens=400, ffn_slice=32)
+    for cut in (False, True):   # without runs (the default): every node on the whole chunk
+        handle = streamplan.apply(block, capture="prefer", chunk_tokens=400, ffn_slice=32,
+                                  row_pieces=4 if cut else None)
         block(*args, **kwargs)   # captured and planned: the measured call runs the plan alone
         out, peaks[cut] = streamplan.measure_peak(lambda: first(block(*args, **kwargs)))
         (plan,) = handle.plans[""]
@@ -55,13 +52,6 @@ def test_row_local_runs_in_pieces_are_exact_and_smaller(make, gain, monkeypatch)
         assert rel_err(out, ref) <= 1e-5
         assert plan.predicted_peak >= 0.9 * peaks[cut], (plan.predicted_peak, peaks[cut])
     assert peaks[True] <= gain * peaks[False], peaks
-
-
-def runs_off(monkeypatch) -> None:
-    """The executor and the memory model both without row-local runs."""
-    from streamplan.capture import execute, memory
-    for module in (execute, memory):
-        monkeypatch.setattr(module, "find_runs", lambda *a, **k: [])
 
 
 @torch.no_grad()
@@ -92,7 +82,7 @@ def test_a_run_writes_its_output_into_a_dead_gemm_output(monkeypatch):
             monkeypatch.setattr(pieces, "_reuse", lambda *a: {})
         else:
             monkeypatch.undo()
-        handle = streamplan.apply(block, capture="prefer", chunk_tokens=400, ffn_slice=32)
+        handle = streamplan.apply(block, capture="prefer", chunk_tokens=400, ffn_slice=32, row_pieces=4)
         block(*args, **kwargs)
         out, peaks[reuse] = streamplan.measure_peak(lambda: block(*args, **kwargs))
         (plan,) = handle.plans[""]
@@ -100,3 +90,10 @@ def test_a_run_writes_its_output_into_a_dead_gemm_output(monkeypatch):
         assert rel_err(out, ref) <= 1e-5
         assert plan.predicted_peak >= 0.9 * peaks[reuse], (plan.predicted_peak, peaks[reuse])
     assert peaks[True] < peaks[False], peaks
+
+
+def test_row_pieces_is_validated():
+    block, args, kwargs = _h3()
+    for bad in (0, -2, 1.5, "4"):
+        with pytest.raises(ValueError, match="row_pieces must be a positive int"):
+            streamplan.apply(block, row_pieces=bad)

@@ -148,8 +148,9 @@ class GraphRun:
     def __init__(self, cap: Captured, an: Analysis, ph: Phases, module: torch.nn.Module, args: tuple, kwargs: dict,
                  rows: int, attend: Callable[..., torch.Tensor], ffn_slice: int = 0,
                  regions: list[MLPRegion] | None = None, kv_store: Callable[[GlobalAttention], Any] | None = None,
-                 attend_store: Callable[..., torch.Tensor] | None = None):
+                 attend_store: Callable[..., torch.Tensor] | None = None, pieces: int = 1):
         self.cap, self.an, self.ph, self.rows, self.attend = cap, an, ph, rows, attend
+        self.pieces = pieces   # row-local runs in this many pieces of a chunk's rows (1: every node on the chunk)
         # L4/L5: each global attention's K/V go into a store (``executors.kv_store``) made by ``kv_store`` and are
         # attended block by block through ``attend_store(q, store, q_offset=, causal=, scale=)``
         self.kv_store, self.attend_store = kv_store, attend_store
@@ -278,7 +279,7 @@ class GraphRun:
         for i, node in enumerate(nodes):
             att = globals_.get(node)
             if node in pieces:
-                run_pieces(pieces[node], env, self.an, self.cap.row_symbol, self._call)
+                run_pieces(pieces[node], env, self.an, self.cap.row_symbol, self._call, self.pieces)
             elif node in regions:
                 env[node] = run_region(regions[node], env, self.ffn_slice)
             elif att is not None:
@@ -305,7 +306,7 @@ class GraphRun:
             inside = {n for r in self.regions for n in r.nodes}
             run = [n for n in nodes if n not in inside] if inside else nodes
             extra = {r.exit: [r.x, *(m for n in r.nodes for m in n.all_input_nodes)] for r in self.regions}
-            runs = find_runs(run, self.an, keep, extra)
+            runs = find_runs(run, self.an, keep, extra) if self.pieces > 1 else []
             run = schedule(run, runs)
             frees = _last_uses(run, extra={**extra, **{r.marker: r.inputs for r in runs}})
             found = self._schedules[key] = (run, frees, {r.marker: r for r in runs})

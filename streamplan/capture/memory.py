@@ -13,7 +13,6 @@ from torch import fx
 from .analyze import Analysis, Rows, _name
 from .analyze import VIEW_OPS
 from .execute import Phases, _last_uses
-from . import pieces
 from .pieces import RowRun, find_runs, schedule
 
 
@@ -42,6 +41,7 @@ class GraphMemory:
     out_bytes: int                     # the row outputs over all rows (a donated output costs nothing)
     attention_nodes: set
     analysis: Analysis
+    pieces: int = 1                    # row-local runs in this many pieces of the chunk (1: whole, no runs)
 
     def value(self, node: fx.Node, rows: int) -> int:
         return self.per_row.get(node, 0) * rows + self.static.get(node, 0)
@@ -62,7 +62,7 @@ class GraphMemory:
             for r in regions:   # the exit's own value (the accumulator) is live at the exit already
                 work[r.exit] = int(self._region_peak(r, rows) * min(1.0, ffn_slice / r.ffn))
                 reads[r.exit] = [r.x, *(m for n in r.nodes for m in n.all_input_nodes)]
-        runs = find_runs(nodes, self.analysis, keep, reads) if keep is not None else []
+        runs = find_runs(nodes, self.analysis, keep, reads) if keep is not None and self.pieces > 1 else []
         at_run = {r.marker: r for r in runs}
         nodes = schedule(nodes, runs)
         frees = _last_uses(nodes, extra={**reads, **{r.marker: r.inputs for r in runs}})
@@ -73,7 +73,7 @@ class GraphMemory:
             run = at_run.get(n)
             if run is not None:   # its outputs whole, beside one piece's values at their worst
                 outs = sum(self.value(o, rows) for o in run.outputs if o not in run.reuse)
-                peak = max(peak, live + outs + self._pieces_peak(run, -(-rows // pieces.PIECES)))
+                peak = max(peak, live + outs + self._pieces_peak(run, -(-rows // self.pieces)))
                 for o in run.outputs:   # an output in a dead input's storage keeps that storage alive
                     b = owner.get(run.reuse.get(o)) or o
                     owner[o], refs[b] = b, refs.get(b, 0) + 1
@@ -154,7 +154,7 @@ class GraphMemory:
         return self._phase(nodes, self.rows)
 
 
-def graph_memory(an: Analysis, ph: Phases, rows: int, donated_outputs: set[int]) -> GraphMemory:
+def graph_memory(an: Analysis, ph: Phases, rows: int, donated_outputs: set[int], pieces: int = 1) -> GraphMemory:
     per_row: dict[fx.Node, int] = {}
     static: dict[fx.Node, int] = {}
     allocates: dict[fx.Node, bool] = {}
@@ -192,4 +192,4 @@ def graph_memory(an: Analysis, ph: Phases, rows: int, donated_outputs: set[int])
         if isinstance(r, Rows) and i not in donated_outputs:
             v = o.meta["val"]
             out += _numel(v, r.dim) * v.element_size() * (rows + r.pre + r.post)
-    return GraphMemory(rows, per_row, static, allocates, ph, kv, out, {a.node for a in an.attentions}, an)
+    return GraphMemory(rows, per_row, static, allocates, ph, kv, out, {a.node for a in an.attentions}, an, pieces)

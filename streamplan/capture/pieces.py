@@ -12,7 +12,6 @@ from torch import fx
 
 from .analyze import _MATMUL, _SDPA, VIEW_OPS, Analysis, Rows, _name, written_args
 
-PIECES = 4   # pieces a run is cut into: its temporaries cost a quarter of the chunk's, each piece still wide on a GPU
 
 
 @dataclass(eq=False)
@@ -187,12 +186,12 @@ def schedule(nodes: list[fx.Node], runs: list[RowRun]) -> list[fx.Node]:
     return out
 
 
-def run_pieces(run: RowRun, env: dict, an: Analysis, symbol, call) -> None:
-    """The run over one chunk, a piece of its rows at a time; its outputs written into chunk-sized buffers in
+def run_pieces(run: RowRun, env: dict, an: Analysis, symbol, call, pieces: int) -> None:
+    """The run over one chunk in ``pieces`` pieces of its rows; its outputs written into chunk-sized buffers in
     ``env``. ``call(node, env)`` runs one node; sizes that count the rows count the piece's."""
     rows = next(env[m].shape[an.rows[m].dim] for m in run.inputs
                 if isinstance(an.rows.get(m), Rows) and isinstance(env[m], torch.Tensor))
-    step = -(-rows // PIECES)
+    step = -(-rows // pieces)
     outs: dict[fx.Node, torch.Tensor] = {}
     for s in range(0, rows, step):
         e = min(rows, s + step)

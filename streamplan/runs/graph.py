@@ -170,7 +170,7 @@ def _run_onloaded(handle, entry, args: tuple, kwargs: dict) -> Any:
         return plan
 
     def plan_for_budget(budget: int | None) -> Plan:
-        mem = graph_memory(an, found.phases, rows, set(donate))
+        mem = graph_memory(an, found.phases, rows, set(donate), o.row_pieces)
         order = [n for n in cap.graph.nodes if n.op == "call_function" and n not in an.ignored]
         waves, ws, attn_out, mask_bytes = Waves(), (lambda c: 0), 0, (lambda c: 0)
         if att is not None:
@@ -227,12 +227,14 @@ def _run_onloaded(handle, entry, args: tuple, kwargs: dict) -> Any:
         if not any(n.startswith("streams under") for n in entry.runtime_notes):
             handle.note(entry, f"streams under {par.label}: attention through {consumer.name}")
     run = GraphRun(cap, an, found.phases, module, args, kwargs, rows, attend,
-                   ffn_slice=plan.ffn_slice if plan.tier in SLICED_TIERS else 0, regions=regions, **stores)
+                   ffn_slice=plan.ffn_slice if plan.tier in SLICED_TIERS else 0, regions=regions,
+                   pieces=o.row_pieces, **stores)
     if par is not None:
         run._retries = 0   # a chunk retried alone would leave the other ranks waiting in its exchanges
     if plan.kv != "device" and run.kv_store is None:   # L4/L5: K/V into a store, attended block by block
         return kv_tiers.run_stored(handle, entry, sig, run, plan, device, consumer, donate, lambda: GraphRun(
-            cap, an, found.phases, module, args, kwargs, rows, attend, ffn_slice=run.ffn_slice, regions=regions))
+            cap, an, found.phases, module, args, kwargs, rows, attend, ffn_slice=run.ffn_slice, regions=regions,
+            pieces=o.row_pieces))
     if plan.tier == Tier.L3:
         run.build_grouped(plan.chunk, plan.head_groups)
     else:
