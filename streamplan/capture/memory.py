@@ -49,7 +49,7 @@ class GraphMemory:
     def _phase(self, nodes: list[fx.Node], rows: int, ffn_slice: int = 0, regions=(), at_attention: int = 0,
                workspace: int = 0, keep: set | None = None) -> int:
         """Peak bytes of one chunk of ``rows`` through ``nodes``; with ``ffn_slice`` the MLP ``regions`` hold one slice
-        of their hidden features at a time (all of the region's values at that width, alive at once: a bound);
+        of their hidden features at a time (the region's worst moment at that width, ``_region_peak``);
         ``at_attention``: bytes per row alive while a global attention runs, beside what is live there (a K/V store's
         merge); ``workspace``: bytes the attention call itself allocates then (the consumer's declaration); ``keep``
         (what the phase hands on) given: its row-local runs in pieces, as ``GraphRun`` runs them."""
