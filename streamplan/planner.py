@@ -118,6 +118,8 @@ class Plan:
     kv: str = "device"   # where K/V live between the phases: device, host (L4), int8 or fp8 (L5)
     kv_block: int = 0    # L4/L5: K/V rows read back per block in phase Q
     host_traffic: int = 0  # L4: bytes moved between host and device per call (K/V out once, back once per Q pass)
+    q: str = "chunks"    # "whole": Q built chunk by chunk into one buffer, attended in one call (a consumer that
+                         # needs every query row at once), the rest of the block streamed over the attention's output
 
     @property
     def predicted_total(self) -> int:
@@ -133,9 +135,9 @@ class Plan:
             return f"L0 stock  rows={self.rows}  peak~{fmt_bytes(self.predicted_peak)}"
         sl = f"  ffn_slice={self.ffn_slice}" if self.ffn_slice and self.tier in SLICED_TIERS else ""
         hg = f"  head_groups={self.head_groups}" if self.head_groups > 1 else ""
-        kv = ""
+        kv = "  q=whole (one attention call)" if self.q == "whole" else ""
         if self.kv != "device":
-            kv = f"  kv={self.kv} block={self.kv_block}"
+            kv += f"  kv={self.kv} block={self.kv_block}"
             kv += f" host traffic~{fmt_bytes(self.host_traffic)}" if self.host_traffic else ""
             kv += " (approximate)" if self.tier == Tier.L5 else ""
         return (f"{self.tier} rows={self.rows} chunk={self.chunk}{sl}{hg}{kv}  peak~{fmt_bytes(self.predicted_peak)}"
@@ -395,7 +397,7 @@ def plan_graph(rows: int, fixed: int, transient, stock: int, *, chunk_tokens: in
                ffn: int = 0, ffn_slice: int | None = None, kv: int = 0, attn_out: int = 0,
                groups: tuple[int, ...] = (), head_groups: int | None = None, kv_options: tuple[KVOption, ...] = (),
                kv_store: str = "device", costs: Costs = Costs(),
-               transient_kv: Callable[[int, int, int], int] | None = None) -> Plan:
+               transient_kv: Callable[[int, int, int], int] | None = None, whole_q: int = 0) -> Plan:
     """A captured block: whole buffers (``fixed``: K and V, the outputs) plus ``transient(chunk, ffn_slice)``, one
     chunk's values at their worst moment, both read off the graph. ``ffn``: the widest feature-sliceable MLP (0: none),
     for L2. L3 (``groups``: the head-group counts the graph allows): K and V of one group of heads at a time
@@ -404,7 +406,15 @@ def plan_graph(rows: int, fixed: int, transient, stock: int, *, chunk_tokens: in
     buffers and the merge); ``kv_store`` other than "device" forces that store; "device" lets the planner stage K/V to
     the host (L4, exact) below the floor, weighed against L3 by estimated time (``costs``); an approximate store (L5)
     is used only when asked for. ``transient_kv(chunk, slice, extra)``: the transient with ``extra`` bytes per row alive
-    during the attention alone (default: alive throughout)."""
+    during the attention alone (default: alive throughout). ``whole_q`` (bytes, 0: chunked Q): the consumer needs
+    every query row in one call: the whole Q and the whole attention output are held beside K, V and one chunk's
+    transient (which ``transient`` prices with the whole call's workspace), on L1/L2 plans alone (head groups and K/V
+    stores would split that call)."""
+    if whole_q:
+        if kv_store != "device":
+            raise ValueError(f"kv={kv_store!r}: the attention needs the whole Q in one call, against K/V on the device")
+        fixed, groups, head_groups, kv_options = fixed + whole_q, (), None, ()
+
     def peak(chunk: int, sl: int = 0, g: int = 1) -> int:
         grouped = (kv - kv // g - attn_out) if g > 1 else 0
         return fixed - grouped + transient(chunk, sl)
@@ -433,7 +443,8 @@ def plan_graph(rows: int, fixed: int, transient, stock: int, *, chunk_tokens: in
             blk = min(blk or min(DEFAULT_KV_BLOCK * g, max(chunk, MIN_CHUNK_TOKENS)), rows)
             return Plan(opt.tier, rows, chunk, sl, peak_kv(opt, chunk, sl, blk, g), stock, kv=opt.kind,
                         kv_block=blk, host_traffic=host_traffic(opt, rows, chunk), head_groups=g)
-        return Plan(tier, rows, chunk, sl, peak(chunk, sl, g), stock, head_groups=g)
+        return Plan(tier, rows, chunk, sl, peak(chunk, sl, g), stock, head_groups=g,
+                    q="whole" if whole_q else "chunks")
 
     def fit_kv(opt: KVOption, floor: int) -> Plan | None:
         """The fastest (Q chunk, K/V block, head groups, MLP slice) this store reaches under the budget, by the
@@ -527,6 +538,7 @@ def plan_graph(rows: int, fixed: int, transient, stock: int, *, chunk_tokens: in
     least = min([fixed + transient(min(rows, MIN_CHUNK_TOKENS), 256 if ffn > 256 else 0)]
                 + [peak(min(rows, MIN_CHUNK_TOKENS), 256 if ffn > 256 else 0, g) for g in groups]
                 + [peak_kv(o, min(rows, MIN_CHUNK_TOKENS), 256 if ffn > 256 else 0, KV_BLOCKS[-1]) for o in exact_kv])
+    held = ", the whole Q and attention output" if whole_q else ""
     raise BudgetError(f"captured block over {rows} rows: {fmt_bytes(budget)} left for it is below the smallest peak "
-                      f"streamplan can reach ({fmt_bytes(least)}: global K, V and the outputs {fmt_bytes(fixed)}, "
-                      f"and one {MIN_CHUNK_TOKENS}-row chunk)")
+                      f"streamplan can reach ({fmt_bytes(least)}: global K, V{held} and the outputs "
+                      f"{fmt_bytes(fixed)}, and one {MIN_CHUNK_TOKENS}-row chunk)")

@@ -406,24 +406,6 @@ def test_h3_streamed_contract_consumer(fresh_captures):
     assert sc.report(run).count("attention chunks to _StreamedConsumer.consume (streamed contract)") == 2
 
 
-def test_h3_opaque_override_stays_stock(fresh_captures):
-    """An override that did not opt in may need every query row at once: the H3 blocks stay stock, exactly."""
-    import streamplan.comfy as sc
-
-    def node_override(func, *args, **kwargs):
-        return func(*args, **kwargs)
-
-    base, x, cond = h3_patcher()
-    stock = sample_call(_h3_run(base, optimized_attention_override=node_override), x, cond)
-    run = _h3_run(sc.patch(base, budget=None, chunk_tokens=64, min_tokens=0),
-                  optimized_attention_override=node_override)
-    assert torch.equal(sample_call(run, x, cond), stock)
-    text = sc.report(run)
-    assert text.count("1 call(s) stock: an opaque optimized_attention_override "
-                      "(test_h3_opaque_override_stays_stock.<locals>.node_override) may need every query row at "
-                      "once") == 2, text
-
-
 def test_min_tokens_keeps_short_calls_stock():
     import streamplan.comfy as sc
     base, x, cond = wan_patcher()

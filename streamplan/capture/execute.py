@@ -339,10 +339,13 @@ class GraphRun:
                 continue
             self.kv[att.node] = (bufs[0], bufs[1])
 
-    def build_grouped(self, chunk: int, groups: int) -> None:
+    def build_grouped(self, chunk: int, groups: int, whole_q: bool = False) -> None:
         """L3: the attention's K and V built and attended for ``groups`` groups of heads in turn, each group's output
         written into one whole attention output; phase Q then reads its rows. K and V of one group exist at a time
-        (the projections before them run once per group)."""
+        (the projections before them run once per group). ``whole_q`` (one group): Q built chunk by chunk into one
+        whole buffer and attended in one call, for a consumer that needs every query row at once."""
+        if whole_q and groups != 1:
+            raise ValueError(f"a whole-Q attention is one call: {groups} head groups would make {groups}")
         att, kv_nodes = self.an.attentions[0], self.ph.kv[0]
         q_nodes = [n for n in self.ph.q if n in _ancestors([att.q], self._stop(), self.ph.writes, {})]
         out = None
@@ -358,19 +361,35 @@ class GraphRun:
                 _write_rows(bufs[0], kc, att.kv_rows, self.rows, a, b, True)
                 _write_rows(bufs[1], vc, att.kv_rows, self.rows, a, b, True)
                 del env, kc, vc
-            for a, b in spans(self.rows, chunk, self.cap.min_rows):
-                q = self._run(q_nodes, self._inputs(a, b), a, {att.q})[att.q]
-                h = q.shape[1] // groups
-                o = self.attend(q[:, g * h:(g + 1) * h], bufs[0], bufs[1], q_offset=a, causal=att.causal,
-                                scale=att.scale, **_mask_of(att, self._inputs(a, b)))
-                if out is None:
-                    shape = list(o.shape)
-                    shape[1], shape[2] = q.shape[1], self.rows
-                    out = o.new_empty(shape)
-                out[:, g * h:(g + 1) * h, a:b] = o
-                del q, o
+            if whole_q:
+                out = self._attend_whole(att, q_nodes, chunk, bufs[0], bufs[1])
+            else:
+                for a, b in spans(self.rows, chunk, self.cap.min_rows):
+                    q = self._run(q_nodes, self._inputs(a, b), a, {att.q})[att.q]
+                    h = q.shape[1] // groups
+                    o = self.attend(q[:, g * h:(g + 1) * h], bufs[0], bufs[1], q_offset=a, causal=att.causal,
+                                    scale=att.scale, **_mask_of(att, self._inputs(a, b)))
+                    if out is None:
+                        shape = list(o.shape)
+                        shape[1], shape[2] = q.shape[1], self.rows
+                        out = o.new_empty(shape)
+                    out[:, g * h:(g + 1) * h, a:b] = o
+                    del q, o
             del bufs
         self.attn_out[att.node] = out
+
+    def _attend_whole(self, att: GlobalAttention, q_nodes: list[fx.Node], chunk: int, k: torch.Tensor,
+                      v: torch.Tensor) -> torch.Tensor:
+        """Q chunk by chunk into one whole buffer, then the attention over every row in one call."""
+        q_all = None
+        for a, b in spans(self.rows, chunk, self.cap.min_rows):
+            q = self._run(q_nodes, self._inputs(a, b), a, {att.q})[att.q]
+            if q_all is None:
+                q_all = _whole(q, att.q_rows, self.rows)
+            _write_rows(q_all, q, att.q_rows, self.rows, a, b, True)
+            del q
+        mask = {} if att.mask is None else _mask_of(att, self._inputs(0, self.rows))
+        return self.attend(q_all, k, v, q_offset=0, causal=att.causal, scale=att.scale, **mask)
 
     def _stop(self) -> set[fx.Node]:
         return set(self.an.const) | {n for n in self.cap.graph.nodes if n.op == "placeholder"}

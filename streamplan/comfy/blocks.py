@@ -28,13 +28,18 @@ class BlockCalls:
     the hidden states the host hands the block (``args["img"]``); ``host_attention``: whether a call the streamer
     runs stock still gets the host's transformer_options (so an attention override is honoured there too);
     ``direct_weights``: the comfy.ops layers (names inside the block) whose weights the block reads itself without
-    calling them, left as they are when their per-call casts are taken (``weights.taken``)."""
+    calling them, left as they are when their per-call casts are taken (``weights.taken``); ``whole_attention``: for
+    a block whose stock forward makes one ComfyUI attention call (its global attention), that call as the forward
+    makes it, given the whole Q, K and V ``[B, H, N, D]`` and keywords ``transformer_options``, ``scale``, returning
+    ``[B, H, N, D]``: an opaque attention override gets it once per block call (None: such overrides keep the block
+    stock)."""
 
     streamed: Callable[[nn.Module], nn.Module] = lambda block: block
     call: Callable[[Callable, nn.Module, tuple, dict], Any] = _as_called
     img_dims: int = 3
     host_attention: bool = False
     direct_weights: tuple[str, ...] = ()
+    whole_attention: Callable[..., torch.Tensor] | None = None
 
 
 DEFAULT = BlockCalls()
@@ -85,4 +90,5 @@ def _h3_call(streamer: Callable, adapter: comfy_h3.PackedRows, args: tuple, kwar
 
 
 register_block_calls(comfy_h3.CLASS_PATH, BlockCalls(comfy_h3.PackedRows, _h3_call, img_dims=2,
-                                                     host_attention=True, direct_weights=comfy_h3.DIRECT_WEIGHTS))
+                                                     host_attention=True, direct_weights=comfy_h3.DIRECT_WEIGHTS,
+                                                     whole_attention=comfy_h3.whole_attention))

@@ -68,7 +68,7 @@ class BlockState:
     key: tuple
     streamer: Any = None
     streamed: Any = None                                      # the module the streamer runs (the block or an adapter)
-    consumer: str = ""                                        # who attended the last streamed call's chunks
+    consumer: str = ""                                        # what attended the last streamed call (report)
     module_id: int | None = None
     streamed_calls: int = 0
     stock_calls: int = 0
@@ -130,7 +130,7 @@ def _unsupported_options(options: dict, calls: BlockCalls) -> str | None:
         if not calls.host_attention:
             return ("an optimized_attention_override is set (a registered attention function or a node's override): "
                     "streamed only for blocks whose stock runs keep it (MiniMax-H3 today)")
-        why = override_problem(options)
+        why = override_problem(options, calls.whole_attention)
         if why:
             return why
     patches = options.get("patches") or {}
@@ -182,14 +182,15 @@ class _StreamedCall:
                     self.block.notes.add(held.note())
                 self.block.taken_bytes = held.new_bytes
                 self._budget(o, args, kwargs, x.device, held.new_bytes)
-                consumer = ComfyAttention(COMFY_CAPS, kwargs.get("transformer_options") or {}, self.block.key[1])
+                consumer = ComfyAttention(COMFY_CAPS, kwargs.get("transformer_options") or {}, self.block.key[1],
+                                          self.calls.whole_attention)
                 with graph_consumer_scope(consumer):
                     out = self.calls.call(self.block.streamer, self.block.streamed, args, kwargs)
         if isinstance(out, str):
             self.block.stock(out)
             return self.module(*args, **kwargs)
         self.block.streamed_calls += 1
-        self.block.consumer = consumer.label
+        self.block.consumer = consumer.phrase
         return out
 
     def _budget(self, o: Options, args: tuple, kwargs: dict, device: Any, taken_bytes: int) -> None:
@@ -298,8 +299,9 @@ def patch(model_patcher, budget: int | str | None = "auto", chunk_tokens: int | 
 
     One "dit" block replacement per block index (``clone.set_model_patch_replace``): a call with at least
     ``min_tokens`` sequence rows runs the block through a streamer (created at its first such call, kept by the clone);
-    shorter calls, and calls streamplan cannot stream (opaque attention overrides, block-level patches), run the
-    original block, counted in the report. A block whose replacement another node already holds is left to it.
+    shorter calls, and calls streamplan cannot stream (block-level patches, opaque attention overrides on a block
+    that registers no full-Q call: MiniMax-H3's gives one the whole Q once), run the original block, counted in the
+    report. A block whose replacement another node already holds is left to it.
     Weights ComfyUI casts per call (lowvram offload, DynamicVRAM, LoRA applied per call, manual casting) are taken once
     per block call through comfy.ops' own cast path and held for its chunks (``weights``). A ``DIFFUSION_MODEL``
     wrapper (``forwards``) sees every model call: a new sampling run re-plans the blocks, and ComfyUI 0.33.0's Wan,
@@ -389,7 +391,7 @@ def report(patched) -> str:
             if b.streamed_calls:
                 parts.append(f"{b.streamed_calls} call(s) through the streamer")
                 if b.consumer:
-                    parts.append(f"attention chunks to {b.consumer}")
+                    parts.append(b.consumer)
                 entry = b.streamer.entry if b.streamer is not None else None
                 if entry is None or any(n.startswith("ran stock") for n in entry.runtime_notes):
                     parts.append("which ran stock at least once (the reason is below)")

@@ -92,10 +92,11 @@ def graph_consumer_scope(consumer: AttentionConsumer) -> Iterator[None]:
 
 
 def unsupported(consumer: AttentionConsumer, *, heads: int, kv_heads: int, head_dim: int, causal: bool,
-                mask: torch.Tensor | None, dtype: torch.dtype) -> str | None:
-    """Why this consumer cannot take this call in bounded Q chunks, or None."""
+                mask: torch.Tensor | None, dtype: torch.dtype, whole_q: bool = False) -> str | None:
+    """Why this consumer cannot take this call in bounded Q chunks (``whole_q``: in one call with every query row),
+    or None."""
     caps = consumer.caps
-    if not caps.bounded_q:
+    if not caps.bounded_q and not whole_q:
         return f"attention backend {consumer.name} needs the whole Q"
     if heads != kv_heads and not caps.gqa:
         return f"attention backend {consumer.name} does not take grouped K/V heads"

@@ -5,16 +5,19 @@ PyTorch, ...) with the call's ``transformer_options``, so an ``optimized_attenti
 ``ModelPatcher.set_model_optimized_attention`` installed for a registered attention function still serves it. Those
 functions attend each query row on its own, so a bounded Q chunk against the whole K and V is exact.
 
-Any other override is opaque (it may need every query row at once, or count calls): it is served only if it opts in
-to the streamed contract (``supports_streamed_h3_qkv = True`` and ``consume(q_chunk=, global_k=, global_v=, q_start=,
-q_total=, layer_index=, transformer_options=)`` returning ``q_chunk``'s shape; tensors ``[batch, heads, rows,
-head_dim]``); otherwise the block stays stock, saying so (``override_problem``).
+Any other override is opaque (it may need every query row at once, or count calls). One that opts in to the streamed
+contract (``supports_streamed_h3_qkv = True`` and ``consume(q_chunk=, global_k=, global_v=, q_start=, q_total=,
+layer_index=, transformer_options=)`` returning ``q_chunk``'s shape; tensors ``[batch, heads, rows, head_dim]``) gets
+the Q chunks. One that does not gets the call stock would make, once, with the whole Q (the consumer needs the whole
+Q: the executor builds Q chunk by chunk into one buffer and streams the rest of the block), where the block's family
+registered that call (``BlockCalls.whole_attention``: the block's one attention call as its stock forward makes it);
+otherwise the block stays stock, saying so (``override_problem``).
 
 Nothing here imports ComfyUI until a chunk is attended (or an override is judged)."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -23,15 +26,26 @@ MASKS = frozenset({"additive"})
 OVERRIDE_KEY = "optimized_attention_override"
 
 
-def override_problem(options: dict) -> str | None:
-    """Why this call's attention override cannot take bounded Q chunks, or None (no override, a registered
-    attention function set through ComfyUI, or an override that opted in to the streamed contract)."""
+def override_problem(options: dict, whole_call: Callable | None = None) -> str | None:
+    """Why this call's attention override cannot be served, or None (no override, a registered attention function set
+    through ComfyUI, an override that opted in to the streamed contract, or an opaque one given ``whole_call``, the
+    block's stock attention call, to take once with the whole Q)."""
     override = options.get(OVERRIDE_KEY)
-    if override is None or _opted_in(override) or _registered_function(override) is not None:
+    if override is None or _opaque(override) is None or whole_call is not None:
         return None
-    name = getattr(override, "__qualname__", type(override).__qualname__)
-    return (f"an opaque optimized_attention_override ({name}) may need every query row at once: the block stays "
-            f"stock (an override opts in with {CONTRACT_FLAG} = True and consume(...))")
+    return (f"an opaque optimized_attention_override ({_name(override)}) may need every query row at once: the block "
+            f"stays stock (an override opts in with {CONTRACT_FLAG} = True and consume(...); a full-Q call is made "
+            f"only for blocks that register their one stock attention call: MiniMax-H3 today)")
+
+
+def _name(override: Any) -> str:
+    return getattr(override, "__qualname__", type(override).__qualname__)
+
+
+def _opaque(override: Any) -> Any:
+    """``override`` when it is opaque (neither opted in to the streamed contract nor a registered function), else
+    None."""
+    return None if _opted_in(override) or _registered_function(override) is not None else override
 
 
 def _opted_in(override: Any) -> bool:
@@ -56,18 +70,32 @@ def _registered_function(override: Any):
 
 
 class ComfyAttention:
-    """One block call's attention: ``attend`` takes a Q chunk ``[B, H, c, D]`` and the whole K, V ``[B, H, N, D]``."""
+    """One block call's attention: ``attend`` takes a Q chunk ``[B, H, c, D]`` and the whole K, V ``[B, H, N, D]``
+    (with an opaque override and the block's ``whole_call``: the whole Q, once)."""
 
     name = "comfyui"
 
-    def __init__(self, caps, transformer_options: dict, layer_index: int):
+    def __init__(self, caps, transformer_options: dict, layer_index: int, whole_call: Callable | None = None):
         self.options = transformer_options
         self.layer_index = layer_index
         override = transformer_options.get(OVERRIDE_KEY)
         self.contract = override if override is not None and _opted_in(override) else None
+        self.opaque = _opaque(override) if override is not None and self.contract is None else None
+        self.whole_call = whole_call if self.opaque is not None else None
         # ComfyUI's attention functions take an additive mask broadcast over [batch, heads, queries, keys] (each Q
-        # chunk gets its rows of it, or the whole of a mask over the keys alone); the streamed contract takes none
-        self.caps = dataclasses.replace(caps, masks=caps.masks | MASKS if self.contract is None else frozenset())
+        # chunk gets its rows of it, or the whole of a mask over the keys alone); the streamed contract and the
+        # block's stock call (which passes none) take none
+        plain = self.contract is None and self.whole_call is None
+        self.caps = dataclasses.replace(caps, masks=caps.masks | MASKS if plain else frozenset(),
+                                        bounded_q=self.whole_call is None)
+
+    @property
+    def phrase(self) -> str:
+        """What attended the streamed call, for reports."""
+        if self.whole_call is not None:
+            return (f"attention in one call with the whole Q to {_name(self.opaque)}: full Q for an opaque attention "
+                    f"override")
+        return f"attention chunks to {self.label}"
 
     @property
     def label(self) -> str:
@@ -81,9 +109,9 @@ class ComfyAttention:
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_offset: int, causal: bool,
                mask: torch.Tensor | None, scale: float | None) -> torch.Tensor:
-        if causal or (mask is not None and self.contract is not None):   # caps refuse these: a bug upstream
+        if causal or (mask is not None and not self.caps.masks):   # caps refuse these: a bug upstream
             raise ValueError("ComfyUI's attention consumer takes no causal attention, nor masks for the streamed "
-                             "contract")
+                             "contract or an opaque override's call")
         if self.contract is not None:
             out = self.contract.consume(q_chunk=q, global_k=k, global_v=v, q_start=q_offset, q_total=k.shape[-2],
                                         layer_index=self.layer_index, transformer_options=self.options)
@@ -91,6 +119,11 @@ class ComfyAttention:
                 raise ValueError(f"{type(self.contract).__qualname__}.consume returned "
                                  f"{getattr(out, 'shape', type(out).__name__)}, expected q_chunk's {tuple(q.shape)}")
             return out
+        if self.whole_call is not None:
+            if q_offset or q.shape[-2] != k.shape[-2]:   # the executor gives the whole Q here: a bug upstream
+                raise ValueError(f"an opaque override takes the whole Q: got rows {q_offset}.. of {q.shape[-2]} "
+                                 f"against {k.shape[-2]} keys")
+            return self.whole_call(q, k, v, transformer_options=self.options, scale=scale)
         from comfy.ldm.modules.attention import optimized_attention
         extra = {} if scale is None else {"scale": scale}
         if mask is not None:

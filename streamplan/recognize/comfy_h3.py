@@ -90,3 +90,18 @@ def _trace_attention(func: Callable, *args: Any, **kwargs: Any) -> Any:
     attention consumer the host picked (ComfyUI's ``optimized_attention``)."""
     from comfy.ldm.modules.attention import attention_pytorch
     return attention_pytorch(*args, **kwargs)
+
+
+def whole_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, transformer_options: dict,
+                    scale: float | None) -> torch.Tensor:
+    """``Attention.forward``'s one attention call as ComfyUI 0.33.0 makes it (tensor containers, ``mask=None``,
+    ``skip_reshape``, the output as ``[1, rows, heads * head_dim]``), given the whole Q, K and V ``[1, heads, rows,
+    head_dim]``: an opaque attention override sees the call the stock block makes. Returns ``[1, heads, rows,
+    head_dim]``, as the captured graph's attention."""
+    from comfy.ldm.modules.attention import AttentionTensorContainer, optimized_attention
+    if scale is not None and abs(scale - q.shape[-1] ** -0.5) > 1e-12 * q.shape[-1] ** -0.5:
+        raise ValueError(f"DiTBlock attends at the default scale, the graph gives {scale}")
+    b, heads, rows, dim = q.shape
+    out = optimized_attention(AttentionTensorContainer(q), AttentionTensorContainer(k), AttentionTensorContainer(v),
+                              heads, mask=None, skip_reshape=True, transformer_options=transformer_options)
+    return out.view(b, rows, heads, dim).transpose(1, 2)

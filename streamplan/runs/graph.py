@@ -30,15 +30,27 @@ def run_graph(handle, entry, args: tuple, kwargs: dict) -> Any:
         return _run_onloaded(handle, entry, args, kwargs)
 
 
-def head_groups_allowed(found) -> tuple[int, ...]:
-    """Head-group counts L3 can use on a captured block: one global attention, its rows without static ones, no
-    writes into the block's inputs (each group reruns the projections), and groups dividing the K/V heads."""
+def whole_output_problem(found) -> str | None:
+    """Why the captured block's attention output cannot be built whole before phase Q reads its rows (L3, and a
+    consumer that needs the whole Q), or None: one global attention, no static rows, Q ``[batch, heads, rows, dim]``."""
     an = found.analysis
-    if len(an.attentions) != 1 or an.input_writes or found.static_rows:
-        return ()
+    if len(an.attentions) != 1:
+        return f"the block has {len(an.attentions)} global attentions, not one"
+    if found.static_rows:
+        return f"{found.static_rows} static rows are joined to the block's rows"
     att = an.attentions[0]
     if att.q_rows is None or (att.q_rows.pre, att.q_rows.post) != (0, 0) or att.q_rows.dim != 2:
+        return "its Q is not [batch, heads, rows, head_dim] over the block's rows alone"
+    return None
+
+
+def head_groups_allowed(found) -> tuple[int, ...]:
+    """Head-group counts L3 can use on a captured block: its attention output built whole (``whole_output_problem``),
+    no writes into the block's inputs (each group reruns the projections), and groups dividing the K/V heads."""
+    an = found.analysis
+    if whole_output_problem(found) or an.input_writes:
         return ()
+    att = an.attentions[0]
     kv_heads, heads = att.k.meta["val"].shape[1], att.q.meta["val"].shape[1]
     if not isinstance(kv_heads, int) or not isinstance(heads, int):
         return ()
@@ -109,11 +121,20 @@ def _run_onloaded(handle, entry, args: tuple, kwargs: dict) -> Any:
         if why:
             handle.note(entry, f"ran stock (its mask built whole): {why}")
             return stock()
+    whole_q = att is not None and not consumer.caps.bounded_q   # one attention call with every query row
+    if whole_q:
+        why = (whole_output_problem(found) or ("a row mask is built per Q chunk" if row_mask is not None else None)
+               or ("under sequence parallelism" if par is not None else None)
+               or ("its K/V go to a cache" if adapted is not None else None))
+        if why:
+            handle.note(entry, f"ran stock: attention backend {consumer.name} needs the whole Q in one call, and {why}")
+            return stock()
     if att is not None:
         qv, kv_ = att.q.meta["val"], att.k.meta["val"]
         given = att.mask.meta["val"] if att.mask is not None else None   # a mask input the graph attends with
         why = unsupported(consumer, heads=qv.shape[1], kv_heads=kv_.shape[1], head_dim=qv.shape[-1],
-                          causal=att.causal, mask=_BOOL_MASK if row_mask is not None else given, dtype=qv.dtype)
+                          causal=att.causal, mask=_BOOL_MASK if row_mask is not None else given, dtype=qv.dtype,
+                          whole_q=whole_q)
         if why:
             handle.note(entry, f"ran stock: {why}")
             return stock()
@@ -127,7 +148,7 @@ def _run_onloaded(handle, entry, args: tuple, kwargs: dict) -> Any:
     o = handle.options
     regions = found.mlp_regions
     # L3 keeps no whole K/V to hand back to a cache; under sequence parallelism head groups would change the exchanges
-    groups = head_groups_allowed(found) if adapted is None and par is None else ()
+    groups = head_groups_allowed(found) if adapted is None and par is None and not whole_q else ()
     if adapted is not None and (len(an.attentions) != 1 or an.attentions[0].k.meta["val"].shape[1]
                                 != adapted.kv_heads):
         handle.note(entry, "ran stock: the graph's K/V are not the ones its cache would hold")
@@ -151,6 +172,8 @@ def _run_onloaded(handle, entry, args: tuple, kwargs: dict) -> Any:
             donate[0] = x
     device = tensors[0].device
     sig = (shapes(args, kwargs), tensors[0].dtype, device.type, bool(donate))
+    if whole_q:   # planned apart from chunked-Q calls of the same shapes
+        sig += ("whole q",)
     if row_mask is not None:
         sig += (("row mask", row_mask.window),)
         handle.note(entry, "its attention mask built a Q chunk's rows at a time, against the keys they can see"
@@ -162,6 +185,8 @@ def _run_onloaded(handle, entry, args: tuple, kwargs: dict) -> Any:
         kv_args = {}
     if row_mask is not None or (att is not None and att.mask is not None):   # masked chunks attend K/V on the
         kv_args = {}                                                          # device (no store takes their masks yet)
+    if whole_q:   # the one call attends K/V on the device
+        kv_args = {}
 
     def make_plan(budget: int | None) -> Plan:
         budget = parallel.agreed_budget(budget, par, device)   # the fullest rank's (collective under CP)
@@ -194,9 +219,15 @@ def _run_onloaded(handle, entry, args: tuple, kwargs: dict) -> Any:
             elif att.mask_query_rows:   # a given mask's chunk rows are views; the kernel's additive copy is not
                 mask_bytes = functools.partial(_given_mask_bytes, given, qv.element_size(), rows)
             out_val = att.node.meta["val"]
-            attn_out = numel_besides(out_val, 2) * rows * out_val.element_size() if groups else 0
-        return plan_graph(rows, mem.kv_bytes + mem.out_bytes,
-                          lambda c, sl: mem.transient(c, sl, regions, workspace=ws(c)) + mask_bytes(c),
+            attn_out = numel_besides(out_val, 2) * rows * out_val.element_size() if groups or whole_q else 0
+        q_whole = numel_besides(qv, 2) * rows * qv.element_size() + attn_out if whole_q else 0
+
+        def transient(c: int, sl: int) -> int:   # a whole-Q call: its workspace for every row, not the chunk's
+            if whole_q:
+                return max(mem.transient(c, sl, regions), ws(rows))
+            return mem.transient(c, sl, regions, workspace=ws(c)) + mask_bytes(c)
+
+        return plan_graph(rows, mem.kv_bytes + mem.out_bytes, transient,
                           mem.stock(order) + mask_bytes(rows) + ws(rows),   # stock's one call has its workspace too
                           chunk_tokens=o.chunk_tokens, budget=budget,
                           min_chunk=UTILISATION_FLOOR.get(device.type, 0), waves=waves,
@@ -204,7 +235,7 @@ def _run_onloaded(handle, entry, args: tuple, kwargs: dict) -> Any:
                           kv=mem.kv_bytes, attn_out=attn_out, groups=groups, head_groups=o.head_groups,
                           transient_kv=lambda c, sl, extra: (mem.transient(c, sl, regions, extra, ws(c))
                                                              + mask_bytes(c)),
-                          **kv_args)
+                          whole_q=q_whole, **kv_args)
 
     plan = handle.plan_for(entry, sig, make_plan, args, kwargs, device)
     if plan.tier == Tier.L0:
@@ -235,8 +266,8 @@ def _run_onloaded(handle, entry, args: tuple, kwargs: dict) -> Any:
         return kv_tiers.run_stored(handle, entry, sig, run, plan, device, consumer, donate, lambda: GraphRun(
             cap, an, found.phases, module, args, kwargs, rows, attend, ffn_slice=run.ffn_slice, regions=regions,
             pieces=o.row_pieces))
-    if plan.tier == Tier.L3:
-        run.build_grouped(plan.chunk, plan.head_groups)
+    if plan.tier == Tier.L3 or plan.q == "whole":   # the attention output whole, read by rows in phase Q
+        run.build_grouped(plan.chunk, plan.head_groups, whole_q=plan.q == "whole")
     else:
         run.build_kv(plan.chunk)
     kv = run.kv[att.node] if adapted is not None else None   # phase Q lets go of its buffers: keep them

@@ -1,0 +1,119 @@
+"""An opaque ComfyUI ``optimized_attention_override`` (one that did not opt in to the streamed contract) under
+``streamplan.comfy.patch``: the block's attention is made once per block call with the whole Q, as stock makes it,
+and the rest of the block streams; blocks that cannot take that call stay stock, saying why. The override here is the
+user's code, registered the way ComfyUI nodes register one (``transformer_options["optimized_attention_override"]``)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import streamplan
+from conftest import rel_err
+from test_comfy import _block_lines, _h3_run, fresh_captures, h3_patcher, sample_call, wan_patcher  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("fresh_captures")
+FULL_Q = "full Q for an opaque attention override"
+
+
+def _override(calls: list):
+    """A node's override: attends through ComfyUI's own function, noting what each call was given."""
+
+    def node_override(func, *args, **kwargs):
+        options = kwargs["transformer_options"]
+        calls.append((tuple(tuple(t.shape) for t in args[:3]), args[3:], sorted(kwargs),
+                      options.get("block_index"), options.get("optimized_attention_override") is node_override))
+        return func(*args, **kwargs)
+
+    return node_override
+
+
+def test_h3_opaque_override_gets_one_full_q_call():
+    """H3's blocks stream with the attention made once per block call with all 279 query rows, the override seeing
+    the call stock makes (same tensors' shapes, arguments, transformer_options); output within fp32 1e-5 of stock with
+    the same override, measured peak below stock's, the report naming the override."""
+    import streamplan.comfy as sc
+    calls: list = []
+    override = _override(calls)
+    base, x, cond = h3_patcher()
+    stock, stock_peak = streamplan.measure_peak(
+        sample_call, _h3_run(base, optimized_attention_override=override), x, cond)
+    stock_calls = list(calls)
+    assert [c[0][0] for c in stock_calls] == [(1, 2, 279, 32)] * 2, stock_calls   # one call per block, whole Q
+    calls.clear()
+    run = _h3_run(sc.patch(base, budget=None, chunk_tokens=64, min_tokens=0), optimized_attention_override=override)
+    out, peak = streamplan.measure_peak(sample_call, run, x, cond)
+    assert rel_err(out, stock) <= 1e-5
+    assert calls == stock_calls, (calls, stock_calls)
+    assert peak < stock_peak, (peak, stock_peak)
+    text = sc.report(run)
+    sections = _block_lines(text)
+    for name in ("double_block.0", "double_block.1"):
+        assert sections[name].startswith(f"  {name}: 1 call(s) through the streamer"), text
+        assert (f"attention in one call with the whole Q to _override.<locals>.node_override: "
+                f"{FULL_Q}") in sections[name], text
+        assert "L1 rows=279 chunk=64  q=whole (one attention call)" in sections[name], text
+        assert "ran stock" not in sections[name], text
+
+
+def test_planner_prices_the_whole_q():
+    """A consumer that needs every query row in one call: the plan holds the whole Q and attention output beside K, V
+    and one chunk's transient, never splits the call into head groups or K/V blocks, and a budget that held chunked Q
+    takes a smaller chunk or none."""
+    from streamplan.planner import BudgetError, KVOption, Tier, plan_graph
+    rows, fixed, whole = 8192, 1000, 4000
+
+    def transient(c: int, sl: int) -> int:
+        return c
+
+    def plan(**kw):
+        return plan_graph(rows, fixed, transient, 10 ** 9, kv=800, attn_out=300, groups=(2, 4),
+                          kv_options=(KVOption("host", Tier.L4, 0, 1, 1, host_bytes=800),), **kw)
+
+    chunked = plan(budget=fixed + 4096)
+    assert (chunked.tier, chunked.chunk, chunked.q) == (Tier.L1, 4096, "chunks")
+    whole_plan = plan(budget=fixed + whole + 4096, whole_q=whole)
+    assert (whole_plan.tier, whole_plan.chunk, whole_plan.q, whole_plan.head_groups, whole_plan.kv) == (
+        Tier.L1, 4096, "whole", 1, "device")
+    assert whole_plan.predicted_peak == fixed + whole + 4096
+    assert "q=whole" in whole_plan.describe()
+    assert 768 <= plan(budget=fixed + whole + 1024, whole_q=whole).chunk <= 1024 < plan(budget=fixed + 4096).chunk
+    with pytest.raises(BudgetError):   # L3 and L4 would fit; neither takes one whole-Q call
+        plan(budget=fixed + whole // 2, whole_q=whole)
+    assert plan(chunk_tokens=512, whole_q=whole).q == "whole"
+    assert plan(head_groups=2, chunk_tokens=512, whole_q=whole).head_groups == 1
+
+
+def test_opaque_override_on_the_streamed_contract_path_unchanged():
+    """The chunked paths are not touched: no override, Q chunks to ComfyUI's attention (no whole-Q plan)."""
+    import streamplan.comfy as sc
+    base, x, cond = h3_patcher()
+    stock = sample_call(_h3_run(base), x, cond)
+    run = _h3_run(sc.patch(base, budget=None, chunk_tokens=64, min_tokens=0))
+    assert torch.equal(sample_call(run, x, cond), stock)
+    text = sc.report(run)
+    assert FULL_Q not in text and "q=whole" not in text, text
+
+
+def test_wan_opaque_override_stays_stock():
+    """A Wan block's stock forward calls the attention twice (self and text cross-attention) and its stock runs inside
+    the streamer do not keep transformer_options: one full-Q call would hide the cross-attention from the override.
+    The block stays stock, exactly, the override called as stock calls it, the reason reported."""
+    import streamplan.comfy as sc
+    calls: list = []
+    override = _override(calls)
+    base, x, cond = wan_patcher(layers=1)
+    stock_run = base.clone()
+    stock_run.model_options["transformer_options"]["optimized_attention_override"] = override
+    stock = sample_call(stock_run, x, cond)
+    stock_calls = list(calls)
+    assert len(stock_calls) == 2, stock_calls
+    calls.clear()
+    run = sc.patch(base, budget=None, chunk_tokens=64, min_tokens=0)
+    run.model_options["transformer_options"]["optimized_attention_override"] = override
+    assert torch.equal(sample_call(run, x, cond), stock)
+    assert calls == stock_calls
+    assert "1 call(s) stock: an optimized_attention_override is set" in sc.report(run), sc.report(run)
+
+
+if __name__ == "__main__":
+    pytest.main([__file__])
