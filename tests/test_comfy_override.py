@@ -4,6 +4,8 @@ and the rest of the block streams; blocks that cannot take that call stay stock,
 user's code, registered the way ComfyUI nodes register one (``transformer_options["optimized_attention_override"]``)."""
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -27,11 +29,22 @@ def _override(calls: list):
     return node_override
 
 
-def test_h3_opaque_override_gets_one_full_q_call():
+def test_h3_opaque_override_gets_one_full_q_call(monkeypatch):
     """H3's blocks stream with the attention made once per block call with all 279 query rows, the override seeing
     the call stock makes (same tensors' shapes, arguments, transformer_options); output within fp32 1e-5 of stock with
-    the same override, measured peak below stock's, the report naming the override."""
+    the same override, measured peak below stock's, each block call's measured peak within its plan's prediction
+    (whole Q + K + V + attention output + one chunk), the report naming the override."""
     import streamplan.comfy as sc
+    block_peaks: list = []
+    streamed_call = sys.modules["streamplan.comfy.patch"]._StreamedCall
+    through = streamed_call.__call__
+
+    def measured(self, *args, **kwargs):
+        out, peak = streamplan.measure_peak(through, self, *args, **kwargs)
+        block_peaks.append(peak)
+        return out
+
+    monkeypatch.setattr(streamed_call, "__call__", measured)
     calls: list = []
     override = _override(calls)
     base, x, cond = h3_patcher()
@@ -53,6 +66,11 @@ def test_h3_opaque_override_gets_one_full_q_call():
                 f"{FULL_Q}") in sections[name], text
         assert "L1 rows=279 chunk=64  q=whole (one attention call)" in sections[name], text
         assert "ran stock" not in sections[name], text
+    plans = [p for r in run.model_options["transformer_options"]["patches_replace"]["dit"].values()
+             for ps in r.state.blocks[r.key].streamer.handle.plans.values() for p in ps]
+    assert [p.q for p in plans] == ["whole", "whole"] and len(block_peaks) == 2, plans
+    for plan, peak in zip(plans, block_peaks):
+        assert 0.9 * plan.predicted_peak <= peak <= plan.predicted_peak, (block_peaks, plans)
 
 
 def test_planner_prices_the_whole_q():
