@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import streamplan
+from streamplan.planner import Tier
 from conftest import rel_err
 from test_comfy import _block_lines, _h3_run, fresh_captures, h3_patcher, sample_call, wan_patcher  # noqa: F401
 
@@ -135,3 +136,48 @@ def test_wan_opaque_override_stays_stock():
 
 if __name__ == "__main__":
     pytest.main([__file__])
+
+
+def _whole_q_consumer():
+    """A third-party consumer that needs every query row at once (``ConsumerCaps(bounded_q=False)``)."""
+    import dataclasses
+
+    from conftest import RecordingConsumer
+    consumer = RecordingConsumer()
+    consumer.caps = dataclasses.replace(consumer.caps, bounded_q=False)
+    return consumer
+
+
+@pytest.mark.parametrize("name", ["wan", "flux_double"])
+@torch.no_grad()
+def test_a_consumer_that_needs_the_whole_q_outside_comfyui(name):
+    """The executor's path is not ComfyUI's alone: a registered consumer without bounded Q gets one call with every
+    query row on a block with one global attention (diffusers' Wan block: exact, the rest streamed); a block whose
+    text rows are joined to its own (diffusers' Flux double block) stays stock, saying why."""
+    from streamplan.catalogue.diffusers_cases import CASES
+    from streamplan.consumers import graph_consumer_scope
+    pytest.importorskip("diffusers")
+    torch.manual_seed(0)
+    module = CASES[name].build()
+    rows = 1024
+    args, kwargs = CASES[name].inputs(rows, torch.device("cpu"), torch.float32)
+    ref = module(*args, **kwargs)
+    consumer = _whole_q_consumer()
+    handle = streamplan.apply(module, chunk_tokens=256, capture="prefer")
+    try:
+        with graph_consumer_scope(consumer):
+            out = module(*args, **kwargs)
+        text = handle.report()
+        if name == "wan":
+            (plan,) = handle.plans[""]
+            assert (plan.tier, plan.q, plan.chunk) == (Tier.L1, "whole", 256), text
+            assert consumer.calls == [(rows, 0, rows, False)], consumer.calls
+            assert rel_err(out, ref) <= 1e-5
+        else:
+            assert consumer.calls == [], consumer.calls
+            assert "ran stock: attention backend recording needs the whole Q in one call, and" in text, text
+            assert "static rows are joined" in text, text
+            for a, b in zip(out, ref):
+                assert torch.equal(a, b)
+    finally:
+        handle.remove()
