@@ -89,12 +89,17 @@ class GraphMemory:
                     refs[base] += 1
             peak = max(peak, live + work.get(n, 0))
             for m in frees.get(i, ()):
-                if m in owner:
-                    b = owner.pop(m)
-                    refs[b] -= 1
-                    if refs[b] == 0:
-                        live -= self.value(b, rows)
+                live -= self._release(owner, refs, m, rows)
         return peak
+
+    def _release(self, owner: dict, refs: dict, m: fx.Node, rows: int) -> int:
+        """Bytes freed when ``m`` dies: its storage's, once no other value (a view, an output written into it) holds
+        that storage."""
+        if m not in owner:
+            return 0
+        b = owner.pop(m)
+        refs[b] -= 1
+        return self.value(b, rows) if refs[b] == 0 else 0
 
     def _pieces_peak(self, run: RowRun, rows: int) -> int:
         """One piece of ``rows`` rows through a run: its values, each freed after its last use in the run (a view keeps
@@ -113,11 +118,7 @@ class GraphMemory:
                 live += self.value(n, rows)
             peak = max(peak, live)
             for m in run.dead.get(i, ()):
-                if m in owner:
-                    b = owner.pop(m)
-                    refs[b] -= 1
-                    if refs[b] == 0:
-                        live -= self.value(b, rows)
+                live -= self._release(owner, refs, m, rows)
         return peak
 
     def _region_peak(self, r, rows: int) -> int:

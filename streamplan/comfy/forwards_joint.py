@@ -20,6 +20,8 @@ HunyuanVideo's guiding frame (modulation per row range) and reference latent. Hu
 (condition-type embedding, ByT5 and vision rows, meanflow's second timestep) are followed."""
 from __future__ import annotations
 
+import functools
+
 from typing import Any
 
 import torch
@@ -55,18 +57,18 @@ def join(buf: torch.Tensor, txt: torch.Tensor, chunk: int) -> torch.Tensor:
     return hidden
 
 
-def _mask_for(blocks_replace: dict, key: tuple, mask: Any, own_mask: Any) -> Any:
-    return own_mask if getattr(blocks_replace[key], "streamplan_donates", False) else mask
-
-
-def _replaced(blocks_replace: dict, key: tuple, args: dict, block_wrap, donated: torch.Tensor) -> tuple[dict, bool]:
-    """One block through its "dit" replacement, with ``donated`` (a view of the buffer) donated when the replacement
-    is streamplan's own."""
-    replacement = blocks_replace[key]
+def _block(blocks_replace: dict, key: tuple, block_wrap, rows: torch.Tensor, mask: Any, own_mask: Any,
+           make_args) -> tuple[dict, bool]:
+    """One block call: through its "dit" replacement where one is set (streamplan's own gets ``rows``, a view of the
+    buffer, donated and the mask as its blocks take it), else the host's stock call, its ``block_wrap``. Returns the
+    block's output and whether ``rows`` was donated."""
+    replacement = blocks_replace.get(key)
+    if replacement is None:
+        return block_wrap(make_args(mask)), False
     if getattr(replacement, "streamplan_donates", False):
-        with donate(donated):
-            return replacement(args, {"original_block": block_wrap}), True
-    return replacement(args, {"original_block": block_wrap}), False
+        with donate(rows):
+            return replacement(make_args(own_mask), {"original_block": block_wrap}), True
+    return replacement(make_args(mask), {"original_block": block_wrap}), False
 
 
 class Joint:
@@ -111,18 +113,11 @@ class Joint:
             vec = vec_of("double", i)
             if vec is None:
                 continue
-            if ("double_block", i) in blocks_replace:
-                args = cls.double_args(img, txt, vec, pe, _mask_for(blocks_replace, ("double_block", i), mask,
-                                                                    own_mask), options)
-                out, gave = _replaced(blocks_replace, ("double_block", i), args, cls.double_wrap(block), img)
-                del args
-                donated += gave
-                img_out, txt_out = out["img"], out["txt"]
-                del out
-            else:   # the host's stock call is its block_wrap's
-                out = cls.double_wrap(block)(cls.double_args(img, txt, vec, pe, mask, options))
-                img_out, txt_out = out["img"], out["txt"]
-                del out
+            out, gave = _block(blocks_replace, ("double_block", i), cls.double_wrap(block), img, mask, own_mask,
+                               functools.partial(cls.double_args, img, txt, vec, pe, options=options))
+            donated += gave
+            img_out, txt_out = out["img"], out["txt"]
+            del out
             _into(img, img_out)
             txt = txt_out   # text-sized: the block's own (stock blocks update it in place, fp16 cleans a copy)
             del img_out, txt_out
@@ -144,15 +139,10 @@ class Joint:
             vec = vec_of("single", i)
             if vec is None:
                 continue
-            if ("single_block", i) in blocks_replace:
-                args = cls.single_args(hidden, vec, pe, _mask_for(blocks_replace, ("single_block", i), mask,
-                                                                  own_mask), options)
-                out, gave = _replaced(blocks_replace, ("single_block", i), args, cls.single_wrap(block), hidden)
-                del args
-                donated += gave
-                out = out["img"]
-            else:
-                out = cls.single_wrap(block)(cls.single_args(hidden, vec, pe, mask, options))["img"]
+            out, gave = _block(blocks_replace, ("single_block", i), cls.single_wrap(block), hidden, mask, own_mask,
+                               functools.partial(cls.single_args, hidden, vec, pe, options=options))
+            donated += gave
+            out = out["img"]
             _into(hidden, out)
             del out
             if control is not None:
