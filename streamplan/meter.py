@@ -81,6 +81,11 @@ def profiler_peak(fn: Callable[..., Any], args: tuple, kwargs: dict, device_type
     checked against the allocator's own counters by ``benchmarks/gpu_attention.py``)."""
     from torch.profiler import ProfilerActivity, profile
 
+    if torch._C._autograd._profiler_enabled():
+        # A second profiler inside a running one does not see the call's events reliably (the inner window can read
+        # almost nothing), so a nested CPU measurement would be a wrong number, not a smaller one.
+        raise RuntimeError("measure_peak: a CPU measurement cannot run inside another one (or inside a running "
+                           "torch.profiler); measure the inner call in a separate run")
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device_type == "cuda" else [])
     with _filtered_stderr(), profile(activities=activities, profile_memory=True) as prof:
         result = fn(*args, **kwargs)
