@@ -10,9 +10,13 @@ The MiniMax-H3 2-layer model at the end: both outputs, stock vs streamed, and un
     python benchmarks/gpu_generic.py blocks 217088
     python benchmarks/gpu_generic.py model 217088
     python benchmarks/gpu_generic.py held 65536 h3-block 1.10   # planner held to 1.10x the floor, one case
+    python benchmarks/gpu_generic.py sweep 65536 h3-block 1.10 12672/2048,8448/4096,4224/0/p2
+        # input donated: the planner's plan held to 1.10x, then each forced chunk/MLP slice[/row pieces], and stock,
+        # timed alike (median of 7 on fresh inputs, interleaved rounds), which fit the floor budget marked
 """
 from __future__ import annotations
 
+import copy as copy_module
 import sys
 import time
 
@@ -214,6 +218,85 @@ def run_block(case: str, n: int, chunks: list[int], held: bool, hold: float = 1.
     return rows
 
 
+def _donated_call(block, inputs):
+    def call():
+        fresh = inputs()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with donate(fresh[0]):
+            out = block(*fresh)
+        torch.cuda.synchronize()
+        return out, time.perf_counter() - t0
+    return call
+
+
+def run_sweep(case: str, n: int, hold: float, forced: list[str], rounds: int = 7) -> list[dict]:
+    """Where a donated block's time goes under a floor budget: every plan installed on its own copy of the block (the
+    same weights) and timed in the same rounds (each round runs stock, then each plan once), so drift hits them
+    alike."""
+    torch.manual_seed(0)
+    name, block, inputs, floor = BLOCKS[case](n)
+    block = block.cuda().to(BF16).eval()
+    kb = lambda b: b / n / 1024  # noqa: E731
+    base = {"case": case, "block": name, "tokens": n, "floor_KB_per_token": floor / n / 1024, "hold": hold}
+    live = sum(a.numel() * a.element_size() for a in torch.utils._pytree.tree_leaves(inputs())
+               if isinstance(a, torch.Tensor))
+    variants = [("planner", dict(budget=int(live + hold * floor)))]
+    for spec in forced:
+        parts = [int(x) for x in spec.removesuffix("/p2").removesuffix("/p4").split("/")]
+        kw = dict(chunk_tokens=parts[0], ffn_slice=parts[1] if len(parts) > 1 and parts[1] else None)
+        if spec.endswith(("/p2", "/p4")):
+            kw["row_pieces"] = int(spec[-1])
+        variants.append((spec, kw))
+    rows, times, calls = [], {"stock": []}, {}
+    with torch.inference_mode():
+        fresh = inputs()
+        ref, stock_peak = cuda_peak(lambda: block(*fresh))
+        stock_peak = max(0, stock_peak)
+        for label, kw in variants:   # capture, plan, peak, output once each
+            copy = copy_module.deepcopy(block)
+            handle = streamplan.apply(copy, capture="prefer", **kw)
+            call = calls[label] = _donated_call(copy, inputs)
+            call()
+            fresh_bytes = live
+            torch.cuda.empty_cache()
+            out, peak = cuda_peak(lambda: call()[0])
+            diff = _diff(out, ref)
+            del out
+            plans = handle.plans.get("", [])
+            plan = plans[-1] if plans else None
+            rows.append({**base, "mode": label, "donated": True, "KB_per_token": kb(max(0, peak - fresh_bytes)),
+                         "peak_vs_floor": max(0, peak - fresh_bytes) / floor, "rel_diff": diff,
+                         "tier": plan.tier if plan else None, "chunk": plan.chunk if plan else None,
+                         "ffn_slice": plan.ffn_slice if plan else None,
+                         "predicted_KB_per_token": kb(plan.predicted_peak) if plan else None,
+                         "row_pieces": kw.get("row_pieces", 1)})
+            times[label] = []
+            print(rows[-1], flush=True)
+        for _ in range(rounds):
+            fresh = inputs()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            o = block(*fresh)
+            torch.cuda.synchronize()
+            times["stock"].append(time.perf_counter() - t0)
+            del o, fresh
+            for label, _ in variants:
+                o, t = calls[label]()
+                times[label].append(t)
+                del o
+    stock_t = sorted(times["stock"])[rounds // 2]
+    out = [{**base, "mode": "stock", "KB_per_token": kb(stock_peak), "peak_vs_floor": stock_peak / floor,
+            "time_s": stock_t, "time_ratio": 1.0, "times_s": times["stock"]}]
+    for row in rows:
+        t = sorted(times[row["mode"]])[rounds // 2]
+        out.append({**row, "time_s": t, "time_ratio": t / stock_t, "times_s": times[row["mode"]],
+                    "within_hold": row["peak_vs_floor"] <= hold})
+    for row in out:
+        print({k: v for k, v in row.items() if k != "times_s"}, flush=True)
+    return out
+
+
 def run_model(n: int, text: int = 512, audio: int = 2000) -> list[dict]:
     """MiniMax-H3 at real width, 2 layers, 217k packed rows: text, audio, video (conditioning rows at t=0)."""
     from diffusers import MiniMaxH3Transformer3DModel
@@ -291,9 +374,12 @@ def main() -> int:
         for case in cases:
             rows += run_block(case, n, [], held=True, hold=hold)
             write_results(f"gpu_generic_{what}_{n}", {**info, "rows": rows})
+    elif what == "sweep":
+        rows += run_sweep(cases[0], n, hold, sys.argv[5].split(",") if len(sys.argv) > 5 else [])
     elif what == "model":
         rows += run_model(n)
-    print(write_results(f"gpu_generic_{what}_{n}" + (f"_{hold:.2f}" if what == "held" else ""), {**info, "rows": rows}))
+    suffix = f"_{hold:.2f}" if what in ("held", "sweep") else ""
+    print(write_results(f"gpu_generic_{what}_{n}{suffix}", {**info, "rows": rows}))
     return 0
 
 
