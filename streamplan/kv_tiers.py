@@ -64,13 +64,15 @@ def _ints(shape) -> list[int] | None:
     return out
 
 
-def kv_options(found, rows: int, device: torch.device, kinds: tuple[str, ...]) -> tuple[KVOption, ...]:
-    """The memory model of each store kind in ``kinds`` for this block at ``rows`` rows."""
+def kv_options(found, rows: int, device: torch.device, kinds: tuple[str, ...], spans: bool = False
+               ) -> tuple[KVOption, ...]:
+    """The memory model of each store kind in ``kinds`` for this block at ``rows`` rows; ``spans``: the block can
+    attend a span of several chunks' queries in one pass (one global attention whose output phase Q reads by rows)."""
     an = found.analysis
     opts = []
     for kind in kinds:
         sk = store_kind(kind)
-        resident = host = block_row = merge_row = merge_io = whole_row = 0
+        resident = host = block_row = merge_row = merge_io = whole_row = q_row = out_row = 0
         for att in an.attentions:
             kv_ = att.k.meta["val"]
             q = att.q.meta["val"]
@@ -99,8 +101,12 @@ def kv_options(found, rows: int, device: torch.device, kinds: tuple[str, ...]) -
             write = (0 if kind == "host" and device.type != "cpu" else elems * e) + (0 if sk.exact else 3 * elems * 4)
             merge_row = max(merge_row, merge, write)
             merge_io += B * H * D * (4 * 4 + e)   # per block: the accumulator read and written twice, the partial read
+            if spans:
+                q_row += B * H * D * q.element_size()
+                out_row += B * H * D * att.node.meta["val"].element_size()
         tier = Tier.L4 if sk.exact else Tier.L5
-        opts.append(KVOption(kind, tier, resident, block_row, merge_row, host, head_groups(an), merge_io, whole_row))
+        opts.append(KVOption(kind, tier, resident, block_row, merge_row, host, head_groups(an), merge_io, whole_row,
+                             q_row, out_row))
     return tuple(opts)
 
 
@@ -129,7 +135,7 @@ def costs(found, rows: int, device: torch.device) -> Costs:
     return Costs(flops / rate, device.type)
 
 
-def options_for(found, rows: int, device: torch.device, kv: str, consumer, adapted: Any = None
+def options_for(found, rows: int, device: torch.device, kv: str, consumer, adapted: Any = None, spans: bool = False
                 ) -> tuple[tuple[KVOption, ...], str | None]:
     """The stores the planner may use for this call (the one asked for; none under "device"), and why
     none can be used (None when they can)."""
@@ -137,8 +143,8 @@ def options_for(found, rows: int, device: torch.device, kv: str, consumer, adapt
     if why is not None:
         return (), why
     if kv == "device":   # L4 where the host is apart from the device and its cost is known: weighed against L3
-        return (kv_options(found, rows, device, ("host",)) if device.type in ("cuda", "meta") else ()), None
-    return kv_options(found, rows, device, (kv,)), None
+        return (kv_options(found, rows, device, ("host",), spans) if device.type in ("cuda", "meta") else ()), None
+    return kv_options(found, rows, device, (kv,), spans), None
 
 
 def store_factory(kind: str, device: torch.device, block_rows: int, groups: int = 1) -> Callable[[Any], Any]:
@@ -181,7 +187,7 @@ def run_with_store(run, plan, device: torch.device, consumer, donate: dict, exac
     run.kv_store = store_factory(plan.kv, device, plan.kv_block, plan.head_groups)
     run.attend_store = store_attend(consumer)
     run.build_kv(plan.chunk)
-    out = run.run_q(plan.chunk, donate)
+    out = run.run_q(plan.chunk, donate, span=plan.q_span)
     if ref is not None:
         error = measure_error(plan.kv, out, ref)
         del ref
@@ -190,11 +196,13 @@ def run_with_store(run, plan, device: torch.device, consumer, donate: dict, exac
 
 
 
-def plan_args(handle, entry, found, rows: int, device: torch.device, consumer, adapted: Any = None) -> dict:
+def plan_args(handle, entry, found, rows: int, device: torch.device, consumer, adapted: Any = None,
+              spans: bool = False) -> dict:
     """``plan_graph``'s K/V arguments for this call: the stores it may use, the one asked for, the attention estimate.
-    A store asked for that this block cannot use is noted and the K/V stay on the device."""
+    A store asked for that this block cannot use is noted and the K/V stay on the device. ``spans``: the block's
+    queries may be attended a span of chunks at a time (``kv_options``)."""
     kv = handle.options.kv
-    opts, why = options_for(found, rows, device, kv, consumer, adapted)
+    opts, why = options_for(found, rows, device, kv, consumer, adapted, spans)
     if why is not None or not opts:
         if kv != "device":
             handle.note(entry, f"kv={kv} not used: {why or 'K/V shapes unknown'}")

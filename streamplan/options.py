@@ -22,11 +22,14 @@ class StreamOptions:
     # row-local chains of a captured block (norms, rotary, modulation) run in this many pieces of each chunk's rows:
     # a lower peak per row, more and smaller kernels (1: whole; see ``capture.pieces``)
     row_pieces: int = 1
+    # K/V in a store (kv="host", "int8", "fp8") at a fixed chunk: query rows attended per pass over the store
+    q_span: int | None = None
 
 
 _INT_MEANING = {"chunk_tokens": "rows per chunk", "ffn_slice": "MLP hidden features per slice",
                 "head_groups": "groups the K/V heads are split into",
-                "row_pieces": "pieces of a chunk's rows its row-local chains run in"}
+                "row_pieces": "pieces of a chunk's rows its row-local chains run in",
+                "q_span": "query rows attended per pass over a K/V store"}
 
 
 def positive_int(value: Any, arg: str) -> int | None:
@@ -38,7 +41,7 @@ def positive_int(value: Any, arg: str) -> int | None:
 
 
 def make_options(budget, chunk_tokens, ffn_slice, head_groups, reserve, self_check, kv="device",
-                 row_pieces=None) -> StreamOptions:
+                 row_pieces=None, q_span=None) -> StreamOptions:
     from .kv_tiers import check_kv
     kv = check_kv(kv)
     chunk_tokens = positive_int(chunk_tokens, "chunk_tokens")
@@ -50,5 +53,9 @@ def make_options(budget, chunk_tokens, ffn_slice, head_groups, reserve, self_che
     else:
         parsed = parse_budget(budget, None)
     pieces = positive_int(row_pieces, "row_pieces") or 1
+    q_span = positive_int(q_span, "q_span")
+    if q_span is not None and kv == "device":
+        raise ValueError(f"q_span={q_span} sets the query rows of a pass over a K/V store: it needs kv='host', 'int8' "
+                         f"or 'fp8' (with kv='device' the planner picks any span itself when it stages K/V)")
     return StreamOptions(parsed, reserve, chunk_tokens, ffn_slice, bool(self_check), head_groups, kv,
-                         row_pieces=pieces)
+                         row_pieces=pieces, q_span=q_span)

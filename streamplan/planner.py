@@ -120,6 +120,8 @@ class Plan:
     host_traffic: int = 0  # L4: bytes moved between host and device per call (K/V out once, back once per Q pass)
     q: str = "chunks"    # "whole": Q built chunk by chunk into one buffer, attended in one call (a consumer that
                          # needs every query row at once), the rest of the block streamed over the attention's output
+    q_span: int = 0      # L4/L5: query rows attended per pass over the store (several chunks' Q built into one buffer,
+                         # the rest of the block run over rows of its output); 0: each chunk's Q alone
 
     @property
     def predicted_total(self) -> int:
@@ -138,6 +140,7 @@ class Plan:
         kv = "  q=whole (one attention call)" if self.q == "whole" else ""
         if self.kv != "device":
             kv += f"  kv={self.kv} block={self.kv_block}"
+            kv += f" q_span={self.q_span}" if self.q_span > self.chunk else ""
             kv += f" host traffic~{fmt_bytes(self.host_traffic)}" if self.host_traffic else ""
             kv += " (approximate)" if self.tier == Tier.L5 else ""
         return (f"{self.tier} rows={self.rows} chunk={self.chunk}{sl}{hg}{kv}  peak~{fmt_bytes(self.predicted_peak)}"
@@ -334,6 +337,15 @@ BLOCK_STEP_S = 5e-5
 # estimate: the first H200 run's 16,384-row plan, copies 64% of the attention's time, cost 0.56 s over the device
 # tier with its merge passes and copies out on the compute stream)
 HIDDEN_UNDER_ATTENTION = 0.75
+# what one more row chunk costs beside the copies (its ~100 kernels' launches and tails, GEMMs on fewer rows): an
+# estimate from the H200 profile of MiniMax-H3 at 65,536 rows (results/gpu_profile_h3_65536.json: ~8 ms of host gaps and
+# ~8 ms of narrower GEMMs over 28 chunks of two phases); it keeps Q spans from buying small chunks
+CHUNK_STEP_S = 5e-4
+# what one more MLP slice of a chunk costs (three narrower GEMMs, the output read and written again by the accumulating
+# GEMM): an estimate (~0.1 ms at 8-16k rows of 5k width on the H200); it keeps Q spans from buying 256-feature slices
+SLICE_STEP_S = 1e-4
+# Q spans tried: this many chunks' queries attended per pass over a store
+SPAN_FACTORS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 # L3 measured on the H200 (MiniMax-H3 block, 217,088 rows, 8 head groups: 1.73x stock's time, attention ~94% of it):
 # each extra head group costs about a tenth of the attention's time (projections rerun, smaller attention calls)
 L3_GROUP_COST = 0.1
@@ -355,6 +367,10 @@ class KVOption:
     groups: tuple[int, ...] = (1,)
     merge_io_row: int = 0  # bytes the merge reads and writes per query row and block (its time)
     whole_row: int = 0    # bytes per query row during the attention that head groups do not divide
+    # Q spans (``Plan.q_span``): bytes per query row of the attention's Q and of its output, both whole over a span;
+    # 0: the block cannot attend a span of several chunks at once (``runs.graph.whole_output_problem``)
+    q_row: int = 0
+    out_row: int = 0
 
 
 @dataclass(frozen=True)
@@ -367,7 +383,7 @@ class Costs:
 
 def host_traffic(option: KVOption, rows: int, chunk: int) -> int:
     """K/V out to the host once in phase KV and back once per pass over Q (an upper bound for causal attention,
-    whose early chunks read fewer blocks)."""
+    whose early chunks read fewer blocks); ``chunk``: the query rows of one pass (a chunk, or a plan's Q span)."""
     if not option.host_bytes:
         return 0
     return option.host_bytes * (1 + -(-rows // max(1, chunk)))
@@ -376,7 +392,8 @@ def host_traffic(option: KVOption, rows: int, chunk: int) -> int:
 def l4_extra_seconds(option: KVOption, rows: int, chunk: int, costs: Costs, block: int = DEFAULT_KV_BLOCK,
                      groups: int = 1) -> float:
     """Copies out (a side stream, counted whole), what of the copies back attention does not hide, the merge's passes
-    over the accumulator (one per block: longer blocks, fewer passes) and a fixed cost per block and head group."""
+    over the accumulator (one per block: longer blocks, fewer passes) and a fixed cost per block and head group.
+    ``chunk``: the query rows of one pass over the store (a chunk, or a plan's Q span)."""
     out = option.host_bytes / HOST_BANDWIDTH
     back = host_traffic(option, rows, chunk) / HOST_BANDWIDTH - out
     passes, blocks = -(-rows // max(1, chunk)), -(-rows // max(1, block))
@@ -397,7 +414,8 @@ def plan_graph(rows: int, fixed: int, transient, stock: int, *, chunk_tokens: in
                ffn: int = 0, ffn_slice: int | None = None, kv: int = 0, attn_out: int = 0,
                groups: tuple[int, ...] = (), head_groups: int | None = None, kv_options: tuple[KVOption, ...] = (),
                kv_store: str = "device", costs: Costs = Costs(),
-               transient_kv: Callable[[int, int, int], int] | None = None, whole_q: int = 0) -> Plan:
+               transient_kv: Callable[[int, int, int], int] | None = None, whole_q: int = 0,
+               q_span: int | None = None) -> Plan:
     """A captured block: whole buffers (``fixed``: K and V, the outputs) plus ``transient(chunk, ffn_slice)``, one
     chunk's values at their worst moment, both read off the graph. ``ffn``: the widest feature-sliceable MLP (0: none),
     for L2. L3 (``groups``: the head-group counts the graph allows): K and V of one group of heads at a time
@@ -409,7 +427,8 @@ def plan_graph(rows: int, fixed: int, transient, stock: int, *, chunk_tokens: in
     during the attention alone (default: alive throughout). ``whole_q`` (bytes, 0: chunked Q): the consumer needs
     every query row in one call: the whole Q and the whole attention output are held beside K, V and one chunk's
     transient (which ``transient`` prices with the whole call's workspace), on L1/L2 plans alone (head groups and K/V
-    stores would split that call)."""
+    stores would split that call). ``q_span``: a forced store at a fixed chunk attends this many query rows per pass
+    (where its option allows spans: ``KVOption.q_row``)."""
     if whole_q:
         if kv_store != "device":
             raise ValueError(f"kv={kv_store!r}: the attention needs the whole Q in one call, against K/V on the device")
@@ -428,12 +447,19 @@ def plan_graph(rows: int, fixed: int, transient, stock: int, *, chunk_tokens: in
             seen[key] = transient_kv(c, sl, extra) if transient_kv is not None else transient(c, sl) + c * extra
         return seen[key]
 
-    def peak_kv(opt: KVOption, chunk: int, sl: int, blk: int, g: int = 1) -> int:
+    def peak_kv(opt: KVOption, chunk: int, sl: int, blk: int, g: int = 1, span: int = 0) -> int:
         c = min(chunk, rows)
-        return (fixed - kv + opt.resident + min(blk, rows) * opt.block_row // g
-                + at_attention(c, sl, opt.merge_row // g + opt.whole_row))
+        base = fixed - kv + opt.resident + min(blk, rows) * opt.block_row // g
+        if span <= c:
+            return base + at_attention(c, sl, opt.merge_row // g + opt.whole_row)
+        # a span: its Q whole, then attended (the merge over the span's rows; with head groups, the output apart),
+        # then its chunks run beside the span's output (or its Q, while being built)
+        s = min(span, rows)
+        attending = s * (opt.q_row + opt.merge_row // g + opt.whole_row + (opt.out_row if g > 1 else 0))
+        return base + max(attending, s * max(opt.q_row, opt.out_row) + transient(c, sl))
 
-    def make(tier: Tier, chunk: int, sl: int = 0, g: int = 1, opt: KVOption | None = None, blk: int = 0) -> Plan:
+    def make(tier: Tier, chunk: int, sl: int = 0, g: int = 1, opt: KVOption | None = None, blk: int = 0,
+             span: int = 0) -> Plan:
         if tier == Tier.L0:
             return Plan(Tier.L0, rows, rows, 0, stock, stock)
         if chunk_tokens is None:
@@ -441,29 +467,44 @@ def plan_graph(rows: int, fixed: int, transient, stock: int, *, chunk_tokens: in
         chunk = min(chunk, rows)
         if opt is not None:   # a forced chunk reads K/V in blocks of its size (at most the default block per group)
             blk = min(blk or min(DEFAULT_KV_BLOCK * g, max(chunk, MIN_CHUNK_TOKENS)), rows)
-            return Plan(opt.tier, rows, chunk, sl, peak_kv(opt, chunk, sl, blk, g), stock, kv=opt.kind,
-                        kv_block=blk, host_traffic=host_traffic(opt, rows, chunk), head_groups=g)
+            span = min(span, rows) if span > chunk else 0
+            return Plan(opt.tier, rows, chunk, sl, peak_kv(opt, chunk, sl, blk, g, span), stock, kv=opt.kind,
+                        kv_block=blk, host_traffic=host_traffic(opt, rows, span or chunk), head_groups=g,
+                        q_span=span)
         return Plan(tier, rows, chunk, sl, peak(chunk, sl, g), stock, head_groups=g,
                     q="whole" if whole_q else "chunks")
 
     def fit_kv(opt: KVOption, floor: int) -> Plan | None:
-        """The fastest (Q chunk, K/V block, head groups, MLP slice) this store reaches under the budget, by the
-        estimated extra time where the device's rates are known, else the largest Q chunk, then the largest block."""
+        """The fastest (Q chunk, Q span, K/V block, head groups, MLP slice) this store reaches under the budget, by
+        the estimated extra time where the device's rates are known (passes over the store, and a cost per chunk),
+        else the largest Q chunk, then the largest span, then the largest block."""
         best = None
         for g in opt.groups:
-            for sl in (0, 4096, 1024, 256) if ffn else (0,):
+            for sl in (0, 4096, 2048, 1024, 256) if ffn else (0,):
                 if sl and sl >= ffn:
                     continue
                 for blk in sorted({min(b, rows) for b in KV_BLOCKS}, reverse=True):
-                    chunk = _largest_chunk(lambda c: peak_kv(opt, c, sl, blk, g), rows, budget, floor)
-                    if chunk is None:
-                        continue
-                    c = waves.round(chunk, rows)
-                    key = ((l4_extra_seconds(opt, rows, c, costs, blk, g) if costs.attention_s else 0.0)
-                           + (0.0 if not sl else 1e-9), -c, -blk, g, sl)
-                    if best is None or key < best[0]:
-                        best = (key, chunk, sl, blk, g)
-        return None if best is None else make(opt.tier, best[1], best[2], best[4], opt=opt, blk=best[3])
+                    for m in SPAN_FACTORS if opt.q_row else (1,):
+                        chunk = _largest_chunk(lambda c: peak_kv(opt, c, sl, blk, g, m * c), rows, budget, floor)
+                        if chunk is None:
+                            continue
+                        c = waves.round(chunk, rows)
+                        span = min(m * c, rows)
+                        if m > 1 and (span <= c or peak_kv(opt, c, sl, blk, g, span) > budget):
+                            continue
+                        passes = span if m > 1 else c
+                        eps = 0.0 if not sl else 1e-9   # an unsliced MLP on ties
+                        if costs.attention_s:
+                            chunks = -(-rows // c)
+                            key = (l4_extra_seconds(opt, rows, passes, costs, blk, g) + chunks * CHUNK_STEP_S
+                                   + (chunks * -(-ffn // sl) * SLICE_STEP_S if sl else 0.0) + eps,
+                                   -passes, -c, -blk, g, sl)
+                        else:   # rates unknown: the largest chunk, then the largest span it allows
+                            key = (eps, -c, -passes, -blk, g, sl)
+                        if best is None or key < best[0]:
+                            best = (key, chunk, sl, blk, g, span if m > 1 else 0)
+        return None if best is None else make(opt.tier, best[1], best[2], best[4], opt=opt, blk=best[3],
+                                              span=best[5])
 
     forced = next((o for o in kv_options if o.kind == kv_store), None) if kv_store != "device" else None
     if kv_store != "device":
@@ -472,7 +513,8 @@ def plan_graph(rows: int, fixed: int, transient, stock: int, *, chunk_tokens: in
         sl = min(ffn_slice, ffn) if ffn_slice is not None and ffn else 0
         if chunk_tokens is not None or budget is None:
             g = head_groups if head_groups in forced.groups else 1
-            return make(forced.tier, chunk_tokens or DEFAULT_CHUNK_TOKENS, sl, g, opt=forced)
+            return make(forced.tier, chunk_tokens or DEFAULT_CHUNK_TOKENS, sl, g, opt=forced,
+                        span=(q_span or 0) if forced.q_row else 0)
         for floor in dict.fromkeys((max(min_chunk, MIN_CHUNK_TOKENS), MIN_CHUNK_TOKENS)):
             plan = fit_kv(forced, floor)
             if plan is not None:
@@ -533,7 +575,7 @@ def plan_graph(rows: int, fixed: int, transient, stock: int, *, chunk_tokens: in
                 if p.tier == Tier.L3:
                     return (p.head_groups - 1) * L3_GROUP_COST * costs.attention_s
                 opt = next(o for o in exact_kv if o.kind == p.kv)
-                return l4_extra_seconds(opt, rows, p.chunk, costs, p.kv_block, p.head_groups)
+                return l4_extra_seconds(opt, rows, p.q_span or p.chunk, costs, p.kv_block, p.head_groups)
             return min([p for p in [grouped, *staged] if p is not None], key=extra)
     least = min([fixed + transient(min(rows, MIN_CHUNK_TOKENS), 256 if ffn > 256 else 0)]
                 + [peak(min(rows, MIN_CHUNK_TOKENS), 256 if ffn > 256 else 0, g) for g in groups]

@@ -225,6 +225,44 @@ def test_l4_in_head_groups_when_they_buy_rows():
     assert forced.head_groups == 2 and forced.kv_block == 512
 
 
+def test_the_planner_buys_q_spans_when_copies_back_cost_more_than_chunks():
+    # a big K/V (each pass back costs ~1.5 s at the H200's pinned rate) and a chunk transient of 40 bytes a row: a span
+    # of several chunks (its Q and output, 2 + 2 bytes a row, its merge 2) is a cheaper way to fewer passes
+    big = KVOption("host", Tier.L4, resident=0, block_row=8, merge_row=2, host_bytes=8 * 10**10, q_row=2, out_row=2)
+    budget = OUT + 1024 * 8 + 4096 * 40
+    costs = Costs(attention_s=0.5)
+    tr = lambda c, sl: c * 40  # noqa: E731
+    plan = plan_graph(ROWS, KV + OUT, tr, 10**9, budget=budget, min_chunk=1024, kv=KV, kv_options=(big,),
+                      kv_store="host", costs=costs)
+    alone = plan_graph(ROWS, KV + OUT, tr, 10**9, budget=budget, min_chunk=1024, kv=KV, kv_store="host",
+                       kv_options=(KVOption("host", Tier.L4, 0, 8, 2, host_bytes=8 * 10**10),), costs=costs)
+    assert alone.q_span == 0 and plan.q_span > plan.chunk, (plan, alone)
+    assert plan.predicted_peak <= budget and plan.host_traffic < alone.host_traffic
+    s = plan.q_span
+    assert plan.predicted_peak == OUT + plan.kv_block * 8 + max(s * (2 + 2), s * 2 + plan.chunk * 40)
+    # with the device's rates unknown: the largest chunk first, then the largest span it leaves room for
+    unknown = plan_graph(ROWS, KV + OUT, tr, 10**9, budget=budget, min_chunk=1024, kv=KV, kv_options=(big,),
+                         kv_store="host")
+    assert unknown.chunk > plan.chunk and unknown.predicted_peak <= budget, (unknown, plan)
+    # forced: the span asked for at a fixed chunk, where the store allows spans
+    forced = plan_graph(ROWS, KV + OUT, tr, 10**9, chunk_tokens=512, kv=KV, kv_options=(big,), kv_store="host",
+                        q_span=2048)
+    assert (forced.chunk, forced.q_span, forced.host_traffic) == (512, 2048, 8 * 10**10 * (1 + 4))
+
+
+def test_plan_cli_stages_wan_kv_in_q_spans_below_half_the_floor(capsys):
+    # Wan2.1-14B at 217,088 tokens, bf16, budget 0.5x the floor (30 KB/token) above its ~2.2 GB input: each pass back
+    # over 4.4 GB of K/V is ~82 ms at 54 GB/s; the chunks' MLP keeps them short, so spans of chunks make the passes
+    from streamplan.cli import main
+    assert main(["plan", "--family", "wan-14b-block", "--tokens", "217088", "--dtype", "bf16", "--budget",
+                 "5560000000", "--json"]) == 0
+    import json
+    (plan,) = json.loads(capsys.readouterr().out)["streamed"][""]["plans"]
+    assert plan["tier"] == "L4" and plan["q_span"] > plan["chunk"], plan
+    assert -(-217088 // plan["q_span"]) <= 16 < -(-217088 // plan["chunk"]), plan
+    assert plan["live_bytes"] + plan["predicted_peak"] <= 5_560_000_000
+
+
 def test_l4_cost_counts_merge_passes_and_block_steps():
     from streamplan.planner import l4_extra_seconds
     opt = KVOption("host", Tier.L4, 0, 8, 16, host_bytes=6 * 2**30, merge_io_row=18 * 7168)
@@ -346,6 +384,53 @@ def test_host_staged_kv_in_head_groups_is_exact_and_smaller(name):
     # the accumulator and a block's partial output of a quarter of the heads: lower where the attention is the peak
     # (Wan at this width; the tiny H3's MLP is its peak)
     assert peaks[4] < peaks[1] if name == "wan" else peaks[4] <= peaks[1], peaks
+
+
+@pytest.mark.parametrize("name", ["wan", "minimax_h3", "llama"])
+@torch.no_grad()
+def test_q_spans_attend_several_chunks_per_pass_exactly(name):
+    """A Q span: the queries of several chunks built into one buffer and attended in one pass over the host K/V, the
+    span's chunks then run over rows of that output; exact (fp32 1e-5, causal included, a last span shorter than the
+    rest), a quarter of the passes and so of the traffic back, the measured peak within the plan's prediction."""
+    module, args, kwargs = _case(name)
+    ref = _leaves(module(*args, **kwargs))
+    plans, peaks = {}, {}
+    for span in (None, 320):
+        handle = streamplan.apply(module, chunk_tokens=CHUNK, capture="prefer", kv="host", q_span=span)
+        try:
+            module(*args, **kwargs)
+            out, peaks[span] = streamplan.measure_peak(lambda: module(*args, **kwargs), device=CPU)
+            (plans[span],) = handle.plans[""]
+            for o, r in zip(_leaves(out), ref):
+                assert rel_err(o, r) <= 1e-5, (name, span, rel_err(o, r))
+            assert plans[span].predicted_peak >= 0.9 * peaks[span], (plans[span], peaks[span])
+        finally:
+            handle.remove()
+    one, spanned = plans[None], plans[320]
+    assert one.q_span == 0 and spanned.q_span == 320 and "q_span=320" in spanned.describe(), spanned
+    kv_bytes = one.host_traffic // (1 + N // CHUNK)
+    assert (one.host_traffic, spanned.host_traffic) == (kv_bytes * (1 + 16), kv_bytes * (1 + 4))
+    assert peaks[320] > peaks[None]   # the span's Q and output beside a chunk: memory bought back for fewer passes
+
+
+@torch.no_grad()
+def test_q_span_is_validated_and_noted_where_a_block_cannot_use_it():
+    with pytest.raises(ValueError, match="q_span=512 sets the query rows of a pass over a K/V store: it needs"):
+        streamplan.apply(torch.nn.Linear(4, 4), q_span=512)
+    with pytest.raises(ValueError, match="q_span must be a positive int"):
+        streamplan.apply(torch.nn.Linear(4, 4), q_span=0, kv="host")
+    module, args, kwargs = _case("flux_double")   # text rows joined to the image rows: no span of its own rows
+    ref = _leaves(module(*args, **kwargs))
+    handle = streamplan.apply(module, chunk_tokens=CHUNK, capture="prefer", kv="host", q_span=320)
+    try:
+        out = _leaves(module(*args, **kwargs))
+        (plan,) = handle.plans[""]
+        assert plan.tier == Tier.L4 and plan.q_span == 0
+        assert "q_span=320 not used: " in handle.report(), handle.report()
+        for o, r in zip(out, ref):
+            assert rel_err(o, r) <= 1e-5
+    finally:
+        handle.remove()
 
 
 @torch.no_grad()

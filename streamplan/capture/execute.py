@@ -177,6 +177,7 @@ class GraphRun:
                 self.base[node] = cap.program.constants[ref]
         self.kv: dict[fx.Node, tuple[torch.Tensor, torch.Tensor]] = {}
         self.attn_out: dict[fx.Node, torch.Tensor] = {}
+        self._base = 0   # the first row of what ``attn_out`` holds
         self.consts: dict[fx.Node, Any] = {}
         self._static_rows_once(cap)
         env = dict(self.base)
@@ -262,9 +263,9 @@ class GraphRun:
         return env
 
     def _attention(self, att: GlobalAttention, env: dict, a: int) -> torch.Tensor:
-        if att.node in self.attn_out:   # L3: the attention's output was built head group by head group
+        if att.node in self.attn_out:   # built ahead (L3's head groups, a whole Q, a Q span): its rows from ``_base``
             o = self.attn_out[att.node]
-            return o.narrow(att.q_rows.dim, a, self._span[1] - a)
+            return o.narrow(att.q_rows.dim, a - self._base, self._span[1] - a)
         store = self.stores.get(att.node)
         if store is not None:
             return self.attend_store(env[att.q], store, q_offset=a, causal=att.causal, scale=att.scale)
@@ -347,7 +348,7 @@ class GraphRun:
         if whole_q and groups != 1:
             raise ValueError(f"a whole-Q attention is one call: {groups} head groups would make {groups}")
         att, kv_nodes = self.an.attentions[0], self.ph.kv[0]
-        q_nodes = [n for n in self.ph.q if n in _ancestors([att.q], self._stop(), self.ph.writes, {})]
+        q_nodes = self._q_nodes(att)
         out = None
         for g in range(groups):
             bufs: list[torch.Tensor] = []
@@ -381,26 +382,37 @@ class GraphRun:
     def _attend_whole(self, att: GlobalAttention, q_nodes: list[fx.Node], chunk: int, k: torch.Tensor,
                       v: torch.Tensor) -> torch.Tensor:
         """Q chunk by chunk into one whole buffer, then the attention over every row in one call."""
-        q_all = None
-        for a, b in spans(self.rows, chunk, self.cap.min_rows):
-            q = self._run(q_nodes, self._inputs(a, b), a, {att.q})[att.q]
-            if q_all is None:
-                q_all = _whole(q, att.q_rows, self.rows)
-            _write_rows(q_all, q, att.q_rows, self.rows, a, b, True)
-            del q
+        q_all = self._q_rows(att, q_nodes, 0, self.rows, chunk)
         mask = {} if att.mask is None else _mask_of(att, self._inputs(0, self.rows))
         return self.attend(q_all, k, v, q_offset=0, causal=att.causal, scale=att.scale, **mask)
+
+    def _q_rows(self, att: GlobalAttention, q_nodes: list[fx.Node], s0: int, s1: int, chunk: int) -> torch.Tensor:
+        """The attention's Q over rows [s0, s1), built chunk by chunk into one buffer."""
+        q_all = None
+        for a, b in spans(s1 - s0, chunk, self.cap.min_rows):
+            q = self._run(q_nodes, self._inputs(s0 + a, s0 + b), s0 + a, {att.q})[att.q]
+            if q_all is None:
+                q_all = _whole(q, att.q_rows, s1 - s0)
+            _write_rows(q_all, q, att.q_rows, s1 - s0, a, b, True)
+            del q
+        return q_all
+
+    def _q_nodes(self, att: GlobalAttention) -> list[fx.Node]:
+        return [n for n in self.ph.q if n in _ancestors([att.q], self._stop(), self.ph.writes, {})]
 
     def _stop(self) -> set[fx.Node]:
         return set(self.an.const) | {n for n in self.cap.graph.nodes if n.op == "placeholder"}
 
-    def run_q(self, chunk: int, donate: dict[int, torch.Tensor]) -> Any:
-        """Phase Q; ``donate`` maps an output index to a tensor of the same shape that may be overwritten."""
+    def run_q(self, chunk: int, donate: dict[int, torch.Tensor], span: int = 0) -> Any:
+        """Phase Q; ``donate`` maps an output index to a tensor of the same shape that may be overwritten. ``span``
+        (a store's K/V, one global attention): the queries of ``span`` rows at a time are built and attended in one
+        pass over the store, then the span's chunks run over rows of that output (fewer passes, fewer copies back)."""
         outs: list[Any] = [None] * len(self.an.outputs)
         keep = {o for o in self.an.outputs if isinstance(o, fx.Node)}
+        span = span if span > chunk and self.stores and len(self.an.attentions) == 1 else 0
 
         nodes = self.ph.q
-        if self.attn_out:   # L3: the attention reads its rows of the whole output: Q is not computed again
+        if self.attn_out or span:   # the attention reads its rows of an output built ahead: Q is not computed again
             att = self.an.attentions[0]
             need = _ancestors([o for o in self.an.outputs if isinstance(o, fx.Node)], self._stop(), self.ph.writes,
                               {att.node: []})
@@ -425,8 +437,21 @@ class GraphRun:
                 else:
                     outs[i] = val
 
-        for a, b in spans(self.rows, chunk, self.cap.min_rows):
-            _attempt(work, a, b, self._retries)
+        if not span:
+            for a, b in spans(self.rows, chunk, self.cap.min_rows):
+                _attempt(work, a, b, self._retries)
+        else:
+            att = self.an.attentions[0]
+            q_nodes, store = self._q_nodes(att), self.stores[att.node]
+            for s0, s1 in spans(self.rows, span, self.cap.min_rows):
+                q = self._q_rows(att, q_nodes, s0, s1, chunk)
+                self.attn_out[att.node] = self.attend_store(q, store, q_offset=s0, causal=att.causal, scale=att.scale)
+                del q
+                self._base = s0
+                for a, b in spans(s1 - s0, chunk, self.cap.min_rows):
+                    _attempt(work, s0 + a, s0 + b, self._retries)
+                del self.attn_out[att.node]
+            self._base = 0
         self.kv.clear()
         for store in self.stores.values():
             store.release()

@@ -156,6 +156,8 @@ def _run_onloaded(handle, entry, args: tuple, kwargs: dict) -> Any:
     if o.head_groups and o.head_groups not in groups:
         handle.note(entry, f"head_groups={o.head_groups} (L3) not used: the graph allows "
                     f"{list(groups) or 'none (one global attention without static rows or input writes is needed)'}")
+    if o.q_span and whole_output_problem(found):
+        handle.note(entry, f"q_span={o.q_span} not used: {whole_output_problem(found)}")
     if o.ffn_slice and not regions:
         handle.note(entry, "ffn_slice: no linear -> elementwise -> linear MLP found in the graph to slice")
     donate = {}
@@ -180,7 +182,8 @@ def _run_onloaded(handle, entry, args: tuple, kwargs: dict) -> Any:
                     + (f" (sliding window of {row_mask.window})" if row_mask.window else ""))
 
     # where K/V may live between the phases (L4 host, L5 int8/fp8; ``kv_tiers``), as planner arguments
-    kv_args = kv_tiers.plan_args(handle, entry, found, rows, device, consumer, adapted)
+    kv_args = kv_tiers.plan_args(handle, entry, found, rows, device, consumer, adapted,
+                                 spans=whole_output_problem(found) is None)
     if par is not None:   # under sequence parallelism K/V live in the exchange buffer (consumers.ulysses)
         kv_args = {}
     if row_mask is not None or (att is not None and att.mask is not None):   # masked chunks attend K/V on the
@@ -235,7 +238,7 @@ def _run_onloaded(handle, entry, args: tuple, kwargs: dict) -> Any:
                           kv=mem.kv_bytes, attn_out=attn_out, groups=groups, head_groups=o.head_groups,
                           transient_kv=lambda c, sl, extra: (mem.transient(c, sl, regions, extra, ws(c))
                                                              + mask_bytes(c)),
-                          whole_q=q_whole, **kv_args)
+                          whole_q=q_whole, q_span=o.q_span, **kv_args)
 
     plan = handle.plan_for(entry, sig, make_plan, args, kwargs, device)
     if plan.tier == Tier.L0:
