@@ -38,7 +38,10 @@ Optional arguments: ``layers=N`` changes the layer count (default 32); ``stock_l
 own model of K layers first (its own JSON, ``..._stock<K>l``), the other modes on N; ``padded=P`` runs a batch of 2
 whose second sequence has P tokens of left padding (``attention_mask`` zeros: stock builds a [2, 1, N, N] mask;
 streamed, each batch element attends its own keys with no mask rows). The floor then counts both sequences. Each
-streamed row gives its layers' plans (tier/chunk/MLP slice). Results:
+streamed row gives its layers' plans (tier/chunk/MLP slice). ``sdp=flash`` (or ``cudnn``, ``efficient``) runs
+everything under ``torch.nn.attention.sdpa_kernel`` with those backends, stock and streamplan alike (streamplan's SDPA
+consumer follows the same switches): a causal chunk's past keys differ in length from chunk to chunk, and whether
+cuDNN builds a plan per length is what this tells apart. Results:
 ``$OUT/gpu_llm_<what>_<tokens>[_<modes>][_padded].json``, written after every row.
 """
 from __future__ import annotations
@@ -336,7 +339,20 @@ def generate(n: int, layers: int, name: str, new_tokens: int = 16) -> list[dict]
 
 
 def main() -> int:
-    args = [a for a in sys.argv[1:] if not a.startswith(("layers=", "padded=", "stock_layers="))]
+    sdp = next((a[4:] for a in sys.argv[1:] if a.startswith("sdp=")), None)
+    if sdp is None:
+        return run()
+    with sdpa_kernel(SDP_BACKENDS[sdp]):   # stock's calls and streamplan's alike
+        return run()
+
+
+SDP_BACKENDS = {"flash": [SDPBackend.FLASH_ATTENTION],
+                "cudnn": [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION],
+                "efficient": [SDPBackend.EFFICIENT_ATTENTION]}
+
+
+def run() -> int:
+    args = [a for a in sys.argv[1:] if not a.startswith(("layers=", "padded=", "stock_layers=", "sdp="))]
     layers = next((int(a[7:]) for a in sys.argv[1:] if a.startswith("layers=")), 32)
     stock_layers = next((int(a[13:]) for a in sys.argv[1:] if a.startswith("stock_layers=")), None)
     padded = next((int(a[7:]) for a in sys.argv[1:] if a.startswith("padded=")), 0)

@@ -564,3 +564,30 @@ def test_plan_cli_below_the_floor_weighs_l4_by_default(capsys):
     assert plan["live_bytes"] + plan["predicted_peak"] <= 9_000_000_000
     passes = -(-217088 // plan["chunk"])
     assert passes * 217088 * 2 * 56 * 128 * 2 / 54e9 <= 0.75 * 4 * 217088 ** 2 * 56 * 128 / 5.5e14   # copies hidden
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["non-causal", "causal"])
+def test_the_sdpa_consumer_follows_the_callers_kernel_switches(causal):
+    """Under ``sdpa_kernel(MATH)`` the consumer's fused calls step aside as stock's would (the profiler shows which
+    kernel ran), the result the same within fp32 1e-5; by default the fused CPU kernel runs."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.profiler import profile
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 8, n, 32) for n in (64, 192, 192))
+
+    def ran(fn):
+        with profile() as prof:
+            out = fn()
+        return out, {e.name for e in prof.events()}
+
+    def both():
+        return (SDPA.attend_lse(q, k[:, :2], v[:, :2], causal=causal, mask=None, scale=None)[0],
+                SDPA.attend(q, k, v, q_offset=128, causal=causal, mask=None, scale=None))
+
+    fused, names = ran(both)
+    assert "aten::_scaled_dot_product_flash_attention_for_cpu" in names
+    with sdpa_kernel(SDPBackend.MATH):
+        plain, names = ran(both)
+    assert not any("flash_attention" in n for n in names), names
+    for a, b in zip(fused, plain):
+        assert rel_err(a, b) <= 1e-5

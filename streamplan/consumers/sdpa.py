@@ -20,19 +20,23 @@ def _causal_rows(rows: int, keys: int, offset: int, device: torch.device) -> tor
 
 
 def _fused_with_lse(q, k, v, causal: bool, scale):
-    """(output, log-sum-exp [B, H, rows]) from a fused kernel, or None where none is available for these inputs."""
+    """(output, log-sum-exp [B, H, rows]) from a fused kernel, or None where none is available for these inputs.
+    Only the kernels the caller's SDPA settings allow (``torch.nn.attention.sdpa_kernel``, the
+    ``torch.backends.cuda.enable_*_sdp`` switches), as stock's own calls would: on CUDA cuDNN, then flash."""
     try:
         if q.device.type == "cuda":
             cudnn = getattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention", None)
-            if cudnn is not None:
+            if cudnn is not None and torch.backends.cuda.cudnn_sdp_enabled():
                 try:
                     out = cudnn(q, k, v, None, True, 0.0, causal, False, scale=scale)
                     return out[0], out[1].reshape(q.shape[:3])
                 except RuntimeError:
                     pass
+            if not torch.backends.cuda.flash_sdp_enabled():
+                return None
             out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
             return out[0], out[1].reshape(q.shape[:3])
-        if q.device.type == "cpu":
+        if q.device.type == "cpu" and torch.backends.cuda.flash_sdp_enabled():   # (the switch serves CPU too)
             out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
             return out, lse.reshape(q.shape[:3])
     except (RuntimeError, AttributeError, NotImplementedError):
@@ -91,7 +95,7 @@ MERGE_GROUPS = 8   # head groups the causal merge runs in (its fp32 copies: 2 x 
 def _efficient_with_lse(q, k, v, causal: bool, scale):
     """CUDA's memory-efficient kernel (takes fp32 too), its log-sum-exp cut to the query rows; None if it refuses."""
     fn = getattr(torch.ops.aten, "_scaled_dot_product_efficient_attention", None)
-    if fn is None or q.device.type != "cuda":
+    if fn is None or q.device.type != "cuda" or not torch.backends.cuda.mem_efficient_sdp_enabled():
         return None
     try:
         out = fn(q, k, v, None, True, 0.0, causal, scale=scale)
