@@ -230,3 +230,46 @@ def test_taken_weights_are_released_after_the_call(budget):
     m = base.model.diffusion_model.blocks[0].ffn[0]
     assert "comfy_cast_weights" in m.__dict__ and m.comfy_cast_weights is True
     assert type(m.weight_function[0]).__name__ == "LowVramPatch"
+
+
+class _OddWeight(torch.nn.Parameter):
+    """A weight format ``weights.py`` does not take (not a plain tensor): its layer keeps its own cast per chunk."""
+
+
+@pytest.mark.parametrize("family", ["wan", "hunyuan_video"])
+def test_row_loops_cast_each_weight_once_per_call(family):
+    """The streamed model forward's row loops (patch embedding, output head) under lowvram with a LoRA on them: each
+    of their weights cast once per model call, not once per chunk (12 chunks for Wan's 768 rows, 3 for
+    HunyuanVideo's 192), equal to ComfyUI's own forward, the layers as ComfyUI left them after the call. A weight in
+    a format weights.py does not take keeps its layer's own call (cast once per chunk), the output the same."""
+    import streamplan.comfy as sc
+    comfyui()
+    base, x, cond = {"wan": wan_patcher, "hunyuan_video": hunyuan_video_patcher}[family]()
+    d = "diffusion_model."
+    keys = ([d + "patch_embedding.weight", d + "head.head.weight"] if family == "wan" else
+            [d + "img_in.proj.weight", d + "final_layer.linear.weight", d + "final_layer.adaLN_modulation.1.weight"])
+    chunks = {"wan": 12, "hunyuan_video": 3}[family]
+    counts = _lowvram(base, {k: 0.1 for k in keys}, keys)
+    layers = {k: _layer(base.model, k) for k in keys}
+    before = {k: (m.weight, list(m.weight_function), m.comfy_cast_weights) for k, m in layers.items()}
+    stock = sample_call(base, x, cond)
+    assert all(c.n == 1 for c in counts.values()), {k: c.n for k, c in counts.items()}
+    patched = sc.patch(base, budget=None, chunk_tokens=64, min_tokens=0)
+    out = sample_call(patched, x, cond)
+    assert rel_err(out, stock) <= 1e-5
+    assert all(c.n == 2 for c in counts.values()), {k: c.n for k, c in counts.items()}   # once in the streamed call
+    text = sc.report(patched)
+    assert "1 call(s) streamed (input projection and output head in 64-row chunks" in text, text
+    assert f"{len(keys)} comfy.ops layer(s) of its row loops cast per call: weights taken once per loop" in text, text
+    for k, m in layers.items():
+        weight, functions, cast = before[k]
+        assert m.weight is weight and m.weight_function == functions and m.comfy_cast_weights == cast
+        assert not m._forward_pre_hooks
+
+    # a head weight in a format weights.py does not take: that layer casts once per chunk, as before
+    head = layers[keys[1]]
+    head.weight = _OddWeight(head.weight.detach(), requires_grad=False)
+    stock = sample_call(base, x, cond)
+    n = {k: c.n for k, c in counts.items()}
+    assert rel_err(sample_call(patched, x, cond), stock) <= 1e-5
+    assert counts[keys[0]].n == n[keys[0]] + 1 and counts[keys[1]].n == n[keys[1]] + chunks, (n, counts)

@@ -9,7 +9,9 @@ registered with ``register_forward``, gated by ``recognize.comfy_models``), runs
 - every block's input is donated to the block streamplan streams (its residual updated in place), where the
   replacement at that index is streamplan's own; a foreign replacement gets the stock call (its input kept);
 - the output head (final norm and modulation, projection) runs on row chunks straight into the head's small output,
-  which the model's own unpatchify then lays out.
+  which the model's own unpatchify then lays out;
+- in those row loops a comfy.ops layer that casts its weights per call (lowvram, DynamicVRAM, LoRA patches applied
+  per call) casts them once per loop, not once per chunk (``row_loop``, ``weights.once_per_loop``).
 
 The forward is written here against the model's source (never copied: ComfyUI's own helpers, layouts and submodules
 are called), and followed only where that source's fingerprint is the one it was written for; a call it does not
@@ -17,6 +19,7 @@ cover (conditioning rows, references, other wrappers inside this one, autograd) 
 says why."""
 from __future__ import annotations
 
+import contextlib
 import inspect
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +29,8 @@ import torch
 from ..executors.chunks import spans
 from ..executors.donation import donate
 from ..recognize import comfy_models
+from .embed import grid_pieces, grid_spans, project_into, row_pieces  # noqa: F401 -- grid_spans: forwards' own
+from .weights import once_per_loop
 
 DEFAULT_CHUNK = 16384
 MIN_CHUNK = 256
@@ -39,28 +44,19 @@ class ModelCalls:
     stock_reasons: dict[str, int] = field(default_factory=dict)
     chunk: int | None = None                 # rows per chunk of the last streamed call's own loops
     donated_blocks: int = 0                  # block calls of the last streamed call that got their input donated
+    weights_once: int = 0                    # comfy.ops layers of the last streamed call's row loops cast once a loop
 
     def stock(self, reason: str) -> None:
         self.stock_reasons[reason] = self.stock_reasons.get(reason, 0) + 1
 
 
-def grid_spans(grid: tuple[int, int, int], chunk: int):
-    """Row chunks of a patched (frames, height, width) grid whose rows run frame by frame, row by row: whole frames
-    where a frame fits the chunk, else bands of whole grid rows of one frame. Yields ((t0, t1), (h0, h1), (a, b)):
-    the grid's frame and height range and the rows [a, b) they are."""
-    frames, height, width = grid
-    per_frame = height * width
-    if per_frame <= chunk:
-        step = chunk // per_frame
-        for t0 in range(0, frames, step):
-            t1 = min(frames, t0 + step)
-            yield (t0, t1), (0, height), (t0 * per_frame, t1 * per_frame)
-        return
-    band = max(1, chunk // width)
-    for t in range(frames):
-        for h0 in range(0, height, band):
-            h1 = min(height, h0 + band)
-            yield (t, t + 1), (h0, h1), (t * per_frame + h0 * width, t * per_frame + h1 * width)
+@contextlib.contextmanager
+def row_loop(state: Any, *modules: torch.nn.Module):
+    """A row loop of a streamed model forward over ``modules``: their comfy.ops layers cast their weights once for
+    the loop (``weights.once_per_loop``), counted in the call's ``ModelCalls.weights_once``."""
+    with once_per_loop(*modules) as took:
+        yield
+    state.forward.weights_once += len(took.layers)
 
 
 def chunk_rows(options: Any, room: int | None, row_bytes: int) -> int:
@@ -96,6 +92,7 @@ class ModelForward:
         if why is not None:
             calls.stock(why)
             return executor(*args, **kwargs)
+        calls.weights_once = 0
         out = run.forward(model, call, state)
         calls.streamed_calls += 1
         return out
@@ -182,10 +179,9 @@ class _Wan:
 
         # the patch embedding (fp32 Conv3d) a few frames at a time into one contiguous buffer of the model's dtype
         hidden = torch.empty(batch, rows, model.dim, dtype=x.dtype, device=x.device)
-        for (t0, t1), (h0, h1), (a, b) in grid_spans(grid, chunk):
-            part = model.patch_embedding(x[:, :, t0 * pt:t1 * pt, h0 * ph:h1 * ph].float())
-            hidden[:, a:b] = part.flatten(2).transpose(1, 2)   # cast to x.dtype on copy
-            del part
+        with row_loop(state, model.patch_embedding):
+            project_into(hidden, grid_pieces(x, model.patch_size, chunk),
+                         lambda p: model.patch_embedding(p.float()).flatten(2).transpose(1, 2))
         options["grid_sizes"] = torch.Size(grid)
 
         e = model.time_embedding(sinusoidal_embedding_1d(model.freq_dim, timestep.flatten()).to(dtype=hidden.dtype))
@@ -226,15 +222,16 @@ class _Wan:
         mod = mm.cast_to(head.modulation, dtype=hidden.dtype, device=hidden.device)
         shift, scale = (mod.unsqueeze(0) + e.unsqueeze(2)).unbind(2)
         out = None
-        for a, b in spans(rows, chunk):
-            r = hidden[:, a:b]
-            sh = shift if shift.shape[1] == 1 else shift[:, a:b]
-            sc = scale if scale.shape[1] == 1 else scale[:, a:b]
-            y = head.head(torch.addcmul(sh, head.norm(r), 1 + sc))
-            if out is None:
-                out = y.new_empty(batch, rows, y.shape[-1])
-            out[:, a:b] = y
-            del r, y
+        with row_loop(state, head):
+            for a, b in spans(rows, chunk):
+                r = hidden[:, a:b]
+                sh = shift if shift.shape[1] == 1 else shift[:, a:b]
+                sc = scale if scale.shape[1] == 1 else scale[:, a:b]
+                y = head.head(torch.addcmul(sh, head.norm(r), 1 + sc))
+                if out is None:
+                    out = y.new_empty(batch, rows, y.shape[-1])
+                out[:, a:b] = y
+                del r, y
         del hidden
         return model.unpatchify(out, torch.Size(grid))[:, :, :frames_in, :height, :width]
 
@@ -310,17 +307,12 @@ class _H3:
         h = torch.empty(layout.seq_len, model.hidden_size, dtype=dtype, device=device)
 
         # video rows: patchified and projected (fp32) a few latent frames at a time, written into h as the model dtype
-        pt, ph, pw = model.patch_size
-        va, vb = seg["video"]
-        for (t0, t1), (h0, h1), (a, b) in grid_spans((latent_t // pt, lat_h // ph, lat_w // pw), chunk):
-            part = video_x[:, :, t0 * pt:t1 * pt, h0 * ph:h1 * ph].to(torch.float32)
-            part = model.video_patch_proj(h3.patchify_video(part, model.patch_size))
-            h[va + a:va + b] = part
-            del part
-        aa, ab = seg["audio"]
+        with row_loop(state, model.video_patch_proj):
+            project_into(h[slice(*seg["video"])], grid_pieces(video_x, model.patch_size, chunk),
+                         lambda p: model.video_patch_proj(h3.patchify_video(p.to(torch.float32), model.patch_size)))
         audio_rows = h3.pack_audio(audio_x.to(torch.float32))
-        for a, b in spans(ab - aa, chunk):
-            h[aa + a:aa + b] = model.audio_patch_proj(audio_rows[a:b])
+        with row_loop(state, model.audio_patch_proj):
+            project_into(h[slice(*seg["audio"])], row_pieces(audio_rows, chunk, dim=0), model.audio_patch_proj)
         del audio_rows
         text = context[0]
         if text.shape[-1] != model.hidden_size:
@@ -361,17 +353,18 @@ class _H3:
         final = model.final_layer
         shift, scale = final.adaln_proj(t_emb)
         outs = []
-        for kind, proj in (("video", final.video_out), ("audio", final.audio_out)):
-            a0, b0 = seg[kind]
-            row = ts.index(t_of[kind])
-            out = None
-            for a, b in spans(b0 - a0, chunk):
-                y = proj((final.norm(h[a0 + a:a0 + b]) * (1.0 + scale[row]) + shift[row]).to(torch.float32))
-                if out is None:
-                    out = y.new_empty(b0 - a0, y.shape[-1])
-                out[a:b] = y
-                del y
-            outs.append(out)
+        with row_loop(state, final.norm, final.video_out, final.audio_out):
+            for kind, proj in (("video", final.video_out), ("audio", final.audio_out)):
+                a0, b0 = seg[kind]
+                row = ts.index(t_of[kind])
+                out = None
+                for a, b in spans(b0 - a0, chunk):
+                    y = proj((final.norm(h[a0 + a:a0 + b]) * (1.0 + scale[row]) + shift[row]).to(torch.float32))
+                    if out is None:
+                        out = y.new_empty(b0 - a0, y.shape[-1])
+                    out[a:b] = y
+                    del y
+                outs.append(out)
         del h
         video = h3.unpatchify_video(outs[0], latent_t, lat_h // 2, lat_w // 2, model.latents_dim, model.patch_size)
         video = video[:, :, :orig_t, :orig_h, :orig_w]

@@ -13,7 +13,9 @@ from the start:
 - the join is made in place (``join``): each sample's image rows move up behind room for its text rows; single blocks
   get the joint rows, donated;
 - the final layer runs on row chunks of the image rows into its small output, which the stock layout code then
-  rearranges.
+  rearranges;
+- the input projection's and the final layer's comfy.ops layers cast their weights once per loop, not per chunk
+  (``forwards.row_loop``).
 
 What is not covered keeps the stock forward, with the reason (``problem``): reference latents, post-input patches,
 HunyuanVideo's guiding frame (modulation per row range) and reference latent. HunyuanVideo 1.5's text-side inputs
@@ -29,7 +31,8 @@ import torch
 from ..executors.chunks import spans
 from ..executors.donation import donate
 from ..recognize import comfy_models
-from .forwards import chunk_rows, grid_spans, register_forward
+from .embed import grid_pieces, project_into, row_pieces
+from .forwards import chunk_rows, register_forward, row_loop
 
 
 def _into(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -162,15 +165,16 @@ class Joint:
         return adds[i] if adds is not None and i < len(adds) else None
 
     @staticmethod
-    def head(model: Any, img: torch.Tensor, vec: torch.Tensor, chunk: int) -> torch.Tensor:
+    def head(model: Any, img: torch.Tensor, vec: torch.Tensor, chunk: int, state: Any) -> torch.Tensor:
         """The final layer on row chunks of the image rows, into its ``[batch, rows, out]`` output."""
         out = None
-        for a, b in spans(img.shape[1], chunk):
-            y = model.final_layer(img[:, a:b], vec)
-            if out is None:
-                out = y.new_empty(img.shape[0], img.shape[1], y.shape[-1])
-            out[:, a:b] = y
-            del y
+        with row_loop(state, model.final_layer):
+            for a, b in spans(img.shape[1], chunk):
+                y = model.final_layer(img[:, a:b], vec)
+                if out is None:
+                    out = y.new_empty(img.shape[0], img.shape[1], y.shape[-1])
+                out[:, a:b] = y
+                del y
         return out
 
 
@@ -224,14 +228,30 @@ class Flux(Joint):
             return "post_input patches are set (they may change the rows before the blocks)"
         return None
 
+    @staticmethod
+    def conditioning(model: Any, call: dict, dtype: torch.dtype, img_ids: torch.Tensor, txt_ids: torch.Tensor):
+        """The modulation vector, text rows and rope as forward_orig builds them, in the image rows' ``dtype``."""
+        from comfy.ldm.flux.model import timestep_embedding
+        params, timestep, context, y, guidance = (model.params, call["timestep"], call["context"], call.get("y"),
+                                                  call.get("guidance"))
+        vec = model.time_in(timestep_embedding(timestep, 256).to(dtype))
+        if params.guidance_embed and guidance is not None:
+            vec = vec + model.guidance_in(timestep_embedding(guidance, 256).to(dtype))
+        if model.vector_in is not None:
+            if y is None:
+                y = torch.zeros((img_ids.shape[0], params.vec_in_dim), device=txt_ids.device, dtype=dtype)
+            vec = vec + model.vector_in(y[:, :params.vec_in_dim])
+        txt = context if model.txt_norm is None else model.txt_norm(context)
+        txt = model.txt_in(txt)
+        pe = model.pe_embedder(torch.cat((txt_ids, img_ids), dim=1))
+        return vec, txt, pe
+
     @classmethod
     def forward(cls, model: Any, call: dict, state: Any) -> torch.Tensor:
-        from comfy.ldm.flux.model import timestep_embedding
         from einops import rearrange
 
         from .memory import room_for
-        x, timestep, context, y = call["x"], call["timestep"], call["context"], call.get("y")
-        guidance, control = call.get("guidance"), call.get("control")
+        x, context, control = call["x"], call["context"], call.get("control")
         options = call.get("transformer_options", {})
         mask = (call.get("kwargs") or {}).get("attention_mask")
         params, p = model.params, model.patch_size
@@ -248,27 +268,18 @@ class Flux(Joint):
         room = room_for(state.options, x.device)
         chunk = chunk_rows(state.options, room, model.hidden_size * 6)
         state.forward.chunk = chunk
-        first = model.img_in(patches[:, :min(rows, chunk)])
-        dtype = first.dtype
-        vec = model.time_in(timestep_embedding(timestep, 256).to(dtype))
-        if params.guidance_embed and guidance is not None:
-            vec = vec + model.guidance_in(timestep_embedding(guidance, 256).to(dtype))
-        if model.vector_in is not None:
-            if y is None:
-                y = torch.zeros((bs, params.vec_in_dim), device=x.device, dtype=dtype)
-            vec = vec + model.vector_in(y[:, :params.vec_in_dim])
-        txt = context if model.txt_norm is None else model.txt_norm(context)
-        txt = model.txt_in(txt)
-        text = txt.shape[1]
-        pe = model.pe_embedder(torch.cat((txt_ids, img_ids), dim=1))
-
-        buf = torch.empty(bs * (text + rows) * model.hidden_size, dtype=dtype, device=x.device)
-        img = buf[:bs * rows * model.hidden_size].view(bs, rows, model.hidden_size)
-        img[:, :first.shape[1]] = first
-        for a, b in spans(rows, chunk):
-            if a:
-                img[:, a:b] = model.img_in(patches[:, a:b])
-        del first, patches, img
+        with row_loop(state, model.img_in):   # its first chunk gives the dtype, the rest go into the buffer
+            pieces = row_pieces(patches, chunk)
+            (a, b), first = next(pieces)
+            first = model.img_in(first)
+            vec, txt, pe = cls.conditioning(model, call, first.dtype, img_ids, txt_ids)
+            text = txt.shape[1]
+            buf = torch.empty(bs * (text + rows) * model.hidden_size, dtype=first.dtype, device=x.device)
+            img = buf[:bs * rows * model.hidden_size].view(bs, rows, model.hidden_size)
+            img[:, a:b] = first
+            del first
+            project_into(img, pieces, model.img_in)
+        del pieces, patches, img
 
         vec_orig = vec
         if params.global_modulation:
@@ -278,7 +289,7 @@ class Flux(Joint):
             vecs = (vec, vec)
         hidden = cls.blocks(model, buf, txt, vecs, pe, mask, options, control, state, chunk)
         del buf, txt, pe, vecs
-        out = cls.head(model, hidden[:, text:], vec_orig, chunk)
+        out = cls.head(model, hidden[:, text:], vec_orig, chunk, state)
         del hidden
         return rearrange(out, "b (h w) (c ph pw) -> b c (h ph) (w pw)", h=h_len, w=w_len, ph=p,
                          pw=p)[:, :, :h_orig, :w_orig]
@@ -380,33 +391,14 @@ class HunyuanVideo(Joint):
         return txt, txt_ids
 
     @classmethod
-    def forward(cls, model: Any, call: dict, state: Any) -> torch.Tensor:
-        import comfy.ldm.common_dit as common_dit
+    def conditioning(cls, model: Any, call: dict, dtype: torch.dtype, rows: int, img_ids: torch.Tensor,
+                     txt_ids: torch.Tensor, options: dict):
+        """The modulation vector, text rows, rope and the joint rows' text mask as forward_orig builds them, in the
+        image rows' ``dtype``."""
         from comfy.ldm.hunyuan_video.model import timestep_embedding
-
-        from .memory import room_for
-        x, timestep, context, y = call["x"], call["timestep"], call["context"], call.get("y")
-        guidance, control, txt_mask = call.get("guidance"), call.get("control"), call.get("attention_mask")
-        options = call.get("transformer_options", {})
-        bs = x.shape[0]
-        img_ids = model.img_ids(x)
-        txt_ids = torch.zeros((bs, context.shape[1], 3), device=x.device, dtype=x.dtype)
-        options = options.copy()   # as forward_orig
-        initial_shape = list(x.shape)
-        embed = model.img_in
-        padded = common_dit.pad_to_patch_size(x, embed.patch_size, padding_mode=embed.padding_mode) \
-            if embed.dynamic_img_pad else x
-        pt, ph, pw = embed.patch_size
-        grid = (padded.shape[2] // pt, padded.shape[3] // ph, padded.shape[4] // pw)
-        rows = grid[0] * grid[1] * grid[2]
-
-        room = room_for(state.options, x.device)
-        chunk = chunk_rows(state.options, room, model.hidden_size * 6)
-        state.forward.chunk = chunk
-        parts = grid_spans(grid, chunk)
-        (t0, t1), (h0, h1), span = next(parts)
-        first = embed.proj(padded[:, :, t0 * pt:t1 * pt, h0 * ph:h1 * ph]).flatten(2).transpose(1, 2)
-        dtype = first.dtype
+        timestep, y, guidance, txt_mask = call["timestep"], call.get("y"), call.get("guidance"), call.get(
+            "attention_mask")
+        device = txt_ids.device
         vec = model.time_in(timestep_embedding(timestep, 256, time_factor=1.0).to(dtype))
         if model.time_r_in is not None and not call.get("disable_time_r"):   # meanflow: the next sigma's embedding
             w = torch.where(options["sigmas"][0] == options["sample_sigmas"])[0]
@@ -426,20 +418,52 @@ class HunyuanVideo(Joint):
         del img_ids, txt_ids
         mask = None
         if txt_mask is not None:
-            mask = torch.zeros((1, 1, rows + text), dtype=dtype, device=x.device)
+            mask = torch.zeros((1, 1, rows + text), dtype=dtype, device=device)
             mask[:, 0, :text] = txt_mask
+        return vec, txt, pe, mask
 
-        buf = torch.empty(bs * (text + rows) * model.hidden_size, dtype=dtype, device=x.device)
-        img = buf[:bs * rows * model.hidden_size].view(bs, rows, model.hidden_size)
-        img[:, span[0]:span[1]] = first
-        del first
-        for (t0, t1), (h0, h1), (a, b) in parts:
-            img[:, a:b] = embed.proj(padded[:, :, t0 * pt:t1 * pt, h0 * ph:h1 * ph]).flatten(2).transpose(1, 2)
-        del padded, img
+    @classmethod
+    def forward(cls, model: Any, call: dict, state: Any) -> torch.Tensor:
+        import comfy.ldm.common_dit as common_dit
+
+        from .memory import room_for
+        x, context, control = call["x"], call["context"], call.get("control")
+        options = call.get("transformer_options", {})
+        bs = x.shape[0]
+        img_ids = model.img_ids(x)
+        txt_ids = torch.zeros((bs, context.shape[1], 3), device=x.device, dtype=x.dtype)
+        options = options.copy()   # as forward_orig
+        initial_shape = list(x.shape)
+        embed = model.img_in
+        padded = common_dit.pad_to_patch_size(x, embed.patch_size, padding_mode=embed.padding_mode) \
+            if embed.dynamic_img_pad else x
+        pt, ph, pw = embed.patch_size
+        grid = (padded.shape[2] // pt, padded.shape[3] // ph, padded.shape[4] // pw)
+        rows = grid[0] * grid[1] * grid[2]
+
+        room = room_for(state.options, x.device)
+        chunk = chunk_rows(state.options, room, model.hidden_size * 6)
+        state.forward.chunk = chunk
+        def project(piece: torch.Tensor) -> torch.Tensor:
+            return embed.proj(piece).flatten(2).transpose(1, 2)
+
+        with row_loop(state, embed.proj):   # its first chunk gives the dtype, the rest go into the buffer
+            pieces = grid_pieces(padded, embed.patch_size, chunk)
+            (a, b), first = next(pieces)
+            first = project(first)
+            vec, txt, pe, mask = cls.conditioning(model, call, first.dtype, rows, img_ids, txt_ids, options)
+            del img_ids, txt_ids
+            text = txt.shape[1]
+            buf = torch.empty(bs * (text + rows) * model.hidden_size, dtype=first.dtype, device=x.device)
+            img = buf[:bs * rows * model.hidden_size].view(bs, rows, model.hidden_size)
+            img[:, a:b] = first
+            del first
+            project_into(img, pieces, project)
+        del pieces, padded, img
 
         hidden = cls.blocks(model, buf, txt, (vec, vec), pe, mask, options, control, state, chunk)
         del buf, txt, pe, mask
-        img = cls.head(model, hidden[:, text:], vec, chunk)
+        img = cls.head(model, hidden[:, text:], vec, chunk, state)
         del hidden
         # the stock forward's layout of the final layer's rows
         shape = initial_shape[-len(model.patch_size):]
@@ -477,14 +501,32 @@ class Chroma(Flux):
             return "the model has no final layer (its forward returns the rows)"
         return None
 
+    @staticmethod
+    def conditioning(model: Any, call: dict, dtype: torch.dtype, img_ids: torch.Tensor, txt_ids: torch.Tensor):
+        """The distilled guidance layer's modulation vectors, text rows and rope as forward_orig builds them, in the
+        image rows' ``dtype``."""
+        from comfy.ldm.chroma.model import timestep_embedding
+        timestep, guidance, context = call["timestep"], call["guidance"], call["context"]
+        bs, device, length = img_ids.shape[0], txt_ids.device, 344
+        distill_timestep = timestep_embedding(timestep.detach().clone(), 16).to(device, dtype)
+        distil_guidance = timestep_embedding(guidance.detach().clone(), 16).to(device, dtype)
+        index = timestep_embedding(torch.arange(length, device=device), 32).to(device, dtype)
+        index = index.unsqueeze(0).repeat(bs, 1, 1).to(device, dtype)
+        timestep_guidance = torch.cat([distill_timestep, distil_guidance], dim=1).unsqueeze(1).repeat(
+            1, length, 1).to(dtype).to(device, dtype)
+        mod_vectors = model.distilled_guidance_layer(torch.cat([timestep_guidance, index], dim=-1).to(device, dtype))
+        del timestep_guidance, index
+        txt = model.txt_in(context)
+        pe = model.pe_embedder(torch.cat((txt_ids, img_ids), dim=1))
+        return mod_vectors, txt, pe
+
     @classmethod
     def forward(cls, model: Any, call: dict, state: Any) -> torch.Tensor:
         import comfy.ldm.common_dit as common_dit
-        from comfy.ldm.chroma.model import timestep_embedding
         from einops import rearrange, repeat
 
         from .memory import room_for
-        x, timestep, context, guidance = call["x"], call["timestep"], call["context"], call["guidance"]
+        x, context = call["x"], call["context"]
         control, options = call.get("control"), call.get("transformer_options", {})
         mask = (call.get("kwargs") or {}).get("attention_mask")
         bs, _, h, w = x.shape
@@ -505,29 +547,18 @@ class Chroma(Flux):
         room = room_for(state.options, x.device)
         chunk = chunk_rows(state.options, room, model.hidden_size * 6)
         state.forward.chunk = chunk
-        first = model.img_in(patches[:, :min(rows, chunk)])
-        dtype, device = first.dtype, first.device
-        # the distilled guidance layer's modulation vectors, as forward_orig builds them
-        length = 344
-        distill_timestep = timestep_embedding(timestep.detach().clone(), 16).to(device, dtype)
-        distil_guidance = timestep_embedding(guidance.detach().clone(), 16).to(device, dtype)
-        index = timestep_embedding(torch.arange(length, device=device), 32).to(device, dtype)
-        index = index.unsqueeze(0).repeat(bs, 1, 1).to(device, dtype)
-        timestep_guidance = torch.cat([distill_timestep, distil_guidance], dim=1).unsqueeze(1).repeat(
-            1, length, 1).to(dtype).to(device, dtype)
-        mod_vectors = model.distilled_guidance_layer(torch.cat([timestep_guidance, index], dim=-1).to(device, dtype))
-        del timestep_guidance, index
-        txt = model.txt_in(context)
-        pe = model.pe_embedder(torch.cat((txt_ids, img_ids), dim=1))
-        text = txt.shape[1]
-
-        buf = torch.empty(bs * (text + rows) * model.hidden_size, dtype=dtype, device=device)
-        img = buf[:bs * rows * model.hidden_size].view(bs, rows, model.hidden_size)
-        img[:, :first.shape[1]] = first
-        for a, b in spans(rows, chunk):
-            if a:
-                img[:, a:b] = model.img_in(patches[:, a:b])
-        del first, patches, img
+        with row_loop(state, model.img_in):   # its first chunk gives the dtype, the rest go into the buffer
+            pieces = row_pieces(patches, chunk)
+            (a, b), first = next(pieces)
+            first = model.img_in(first)
+            mod_vectors, txt, pe = cls.conditioning(model, call, first.dtype, img_ids, txt_ids)
+            text = txt.shape[1]
+            buf = torch.empty(bs * (text + rows) * model.hidden_size, dtype=first.dtype, device=first.device)
+            img = buf[:bs * rows * model.hidden_size].view(bs, rows, model.hidden_size)
+            img[:, a:b] = first
+            del first
+            project_into(img, pieces, model.img_in)
+        del pieces, patches, img
 
         def vecs(kind: str, i: int):
             if kind == "double":
@@ -537,7 +568,7 @@ class Chroma(Flux):
 
         hidden = cls.blocks(model, buf, txt, vecs, pe, mask, options, control, state, chunk)
         del buf, txt, pe
-        out = cls.head(model, hidden[:, text:], model.get_modulations(mod_vectors, "final"), chunk)
+        out = cls.head(model, hidden[:, text:], model.get_modulations(mod_vectors, "final"), chunk, state)
         del hidden
         return rearrange(out, "b (h w) (c ph pw) -> b c (h ph) (w pw)", h=h_len, w=w_len, ph=p,
                          pw=p)[:, :, :h, :w]

@@ -17,7 +17,7 @@ import torch
 
 from ..executors.chunks import spans
 from ..recognize import comfy_models
-from .forwards import _block_call, chunk_rows, register_forward
+from .forwards import _block_call, chunk_rows, register_forward, row_loop
 
 
 def _block_wrap(block):
@@ -83,14 +83,15 @@ class LTXV:
         table = model.scale_shift_table[None, None].to(device=x.device, dtype=x.dtype) + embedded_timestep[:, :, None]
         shift, scale = table[:, :, 0], table[:, :, 1]
         out = None
-        for a, b in spans(rows, chunk):
-            sh = shift if shift.shape[1] == 1 else shift[:, a:b]
-            sc = scale if scale.shape[1] == 1 else scale[:, a:b]
-            y = model.proj_out(model.norm_out(x[:, a:b]) * (1 + sc) + sh)
-            if out is None:
-                out = y.new_empty(batch, rows, y.shape[-1])
-            out[:, a:b] = y
-            del y
+        with row_loop(state, model.norm_out, model.proj_out):   # their weights cast once, not per chunk
+            for a, b in spans(rows, chunk):
+                sh = shift if shift.shape[1] == 1 else shift[:, a:b]
+                sc = scale if scale.shape[1] == 1 else scale[:, a:b]
+                y = model.proj_out(model.norm_out(x[:, a:b]) * (1 + sc) + sh)
+                if out is None:
+                    out = y.new_empty(batch, rows, y.shape[-1])
+                out[:, a:b] = y
+                del y
         del x
         orig_shape = merged["orig_shape"]
         return model.patchifier.unpatchify(latents=out, output_height=orig_shape[3], output_width=orig_shape[4],

@@ -362,6 +362,9 @@ def _forward_line(st: PatchState) -> str:
     if f.streamed_calls:
         parts.append(f"{f.streamed_calls} call(s) streamed (input projection and output head in {f.chunk}-row "
                      f"chunks, {f.donated_blocks} block input(s) donated in the last)")
+        if f.weights_once:
+            parts.append(f"{f.weights_once} comfy.ops layer(s) of its row loops cast per call: weights taken once per "
+                         f"loop, not per chunk")
     for why, n in f.stock_reasons.items():
         parts.append(f"{n} call(s) stock: {why}")
     runs = f", {st.runs} sampling run(s) planned" if st.runs else ""

@@ -24,6 +24,7 @@ One assumption: ComfyUI runs a model's calls one at a time (the shared modules h
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -33,6 +34,9 @@ from torch import nn
 # the comfy.ops classes whose forward and cast path were read: with the weights cast_bias_weight returns, their
 # stock forward (torch.nn's) is their cast forward
 _KNOWN = ("Linear", "Conv1d", "Conv2d", "LayerNorm", "GroupNorm", "RMSNorm")
+# the model forwards' row loops also take Conv3d patch embeddings (a call with ``autopad``, which a plain Conv3d would
+# not take, keeps its own cast; blocks keep Conv3d out)
+_ROW_KNOWN = _KNOWN + ("Conv3d",)
 _SWITCHES = ("comfy_cast_weights", "weight_function", "bias_function")
 # ModelPatcher's per-layer bookkeeping, read only by the cast path: hidden while a layer is plain, so the capture (keyed
 # by the layers' plain attributes) is shared by every block of a class (ModelPatcherDynamic's seed_key is the layer's
@@ -42,9 +46,9 @@ _BOOKKEEPING = ("prev_comfy_cast_weights", "comfy_patched_weights", "comfy_force
 _ABSENT = object()
 
 
-def _known_classes() -> tuple[type, ...]:
+def _known_classes(names: tuple[str, ...] = _KNOWN) -> tuple[type, ...]:
     import comfy.ops
-    return tuple(getattr(comfy.ops.disable_weight_init, name) for name in _KNOWN)
+    return tuple(getattr(comfy.ops.disable_weight_init, name) for name in names)
 
 
 def _is_known(m: nn.Module, known: tuple[type, ...]) -> bool:
@@ -136,14 +140,16 @@ def _storage(t: torch.Tensor | None) -> int | None:
 
 
 @contextlib.contextmanager
-def taken(block: nn.Module, device: torch.device, dtype: torch.dtype, direct: tuple[str, ...] = ()) -> Iterator[Taken]:
+def taken(block: nn.Module, device: torch.device, dtype: torch.dtype, direct: tuple[str, ...] = (),
+          classes: tuple[str, ...] = _KNOWN) -> Iterator[Taken]:
     """Inside: every comfy.ops layer of ``block`` that casts per call (but those in ``direct``, whose weights the block
     reads itself) is a plain layer over the weights ComfyUI's cast path gave for ``device`` and ``dtype`` (the dtype
-    its inputs have: the block's hidden states'). Call ``weights_problem`` first: a layer it refuses is not taken."""
+    its inputs have: the block's hidden states'). Call ``weights_problem`` first: a layer it refuses is not taken.
+    ``classes``: the comfy.ops classes taken (``_ROW_KNOWN`` for the model forwards' row loops)."""
     import comfy.model_management as mm
     import comfy.ops
 
-    known = _known_classes()
+    known = _known_classes(classes)
     # every known comfy.ops layer is made plain for the call (the same attributes in every block: one capture); those
     # with a weight that cast per call are taken
     plain = [(name, m) for name, m in block.named_modules()
@@ -201,3 +207,37 @@ def taken(block: nn.Module, device: torch.device, dtype: torch.dtype, direct: tu
         saved.clear()
         if queue is not None:
             prefetch.prefetch_queue_pop(queue, device, None)   # waits for the streams, unpins, drops the prefetch
+
+
+def _row_layers(modules: tuple[nn.Module, ...]) -> list[tuple[str, nn.Module]]:
+    """The comfy.ops layers of ``modules`` a row loop may take (a class whose cast path was read, plain tensors),
+    each named by its module's place in ``modules`` and class and its path there."""
+    known = _known_classes(_ROW_KNOWN)
+    return [(".".join(filter(None, (f"{i}:{type(module).__name__}", name))), m)
+            for i, module in enumerate(modules) for name, m in module.named_modules()
+            if hasattr(m, "comfy_cast_weights") and _is_known(m, known) and _plain(getattr(m, "weight", None))
+            and (getattr(m, "bias", None) is None or _plain(m.bias))]
+
+
+@contextlib.contextmanager
+def once_per_loop(*modules: nn.Module) -> Iterator[Taken]:
+    """Inside: a model forward's row loop over ``modules`` (patch embedding, output head) casts each layer's weights
+    once, not once per row chunk. A layer that casts per call is ``taken`` at its first call, with that call's input
+    dtype and device (what its own cast would use), and stays a plain layer over those weights for the loop's later
+    calls (its own forward, the same kernels). Layers of other classes or with non-plain weights (quantized layouts,
+    custom ops), and a first call with keyword arguments (Conv3d's ``autopad``), keep their own call per chunk. The
+    yielded ``Taken`` gathers what was taken."""
+    out = Taken()
+    with contextlib.ExitStack() as stack:
+        def first_call(name: str, m: nn.Module, args: tuple, kwargs: dict) -> None:
+            handles.pop(name).remove()
+            x = args[0] if args else None
+            if isinstance(x, torch.Tensor) and casts_per_call(m) and not kwargs:
+                one = stack.enter_context(taken(m, x.device, x.dtype, classes=_ROW_KNOWN))
+                out.layers.update({name: kind for kind in one.layers.values()})
+                out.new_bytes += one.new_bytes
+
+        handles = {name: m.register_forward_pre_hook(functools.partial(first_call, name), with_kwargs=True)
+                   for name, m in _row_layers(modules)}
+        stack.callback(lambda: [h.remove() for h in handles.values()])
+        yield out
