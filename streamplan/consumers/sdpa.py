@@ -1,8 +1,9 @@
 """PyTorch ``scaled_dot_product_attention`` as the baseline consumer: bounded Q, offset causal, GQA, masks.
 
 A causal chunk of query rows [a, a+c) sees keys [0, a) whole and keys [a, a+c) causally. Where PyTorch's fused
-kernels return their log-sum-exp (cuDNN and flash on CUDA, flash on CPU), the two parts run as two fused calls,
-each on the fast path stock uses, and are merged exactly by their log-sum-exps; no [c, keys] mask is built.
+kernels return their log-sum-exp (flash, efficient and cuDNN on CUDA, flash on CPU), the two parts run as two fused
+calls, each on the kernel stock's call would pick (PyTorch's priority order and the caller's SDPA switches), and are
+merged exactly by their log-sum-exps; no [c, keys] mask is built.
 Elsewhere a lower-right causal mask is used.
 """
 from __future__ import annotations
@@ -19,29 +20,64 @@ def _causal_rows(rows: int, keys: int, offset: int, device: torch.device) -> tor
     return torch.arange(keys, device=device) <= q
 
 
+# PyTorch's SDPA backends by their ``SDPBackend`` values (``torch._C._get_sdp_priority_order``)
+_MATH, _FLASH, _EFFICIENT, _CUDNN = 0, 1, 2, 3
+_DEFAULT_ORDER = (_FLASH, _EFFICIENT, _MATH, _CUDNN)
+
+
+def _priority() -> tuple[int, ...]:
+    """The backends in the order stock's SDPA calls try them now (PyTorch's default: flash, efficient, math, cuDNN;
+    ``sdpa_kernel(..., set_priority=True)`` changes it)."""
+    try:
+        return tuple(int(b) for b in torch._C._get_sdp_priority_order())
+    except (AttributeError, RuntimeError, TypeError):
+        return _DEFAULT_ORDER
+
+
+_ENABLED = {_FLASH: "flash_sdp_enabled", _EFFICIENT: "mem_efficient_sdp_enabled", _CUDNN: "cudnn_sdp_enabled",
+            _MATH: "math_sdp_enabled"}
+
+
 def _fused_with_lse(q, k, v, causal: bool, scale):
     """(output, log-sum-exp [B, H, rows]) from a fused kernel, or None where none is available for these inputs.
-    Only the kernels the caller's SDPA settings allow (``torch.nn.attention.sdpa_kernel``, the
-    ``torch.backends.cuda.enable_*_sdp`` switches), as stock's own calls would: on CUDA cuDNN, then flash."""
+    The kernels stock's own call would pick, in its order, among those the caller's settings allow
+    (``torch.nn.attention.sdpa_kernel``, the ``torch.backends.cuda.enable_*_sdp`` switches): by default flash, so the
+    chunks' kernels are stock's (and cuDNN, last by default, builds a plan per shape: a causal chunk's past keys have
+    a new length every chunk). None once math comes first: the caller's own fp32 math then serves."""
+    for backend in _priority():
+        if not getattr(torch.backends.cuda, _ENABLED.get(backend, ""), lambda: False)():
+            continue
+        if backend == _MATH:
+            return None
+        kernel = _KERNELS.get(backend)
+        got = kernel(q, k, v, causal, scale) if kernel is not None else None
+        if got is not None:
+            return got
+    return None
+
+
+def _flash_with_lse(q, k, v, causal: bool, scale):
     try:
         if q.device.type == "cuda":
-            cudnn = getattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention", None)
-            if cudnn is not None and torch.backends.cuda.cudnn_sdp_enabled():
-                try:
-                    out = cudnn(q, k, v, None, True, 0.0, causal, False, scale=scale)
-                    return out[0], out[1].reshape(q.shape[:3])
-                except RuntimeError:
-                    pass
-            if not torch.backends.cuda.flash_sdp_enabled():
-                return None
             out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
             return out[0], out[1].reshape(q.shape[:3])
-        if q.device.type == "cpu" and torch.backends.cuda.flash_sdp_enabled():   # (the switch serves CPU too)
+        if q.device.type == "cpu":
             out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
             return out, lse.reshape(q.shape[:3])
     except (RuntimeError, AttributeError, NotImplementedError):
         return None
     return None
+
+
+def _cudnn_with_lse(q, k, v, causal: bool, scale):
+    cudnn = getattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention", None)
+    if cudnn is None or q.device.type != "cuda":
+        return None
+    try:
+        out = cudnn(q, k, v, None, True, 0.0, causal, False, scale=scale)
+    except (RuntimeError, NotImplementedError):
+        return None
+    return out[0], out[1].reshape(q.shape[:3])
 
 
 def _grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -95,13 +131,16 @@ MERGE_GROUPS = 8   # head groups the causal merge runs in (its fp32 copies: 2 x 
 def _efficient_with_lse(q, k, v, causal: bool, scale):
     """CUDA's memory-efficient kernel (takes fp32 too), its log-sum-exp cut to the query rows; None if it refuses."""
     fn = getattr(torch.ops.aten, "_scaled_dot_product_efficient_attention", None)
-    if fn is None or q.device.type != "cuda" or not torch.backends.cuda.mem_efficient_sdp_enabled():
+    if fn is None or q.device.type != "cuda":
         return None
     try:
         out = fn(q, k, v, None, True, 0.0, causal, scale=scale)
     except (RuntimeError, NotImplementedError):
         return None
     return out[0], out[1][..., :q.shape[-2]].reshape(q.shape[:3])
+
+
+_KERNELS = {_FLASH: _flash_with_lse, _EFFICIENT: _efficient_with_lse, _CUDNN: _cudnn_with_lse}
 
 
 MATH_SCORES = 1 << 26   # fp32 scores the math path holds at once (256 MiB): query rows are taken in pieces under it
@@ -195,13 +234,13 @@ class SDPAConsumer:
             rep = H // Hkv
             if rep > 1 and not causal:   # heads sharing a K/V head as rows of one call: exact without a mask
                 qg = _grouped(q, Hkv)
-                got = _fused_with_lse(qg, k, v, False, scale) or _efficient_with_lse(qg, k, v, False, scale)
+                got = _fused_with_lse(qg, k, v, False, scale)
                 if got is not None:
                     return got[0].reshape(B, H, c, D), got[1].reshape(B, H, c)
             else:   # one K/V head per Q head (a causal block's K/V heads repeated: the block's size, not the rows')
                 if rep > 1:
                     k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-                got = _fused_with_lse(q, k, v, causal, scale) or _efficient_with_lse(q, k, v, causal, scale)
+                got = _fused_with_lse(q, k, v, causal, scale)
                 if got is not None:
                     return got[0], got[1].float()
         return _math_with_lse(q, k, v, causal, mask, scale)
