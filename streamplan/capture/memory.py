@@ -104,10 +104,23 @@ class GraphMemory:
     def _pieces_peak(self, run: RowRun, rows: int) -> int:
         """One piece of ``rows`` rows through a run: its values, each freed after its last use in the run (a view keeps
         its base), the piece's outputs until they are copied into their buffers."""
+        return self._walk(run.nodes, run.dead, rows)
+
+    def _region_peak(self, r, rows: int) -> int:
+        """The worst moment of one MLP region's values at full width (``run_region`` takes it a slice at a time):
+        entries, then the elementwise nodes in graph order, each freed after its last use inside the region (what
+        the exit reads stays); a fused entry's parts and their join are alive together."""
+        nodes = [*r.entries, *r.inner]
+        return self._walk(nodes, _last_uses(nodes), rows, joined=lambda n, own: own if r.entries.get(n, 1) > 1 else 0)
+
+    def _walk(self, nodes: list[fx.Node], dead: dict[int, list[fx.Node]], rows: int, joined=None) -> int:
+        """Peak bytes of ``nodes`` run in order at ``rows`` rows, ``dead[i]`` freed after node ``i`` (a view keeps its
+        base's storage alive); ``joined(node, own bytes)``: bytes alive beside a node at its own moment only."""
         owner: dict[fx.Node, fx.Node] = {}
         refs: dict[fx.Node, int] = {}
         live = peak = 0
-        for i, n in enumerate(run.nodes):
+        for i, n in enumerate(nodes):
+            own = 0
             base = None if self.allocates.get(n, True) else next(
                 (owner[m] for m in n.all_input_nodes if m in owner), None)
             if base is not None:
@@ -115,29 +128,11 @@ class GraphMemory:
                 refs[base] += 1
             elif self.allocates.get(n, True):
                 owner[n], refs[n] = n, 1
-                live += self.value(n, rows)
-            peak = max(peak, live)
-            for m in run.dead.get(i, ()):
+                own = self.value(n, rows)
+                live += own
+            peak = max(peak, live + (joined(n, own) if joined is not None else 0))
+            for m in dead.get(i, ()):
                 live -= self._release(owner, refs, m, rows)
-        return peak
-
-    def _region_peak(self, r, rows: int) -> int:
-        """The worst moment of one MLP region's values at full width (``run_region`` takes it a slice at a time):
-        entries, then the elementwise nodes in graph order, each freed after its last use inside the region (what
-        the exit reads stays); a fused entry's parts and their join are alive together."""
-        nodes = [*r.entries, *r.inner]
-        frees = _last_uses(nodes)
-        live = peak = 0
-        alive: set = set()
-        for i, n in enumerate(nodes):
-            own = self.value(n, rows) if self.allocates.get(n, True) else 0
-            live += own
-            alive.add(n)
-            peak = max(peak, live + (own if r.entries.get(n, 1) > 1 else 0))
-            for m in frees.get(i, ()):
-                if m in alive:
-                    alive.discard(m)
-                    live -= self.value(m, rows) if self.allocates.get(m, True) else 0
         return peak
 
     def transient(self, chunk: int, ffn_slice: int = 0, regions=(), at_attention: int = 0, workspace: int = 0) -> int:
