@@ -32,7 +32,9 @@ difference from stock).
                                                                   # where a held plan's time goes: its chunk, its slices
 
 Modes: ``stock``; ``chunk`` (16384-row chunks), ``chunk=C`` (C-row chunks), ``chunk=C/S`` (C-row chunks, the MLP in
-S-feature slices); ``held`` (the planner given 1.15x the floor). Past 256k tokens a streamed mode first runs 8192 tokens
+S-feature slices); ``held`` (the planner given 1.15x the floor); ``held/pN`` (the same with row-local chains, the
+RMSNorms' float32 copies among them, run in N pieces of each chunk: larger chunks under the same budget).
+Past 256k tokens a streamed mode first runs 8192 tokens
 (its layers' capture), then one timed call; every row gives ``time_per_layer_s``.
 Optional arguments: ``layers=N`` changes the layer count (default 32); ``stock_layers=K`` runs the stock mode on its
 own model of K layers first (its own JSON, ``..._stock<K>l``), the other modes on N; ``padded=P`` runs a batch of 2
@@ -172,9 +174,10 @@ def _apply(model, mode: str, inputs: int, n: int):
     if mode.startswith("chunk="):   # chunk=C or chunk=C/S (S: the MLP's feature slice)
         c, _, sl = mode[6:].partition("/")
         return streamplan.apply(model, chunk_tokens=int(c), ffn_slice=int(sl) if sl else None)
-    if mode == "held":   # the planner given the inputs plus 1.15x the floor
-        return streamplan.apply(model, budget=int(inputs + 1.15 * FLOOR * n))
-    raise ValueError(f"unknown mode {mode!r}: one of {', '.join(PREFILL_MODES)}, chunk=C, chunk=C/S")
+    if mode == "held" or mode.startswith("held/p"):   # the planner given the inputs plus 1.15x the floor
+        pieces = int(mode[6:]) if mode.startswith("held/p") else None   # held/pN: row-local chains in N pieces
+        return streamplan.apply(model, budget=int(inputs + 1.15 * FLOOR * n), row_pieces=pieces)
+    raise ValueError(f"unknown mode {mode!r}: one of {', '.join(PREFILL_MODES)}, held/pN, chunk=C, chunk=C/S")
 
 
 def prefill(n: int, layers: int, modes: list[str], name: str, padded: int = 0) -> list[dict]:
