@@ -2,8 +2,8 @@
 
 A causal chunk of query rows [a, a+c) sees keys [0, a) whole and keys [a, a+c) causally. Where PyTorch's fused
 kernels return their log-sum-exp (flash, efficient and cuDNN on CUDA, flash on CPU), the two parts run as two fused
-calls, each on the kernel stock's call would pick (PyTorch's priority order and the caller's SDPA switches), and are
-merged exactly by their log-sum-exps; no [c, keys] mask is built.
+calls, each on the kernel PyTorch's own call would pick for it (``torch._fused_sdp_choice``), and are merged exactly by
+their log-sum-exps; no [c, keys] mask is built.
 Elsewhere a lower-right causal mask is used.
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ _DEFAULT_ORDER = (_FLASH, _EFFICIENT, _MATH, _CUDNN)
 
 
 def _priority() -> tuple[int, ...]:
-    """The backends in the order stock's SDPA calls try them now (PyTorch's default: flash, efficient, math, cuDNN;
+    """The backends in the order set for SDPA calls now (PyTorch's default: flash, efficient, math, cuDNN;
     ``sdpa_kernel(..., set_priority=True)`` changes it)."""
     try:
         return tuple(int(b) for b in torch._C._get_sdp_priority_order())
@@ -38,13 +38,25 @@ _ENABLED = {_FLASH: "flash_sdp_enabled", _EFFICIENT: "mem_efficient_sdp_enabled"
             _MATH: "math_sdp_enabled"}
 
 
+def _choice(q, k, v, causal: bool, scale) -> int | None:
+    """The backend PyTorch's own SDPA call would pick for these inputs (its priority order, the caller's switches
+    and, on Hopper and Blackwell, its preference for cuDNN), or None where it cannot say."""
+    try:
+        return int(torch._fused_sdp_choice(q, k, v, None, 0.0, causal, scale=scale))
+    except (AttributeError, RuntimeError, TypeError, NotImplementedError):
+        return None
+
+
 def _fused_with_lse(q, k, v, causal: bool, scale):
     """(output, log-sum-exp [B, H, rows]) from a fused kernel, or None where none is available for these inputs.
-    The kernels stock's own call would pick, in its order, among those the caller's settings allow
-    (``torch.nn.attention.sdpa_kernel``, the ``torch.backends.cuda.enable_*_sdp`` switches): by default flash, so the
-    chunks' kernels are stock's (and cuDNN, last by default, builds a plan per shape: a causal chunk's past keys have
-    a new length every chunk). None once math comes first: the caller's own fp32 math then serves."""
-    for backend in _priority():
+    The kernel stock's own call picks for these inputs (``torch._fused_sdp_choice``: PyTorch's order, the caller's
+    ``sdpa_kernel`` / ``enable_*_sdp`` switches, cuDNN first where PyTorch prefers it), then the other enabled ones
+    in PyTorch's order should it refuse; None where math is the choice: the caller's own fp32 math then serves."""
+    first = _choice(q, k, v, causal, scale)
+    if first == _MATH:
+        return None
+    order = _priority() if first not in _KERNELS else (first, *(b for b in _priority() if b != first))
+    for backend in order:
         if not getattr(torch.backends.cuda, _ENABLED.get(backend, ""), lambda: False)():
             continue
         if backend == _MATH:
