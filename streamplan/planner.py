@@ -409,6 +409,16 @@ NARROWER_GAIN = 1.1          # a narrower slice is taken when it buys 10% more r
 L2_GAIN = 1.5                # L2 is taken over L1 when it buys 1.5x the rows per chunk
 
 
+def _remembered(fn: Callable[[int, int], int]) -> Callable[[int, int], int]:
+    seen: dict[tuple[int, int], int] = {}
+
+    def remembered(c: int, sl: int) -> int:
+        if (c, sl) not in seen:
+            seen[c, sl] = fn(c, sl)
+        return seen[c, sl]
+    return remembered
+
+
 def plan_graph(rows: int, fixed: int, transient, stock: int, *, chunk_tokens: int | None = None,
                budget: int | None = None, min_chunk: int = MIN_CHUNK_TOKENS, waves: Waves = Waves(),
                ffn: int = 0, ffn_slice: int | None = None, kv: int = 0, attn_out: int = 0,
@@ -433,6 +443,8 @@ def plan_graph(rows: int, fixed: int, transient, stock: int, *, chunk_tokens: in
         if kv_store != "device":
             raise ValueError(f"kv={kv_store!r}: the attention needs the whole Q in one call, against K/V on the device")
         fixed, groups, head_groups, kv_options = fixed + whole_q, (), None, ()
+
+    transient = _remembered(transient)   # a graph walk per (chunk, slice): the searches below ask again and again
 
     def peak(chunk: int, sl: int = 0, g: int = 1) -> int:
         grouped = (kv - kv // g - attn_out) if g > 1 else 0
