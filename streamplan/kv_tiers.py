@@ -110,7 +110,7 @@ def kv_options(found, rows: int, device: torch.device, kinds: tuple[str, ...], s
     return tuple(opts)
 
 
-MAX_HEAD_GROUPS = 16
+MAX_HEAD_GROUPS = 64   # up to one K/V head a group: a group small enough to read all its rows back in one block
 
 
 def head_groups(an) -> tuple[int, ...]:

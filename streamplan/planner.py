@@ -62,6 +62,18 @@ class Waves:
 
 
 BELOW_QUANTUM_KEEP = 0.85
+# planning on meta tensors is planning for the H200 (its rates above): its multiprocessors
+META_MULTIPROCESSORS = 132
+
+
+def wave_waste(waves: Waves, rows: int, groups: int = 1) -> float:
+    """Time lost to the last partial wave of one attention call over ``rows`` query rows and a ``groups``-th of the
+    heads, as a share of its work (0: nothing known, or whole waves)."""
+    heads = waves.batch_heads // max(1, groups)
+    if waves.multiprocessors <= 0 or heads <= 0 or rows <= 0:
+        return 0.0
+    tiles = -(-rows // waves.tile) * heads
+    return -(-tiles // waves.multiprocessors) * waves.multiprocessors / tiles - 1.0
 
 
 MIN_FFN_SLICE = 256
@@ -323,8 +335,10 @@ def plan_rows(rows: int, row_bytes: int, transient_per_elem: int, *, chunk_token
     return make(Tier.L1, chunk)
 
 
-# L4/L5: K/V read back in blocks of these many rows (of one head group; the largest that fits beside the Q chunk)
-KV_BLOCKS = (65536, 32768, 16384, 8192, 4096, 2048, 1024, 512, 256)
+# L4/L5: K/V read back in blocks of these many rows (of one head group; the largest that fits beside the Q chunk);
+# the first, past any sequence, is one block of every row: a head group's keys in one call, nothing to merge (each
+# query row's output is its kernel's own, as on the device)
+KV_BLOCKS = (1 << 40, 65536, 32768, 16384, 8192, 4096, 2048, 1024, 512, 256)
 DEFAULT_KV_BLOCK = 8192
 # Below the floor the planner weighs L3 against L4 by estimated extra time (seconds, from the shapes):
 HOST_BANDWIDTH = 54e9        # bytes/s each way, pinned, measured on the H200 (2026-11-30)
@@ -508,7 +522,10 @@ def plan_graph(rows: int, fixed: int, transient, stock: int, *, chunk_tokens: in
                         eps = 0.0 if not sl else 1e-9   # an unsliced MLP on ties
                         if costs.attention_s:
                             chunks = -(-rows // c)
+                            # a pass's calls over fewer heads and rows than stock's one call fill fewer waves
+                            waste = max(0.0, wave_waste(waves, passes, g) - wave_waste(waves, rows))
                             key = (l4_extra_seconds(opt, rows, passes, costs, blk, g) + chunks * CHUNK_STEP_S
+                                   + waste * costs.attention_s
                                    + (chunks * -(-ffn // sl) * SLICE_STEP_S if sl else 0.0) + eps,
                                    -passes, -c, -blk, g, sl)
                         else:   # rates unknown: the largest chunk, then the largest span it allows
@@ -587,7 +604,10 @@ def plan_graph(rows: int, fixed: int, transient, stock: int, *, chunk_tokens: in
                 if p.tier == Tier.L3:
                     return (p.head_groups - 1) * L3_GROUP_COST * costs.attention_s
                 opt = next(o for o in exact_kv if o.kind == p.kv)
-                return l4_extra_seconds(opt, rows, p.q_span or p.chunk, costs, p.kv_block, p.head_groups)
+                q_rows = p.q_span or p.chunk
+                waste = max(0.0, wave_waste(waves, q_rows, p.head_groups) - wave_waste(waves, rows))
+                return (l4_extra_seconds(opt, rows, q_rows, costs, p.kv_block, p.head_groups)
+                        + waste * costs.attention_s)
             return min([p for p in [grouped, *staged] if p is not None], key=extra)
     least = min([fixed + transient(min(rows, MIN_CHUNK_TOKENS), 256 if ffn > 256 else 0)]
                 + [peak(min(rows, MIN_CHUNK_TOKENS), 256 if ffn > 256 else 0, g) for g in groups]

@@ -250,6 +250,14 @@ def test_the_planner_buys_q_spans_when_copies_back_cost_more_than_chunks():
     assert (forced.chunk, forced.q_span, forced.host_traffic) == (512, 2048, 8 * 10**10 * (1 + 4))
 
 
+def test_wave_waste_prices_a_pass_over_few_heads():
+    from streamplan.planner import Waves, wave_waste
+    h200 = Waves(132, 40)   # Wan2.1-14B's 40 heads on the H200's 132 multiprocessors
+    assert wave_waste(h200, 16896, 20) == 0.0             # 2 heads x 132 tiles: two whole waves
+    assert 0.6 < wave_waste(h200, 19968, 40) < 0.75       # 1 head x 156 tiles: 1.18 waves of work take 2
+    assert wave_waste(Waves(), 19968, 40) == 0.0          # nothing known: no price
+
+
 def test_plan_cli_stages_wan_kv_in_q_spans_below_half_the_floor(capsys):
     # Wan2.1-14B at 217,088 tokens, bf16, budget 0.5x the floor (30 KB/token) above its ~2.2 GB input: each pass back
     # over 4.4 GB of K/V is ~82 ms at 54 GB/s; the chunks' MLP keeps them short, so spans of chunks make the passes
@@ -260,6 +268,8 @@ def test_plan_cli_stages_wan_kv_in_q_spans_below_half_the_floor(capsys):
     (plan,) = json.loads(capsys.readouterr().out)["streamed"][""]["plans"]
     assert plan["tier"] == "L4" and plan["q_span"] > plan["chunk"], plan
     assert -(-217088 // plan["q_span"]) <= 16 < -(-217088 // plan["chunk"]), plan
+    from streamplan.planner import Waves, wave_waste   # each pass's calls fill whole waves of the H200
+    assert wave_waste(Waves(132, 40), plan["q_span"], plan["head_groups"]) < 0.05, plan
     assert plan["live_bytes"] + plan["predicted_peak"] <= 5_560_000_000
 
 

@@ -14,7 +14,7 @@ from ..callstate import bypass, needs_grad, shapes
 from ..consumers import graph_consumer, unsupported
 from ..executors.donation import donated
 from ..ir import GraphSpec, RowMask, adapt_call, block_backend, row_masks_whole
-from ..planner import SLICED_TIERS, UTILISATION_FLOOR, Plan, Tier, Waves, plan_graph
+from ..planner import META_MULTIPROCESSORS, SLICED_TIERS, UTILISATION_FLOOR, Plan, Tier, Waves, plan_graph
 from ..recognize.checks import hooks_added_inside
 from . import handles
 from .parts import workspace_bytes, workspace_row_bytes
@@ -205,6 +205,8 @@ def _run_onloaded(handle, entry, args: tuple, kwargs: dict) -> Any:
             if device.type == "cuda":
                 waves = Waves(torch.cuda.get_device_properties(device).multi_processor_count,
                               qv.shape[0] * qv.shape[1])
+            elif device.type == "meta":   # planning for the H200, whose rates the estimates use
+                waves = Waves(META_MULTIPROCESSORS, qv.shape[0] * qv.shape[1])
             # the consumer's own allocations, charged while the chunk's attention runs (its Q chunk and static rows
             # against every key)
             call = SimpleNamespace(heads=qv.shape[1], kv_heads=kv_.shape[1], head_dim=qv.shape[-1], causal=att.causal,
