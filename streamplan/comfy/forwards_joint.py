@@ -78,6 +78,28 @@ class Joint:
     """The block loops and the head over one joint buffer; ``Flux`` and ``HunyuanVideo`` differ in how they prepare
     rows and conditioning, in the arguments their blocks get and in their layout of the output."""
 
+    @classmethod
+    def embed(cls, model: Any, call: dict, state: Any, patches: torch.Tensor, img_ids: Any, txt_ids: Any):
+        """``img_in`` over ``patches`` [batch, rows, features] in row chunks into the image rows of one joint buffer
+        (text rows after them, for the blocks to fill); its first chunk gives the dtype the conditioning is built in
+        (``cls.conditioning``, whose text rows size the buffer). Returns (buffer, chunk, conditioning)."""
+        from .memory import room_for
+        bs, rows = patches.shape[0], patches.shape[1]
+        chunk = chunk_rows(state.options, room_for(state.options, patches.device), model.hidden_size * 6)
+        state.forward.chunk = chunk
+        with row_loop(state, model.img_in):
+            pieces = row_pieces(patches, chunk)
+            (a, b), first = next(pieces)
+            first = model.img_in(first)
+            cond = cls.conditioning(model, call, first.dtype, img_ids, txt_ids)
+            text = cond[1].shape[1]
+            buf = torch.empty(bs * (text + rows) * model.hidden_size, dtype=first.dtype, device=first.device)
+            img = buf[:bs * rows * model.hidden_size].view(bs, rows, model.hidden_size)
+            img[:, a:b] = first
+            del first
+            project_into(img, pieces, model.img_in)
+        return buf, chunk, cond
+
     @staticmethod
     def double_args(img, txt, vec, pe, mask, options) -> dict:
         raise NotImplementedError
@@ -250,7 +272,6 @@ class Flux(Joint):
     def forward(cls, model: Any, call: dict, state: Any) -> torch.Tensor:
         from einops import rearrange
 
-        from .memory import room_for
         x, context, control = call["x"], call["context"], call.get("control")
         options = call.get("transformer_options", {})
         mask = (call.get("kwargs") or {}).get("attention_mask")
@@ -258,28 +279,15 @@ class Flux(Joint):
         bs, _, h_orig, w_orig = x.shape
         h_len, w_len = (h_orig + p // 2) // p, (w_orig + p // 2) // p
         patches, img_ids = model.process_img(x, transformer_options=options)   # [batch, rows, channels x p x p]
-        rows = patches.shape[1]
         txt_ids = torch.zeros((bs, context.shape[1], len(params.axes_dim)), device=x.device, dtype=torch.float32)
         for i in params.txt_ids_dims:
             txt_ids[:, :, i] = torch.linspace(0, context.shape[1] - 1, steps=context.shape[1], device=x.device,
                                               dtype=torch.float32)
         options = options.copy()   # as forward_orig
 
-        room = room_for(state.options, x.device)
-        chunk = chunk_rows(state.options, room, model.hidden_size * 6)
-        state.forward.chunk = chunk
-        with row_loop(state, model.img_in):   # its first chunk gives the dtype, the rest go into the buffer
-            pieces = row_pieces(patches, chunk)
-            (a, b), first = next(pieces)
-            first = model.img_in(first)
-            vec, txt, pe = cls.conditioning(model, call, first.dtype, img_ids, txt_ids)
-            text = txt.shape[1]
-            buf = torch.empty(bs * (text + rows) * model.hidden_size, dtype=first.dtype, device=x.device)
-            img = buf[:bs * rows * model.hidden_size].view(bs, rows, model.hidden_size)
-            img[:, a:b] = first
-            del first
-            project_into(img, pieces, model.img_in)
-        del pieces, patches, img
+        buf, chunk, (vec, txt, pe) = cls.embed(model, call, state, patches, img_ids, txt_ids)
+        text = txt.shape[1]
+        del patches
 
         vec_orig = vec
         if params.global_modulation:
@@ -525,7 +533,6 @@ class Chroma(Flux):
         import comfy.ldm.common_dit as common_dit
         from einops import rearrange, repeat
 
-        from .memory import room_for
         x, context = call["x"], call["context"]
         control, options = call.get("control"), call.get("transformer_options", {})
         mask = (call.get("kwargs") or {}).get("attention_mask")
@@ -542,23 +549,9 @@ class Chroma(Flux):
         img_ids = repeat(img_ids, "h w c -> b (h w) c", b=bs)
         txt_ids = torch.zeros((bs, context.shape[1], 3), device=x.device, dtype=x.dtype)
         options = options.copy()   # as forward_orig
-        rows = patches.shape[1]
-
-        room = room_for(state.options, x.device)
-        chunk = chunk_rows(state.options, room, model.hidden_size * 6)
-        state.forward.chunk = chunk
-        with row_loop(state, model.img_in):   # its first chunk gives the dtype, the rest go into the buffer
-            pieces = row_pieces(patches, chunk)
-            (a, b), first = next(pieces)
-            first = model.img_in(first)
-            mod_vectors, txt, pe = cls.conditioning(model, call, first.dtype, img_ids, txt_ids)
-            text = txt.shape[1]
-            buf = torch.empty(bs * (text + rows) * model.hidden_size, dtype=first.dtype, device=first.device)
-            img = buf[:bs * rows * model.hidden_size].view(bs, rows, model.hidden_size)
-            img[:, a:b] = first
-            del first
-            project_into(img, pieces, model.img_in)
-        del pieces, patches, img
+        buf, chunk, (mod_vectors, txt, pe) = cls.embed(model, call, state, patches, img_ids, txt_ids)
+        text = txt.shape[1]
+        del patches
 
         def vecs(kind: str, i: int):
             if kind == "double":
