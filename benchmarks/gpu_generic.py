@@ -196,15 +196,11 @@ def run_block(case: str, n: int, chunks: list[int], held: bool, hold: float = 1.
                 del out
                 peak = max(0, peak - fresh_bytes)
                 times = []
+                timed = _donated_call(block, inputs)
                 for _ in range(3):   # the block call alone: each on fresh inputs (a donated input is overwritten)
-                    fresh = inputs()
-                    torch.cuda.synchronize()
-                    t0 = time.perf_counter()
-                    with donate(fresh[0]):
-                        o = block(*fresh)
-                    torch.cuda.synchronize()
-                    times.append(time.perf_counter() - t0)
-                    del o, fresh
+                    o, t = timed()
+                    times.append(t)
+                    del o
                 t_don = sorted(times)[1]
                 dplan = next((p for p in handle.plans.get("", []) if p is not plan), None)
                 rows.append({**base, "mode": f"{path} {label}, input donated", "KB_per_token": kb(peak),
