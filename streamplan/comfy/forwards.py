@@ -59,14 +59,20 @@ def row_loop(state: Any, *modules: torch.nn.Module):
     state.forward.weights_once += len(took.layers)
 
 
-def chunk_rows(options: Any, room: int | None, row_bytes: int) -> int:
-    """Rows per chunk of the model's own loops (projections, head): ``chunk_tokens`` when given, else as many rows as
-    a quarter of the room holds at ``row_bytes`` per row, within [MIN_CHUNK, DEFAULT_CHUNK]."""
+def chunk_rows(state: Any, device: torch.device, row_bytes: int) -> int:
+    """Rows per chunk of the model's own loops (projections, head), recorded for the call's report:
+    ``chunk_tokens`` when given, else as many rows as a quarter of the room on ``device`` holds at ``row_bytes`` per
+    row, within [MIN_CHUNK, DEFAULT_CHUNK]."""
+    from .memory import room_for
+    options = state.options
     if options.chunk_tokens:
-        return int(options.chunk_tokens)
-    if room is None:
-        return DEFAULT_CHUNK
-    return int(min(DEFAULT_CHUNK, max(MIN_CHUNK, room // max(1, 4 * row_bytes))))
+        chunk = int(options.chunk_tokens)
+    else:
+        room = room_for(options, device)
+        chunk = DEFAULT_CHUNK if room is None else int(min(DEFAULT_CHUNK, max(MIN_CHUNK,
+                                                                             room // max(1, 4 * row_bytes))))
+    state.forward.chunk = chunk
+    return chunk
 
 
 class ModelForward:
@@ -163,7 +169,6 @@ class _Wan:
         import comfy.ldm.common_dit as common_dit
         from comfy.ldm.wan.model import sinusoidal_embedding_1d
 
-        from .memory import room_for
         x, timestep, context = call["x"], call["timestep"], call["context"]
         clip_fea, options = call.get("clip_fea"), call.get("transformer_options", {})
         batch, _, frames_in, height, width = x.shape
@@ -173,9 +178,7 @@ class _Wan:
         pt, ph, pw = model.patch_size
         grid = (x.shape[2] // pt, x.shape[3] // ph, x.shape[4] // pw)
         rows = grid[0] * grid[1] * grid[2]
-        room = room_for(state.options, x.device)
-        chunk = chunk_rows(state.options, room, model.dim * 6)
-        state.forward.chunk = chunk
+        chunk = chunk_rows(state, x.device, model.dim * 6)
 
         # the patch embedding (fp32 Conv3d) a few frames at a time into one contiguous buffer of the model's dtype
         hidden = torch.empty(batch, rows, model.dim, dtype=x.dtype, device=x.device)
@@ -266,7 +269,6 @@ class _H3:
         import comfy.model_management as mm
         import comfy.model_prefetch as prefetch
 
-        from .memory import room_for
         x, timestep, context = call["x"], call["timestep"], call["context"]
         options, payload = call.get("transformer_options", {}), call.get("minimax_payload") or {}
         video_x, audio_x = x[0], x[1]
@@ -301,9 +303,7 @@ class _H3:
             else:
                 mod_segments.append((a, b, table_row[kind] + _H3_TAG[kind]))
 
-        room = room_for(state.options, device)
-        chunk = chunk_rows(state.options, room, model.hidden_size * 6)
-        state.forward.chunk = chunk
+        chunk = chunk_rows(state, device, model.hidden_size * 6)
         h = torch.empty(layout.seq_len, model.hidden_size, dtype=dtype, device=device)
 
         # video rows: patchified and projected (fp32) a few latent frames at a time, written into h as the model dtype

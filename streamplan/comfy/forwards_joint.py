@@ -83,10 +83,8 @@ class Joint:
         """``img_in`` over ``patches`` [batch, rows, features] in row chunks into the image rows of one joint buffer
         (text rows after them, for the blocks to fill); its first chunk gives the dtype the conditioning is built in
         (``cls.conditioning``, whose text rows size the buffer). Returns (buffer, chunk, conditioning)."""
-        from .memory import room_for
         bs, rows = patches.shape[0], patches.shape[1]
-        chunk = chunk_rows(state.options, room_for(state.options, patches.device), model.hidden_size * 6)
-        state.forward.chunk = chunk
+        chunk = chunk_rows(state, patches.device, model.hidden_size * 6)
         with row_loop(state, model.img_in):
             pieces = row_pieces(patches, chunk)
             (a, b), first = next(pieces)
@@ -434,7 +432,6 @@ class HunyuanVideo(Joint):
     def forward(cls, model: Any, call: dict, state: Any) -> torch.Tensor:
         import comfy.ldm.common_dit as common_dit
 
-        from .memory import room_for
         x, context, control = call["x"], call["context"], call.get("control")
         options = call.get("transformer_options", {})
         bs = x.shape[0]
@@ -449,9 +446,7 @@ class HunyuanVideo(Joint):
         grid = (padded.shape[2] // pt, padded.shape[3] // ph, padded.shape[4] // pw)
         rows = grid[0] * grid[1] * grid[2]
 
-        room = room_for(state.options, x.device)
-        chunk = chunk_rows(state.options, room, model.hidden_size * 6)
-        state.forward.chunk = chunk
+        chunk = chunk_rows(state, x.device, model.hidden_size * 6)
         def project(piece: torch.Tensor) -> torch.Tensor:
             return embed.proj(piece).flatten(2).transpose(1, 2)
 

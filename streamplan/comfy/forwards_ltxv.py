@@ -42,7 +42,6 @@ class LTXV:
 
     @staticmethod
     def forward(model: Any, call: dict, state: Any) -> torch.Tensor:
-        from .memory import room_for
         x, timestep, context, attention_mask = call["x"], call["timestep"], call["context"], call["attention_mask"]
         frame_rate, options = call.get("frame_rate", 25), call.get("transformer_options", {})
         keyframe_idxs, denoise_mask = call.get("keyframe_idxs"), call.get("denoise_mask")
@@ -78,8 +77,7 @@ class LTXV:
 
         # the head: norm, scale-shift and projection on row chunks into its (small) output
         rows = x.shape[1]
-        chunk = chunk_rows(state.options, room_for(state.options, x.device), model.inner_dim * 6)
-        state.forward.chunk = chunk
+        chunk = chunk_rows(state, x.device, model.inner_dim * 6)
         table = model.scale_shift_table[None, None].to(device=x.device, dtype=x.dtype) + embedded_timestep[:, :, None]
         shift, scale = table[:, :, 0], table[:, :, 1]
         out = None
