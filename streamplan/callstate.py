@@ -8,6 +8,8 @@ import threading
 import torch
 from torch import nn
 
+from .ir import state_tensors
+
 
 class _Root(threading.local):
     depth = 0
@@ -84,10 +86,9 @@ def live_bytes(args: tuple, kwargs: dict) -> int:
         elif depth < 2 and isinstance(v, dict):
             for x in v.values():
                 visit(x, depth + 1)
-        elif hasattr(v, "layers") and hasattr(v, "get_seq_length"):  # a transformers cache
-            for layer in getattr(v, "layers", []):
-                for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
-                    visit(t, 2)
+        else:
+            for t in state_tensors(v) or ():   # a cache
+                visit(t, 2)
 
     for v in list(args) + list(kwargs.values()):
         visit(v)

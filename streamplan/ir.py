@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import Any, Callable, Literal
 
 import torch
 import torch.nn.functional as F
@@ -244,6 +244,26 @@ def register_call_adapter(adapter: Callable[[nn.Module, tuple, dict], "AdaptedCa
 def adapt_call(block: nn.Module, args: tuple, kwargs: dict) -> "AdaptedCall | str | None":
     for adapter in CALL_ADAPTERS:
         found = adapter(block, args, kwargs)
+        if found is not None:
+            return found
+    return None
+
+
+# A library whose calls pass objects that hold tensors (transformers' caches) registers how to list them:
+# ``(value) -> list of tensors | None`` (None: not its object). Those objects count toward a call's live inputs and are
+# copied whole for a reference run (``verify.private_copy``).
+STATE_TENSORS: list[Callable[[Any], "list[torch.Tensor] | None"]] = []
+
+
+def register_state_tensors(lister: Callable[[Any], "list[torch.Tensor] | None"]) -> None:
+    if lister not in STATE_TENSORS:
+        STATE_TENSORS.append(lister)
+
+
+def state_tensors(value: Any) -> "list[torch.Tensor] | None":
+    """The tensors a registered state object (a cache) holds, or None when ``value`` is not one."""
+    for lister in STATE_TENSORS:
+        found = lister(value)
         if found is not None:
             return found
     return None

@@ -7,6 +7,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .ir import state_tensors
+
 
 def _tensors(out: Any, prefix: str = "output") -> dict[str, torch.Tensor]:
     if isinstance(out, torch.Tensor):
@@ -24,8 +26,8 @@ def _tensors(out: Any, prefix: str = "output") -> dict[str, torch.Tensor]:
 
 
 def private_copy(value: Any) -> Any:
-    """A copy of a call's inputs that a reference run may change freely: tensors cloned, caches (anything with
-    ``get_seq_length``, as transformers' caches have) deep-copied, containers rebuilt; other objects shared."""
+    """A copy of a call's inputs that a reference run may change freely: tensors cloned, registered state objects
+    (``callstate.state_tensors``: transformers' caches) deep-copied, containers rebuilt; other objects shared."""
     if isinstance(value, torch.Tensor):
         return value.clone()
     if isinstance(value, tuple) and hasattr(value, "_fields"):   # a namedtuple
@@ -34,7 +36,7 @@ def private_copy(value: Any) -> Any:
         return type(value)(private_copy(v) for v in value)
     if isinstance(value, dict):
         return {k: private_copy(v) for k, v in value.items()}
-    if hasattr(value, "get_seq_length"):
+    if state_tensors(value) is not None:
         return copy.deepcopy(value)
     return value
 

@@ -13,7 +13,7 @@ import sys
 import torch
 from torch import nn
 
-from ..ir import AdaptedCall, register_backend_probe, register_call_adapter
+from ..ir import AdaptedCall, register_backend_probe, register_call_adapter, register_state_tensors
 
 # cache classes the graph fills after it runs -> what their first update of an empty layer does (transformers 5.x)
 FILLABLE = {
@@ -62,5 +62,18 @@ def adapt_cache_call(block: nn.Module, args: tuple, kwargs: dict) -> AdaptedCall
                        {n: (None if v is cache else v) for n, v in kwargs.items()}, kv_heads, fill)
 
 
+def cache_tensors(value) -> list[torch.Tensor] | None:
+    """The K/V tensors a transformers cache holds (its layers' keys and values), or None for anything else."""
+    if "transformers" not in sys.modules:
+        return None
+    from transformers.cache_utils import Cache
+    if not isinstance(value, Cache):
+        return None
+    return [t for layer in getattr(value, "layers", []) for t in (getattr(layer, "keys", None),
+                                                                  getattr(layer, "values", None))
+            if isinstance(t, torch.Tensor)]
+
+
 register_call_adapter(adapt_cache_call)
+register_state_tensors(cache_tensors)
 register_backend_probe(attention_backend)
