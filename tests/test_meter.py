@@ -30,6 +30,22 @@ def test_memory_live_before_the_call_does_not_count():
     assert peak < 1024
 
 
+def test_garbage_of_an_earlier_measured_call_freed_now_does_not_offset_this_call():
+    """Memory an earlier measured call allocated (so the profiler knows its size) and that is freed inside this call
+    (garbage collected, a cache cleared) is not this call's: it must not hide what this call allocates."""
+    kept: list = []
+    _, first = measure_peak(lambda: kept.append(torch.ones(2 * 2**20)), device="cpu")   # 8 MiB, kept past the call
+    assert first == 8 * 2**20
+
+    def frees_old_then_allocates():
+        kept.clear()                           # the earlier call's 8 MiB go now
+        a = torch.ones(2**20)                  # 4 MiB of this call's own
+        return a.sum()
+
+    _, peak = measure_peak(frees_old_then_allocates, device="cpu")
+    assert 4 * 2**20 <= peak < 4 * 2**20 + 1024, peak   # its 4 MiB and the sum's scalar
+
+
 def test_rejects_a_non_callable():
     with pytest.raises(ValueError, match="fn"):
         measure_peak(42)
