@@ -441,6 +441,13 @@ def test_q_span_is_validated_and_noted_where_a_block_cannot_use_it():
             assert rel_err(o, r) <= 1e-5
     finally:
         handle.remove()
+    module, args, kwargs = _case("wan")   # under a budget the planner picks the span: the one asked for is noted
+    handle = streamplan.apply(module, budget=10**12, capture="prefer", kv="host", q_span=320)
+    try:
+        module(*args, **kwargs)
+        assert "q_span=320 not used: it sets a fixed chunk's span (with chunk_tokens)" in handle.report()
+    finally:
+        handle.remove()
 
 
 @torch.no_grad()

@@ -158,6 +158,9 @@ def _run_onloaded(handle, entry, args: tuple, kwargs: dict) -> Any:
                     f"{list(groups) or 'none (one global attention without static rows or input writes is needed)'}")
     if o.q_span and whole_output_problem(found):
         handle.note(entry, f"q_span={o.q_span} not used: {whole_output_problem(found)}")
+    elif o.q_span and o.chunk_tokens is None and o.budget is not None:
+        handle.note(entry, f"q_span={o.q_span} not used: it sets a fixed chunk's span (with chunk_tokens); under a "
+                    f"budget the planner picks the span itself")
     if o.ffn_slice and not regions:
         handle.note(entry, "ffn_slice: no linear -> elementwise -> linear MLP found in the graph to slice")
     donate = {}
