@@ -128,18 +128,25 @@ def _live(args) -> int:
 # a forced L4 plan in head groups that the planner's model puts under 0.5x the floor at 217,088 tokens (on meta):
 # (Q chunk, head groups, MLP slice); H3 0.47x, Wan 0.45x
 GROUPED_L4 = {"h3-block": (24576, 8, 2048), "wan-14b-block": (8192, 10, None)}
+# forced Q spans (Q chunk, span, head groups) at 217,088 tokens: the Wan plan the planner makes under 0.5x the floor
+# (2026-12-01, on meta), and one span of H3's 8-group chunk
+SPANNED_L4 = {"h3-block": (8448, 33792, 8), "wan-14b-block": (4224, 16896, 20)}
 
 
 def modes(case: str, floor: int, live: int, chunk: int, n: int) -> list[tuple[str, dict]]:
     below = int(live + 0.8 * floor)       # L3 reaches it (0.77x measured on H3), and so does L4
     c, g, sl = GROUPED_L4[case]
     c, g, sl = max(1, c * n // 217088), (g if chunk > 256 else 2), (sl if chunk > 256 else sl and 64)
+    sc, ss, sg = SPANNED_L4[case]
+    sc, ss, sg = max(1, sc * n // 217088), max(2, ss * n // 217088), (sg if chunk > 256 else 2)
     return [
         (f"device tier, chunk {chunk}", dict(chunk_tokens=chunk)),
         (f"L4 host, chunk {chunk}", dict(chunk_tokens=chunk, kv="host")),
         (f"L4 host, chunk {c}, {g} head groups, MLP slices of {sl}", dict(chunk_tokens=c, kv="host", head_groups=g,
                                                                           ffn_slice=sl)),
         ("L4 host, planner held to 0.5x floor", dict(budget=int(live + 0.5 * floor), kv="host")),
+        (f"L4 host, chunk {sc}, Q spans of {ss}, {sg} head groups",
+         dict(chunk_tokens=sc, q_span=ss, kv="host", head_groups=sg)),
         (f"L5 int8, chunk {chunk}", dict(chunk_tokens=chunk, kv="int8")),
         (f"L5 fp8, chunk {chunk}", dict(chunk_tokens=chunk, kv="fp8")),
         ("planner, budget 0.8x floor (L3 or L4: its choice)", dict(budget=below)),

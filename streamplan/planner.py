@@ -491,9 +491,9 @@ def plan_graph(rows: int, fixed: int, transient, stock: int, *, chunk_tokens: in
         if chunk_tokens is None:
             chunk = waves.round(chunk, rows)
         chunk = min(chunk, rows)
-        if opt is not None:   # a forced chunk reads K/V in blocks of its size (at most the default block per group)
-            blk = min(blk or min(DEFAULT_KV_BLOCK * g, max(chunk, MIN_CHUNK_TOKENS)), rows)
-            span = min(span, rows) if span > chunk else 0
+        if opt is not None:   # a forced chunk reads K/V in blocks of its pass's rows (at most the default block
+            span = min(span, rows) if span > chunk else 0   # per group)
+            blk = min(blk or min(DEFAULT_KV_BLOCK * g, max(span or chunk, MIN_CHUNK_TOKENS)), rows)
             return Plan(opt.tier, rows, chunk, sl, peak_kv(opt, chunk, sl, blk, g, span), stock, kv=opt.kind,
                         kv_block=blk, host_traffic=host_traffic(opt, rows, span or chunk), head_groups=g,
                         q_span=span)
