@@ -608,3 +608,37 @@ def test_the_sdpa_consumer_follows_the_callers_kernel_switches(causal):
     assert not any("flash_attention" in n for n in names), names
     for a, b in zip(fused, plain):
         assert rel_err(a, b) <= 1e-5
+
+
+def test_span_plans_never_exceed_their_budget():
+    """Across random block shapes, stores and budgets (with and without the H200's rates and waves), every plan the
+    K/V-store search returns is within its budget, its span a multiple of its chunk above it, and its traffic what
+    its passes make."""
+    import random
+    from streamplan.planner import Waves
+    rng = random.Random(0)
+    spanned = 0
+    for _ in range(200):
+        rows = rng.choice([4096, 20000, 65536, 217088])
+        kv = rows * rng.choice([4, 20, 28])
+        per_row = rng.choice([10, 40, 120])
+        ffn = rng.choice([0, 14336])
+        opt = KVOption("host", Tier.L4, resident=0, block_row=rng.choice([8, 40]), merge_row=rng.choice([6, 30]),
+                       host_bytes=kv, groups=(1, 2, 4, 8), merge_io_row=18, q_row=rng.choice([2, 10]),
+                       out_row=rng.choice([2, 10]))
+        budget = int(rows * rng.uniform(0.02, 1.0) * per_row) + rng.choice([0, 10**5])
+        costs = rng.choice([Costs(), Costs(attention_s=rng.uniform(0.01, 3.0))])
+        waves = rng.choice([Waves(), Waves(132, rng.choice([24, 40, 56]))])
+        try:
+            plan = plan_graph(rows, kv, lambda c, sl: c * (per_row if not sl else per_row // 2), 10**15,
+                              budget=budget, min_chunk=256, kv=kv, kv_options=(opt,), kv_store="host", costs=costs,
+                              waves=waves, ffn=ffn)
+        except streamplan.BudgetError:
+            continue
+        assert plan.predicted_peak <= budget, (plan, budget)
+        if plan.q_span:
+            spanned += 1
+            assert plan.q_span > plan.chunk and (plan.q_span % plan.chunk == 0 or plan.q_span == rows), plan
+        passes = -(-rows // (plan.q_span or plan.chunk))
+        assert plan.host_traffic == kv * (1 + passes), plan
+    assert spanned >= 20, spanned   # the budgets are tight enough that spans are chosen, not only checked when absent
