@@ -91,28 +91,14 @@ def profiler_peak(fn: Callable[..., Any], args: tuple, kwargs: dict, device_type
         result = fn(*args, **kwargs)
         if device_type == "cuda":
             torch.cuda.synchronize()
-    allocations = _allocations(prof, device_type)
-    if allocations is not None:
-        return result, _window_peak(allocations)
-    events = [e for e in prof.profiler.kineto_results.events()
-              if e.name() == "[memory]" and str(e.device_type()).lower().endswith(device_type)]
-    events.sort(key=lambda e: e.start_ns())
-    live = peak = 0
-    for e in events:
-        live += e.nbytes()
-        peak = max(peak, live)
-    return result, peak
+    return result, _window_peak(_allocations(prof, device_type))
 
 
-def _allocations(prof, device_type: str) -> list[tuple[int, int, int]] | None:
+def _allocations(prof, device_type: str) -> list[tuple[int, int, int]]:
     """(time, address, bytes; negative: freed) of every allocation event on ``device_type`` in the window, from the
-    profiler's event tree (None where this torch does not give it)."""
-    try:
-        from torch._C._profiler import _EventType
-        tree = prof.profiler.kineto_results.experimental_event_tree()
-    except (AttributeError, ImportError, RuntimeError):
-        return None
-    found, todo = [], list(tree)
+    profiler's event tree (every torch this project supports has it)."""
+    from torch._C._profiler import _EventType
+    found, todo = [], list(prof.profiler.kineto_results.experimental_event_tree())
     while todo:
         e = todo.pop()
         todo.extend(e.children)

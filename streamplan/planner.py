@@ -1,6 +1,7 @@
 """Choosing a tier and chunk sizes per operation from its spec, its runtime shape and a budget."""
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass
 from typing import Callable
 from enum import Enum
@@ -423,16 +424,6 @@ NARROWER_GAIN = 1.1          # a narrower slice is taken when it buys 10% more r
 L2_GAIN = 1.5                # L2 is taken over L1 when it buys 1.5x the rows per chunk
 
 
-def _remembered(fn: Callable[[int, int], int]) -> Callable[[int, int], int]:
-    seen: dict[tuple[int, int], int] = {}
-
-    def remembered(c: int, sl: int) -> int:
-        if (c, sl) not in seen:
-            seen[c, sl] = fn(c, sl)
-        return seen[c, sl]
-    return remembered
-
-
 def plan_graph(rows: int, fixed: int, transient, stock: int, *, chunk_tokens: int | None = None,
                budget: int | None = None, min_chunk: int = MIN_CHUNK_TOKENS, waves: Waves = Waves(),
                ffn: int = 0, ffn_slice: int | None = None, kv: int = 0, attn_out: int = 0,
@@ -458,20 +449,17 @@ def plan_graph(rows: int, fixed: int, transient, stock: int, *, chunk_tokens: in
             raise ValueError(f"kv={kv_store!r}: the attention needs the whole Q in one call, against K/V on the device")
         fixed, groups, head_groups, kv_options = fixed + whole_q, (), None, ()
 
-    transient = _remembered(transient)   # a graph walk per (chunk, slice): the searches below ask again and again
+    # a graph walk per (chunk, slice[, bytes alive at the attention]): the searches below ask for the same ones often
+    transient = functools.lru_cache(maxsize=None)(transient)
 
     def peak(chunk: int, sl: int = 0, g: int = 1) -> int:
         grouped = (kv - kv // g - attn_out) if g > 1 else 0
         return fixed - grouped + transient(chunk, sl)
 
-    seen: dict[tuple[int, int, int], int] = {}
-
+    @functools.lru_cache(maxsize=None)
     def at_attention(c: int, sl: int, extra: int) -> int:
         """One chunk's worst moment with ``extra`` bytes per row alive during its attention (a store's merge)."""
-        key = (c, sl, extra)
-        if key not in seen:
-            seen[key] = transient_kv(c, sl, extra) if transient_kv is not None else transient(c, sl) + c * extra
-        return seen[key]
+        return transient_kv(c, sl, extra) if transient_kv is not None else transient(c, sl) + c * extra
 
     def peak_kv(opt: KVOption, chunk: int, sl: int, blk: int, g: int = 1, span: int = 0) -> int:
         c = min(chunk, rows)

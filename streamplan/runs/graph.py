@@ -44,11 +44,12 @@ def whole_output_problem(found) -> str | None:
     return None
 
 
-def head_groups_allowed(found) -> tuple[int, ...]:
-    """Head-group counts L3 can use on a captured block: its attention output built whole (``whole_output_problem``),
-    no writes into the block's inputs (each group reruns the projections), and groups dividing the K/V heads."""
+def head_groups_allowed(found, whole_problem: str | None) -> tuple[int, ...]:
+    """Head-group counts L3 can use on a captured block: its attention output built whole (``whole_problem`` None:
+    ``whole_output_problem``), no writes into the block's inputs (each group reruns the projections), and groups
+    dividing the K/V heads."""
     an = found.analysis
-    if whole_output_problem(found) or an.input_writes:
+    if whole_problem or an.input_writes:
         return ()
     att = an.attentions[0]
     kv_heads, heads = att.k.meta["val"].shape[1], att.q.meta["val"].shape[1]
@@ -121,9 +122,10 @@ def _run_onloaded(handle, entry, args: tuple, kwargs: dict) -> Any:
         if why:
             handle.note(entry, f"ran stock (its mask built whole): {why}")
             return stock()
+    whole_problem = whole_output_problem(found)   # None: the attention output can be built ahead, read by rows
     whole_q = att is not None and not consumer.caps.bounded_q   # one attention call with every query row
     if whole_q:
-        why = (whole_output_problem(found) or ("a row mask is built per Q chunk" if row_mask is not None else None)
+        why = (whole_problem or ("a row mask is built per Q chunk" if row_mask is not None else None)
                or ("under sequence parallelism" if par is not None else None)
                or ("its K/V go to a cache" if adapted is not None else None))
         if why:
@@ -148,7 +150,7 @@ def _run_onloaded(handle, entry, args: tuple, kwargs: dict) -> Any:
     o = handle.options
     regions = found.mlp_regions
     # L3 keeps no whole K/V to hand back to a cache; under sequence parallelism head groups would change the exchanges
-    groups = head_groups_allowed(found) if adapted is None and par is None and not whole_q else ()
+    groups = head_groups_allowed(found, whole_problem) if adapted is None and par is None and not whole_q else ()
     if adapted is not None and (len(an.attentions) != 1 or an.attentions[0].k.meta["val"].shape[1]
                                 != adapted.kv_heads):
         handle.note(entry, "ran stock: the graph's K/V are not the ones its cache would hold")
@@ -156,8 +158,8 @@ def _run_onloaded(handle, entry, args: tuple, kwargs: dict) -> Any:
     if o.head_groups and o.head_groups not in groups:
         handle.note(entry, f"head_groups={o.head_groups} (L3) not used: the graph allows "
                     f"{list(groups) or 'none (one global attention without static rows or input writes is needed)'}")
-    if o.q_span and whole_output_problem(found):
-        handle.note(entry, f"q_span={o.q_span} not used: {whole_output_problem(found)}")
+    if o.q_span and whole_problem:
+        handle.note(entry, f"q_span={o.q_span} not used: {whole_problem}")
     elif o.q_span and o.chunk_tokens is None and o.budget is not None:
         handle.note(entry, f"q_span={o.q_span} not used: it sets a fixed chunk's span (with chunk_tokens); under a "
                     f"budget the planner picks the span itself")
@@ -186,7 +188,7 @@ def _run_onloaded(handle, entry, args: tuple, kwargs: dict) -> Any:
 
     # where K/V may live between the phases (L4 host, L5 int8/fp8; ``kv_tiers``), as planner arguments
     kv_args = kv_tiers.plan_args(handle, entry, found, rows, device, consumer, adapted,
-                                 spans=whole_output_problem(found) is None)
+                                 spans=whole_problem is None)
     if par is not None:   # under sequence parallelism K/V live in the exchange buffer (consumers.ulysses)
         kv_args = {}
     if row_mask is not None or (att is not None and att.mask is not None):   # masked chunks attend K/V on the
