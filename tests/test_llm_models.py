@@ -471,3 +471,27 @@ def test_llama3_8b_width_layer_plans_large_sliced_chunks_at_1_15x_the_floor():
     assert plan.chunk >= max(UTILISATION_FLOOR["meta"], 2 * 1280), plan.describe()
     assert plan.predicted_total <= 1.15 * floor * n
     handle.remove()
+
+
+@torch.no_grad()
+def test_model_row_loops_take_the_layers_chunk_under_a_budget(monkeypatch):
+    """Under a budget the model's own row loops (the final norm over every row) take its layers' smallest planned
+    chunk. A causal LM nests two model forwards; the outer one's plan has no chunk of its own, and once counted as
+    the smallest it sent the norm through the sequence one row at a time (131,072 Python steps per call on the H200:
+    13 s of a 25 s prefill)."""
+    n = 2048
+    model, ids = _lm("llama"), _ids(batch=1, n=n)
+    call = lambda: model(ids, use_cache=False, logits_to_keep=1)  # noqa: E731
+    ref = call()
+    floor = n * (HIDDEN + 2 * KV_HEADS * HEAD_DIM) * 4
+    handle = streamplan.apply(model, budget=ids.numel() * 8 + n * HIDDEN * 4 + int(1.5 * floor))
+    loops = []
+    real = decoders.for_chunks
+    monkeypatch.setattr(decoders, "for_chunks", lambda rows, chunk, work: (loops.append((rows, chunk)),
+                                                                            real(rows, chunk, work)))
+    out = call()
+    assert rel_err(out.logits, ref.logits) <= 1e-5
+    layer_chunks = {p.chunk for i in range(2) for p in handle.plans[f"model.layers.{i}"] if p.tier != "L0"}
+    assert layer_chunks and max(layer_chunks) < n, layer_chunks          # the budget made the layers stream
+    assert loops == [(n, min(layer_chunks))], (loops, layer_chunks)
+    handle.remove()

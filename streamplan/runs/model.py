@@ -39,7 +39,7 @@ def run_model(handle, entry, args: tuple, kwargs: dict) -> Any:
         if fixed:
             return fixed
         planned = [p.chunk for e in handle.installed.values() if e is not entry for p in e.plans.values()
-                   if p.tier != Tier.L0]
+                   if p.tier != Tier.L0 and p.chunk > 0]   # a model forward's own plan (an outer one) has no chunk
         return min(planned, default=DEFAULT_CHUNK_TOKENS)
 
     out = spec.run(args, kwargs, chunk)
