@@ -280,7 +280,18 @@ def test_l4_cost_counts_merge_passes_and_block_steps():
     # at 217,088 rows: 512-row blocks cost seconds of merging (the H200's 3.1x plan), 64k-row blocks little
     small = l4_extra_seconds(opt, 217088, 33792, costs, 512, 1)
     large = l4_extra_seconds(opt, 217088, 33792, costs, 65536, 8)
-    assert small > 1.0 > 0.3 > large
+    assert small > 1.0 > 0.5 > large
+
+
+def test_l4_cost_prices_every_pass_back_even_under_a_long_attention():
+    # the H200 (2026-12-01): a plan's time over the device tier's was its copies out plus about 0.3 of its copies
+    # back, also where the attention outlasted the copies; so halving the passes is worth ~0.3 of their time
+    from streamplan.planner import HOST_BANDWIDTH, UNHIDDEN_SHARE, l4_extra_seconds
+    opt = KVOption("host", Tier.L4, 0, 8, 16, host_bytes=4_446_781_440)   # Wan2.1-14B's K/V at 217,088 rows
+    costs = Costs(attention_s=100.0)
+    many, few = (l4_extra_seconds(opt, 217088, span, costs, 217088, 20) for span in (16896, 33792))
+    saved = (13 - 7) * opt.host_bytes / HOST_BANDWIDTH * UNHIDDEN_SHARE
+    assert abs((many - few) - saved) < 0.01, (many, few, saved)
 
 
 def test_the_planner_weighs_l4_with_its_time_model():
