@@ -128,8 +128,8 @@ def _live(args) -> int:
 # a forced L4 plan in head groups that the planner's model puts under 0.5x the floor at 217,088 tokens (on meta):
 # (Q chunk, head groups, MLP slice); H3 0.47x, Wan 0.45x
 GROUPED_L4 = {"h3-block": (24576, 8, 2048), "wan-14b-block": (8192, 10, None)}
-# forced Q spans (Q chunk, span, head groups) at 217,088 tokens: the Wan plan the planner makes under 0.5x the floor
-# (2026-12-01, on meta), and one span of H3's 8-group chunk
+# forced Q spans (Q chunk, span, head groups) at 217,088 tokens: the Wan plan the planner made under 0.5x the floor
+# before it priced the copies back (measured 2026-12-01: 0.42x at 1.113x), and one span of H3's 8-group chunk
 SPANNED_L4 = {"h3-block": (8448, 33792, 8), "wan-14b-block": (4224, 16896, 20)}
 
 
