@@ -36,192 +36,57 @@ from typing import Any, Callable
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.join(HERE, "..", "tests")]   # the tests' setups: one copy, measured here
+import compose_setups as setups  # noqa: E402
 import streamplan  # noqa: E402
 from common import write_results  # noqa: E402
+from conftest import TINY_DECODER, rel_err  # noqa: E402
+from test_row_masks import _lm  # noqa: E402
 
 MiB = 2 ** 20
 THREADS = 2   # the peaks depend on it (CPU attention's per-thread buffers); README's figures are at 2
 CHUNK = 256
-INPUT = torch.Size([1, 4, 8, 32, 32])   # 8 * 16 * 16 = 2048 rows
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """Max abs difference relative to the reference's max magnitude (tests/conftest.py's)."""
-    return ((out.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-30)).item()
 
 
 # --- 1. what composes: tests/test_compose.py's model, configurations and steps -----------------------------------
 
-def _wan_model():
-    from diffusers import WanTransformer3DModel
-    return WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=16, in_channels=4,
-                                 out_channels=4, text_dim=32, freq_dim=32, ffn_dim=128, num_layers=3,
-                                 rope_max_seq_len=64).eval()
-
-
-def _steps(model, seed=0):
-    """Two denoising calls in one cache context, the second on a slightly moved input."""
-    from diffusers.hooks import HookRegistry
-    g = torch.Generator().manual_seed(seed)
-    x, t, enc = torch.randn(INPUT, generator=g), torch.tensor([10]), torch.randn(1, 7, 32, generator=g)
-    x2 = x + 1e-3 * torch.randn(INPUT, generator=g)
-    outs = []
-    HookRegistry.check_if_exists_or_initialize(model).reset_stateful_hooks()
-    with torch.no_grad(), model.cache_context("cond"):
-        for xi in (x, x2):
-            outs.append(model(xi, t, enc).sample)
-    return outs
-
-
-_T = [1000]   # the current timestep, for the caches that ask for it
-
-
-def _denoise(model, n=4, batch=1, kwargs=False):
-    """Four denoising steps, each in its cache context, the latent moved by the output."""
-    from diffusers.hooks import HookRegistry
-    g = torch.Generator().manual_seed(0)
-    x, enc = torch.randn(INPUT, generator=g), torch.randn(batch, 7, 32, generator=g)
-    outs = []
-    HookRegistry.check_if_exists_or_initialize(model).reset_stateful_hooks()
-    with torch.no_grad():
-        for i in range(n):
-            _T[0] = 1000 - 250 * i
-            t = torch.tensor([_T[0]] * batch)
-            with model.cache_context("cond", step_index=i, sigma=1 - i / n, num_inference_steps=n):
-                xb = torch.cat([x] * batch)
-                out = (model(hidden_states=xb, timestep=t, encoder_hidden_states=enc) if kwargs
-                       else model(xb, t, enc)).sample
-            outs.append(out)
-            x = x - 0.1 * out[-1:]
-    return outs
-
-
-def _none(m):
-    return m
-
-
-def _block_level(m):
-    from diffusers.hooks import apply_group_offloading
-    apply_group_offloading(m, onload_device="cpu", offload_device="cpu", offload_type="block_level",
-                           num_blocks_per_group=1)
-    return m
-
-
-def _leaf_level(m):
-    from diffusers.hooks import apply_group_offloading
-    apply_group_offloading(m, onload_device="cpu", offload_device="cpu", offload_type="leaf_level")
-    return m
-
-
-def _cpu_offload(m):
+def _cpu_offload(m):   # what enable_sequential_cpu_offload applies
     from accelerate import cpu_offload
     cpu_offload(m, execution_device=torch.device("cpu"))
-    return m
 
 
-def _casting(m):
-    m.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.float32)
-    return m
-
-
-def _first_block_cache(m):
-    from diffusers.hooks import FirstBlockCacheConfig, apply_first_block_cache
-    apply_first_block_cache(m, FirstBlockCacheConfig(threshold=0.05))
-    return m
-
-
-def _lora(m):
-    """r=4 on every linear of the blocks, random A and B, block 1's adapters at scale 0.5 (per-block weights)."""
-    from peft import LoraConfig, inject_adapter_in_model
-    from peft.tuners.lora import LoraLayer
-    m = inject_adapter_in_model(LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, target_modules=[
-        "to_q", "to_k", "to_v", "to_out.0", "net.0.proj", "net.2"]), m).eval()
-    for layer in m.blocks[1].modules():
-        if isinstance(layer, LoraLayer):
-            layer.scaling["default"] = 0.5
-    return m
-
-
-def _int8(m):
-    from torchao.quantization import Int8WeightOnlyConfig, quantize_
-    quantize_(m, Int8WeightOnlyConfig())
-    return m
-
-
-def _bnb(bits):
-    def apply(model):
-        import bitsandbytes as bnb
-        for parent in list(model.blocks.modules()):
-            for name, child in list(parent.named_children()):
-                if type(child) is torch.nn.Linear:
-                    kw = ({"has_fp16_weights": False} if bits == 8
-                          else {"compute_dtype": torch.float32, "quant_type": "nf4"})
-                    layer = (bnb.nn.Linear8bitLt if bits == 8 else bnb.nn.Linear4bit)(
-                        child.in_features, child.out_features, bias=child.bias is not None, **kw)
-                    layer.load_state_dict(child.state_dict())
-                    setattr(parent, name, layer.to("cpu").eval())
-        return model
-    return apply
-
-
-def _taylorseer(**kw):
-    from diffusers.hooks import TaylorSeerCacheConfig, apply_taylorseer_cache
-    return lambda m: apply_taylorseer_cache(m, TaylorSeerCacheConfig(
-        cache_interval=2, disable_cache_before_step=1, taylor_factors_dtype=torch.float32, **kw))
-
-
-def _mag_cache(m):
-    from diffusers.hooks import MagCacheConfig, apply_mag_cache
-    apply_mag_cache(m, MagCacheConfig(mag_ratios=[1.0] * 4, num_inference_steps=4, retention_ratio=0.25,
-                                      max_skip_steps=1))
-
-
-def _sea_cache(m):
-    from diffusers.hooks import SeaCacheConfig, apply_sea_cache
-    apply_sea_cache(m, SeaCacheConfig(threshold=10.0, cache_end_steps=0))
-
-
-def _pyramid(m):
-    from diffusers.hooks import PyramidAttentionBroadcastConfig, apply_pyramid_attention_broadcast
-    apply_pyramid_attention_broadcast(m, PyramidAttentionBroadcastConfig(
-        spatial_attention_block_skip_range=2, spatial_attention_timestep_skip_range=(-1, 901),
-        spatial_attention_block_identifiers=("blocks",), current_timestep_callback=lambda: _T[0]))
-
-
-# README label -> (configure the model, steps, apply's extra arguments); the bitsandbytes tests add ffn_slice=64, which
-# changes nothing here (the quantised MLPs run row chunks either way: the same peaks)
+# README label -> how the model is configured (tests/compose_setups.py); the bitsandbytes tests add ffn_slice=64,
+# which changes nothing here (the quantised MLPs run row chunks either way: the same peaks)
 COMPOSE = {
-    "none": (_none, _steps, {}),
-    "group offloading, block_level": (_block_level, _steps, {}),
-    "group offloading, leaf_level": (_leaf_level, _steps, {}),
-    "accelerate cpu_offload": (_cpu_offload, _steps, {}),
-    "enable_layerwise_casting (fp8 storage, fp32 compute)": (_casting, _steps, {}),
-    "apply_first_block_cache (threshold 0.05)": (_first_block_cache, _steps, {}),
-    "peft LoRA, r=4 on every linear of the blocks": (_lora, _steps, {}),
-    "torchao Int8WeightOnlyConfig": (_int8, _steps, {}),
-    "bitsandbytes 8-bit blocks": (_bnb(8), _steps, {}),
-    "bitsandbytes 4-bit blocks": (_bnb(4), _steps, {}),
+    "none": lambda m: None,
+    "group offloading, block_level": setups.block_level,
+    "group offloading, leaf_level": setups.leaf_level,
+    "accelerate cpu_offload": _cpu_offload,
+    "enable_layerwise_casting (fp8 storage, fp32 compute)": setups.casting,
+    "apply_first_block_cache (threshold 0.05)": setups.first_block_cache,
+    "peft LoRA, r=4 on every linear of the blocks": lambda m: setups.lora(m)[0],
+    "torchao Int8WeightOnlyConfig": setups.int8_weight_only,
+    "bitsandbytes 8-bit blocks": lambda m: setups.bnb_blocks(m, 8),
+    "bitsandbytes 4-bit blocks": lambda m: setups.bnb_blocks(m, 4),
 }
 CACHES = {
-    "MagCache (mag_ratios all 1, max_skip_steps=1)": _mag_cache,
-    "SeaCache (Wan T2V adapter)": _sea_cache,
-    "TaylorSeer on every block": _taylorseer(cache_identifiers=[r"blocks\.\d+"]),
-    "TaylorSeer on block 0": _taylorseer(cache_identifiers=[r"blocks\.0"]),
-    "TaylorSeer lite": _taylorseer(use_lite_mode=True),
-    "pyramid attention broadcast": _pyramid,
-    "TaylorSeer on attentions": _taylorseer(cache_identifiers=[r"blocks\.\d+\.attn1"]),
+    "MagCache (mag_ratios all 1, max_skip_steps=1)": setups.mag_cache,
+    "SeaCache (Wan T2V adapter)": setups.sea_cache,
+    "TaylorSeer on every block": setups.taylorseer(cache_identifiers=[r"blocks\.\d+"]),
+    "TaylorSeer on block 0": setups.taylorseer(cache_identifiers=[r"blocks\.0"]),
+    "TaylorSeer lite": setups.taylorseer(use_lite_mode=True),
+    "pyramid attention broadcast": setups.pyramid,
+    "TaylorSeer on attentions": setups.taylorseer(cache_identifiers=[r"blocks\.\d+\.attn1"]),
 }
 
 
-def compose_row(label: str, configure: Callable, steps: Callable, apply_kw: dict) -> dict[str, Any]:
+def compose_row(label: str, configure: Callable, steps: Callable) -> dict[str, Any]:
     torch.manual_seed(0)
-    model = _wan_model()
-    configured = configure(model)
-    if configured is not None:
-        model = configured
+    model = setups.wan_model()
+    configure(model)   # in place (peft's injection too)
     ref, stock = streamplan.measure_peak(steps, model, device="cpu")
-    handle = streamplan.apply(model, chunk_tokens=CHUNK, **apply_kw)
+    handle = streamplan.apply(model, chunk_tokens=CHUNK)
     steps(model)   # the capture, outside the measurement
     out, streamed = streamplan.measure_peak(steps, model, device="cpu")
     streamed_parts = sorted(n for n, e in handle.installed.items() if e.plans and any(
@@ -229,28 +94,10 @@ def compose_row(label: str, configure: Callable, steps: Callable, apply_kw: dict
     handle.remove()
     return {"configuration": label, "stock_mib": stock / MiB, "streamed_mib": streamed / MiB,
             "rel_diff": max(rel_err(o, r) for o, r in zip(out, ref)), "streamed_parts": streamed_parts,
-            "apply": {"chunk_tokens": CHUNK, **apply_kw}}
+            "apply": {"chunk_tokens": CHUNK}}
 
 
 # --- 2. masks over rows: tests/test_row_masks.py's tiny decoders --------------------------------------------------
-
-TINY_DECODER = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                    num_hidden_layers=2, vocab_size=128, head_dim=16, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-FAMILIES = {"llama": ("llama", {}), "mistral": ("mistral", dict(sliding_window=32))}
-
-
-def _lm(name: str):
-    import transformers
-    model_type, overrides = FAMILIES[name]
-    torch.manual_seed(0)
-    cfg = transformers.AutoConfig.for_model(model_type, **{**TINY_DECODER, **overrides})
-    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.add_(torch.randn_like(p) * 0.2)
-    return model
-
 
 @torch.no_grad()
 def row_mask_row(name: str, n: int = 4096, chunk: int = 64) -> dict[str, Any]:
@@ -313,14 +160,14 @@ def main() -> None:
             info[pkg] = None
     print(info, flush=True)
 
-    compose = [compose_row(label, *spec) for label, spec in COMPOSE.items()]
+    compose = [compose_row(label, configure, setups.steps) for label, configure in COMPOSE.items()]
     _table("What composes, two denoising calls (peak MiB; streamed: chunk_tokens=256, captured before)",
            ("configuration", "stock", "streamed", "rel diff"),
            [(r["configuration"], r["stock_mib"], r["streamed_mib"], f"{r['rel_diff']:.1e}") for r in compose])
-    caches = [compose_row(label, apply, _denoise, {}) for label, apply in CACHES.items()]
+    caches = [compose_row(label, apply, setups.denoise) for label, apply in CACHES.items()]
     _table("Four denoising steps, each in its cache context (peak MiB)", ("cache", "stock", "streamed", "rel diff"),
            [(r["configuration"], r["stock_mib"], r["streamed_mib"], f"{r['rel_diff']:.1e}") for r in caches])
-    masks = [row_mask_row(name) for name in FAMILIES]
+    masks = [row_mask_row(name) for name in ("llama", "mistral")]
     _table("Masks over rows: batch 2, 100 tokens of left padding, 4,096 rows, chunk 64 (x the floor)",
            ("model", "floor MiB", "stock", "streamed (first call)", "streamed (captured)", "rel diff"),
            [(r["model"], r["floor_mib"], f"{r['stock_x_floor']:.2f}x", f"{r['streamed_first_call_x_floor']:.2f}x",

@@ -3,59 +3,19 @@ the cache configs of the pinned diffusers), accelerate's sequential offload, pef
 weights, compile, checked against the same configuration without streamplan, on the real diffusers model."""
 import pytest
 import torch
-from diffusers import WanTransformer3DModel
-from diffusers.hooks import (FasterCacheConfig, FirstBlockCacheConfig, HookRegistry, MagCacheConfig, ModelHook,
-                             PyramidAttentionBroadcastConfig, SeaCacheConfig, TaylorSeerCacheConfig,
-                             apply_faster_cache, apply_first_block_cache, apply_group_offloading, apply_mag_cache,
-                             apply_pyramid_attention_broadcast, apply_sea_cache, apply_taylorseer_cache)
+from diffusers.hooks import (FasterCacheConfig, HookRegistry, ModelHook,
+                             PyramidAttentionBroadcastConfig, apply_faster_cache, apply_pyramid_attention_broadcast)
 
 import streamplan
+import compose_setups as setups
 from conftest import rel_err
 from streamplan.recognize.checks import STREAMED_MARK
 
 BLOCKS = {"blocks.0", "blocks.1", "blocks.2"}
 
 
-def _wan_model():
-    return WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=16, in_channels=4,
-                                 out_channels=4, text_dim=32, freq_dim=32, ffn_dim=128, num_layers=3,
-                                 rope_max_seq_len=64).eval()
-
-
-def _block_level(m):
-    apply_group_offloading(m, onload_device="cpu", offload_device="cpu", offload_type="block_level",
-                           num_blocks_per_group=1)
-
-
-def _leaf_level(m):
-    apply_group_offloading(m, onload_device="cpu", offload_device="cpu", offload_type="leaf_level")
-
-
-def _casting(m):   # fp8 storage: a graph that read the stored weights would be far off (or fail)
-    m.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.float32)
-
-
-def _first_block_cache(m):
-    apply_first_block_cache(m, FirstBlockCacheConfig(threshold=0.05))
-
-
-CONFIGS = {"block_level": _block_level, "leaf_level": _leaf_level, "layerwise_casting": _casting,
-           "first_block_cache": _first_block_cache}
-INPUTS = (torch.Size([1, 4, 8, 32, 32]), 2048)   # 8 * 16 * 16 = 2048 rows
-
-
-def _steps(model, seed=0):
-    """Two denoising calls in one cache context, the second on a slightly moved input (the first-block cache then
-    reuses the tail blocks' residual): each call's output."""
-    g = torch.Generator().manual_seed(seed)
-    x, t, enc = torch.randn(INPUTS[0], generator=g), torch.tensor([10]), torch.randn(1, 7, 32, generator=g)
-    x2 = x + 1e-3 * torch.randn(INPUTS[0], generator=g)
-    outs = []
-    HookRegistry.check_if_exists_or_initialize(model).reset_stateful_hooks()   # as a pipeline does between runs
-    with torch.no_grad(), model.cache_context("cond"):
-        for xi in (x, x2):
-            outs.append(model(xi, t, enc).sample)
-    return outs
+CONFIGS = {"block_level": setups.block_level, "leaf_level": setups.leaf_level, "layerwise_casting": setups.casting,
+           "first_block_cache": setups.first_block_cache}
 
 
 def _inner_links(model):
@@ -81,12 +41,12 @@ def _streamed(handle):
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_streams_inside_diffusers_hooks(config):
     torch.manual_seed(0)
-    model = _wan_model()
+    model = setups.wan_model()
     CONFIGS[config](model)
     hooks_before = _hook_orders(model)
-    ref, ref_peak = streamplan.measure_peak(_steps, model)
+    ref, ref_peak = streamplan.measure_peak(setups.steps, model)
     handle = streamplan.apply(model, chunk_tokens=256)
-    out, peak = streamplan.measure_peak(_steps, model)
+    out, peak = streamplan.measure_peak(setups.steps, model)
     report = handle.report()
     assert _streamed(handle) == BLOCKS, report
     assert "" in handle.installed, report   # the model forward too (inside the root's hooks where it has any)
@@ -96,7 +56,7 @@ def test_streams_inside_diffusers_hooks(config):
     handle.remove()
     assert not any(getattr(f, STREAMED_MARK, False) for f in _inner_links(model))
     assert _hook_orders(model) == hooks_before   # the user's hooks stay, in their order
-    again = _steps(model)
+    again = setups.steps(model)
     assert all(torch.equal(a, r) for a, r in zip(again, ref))
 
 
@@ -108,21 +68,21 @@ def test_peak_as_low_as_without_the_hook(config):
     peaks, allowance = [], 0
     for hooked in (False, True):
         torch.manual_seed(0)
-        model = _wan_model()
+        model = setups.wan_model()
         if hooked:
             CONFIGS[config](model)
             if config == "layerwise_casting":
                 allowance = sum(p.numel() * 4 for p in model.blocks[0].parameters())
         streamplan.apply(model, chunk_tokens=256)
-        _steps(model)   # the capture, outside the measurement
-        peaks.append(streamplan.measure_peak(_steps, model)[1])
+        setups.steps(model)   # the capture, outside the measurement
+        peaks.append(streamplan.measure_peak(setups.steps, model)[1])
     assert peaks[1] <= 1.1 * peaks[0] + allowance, (peaks, allowance)
 
 
 def test_first_block_cache_skips_streamed_blocks():
     """The cache decides whether a block runs: on the second call the tail blocks are skipped, streamed or not."""
-    model = _wan_model()
-    _first_block_cache(model)
+    model = setups.wan_model()
+    setups.first_block_cache(model)
     handle = streamplan.apply(model, chunk_tokens=256)
     calls = {n: 0 for n in BLOCKS}
     for n in BLOCKS:
@@ -133,38 +93,38 @@ def test_first_block_cache_skips_streamed_blocks():
             calls[_n] += 1
             return _run(*a, **kw)
         assert streamplan.hooks.uninstall(entry.module, run, counted)
-    _steps(model)
+    setups.steps(model)
     assert calls == {"blocks.0": 2, "blocks.1": 1, "blocks.2": 1}
 
 
 def test_hooks_added_after_apply_wrap_the_streamed_forward():
     torch.manual_seed(0)
-    model = _wan_model()
+    model = setups.wan_model()
     handle = streamplan.apply(model, chunk_tokens=256)
-    _block_level(model)   # diffusers wraps whatever forward it finds: streamplan's, which stays innermost
-    ref_model = _wan_model()
+    setups.block_level(model)   # diffusers wraps whatever forward it finds: streamplan's, which stays innermost
+    ref_model = setups.wan_model()
     ref_model.load_state_dict(model.state_dict())
-    _block_level(ref_model)
-    out, ref = _steps(model), _steps(ref_model)
+    setups.block_level(ref_model)
+    out, ref = setups.steps(model), setups.steps(ref_model)
     assert all(rel_err(o, r) <= 1e-5 for o, r in zip(out, ref))
     assert _streamed(handle) == BLOCKS, handle.report()
     handle.remove()
     assert not any(getattr(f, STREAMED_MARK, False) for f in _inner_links(model))
     assert "group_offloading" in model.blocks[0]._diffusers_hook.hooks
-    assert all(torch.equal(a, r) for a, r in zip(_steps(model), ref))
+    assert all(torch.equal(a, r) for a, r in zip(setups.steps(model), ref))
 
 
 def test_removing_diffusers_hooks_after_apply_keeps_streaming():
     torch.manual_seed(0)
-    model = _wan_model()
-    ref = _steps(model)
-    _first_block_cache(model)
+    model = setups.wan_model()
+    ref = setups.steps(model)
+    setups.first_block_cache(model)
     handle = streamplan.apply(model, chunk_tokens=256)
     for block in model.blocks:   # diffusers' own removal moves streamplan's link back to module.forward
         for name in list(block._diffusers_hook._hook_order):
             block._diffusers_hook.remove_hook(name)
     assert getattr(model.blocks[0].__dict__["forward"], STREAMED_MARK, False)
-    out = _steps(model)
+    out = setups.steps(model)
     assert all(rel_err(o, r) <= 1e-5 for o, r in zip(out, ref))
     handle.remove()
     assert "forward" not in model.blocks[0].__dict__
@@ -179,29 +139,21 @@ class _Scale(ModelHook):
 
 def test_unknown_hooks_keep_blocks_stock_with_the_reason():
     torch.manual_seed(0)
-    model = _wan_model()
+    model = setups.wan_model()
     HookRegistry.check_if_exists_or_initialize(model.blocks[1]).register_hook(_Scale(), "user_scale")
     # pyramid attention broadcast hooks the attentions inside each block: a graph would bypass its reuse of outputs
     apply_pyramid_attention_broadcast(model, PyramidAttentionBroadcastConfig(
         spatial_attention_block_skip_range=2, spatial_attention_block_identifiers=("blocks.2",),
         current_timestep_callback=lambda: 500))
-    ref = _steps(model)
+    ref = setups.steps(model)
     handle = streamplan.apply(model, chunk_tokens=256)
     report = handle.report()
     assert _streamed(handle) <= {"blocks.0"}
     assert "a diffusers hook streamplan does not know (user_scale: _Scale)" in report
     assert "PyramidAttentionBroadcastHook" in report
-    out = _steps(model)
+    out = setups.steps(model)
     assert _streamed(handle) == {"blocks.0"}, report
     assert all(rel_err(o, r) <= 1e-5 for o, r in zip(out, ref))
-
-
-def _lora(model):
-    from peft import LoraConfig, inject_adapter_in_model
-    from peft.tuners.lora import LoraLayer
-    model = inject_adapter_in_model(LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, target_modules=[
-        "to_q", "to_k", "to_v", "to_out.0", "net.0.proj", "net.2"]), model)
-    return model.eval(), [m for m in model.modules() if isinstance(m, LoraLayer)]
 
 
 @torch.no_grad()
@@ -209,13 +161,10 @@ def test_lora_adapters_trace_through_peft():
     """peft's LoRA layers are captured with the block (A, B and the scale in the graph); a block whose adapter state
     differs (its own scale, adapters disabled, merged) gets its own capture, never another state's graph."""
     torch.manual_seed(0)
-    model, layers = _lora(_wan_model())
-    for layer in model.blocks[1].modules():   # per-block adapter weights, as set_adapters(weights=...) gives
-        if layer in layers:
-            layer.scaling["default"] = 0.5
-    ref, ref_peak = streamplan.measure_peak(_steps, model)
+    model, layers = setups.lora(setups.wan_model())   # block 1's adapters at their own scale
+    ref, ref_peak = streamplan.measure_peak(setups.steps, model)
     handle = streamplan.apply(model, chunk_tokens=256)
-    out, peak = streamplan.measure_peak(_steps, model)
+    out, peak = streamplan.measure_peak(setups.steps, model)
     assert _streamed(handle) == BLOCKS, handle.report()
     assert all(rel_err(o, r) <= 1e-5 for o, r in zip(out, ref))
     assert peak < 0.75 * ref_peak, (peak, ref_peak)
@@ -223,8 +172,8 @@ def test_lora_adapters_trace_through_peft():
         for layer in layers:
             change(layer)
         with streamplan.api.bypass():   # the same model, stock forwards
-            ref = _steps(model)
-        out = _steps(model)
+            ref = setups.steps(model)
+        out = setups.steps(model)
         assert all(rel_err(o, r) <= 1e-5 for o, r in zip(out, ref)), handle.report()
     assert _streamed(handle) == BLOCKS
 
@@ -232,14 +181,13 @@ def test_lora_adapters_trace_through_peft():
 @torch.no_grad()
 def test_int8_weight_only_streams_exact():
     """torchao's int8 weight-only linears are captured with the block (dequantisation in the graph, per chunk)."""
-    from torchao.quantization import Int8WeightOnlyConfig, quantize_
     torch.manual_seed(0)
-    model = _wan_model()
-    quantize_(model, Int8WeightOnlyConfig())
+    model = setups.wan_model()
+    setups.int8_weight_only(model)
     assert type(model.blocks[0].attn1.to_q.weight).__module__.startswith("torchao")
-    ref, ref_peak = streamplan.measure_peak(_steps, model)
+    ref, ref_peak = streamplan.measure_peak(setups.steps, model)
     handle = streamplan.apply(model, chunk_tokens=256)
-    out, peak = streamplan.measure_peak(_steps, model)
+    out, peak = streamplan.measure_peak(setups.steps, model)
     assert _streamed(handle) == BLOCKS, handle.report()
     assert all(rel_err(o, r) <= 1e-5 for o, r in zip(out, ref))
     assert peak < 0.75 * ref_peak, (peak, ref_peak)
@@ -251,13 +199,13 @@ def test_sequential_cpu_offload():
     weights loaded around the graph run; the model forward (a SequentialHook) stays stock, named."""
     from accelerate import cpu_offload
     torch.manual_seed(0)
-    model = _wan_model()
+    model = setups.wan_model()
     cpu_offload(model, execution_device=torch.device("cpu"))
     assert model.blocks[0].attn1.to_q.weight.device.type == "meta"
-    ref, ref_peak = streamplan.measure_peak(_steps, model, device="cpu")
+    ref, ref_peak = streamplan.measure_peak(setups.steps, model, device="cpu")
     handle = streamplan.apply(model, chunk_tokens=256)
-    _steps(model)   # the capture, outside the measurement
-    out, peak = streamplan.measure_peak(_steps, model, device="cpu")
+    setups.steps(model)   # the capture, outside the measurement
+    out, peak = streamplan.measure_peak(setups.steps, model, device="cpu")
     assert _streamed(handle) == BLOCKS, handle.report()
     assert "accelerate hook SequentialHook: several accelerate hooks chained" in handle.report()
     assert all(rel_err(o, r) <= 1e-5 for o, r in zip(out, ref))
@@ -266,18 +214,18 @@ def test_sequential_cpu_offload():
     block = model.blocks[0]
     handle.remove()
     assert not getattr(block.__dict__["_old_forward"], STREAMED_MARK, False)
-    assert all(torch.equal(a, r) for a, r in zip(_steps(model), ref))
+    assert all(torch.equal(a, r) for a, r in zip(setups.steps(model), ref))
 
 
 def test_compiled_blocks_stay_stock_with_the_reason():
     """Regional compile (compile_repeated_blocks): a compiled block's calls run under dynamo, which would trace the
     streamed chunk loops, so the block stays stock, named; its parts called under compile run stock, noted."""
     torch.manual_seed(0)
-    model = _wan_model()
-    ref = _steps(model)
+    model = setups.wan_model()
+    ref = setups.steps(model)
     model.compile_repeated_blocks(backend="eager")   # no C++ toolchain needed on CPU
     handle = streamplan.apply(model, chunk_tokens=256)
-    out = _steps(model)
+    out = setups.steps(model)
     report = handle.report()
     assert not _streamed(handle) and "blocks.0  (WanTransformerBlock): the module is compiled (torch.compile)" in report
     assert "called under torch.compile: ran stock" in report
@@ -288,63 +236,36 @@ def test_compiled_blocks_stay_stock_with_the_reason():
 # --- the cache configs of the pinned diffusers (enable_cache's list): each streams when its block runs, or keeps the
 # block stock with the reason. Several denoising steps, each in its cache context, the latent moved by the output.
 
-def _denoise(model, n=4, batch=1, kwargs=False):
-    g = torch.Generator().manual_seed(0)
-    x, enc = torch.randn(INPUTS[0], generator=g), torch.randn(batch, 7, 32, generator=g)
-    outs = []
-    HookRegistry.check_if_exists_or_initialize(model).reset_stateful_hooks()
-    with torch.no_grad():
-        for i in range(n):
-            _T[0] = 1000 - 250 * i
-            t = torch.tensor([_T[0]] * batch)
-            with model.cache_context("cond", step_index=i, sigma=1 - i / n, num_inference_steps=n):
-                xb = torch.cat([x] * batch)
-                out = (model(hidden_states=xb, timestep=t, encoder_hidden_states=enc) if kwargs
-                       else model(xb, t, enc)).sample
-            outs.append(out)
-            x = x - 0.1 * out[-1:]
-    return outs
-
-
-_T = [1000]   # the current timestep, for the caches that ask for it
-
 BLOCK_CACHES = {   # config -> (apply, whether the model forward streams too)
-    "mag_cache": (lambda m: apply_mag_cache(m, MagCacheConfig(
-        mag_ratios=[1.0] * 4, num_inference_steps=4, retention_ratio=0.25, max_skip_steps=1)), True),
-    "sea_cache": (lambda m: apply_sea_cache(m, SeaCacheConfig(threshold=10.0, cache_end_steps=0)), True),
-    "taylorseer_blocks": (lambda m: apply_taylorseer_cache(m, TaylorSeerCacheConfig(
-        cache_interval=2, disable_cache_before_step=1, taylor_factors_dtype=torch.float32,
-        cache_identifiers=[r"blocks\.\d+"])), True),
+    "mag_cache": (setups.mag_cache, True),
+    "sea_cache": (setups.sea_cache, True),
+    "taylorseer_blocks": (setups.taylorseer(cache_identifiers=[r"blocks\.\d+"]), True),
     # its order-0 factor is block 0's output itself: block 1 must not be handed it to overwrite
-    "taylorseer_first_block": (lambda m: apply_taylorseer_cache(m, TaylorSeerCacheConfig(
-        cache_interval=2, disable_cache_before_step=1, taylor_factors_dtype=torch.float32,
-        cache_identifiers=[r"blocks\.0"])), True),
+    "taylorseer_first_block": (setups.taylorseer(cache_identifiers=[r"blocks\.0"]), True),
     # lite: blocks skipped on predicted steps, proj_out predicted; the head calls proj_out per row chunk, so the
     # model forward stays stock, named
-    "taylorseer_lite": (lambda m: apply_taylorseer_cache(m, TaylorSeerCacheConfig(
-        cache_interval=2, disable_cache_before_step=1, taylor_factors_dtype=torch.float32, use_lite_mode=True)),
-        False),
+    "taylorseer_lite": (setups.taylorseer(use_lite_mode=True), False),
 }
 
 
 def _cached_beside_uncached(apply):
     """A tiny Wan model with a cache hook applied, and the same weights' denoising without the cache."""
     torch.manual_seed(0)
-    model = _wan_model()
-    plain = _wan_model()
+    model = setups.wan_model()
+    plain = setups.wan_model()
     plain.load_state_dict(model.state_dict())
     apply(model)
-    return model, _denoise(plain)
+    return model, setups.denoise(plain)
 
 
 @pytest.mark.parametrize("config", list(BLOCK_CACHES))
 def test_block_caches_stream_when_their_block_runs(config):
     apply, root = BLOCK_CACHES[config]
     model, no_cache = _cached_beside_uncached(apply)
-    ref, ref_peak = streamplan.measure_peak(_denoise, model)
+    ref, ref_peak = streamplan.measure_peak(setups.denoise, model)
     assert any(rel_err(r, n) > 1e-3 for r, n in zip(ref, no_cache))   # the cache skipped or predicted something
     handle = streamplan.apply(model, chunk_tokens=256)
-    out, peak = streamplan.measure_peak(_denoise, model)
+    out, peak = streamplan.measure_peak(setups.denoise, model)
     report = handle.report()
     assert _streamed(handle) == BLOCKS, report
     assert ("" in handle.installed) == root, report
@@ -355,18 +276,14 @@ def test_block_caches_stream_when_their_block_runs(config):
     assert peak < ref_peak, (peak, ref_peak, report)
     if config == "mag_cache":   # removal gives the cached model back (once: each run is 4 steps)
         handle.remove()
-        assert all(torch.equal(a, r) for a, r in zip(_denoise(model), ref))
+        assert all(torch.equal(a, r) for a, r in zip(setups.denoise(model), ref))
 
 
 PART_CACHES = {   # config -> (apply, the reason in the report)
-    "pyramid_attention_broadcast": (lambda m: apply_pyramid_attention_broadcast(m, PyramidAttentionBroadcastConfig(
-        spatial_attention_block_skip_range=2, spatial_attention_timestep_skip_range=(-1, 901),
-        spatial_attention_block_identifiers=("blocks",), current_timestep_callback=lambda: _T[0])),
+    "pyramid_attention_broadcast": (setups.pyramid,
         "PyramidAttentionBroadcastHook: pyramid attention broadcast reuses attention outputs across steps; a captured "
         "graph fuses the attention with the rest of the block"),
-    "taylorseer_attention": (lambda m: apply_taylorseer_cache(m, TaylorSeerCacheConfig(
-        cache_interval=2, disable_cache_before_step=1, taylor_factors_dtype=torch.float32,
-        cache_identifiers=[r"blocks\.\d+\.attn1"])),
+    "taylorseer_attention": (setups.taylorseer(cache_identifiers=[r"blocks\.\d+\.attn1"]),
         "attn1: diffusers hook taylorseer_cache: TaylorSeerCacheHook decides per call whether this part runs"),
 }
 
@@ -377,10 +294,10 @@ def test_caches_on_parts_keep_blocks_stock_with_the_reason(config):
     whole block: the block stays stock, named; its feed-forward part and the model forward still stream."""
     apply, reason = PART_CACHES[config]
     model, no_cache = _cached_beside_uncached(apply)
-    ref = _denoise(model)
+    ref = setups.denoise(model)
     assert any(rel_err(r, n) > 1e-3 for r, n in zip(ref, no_cache))
     handle = streamplan.apply(model, chunk_tokens=256)
-    out = _denoise(model)
+    out = setups.denoise(model)
     report = handle.report()
     assert not _streamed(handle) and reason in report, report
     assert "" in handle.installed and "blocks.0.ffn" in handle.installed, report
@@ -391,19 +308,20 @@ def test_faster_cache():
     """FasterCache: its denoiser hook on the model (which may drop the unconditional half of the batch) has the
     streamed model forward inside it; its attention hooks keep the blocks stock, named."""
     torch.manual_seed(0)
-    model = _wan_model()
-    plain = _wan_model()
+    model = setups.wan_model()
+    plain = setups.wan_model()
     plain.load_state_dict(model.state_dict())
     apply_faster_cache(model, FasterCacheConfig(
         spatial_attention_block_skip_range=2, spatial_attention_timestep_skip_range=(-1, 901),
         unconditional_batch_skip_range=2, unconditional_batch_timestep_skip_range=(-1, 901),
-        current_timestep_callback=lambda: _T[0], tensor_format="BCFHW", spatial_attention_block_identifiers=["blocks"],
+        current_timestep_callback=lambda: setups.T[0], tensor_format="BCFHW",
+        spatial_attention_block_identifiers=["blocks"],
         attention_weight_callback=lambda _: 0.5))
-    no_cache = _denoise(plain, batch=2, kwargs=True)
-    ref = _denoise(model, batch=2, kwargs=True)
+    no_cache = setups.denoise(plain, batch=2, kwargs=True)
+    ref = setups.denoise(model, batch=2, kwargs=True)
     assert any(rel_err(r, n) > 1e-3 for r, n in zip(ref, no_cache))
     handle = streamplan.apply(model, chunk_tokens=256)
-    out = _denoise(model, batch=2, kwargs=True)
+    out = setups.denoise(model, batch=2, kwargs=True)
     report = handle.report()
     assert not _streamed(handle) and "FasterCacheBlockHook: FasterCache extrapolates attention outputs" in report
     assert handle.installed[""].plans, report   # the model forward streamed inside the denoiser hook
@@ -417,7 +335,7 @@ def test_text_kv_cache_hooks_are_known():
     from diffusers.hooks.hooks import StateManager
     from diffusers.hooks.text_kv_cache import (TextKVCacheBlockHook, TextKVCacheBlockState, TextKVCacheState,
                                                TextKVCacheTransformerHook)
-    model = _wan_model()
+    model = setups.wan_model()
     state = StateManager(TextKVCacheState)
     HookRegistry.check_if_exists_or_initialize(model).register_hook(TextKVCacheTransformerHook(state), "text_kv")
     HookRegistry.check_if_exists_or_initialize(model.blocks[1]).register_hook(
@@ -446,21 +364,21 @@ def test_group_offloading_with_streams(monkeypatch, record_stream):
             num_blocks_per_group=1, non_blocking=True, stream=torch.cpu.Stream(), record_stream=record_stream,
             low_cpu_mem_usage=False))
     torch.manual_seed(0)
-    model = _wan_model()
+    model = setups.wan_model()
     offload(model)
     assert "lazy_prefetch_group_offloading" in model._diffusers_hook.hooks
-    ref, ref_peak = streamplan.measure_peak(_steps, model)
+    ref, ref_peak = streamplan.measure_peak(setups.steps, model)
     assert model.blocks[0]._diffusers_hook.hooks["group_offloading"].next_group is not None   # prefetch wired
     handle = streamplan.apply(model, chunk_tokens=256)
     recorded.clear()
-    out, peak = streamplan.measure_peak(_steps, model)
+    out, peak = streamplan.measure_peak(setups.steps, model)
     report = handle.report()
     assert _streamed(handle) == BLOCKS and handle.installed[""].plans, report
     assert bool(recorded) == record_stream
     assert all(rel_err(o, r) <= 1e-5 for o, r in zip(out, ref)), report
     assert peak < 0.8 * ref_peak, (peak, ref_peak)
     handle.remove()
-    assert all(torch.equal(a, r) for a, r in zip(_steps(model), ref))
+    assert all(torch.equal(a, r) for a, r in zip(setups.steps(model), ref))
 
 
 @torch.no_grad()
@@ -468,13 +386,13 @@ def test_float8_weight_only_streams_exact():
     """torchao's float8 weight-only linears (Float8Tensor, a scale per output row) are captured with the block."""
     from torchao.quantization import Float8WeightOnlyConfig, quantize_
     torch.manual_seed(0)
-    model = _wan_model()
+    model = setups.wan_model()
     quantize_(model, Float8WeightOnlyConfig())
     caps = streamplan.weights.linear_caps(model.blocks[0].attn1.to_q)
     assert (caps.name, caps.out_slice, caps.in_slice, caps.capture) == ("torchao float8 weight-only", True, False, None)
-    ref, ref_peak = streamplan.measure_peak(_steps, model)
+    ref, ref_peak = streamplan.measure_peak(setups.steps, model)
     handle = streamplan.apply(model, chunk_tokens=256)
-    out, peak = streamplan.measure_peak(_steps, model)
+    out, peak = streamplan.measure_peak(setups.steps, model)
     assert _streamed(handle) == BLOCKS, handle.report()
     assert all(rel_err(o, r) <= 1e-5 for o, r in zip(out, ref))
     assert peak < 0.85 * ref_peak, (peak, ref_peak)
@@ -505,21 +423,6 @@ def test_quantized_mlp_takes_the_slices_its_format_declares(config):
     assert torch.equal(out, ref)
 
 
-def _bnb_blocks(model, bits):
-    """The blocks' linears as bitsandbytes layers (quantised on their move to the device, here the CPU)."""
-    bnb = pytest.importorskip("bitsandbytes")
-    for parent in list(model.blocks.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is torch.nn.Linear:
-                kw = ({"has_fp16_weights": False} if bits == 8
-                      else {"compute_dtype": torch.float32, "quant_type": "nf4"})
-                layer = (bnb.nn.Linear8bitLt if bits == 8 else bnb.nn.Linear4bit)(
-                    child.in_features, child.out_features, bias=child.bias is not None, **kw)
-                layer.load_state_dict(child.state_dict())
-                setattr(parent, name, layer.to("cpu").eval())
-    return model
-
-
 @pytest.mark.parametrize("bits", [8, 4])
 @torch.no_grad()
 def test_bitsandbytes_blocks_stay_stock_their_mlps_stream(bits):
@@ -527,12 +430,13 @@ def test_bitsandbytes_blocks_stay_stock_their_mlps_stream(bits):
     (bnb's matmul reads the real parameter's quantisation state), so the blocks stay stock, named, and their
     feed-forward parts stream in row chunks (the layers' own forwards per chunk: rows only, declared), exact."""
     torch.manual_seed(0)
-    model = _bnb_blocks(_wan_model(), bits)
+    pytest.importorskip("bitsandbytes")
+    model = setups.bnb_blocks(setups.wan_model(), bits)
     caps = streamplan.weights.linear_caps(model.blocks[0].ffn.net[2])
     assert caps.name.startswith(f"bitsandbytes {bits}-bit") and not (caps.out_slice or caps.in_slice) and caps.capture
-    ref = _steps(model)
+    ref = setups.steps(model)
     handle = streamplan.apply(model, chunk_tokens=256, ffn_slice=64)
-    out = _steps(model)
+    out = setups.steps(model)
     report = handle.report()
     assert not _streamed(handle), report
     assert f"attn1.to_q has bitsandbytes {bits}-bit" in report and "which the fake tensors" in report, report
