@@ -352,7 +352,7 @@ BLOCK_STEP_S = 5e-5
 # estimate: the first H200 run's 16,384-row plan, copies 64% of the attention's time, cost 0.56 s over the device
 # tier with its merge passes and copies out on the compute stream)
 HIDDEN_UNDER_ATTENTION = 0.75
-# ... and never more than this share of them: fit on the H200 (2026-12-01, results/gpu_kv_217088_qspans.json, eight
+# ... yet this share of them shows whatever the attention's length: fit on the H200 (2026-12-01, results/gpu_kv_217088_qspans.json, eight
 # host-staged plans of Wan2.1-14B and MiniMax-H3 blocks at 217,088 rows, 31-125 GB of traffic): each plan's time over
 # the device tier's was its copies out plus 0.2-0.35 of its copies back, also where the attention outlasted them
 UNHIDDEN_SHARE = 0.3
