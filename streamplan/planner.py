@@ -352,9 +352,10 @@ BLOCK_STEP_S = 5e-5
 # estimate: the first H200 run's 16,384-row plan, copies 64% of the attention's time, cost 0.56 s over the device
 # tier with its merge passes and copies out on the compute stream)
 HIDDEN_UNDER_ATTENTION = 0.75
-# ... yet this share of them shows whatever the attention's length: fit on the H200 (2026-12-01, results/gpu_kv_217088_qspans.json, eight
-# host-staged plans of Wan2.1-14B and MiniMax-H3 blocks at 217,088 rows, 31-125 GB of traffic): each plan's time over
-# the device tier's was its copies out plus 0.2-0.35 of its copies back, also where the attention outlasted them
+# ... yet this share of them shows whatever the attention's length: fit on the H200 (2026-12-01,
+# results/gpu_kv_217088_qspans.json, eight host-staged plans of Wan2.1-14B and MiniMax-H3 blocks at 217,088 rows,
+# 31-125 GB of traffic): each plan's time over the device tier's was its copies out plus 0.2-0.35 of its copies back,
+# also where the attention outlasted them
 UNHIDDEN_SHARE = 0.3
 # what one more row chunk costs beside the copies (its ~100 kernels' launches and tails, GEMMs on fewer rows): an
 # estimate from the H200 profile of MiniMax-H3 at 65,536 rows (results/gpu_profile_h3_65536.json: ~8 ms of host gaps and
