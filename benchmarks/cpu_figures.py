@@ -51,18 +51,13 @@ CHUNK = 256
 
 # --- 1. what composes: tests/test_compose.py's model, configurations and steps -----------------------------------
 
-def _cpu_offload(m):   # what enable_sequential_cpu_offload applies
-    from accelerate import cpu_offload
-    cpu_offload(m, execution_device=torch.device("cpu"))
-
-
 # README label -> how the model is configured (tests/compose_setups.py); the bitsandbytes tests add ffn_slice=64,
 # which changes nothing here (the quantised MLPs run row chunks either way: the same peaks)
 COMPOSE = {
     "none": lambda m: None,
     "group offloading, block_level": setups.block_level,
     "group offloading, leaf_level": setups.leaf_level,
-    "accelerate cpu_offload": _cpu_offload,
+    "accelerate cpu_offload": setups.sequential_offload,
     "enable_layerwise_casting (fp8 storage, fp32 compute)": setups.casting,
     "apply_first_block_cache (threshold 0.05)": setups.first_block_cache,
     "peft LoRA, r=4 on every linear of the blocks": lambda m: setups.lora(m)[0],

@@ -352,10 +352,9 @@ BLOCK_STEP_S = 5e-5
 # estimate: the first H200 run's 16,384-row plan, copies 64% of the attention's time, cost 0.56 s over the device
 # tier with its merge passes and copies out on the compute stream)
 HIDDEN_UNDER_ATTENTION = 0.75
-# ... yet this share of them shows whatever the attention's length: fit on the H200 (2026-12-01,
-# results/gpu_kv_217088_qspans.json, eight host-staged plans of Wan2.1-14B and MiniMax-H3 blocks at 217,088 rows,
-# 31-125 GB of traffic): each plan's time over the device tier's was its copies out plus 0.2-0.35 of its copies back,
-# also where the attention outlasted them
+# ... yet this share of them shows whatever the attention's length: fit on the H200 (2026-12-01, the eight host-staged
+# plans of results/gpu_kv_217088_qspans.json at 217,088 rows, 31-125 GB of traffic): each plan's time over the device
+# tier's was its copies out plus 0.2-0.35 of its copies back, also where the attention outlasted them
 UNHIDDEN_SHARE = 0.3
 # what one more row chunk costs beside the copies (its ~100 kernels' launches and tails, GEMMs on fewer rows): an
 # estimate from the H200 profile of MiniMax-H3 at 65,536 rows (results/gpu_profile_h3_65536.json: ~8 ms of host gaps and
@@ -493,6 +492,12 @@ def plan_graph(rows: int, fixed: int, transient, stock: int, *, chunk_tokens: in
         return Plan(tier, rows, chunk, sl, peak(chunk, sl, g), stock, head_groups=g,
                     q="whole" if whole_q else "chunks")
 
+    def staged_seconds(opt: KVOption, q_rows: int, blk: int, g: int) -> float:
+        """A store's extra time (``l4_extra_seconds``) with the waves its passes leave part empty: each pass's calls
+        over ``q_rows`` query rows and a ``g``-th of the heads fill fewer waves than stock's one call."""
+        waste = max(0.0, wave_waste(waves, q_rows, g) - wave_waste(waves, rows))
+        return l4_extra_seconds(opt, rows, q_rows, costs, blk, g) + waste * costs.attention_s
+
     def fit_kv(opt: KVOption, floor: int) -> Plan | None:
         """The fastest (Q chunk, Q span, K/V block, head groups, MLP slice) this store reaches under the budget, by
         the estimated extra time where the device's rates are known (passes over the store, and a cost per chunk),
@@ -516,9 +521,7 @@ def plan_graph(rows: int, fixed: int, transient, stock: int, *, chunk_tokens: in
                         if costs.attention_s:
                             chunks = -(-rows // c)
                             # a pass's calls over fewer heads and rows than stock's one call fill fewer waves
-                            waste = max(0.0, wave_waste(waves, passes, g) - wave_waste(waves, rows))
-                            key = (l4_extra_seconds(opt, rows, passes, costs, blk, g) + chunks * CHUNK_STEP_S
-                                   + waste * costs.attention_s
+                            key = (staged_seconds(opt, passes, blk, g) + chunks * CHUNK_STEP_S
                                    + (chunks * -(-ffn // sl) * SLICE_STEP_S if sl else 0.0) + eps,
                                    -passes, -c, -blk, g, sl)
                         else:   # rates unknown: the largest chunk, then the largest span it allows
@@ -600,10 +603,7 @@ def plan_graph(rows: int, fixed: int, transient, stock: int, *, chunk_tokens: in
                 if p.tier == Tier.L3:
                     return (p.head_groups - 1) * L3_GROUP_COST * costs.attention_s
                 opt = next(o for o in exact_kv if o.kind == p.kv)
-                q_rows = p.q_span or p.chunk
-                waste = max(0.0, wave_waste(waves, q_rows, p.head_groups) - wave_waste(waves, rows))
-                return (l4_extra_seconds(opt, rows, q_rows, costs, p.kv_block, p.head_groups)
-                        + waste * costs.attention_s)
+                return staged_seconds(opt, p.q_span or p.chunk, p.kv_block, p.head_groups)
             return min([p for p in [grouped, *staged] if p is not None], key=extra)
     least = min([fixed + transient(min(rows, MIN_CHUNK_TOKENS), 256 if ffn > 256 else 0)]
                 + [peak(min(rows, MIN_CHUNK_TOKENS), 256 if ffn > 256 else 0, g) for g in groups]

@@ -61,6 +61,11 @@ def leaf_level(m):
     apply_group_offloading(m, onload_device="cpu", offload_device="cpu", offload_type="leaf_level")
 
 
+def sequential_offload(m):   # what enable_sequential_cpu_offload applies: weights on meta, loaded per call
+    from accelerate import cpu_offload
+    cpu_offload(m, execution_device=torch.device("cpu"))
+
+
 def casting(m):   # fp8 storage: a graph that read the stored weights would be far off (or fail)
     m.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.float32)
 

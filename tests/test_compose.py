@@ -197,10 +197,9 @@ def test_sequential_cpu_offload():
     """accelerate's sequential offload (enable_sequential_cpu_offload's cpu_offload): weights live on the meta device
     and each module's AlignDevicesHook loads its own for its call. The blocks stream inside their hooks, their leaves'
     weights loaded around the graph run; the model forward (a SequentialHook) stays stock, named."""
-    from accelerate import cpu_offload
     torch.manual_seed(0)
     model = setups.wan_model()
-    cpu_offload(model, execution_device=torch.device("cpu"))
+    setups.sequential_offload(model)
     assert model.blocks[0].attn1.to_q.weight.device.type == "meta"
     ref, ref_peak = streamplan.measure_peak(setups.steps, model, device="cpu")
     handle = streamplan.apply(model, chunk_tokens=256)
