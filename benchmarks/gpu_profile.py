@@ -1,5 +1,7 @@
-"""H200: where a streamed block's extra time goes. CUDA kernel time by kernel, stock vs streamed, and wall time (median
-of 5) beside the kernel total, so Python/launch gaps show as wall minus kernels.
+"""H200: where a streamed block's extra time goes. CUDA kernel time by kernel and by PyTorch op (calls, self CUDA ms,
+CPU ms), stock vs streamed, and wall time (median of 5) beside the kernel total, so Python/launch gaps show as wall
+minus kernels; the streamed call's enqueue time (until it returns, the GPU not waited for) says whether the host is
+what the GPU waits on.
 
     python benchmarks/gpu_profile.py h3-block:65536:held1.10 ltx-block:217088:16384 llama3-8b-layer:131072:2816/1024
 (case from gpu_generic.BLOCKS : tokens : a fixed chunk C or C/S (the MLP in S-feature slices), or heldF = the planner
@@ -19,12 +21,15 @@ from common import device_info, write_results
 from gpu_generic import BF16, BLOCKS
 
 
-def kernel_table(fn, label: str, rows: int = 14) -> dict[str, float]:
+def kernel_table(fn, label: str, rows: int = 14) -> tuple[dict[str, float], dict[str, list[float]]]:
+    """Kernel ms by kernel name, and by PyTorch op: [calls, self CUDA ms, CPU ms] (which op launched the time)."""
     fn()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
+    ops = {e.key: [e.count, e.self_device_time_total / 1000, e.self_cpu_time_total / 1000]
+           for e in prof.key_averages()}
     totals: dict[str, float] = {}
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
@@ -32,7 +37,20 @@ def kernel_table(fn, label: str, rows: int = 14) -> dict[str, float]:
     print(f"--- {label}: {sum(totals.values()):.1f} ms of kernels, {len(prof.events())} events", flush=True)
     for name, ms in sorted(totals.items(), key=lambda kv: -kv[1])[:rows]:
         print(f"{ms:9.2f} ms  {name}", flush=True)
-    return totals
+    return totals, ops
+
+
+def enqueue(fn, repeats: int = 3) -> float:
+    """Seconds until ``fn`` returns without waiting for the GPU: near the wall time, the host is the bottleneck."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+        torch.cuda.synchronize()
+    return statistics.median(times)
 
 
 def wall(fn, repeats: int = 5) -> float:
@@ -60,11 +78,12 @@ def profile_case(spec: str) -> dict:
     opts = (dict(budget=int(live + float(mode[4:]) * floor)) if mode.startswith("held")
             else dict(chunk_tokens=int(chunk), ffn_slice=int(sl) if sl else None))
     with torch.inference_mode():
-        stock = kernel_table(lambda: block(*args), f"{spec} stock")
+        stock, stock_ops = kernel_table(lambda: block(*args), f"{spec} stock")
         stock_wall = wall(lambda: block(*args))
         handle = streamplan.apply(block, **opts)
-        streamed = kernel_table(lambda: block(*args), f"{spec} streamed")
+        streamed, streamed_ops = kernel_table(lambda: block(*args), f"{spec} streamed")
         streamed_wall = wall(lambda: block(*args))
+        streamed_enqueue = enqueue(lambda: block(*args))
         plan = handle.plans[""][0]
         handle.remove()
     diffs = sorted(set(stock) | set(streamed), key=lambda k: -abs(streamed.get(k, 0) - stock.get(k, 0)))[:12]
@@ -74,7 +93,15 @@ def profile_case(spec: str) -> dict:
     row = {"spec": spec, "block": name, "tier": str(plan.tier), "chunk": plan.chunk, "ffn_slice": plan.ffn_slice,
            "stock_wall_s": stock_wall, "streamed_wall_s": streamed_wall, "time_ratio": streamed_wall / stock_wall,
            "stock_kernel_ms": sum(stock.values()), "streamed_kernel_ms": sum(streamed.values()),
+           "streamed_enqueue_s": streamed_enqueue,
            "largest_differences_ms": {k: streamed.get(k, 0) - stock.get(k, 0) for k in diffs}}
+    none = [0, 0.0, 0.0]
+    by_op = sorted(set(stock_ops) | set(streamed_ops),
+                   key=lambda k: -abs(streamed_ops.get(k, none)[1] - stock_ops.get(k, none)[1]))[:25]
+    row["ops_stock_vs_streamed_calls_cuda_ms_cpu_ms"] = {k: [stock_ops.get(k, none), streamed_ops.get(k, none)]
+                                                         for k in by_op}
+    for k in by_op:
+        print(f"{k[:60]:60s} stock {stock_ops.get(k, none)}  streamed {streamed_ops.get(k, none)}", flush=True)
     print({k: v for k, v in row.items() if k != "largest_differences_ms"}, flush=True)
     del block, args
     torch.cuda.empty_cache()

@@ -1,0 +1,114 @@
+"""H200: where a causal layer's chunked attention spends its time against stock's one call (issue 16).
+
+Llama-3-8B's attention (32 query heads, 8 K/V heads, head dim 128, bf16) over N keys, the queries in C-row chunks,
+each chunk against keys [0, offset + C). Variants, each summed over all chunks, CUDA-event timed:
+
+- ``stock``: one ``F.scaled_dot_product_attention(is_causal=True, enable_gqa=True)`` over all rows;
+- ``streamplan``: the SDPA consumer's ``attend`` (the past keys and the causal diagonal block as two fused calls,
+  merged by their log-sum-exps);
+- ``parts_no_merge``: the same two fused calls without the merge (what the merge costs is the difference);
+- ``merge_only``: the merge alone on one chunk's tensors, times the chunk count;
+- ``flash_lower_right`` / ``cudnn_causal`` / ``efficient_lower_right``: one call per chunk with the kernel's own
+  causal flag on a chunk with fewer rows than keys (K/V heads not repeated), where the kernel takes it; each checked
+  against stock's rows (lower-right alignment is what is needed: the flag's alignment differs between kernels).
+
+    python benchmarks/gpu_causal_chunks.py 131072 3584,4224
+Results: ``$OUT/gpu_causal_chunks_<N>.json``.
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from common import cuda_time, device_info, rel_diff, write_results
+from streamplan.consumers import sdpa as S
+
+H, HKV, D = 32, 8, 128
+
+
+def _chunks(n: int, c: int):
+    return [(a, min(c, n - a)) for a in range(0, n, c)]
+
+
+def _single_calls(kind: str):
+    """One call per chunk with the kernel's causal flag, K/V heads as they are; None where it refuses."""
+    def call(q, k, v):
+        if kind == "flash":
+            return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False)[0]
+        if kind == "cudnn":
+            return torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, False, 0.0, True, False)[0]
+        from torch.nn.attention.bias import causal_lower_right
+        with torch.nn.attention.sdpa_kernel([torch.nn.attention.SDPBackend.EFFICIENT_ATTENTION]):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q.shape[-2], k.shape[-2]),
+                                                  enable_gqa=True)
+    return call
+
+
+def main(argv: list[str]) -> int:
+    n = int(argv[1]) if len(argv) > 1 else 131072
+    sizes = [int(s) for s in (argv[2] if len(argv) > 2 else "3584,4224").split(",")]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(1, H, n, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(1, HKV, n, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn(1, HKV, n, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    result = {**device_info(), "tokens": n, "heads": H, "kv_heads": HKV, "head_dim": D,
+              "stock_choice": S._choice(q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), True, None),
+              "stock_s": cuda_time(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)),
+              "chunks": []}
+    print(result, flush=True)
+    consumer = S.SDPAConsumer(None)
+    for c in sizes:
+        spans = _chunks(n, c)
+        row = {"chunk": c, "chunks": len(spans)}
+
+        def streamed():
+            return [consumer.attend(q[:, :, a:a + r], k, v, q_offset=a, causal=True, mask=None, scale=None)
+                    for a, r in spans]
+        row["streamplan_s"] = cuda_time(streamed)
+        outs = streamed()
+        row["streamplan_rel"] = rel_diff(torch.cat(outs, 2), ref)
+        del outs
+
+        def parts():
+            for a, r in spans[1:]:
+                qc = q[:, :, a:a + r]
+                kd = k[..., a:a + r, :].repeat_interleave(4, 1)
+                vd = v[..., a:a + r, :].repeat_interleave(4, 1)
+                S._fused_with_lse(qc, kd, vd, True, None)
+                S._fused_with_lse(S._grouped(qc, HKV), k[..., :a, :], v[..., :a, :], False, None)
+        row["parts_no_merge_s"] = cuda_time(parts)
+        o1 = torch.randn(1, H, c, D, device="cuda", dtype=torch.bfloat16)
+        o2 = torch.randn_like(o1)
+        l1, l2 = torch.randn(1, H, c, device="cuda"), torch.randn(1, H, c, device="cuda")
+
+        def merge():
+            lse = torch.logaddexp(l1, l2)
+            w1, w2 = (l1 - lse).exp_().unsqueeze(-1), (l2 - lse).exp_().unsqueeze(-1)
+            step = max(1, H // S.MERGE_GROUPS)
+            for a, b, x, y in zip(o1.split(step, 1), o2.split(step, 1), w1.split(step, 1), w2.split(step, 1)):
+                torch.addcmul(torch.mul(a, x), b, y, out=b)
+        row["merge_only_s"] = cuda_time(merge) * (len(spans) - 1)
+        for kind in ("flash", "cudnn", "efficient"):
+            call = _single_calls(kind)
+            name = {"flash": "flash_lower_right", "cudnn": "cudnn_causal", "efficient": "efficient_lower_right"}[kind]
+            try:
+                a, r = spans[len(spans) // 2]
+                got = call(q[:, :, a:a + r], k[..., :a + r, :], v[..., :a + r, :])
+                row[name + "_rel_mid_chunk"] = rel_diff(got, ref[:, :, a:a + r])
+                row[name + "_s"] = cuda_time(lambda: [call(q[:, :, a:a + r], k[..., :a + r, :], v[..., :a + r, :])
+                                                     for a, r in spans])
+            except (RuntimeError, NotImplementedError) as e:
+                row[name] = f"refused: {str(e).splitlines()[0][:200]}"
+        for key in [x for x in row if x.endswith("_s")]:
+            row[key.replace("_s", "_vs_stock")] = row[key] / result["stock_s"]
+        result["chunks"].append(row)
+        print(row, flush=True)
+        write_results(f"gpu_causal_chunks_{n}", result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
