@@ -6,8 +6,13 @@ each chunk against keys [0, offset + C). Variants, each summed over all chunks, 
 - ``stock``: one ``F.scaled_dot_product_attention(is_causal=True, enable_gqa=True)`` over all rows;
 - ``streamplan``: the SDPA consumer's ``attend`` (the past keys and the causal diagonal block as two fused calls,
   merged by their log-sum-exps);
-- ``parts_no_merge``: the same two fused calls without the merge (what the merge costs is the difference);
-- ``merge_only``: the merge alone on one chunk's tensors, times the chunk count;
+- ``parts_no_merge``: the same two fused calls without the merge, the diagonal block's K/V heads repeated and the
+  past's query heads grouped as rows (what the merge costs is the difference); ``parts_native_gqa_*``: the same with
+  the kernels given the 8 K/V heads as they are (the diagonal block; both parts);
+- ``merge_torch`` / ``merge_fused``: the merge alone on one chunk's tensors (PyTorch ops; the fused kernel where
+  Triton builds), times the chunk count (each with a copy of the output, ``clone_s``), and their difference;
+- ``cudnn_gqa_*``: whether cuDNN takes 8 K/V heads for 32 query heads as they are (the diagonal block, causal; the
+  past keys), against the same call with the K/V heads repeated;
 - ``flash_lower_right`` / ``cudnn_causal`` / ``efficient_lower_right``: one call per chunk with the kernel's own
   causal flag on a chunk with fewer rows than keys (K/V heads not repeated), where the kernel takes it; each checked
   against stock's rows (lower-right alignment is what is needed: the flag's alignment differs between kernels).
@@ -23,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from common import cuda_time, device_info, rel_diff, write_results
+from streamplan.consumers import lse_merge
 from streamplan.consumers import sdpa as S
 
 H, HKV, D = 32, 8, 128
@@ -80,17 +86,43 @@ def main(argv: list[str]) -> int:
                 S._fused_with_lse(qc, kd, vd, True, None)
                 S._fused_with_lse(S._grouped(qc, HKV), k[..., :a, :], v[..., :a, :], False, None)
         row["parts_no_merge_s"] = cuda_time(parts)
+
+        def parts_native(group_past: bool):
+            for a, r in spans[1:]:
+                qc = q[:, :, a:a + r]
+                S._fused_with_lse(qc, k[..., a:a + r, :], v[..., a:a + r, :], True, None)
+                S._fused_with_lse(S._grouped(qc, HKV) if group_past else qc, k[..., :a, :], v[..., :a, :], False,
+                                  None)
+        row["parts_native_gqa_diag_no_merge_s"] = cuda_time(lambda: parts_native(True))
+        row["parts_native_gqa_both_no_merge_s"] = cuda_time(lambda: parts_native(False))
+        mid, rows_mid = spans[len(spans) // 2]
+        row["choice_gqa_diag"] = S._choice(q[:, :, mid:mid + rows_mid], k[..., mid:mid + rows_mid, :],
+                                           v[..., mid:mid + rows_mid, :], True, None)
+        row["choice_gqa_past"] = S._choice(q[:, :, mid:mid + rows_mid], k[..., :mid, :], v[..., :mid, :], False, None)
         o1 = torch.randn(1, H, c, D, device="cuda", dtype=torch.bfloat16)
         o2 = torch.randn_like(o1)
-        l1, l2 = torch.randn(1, H, c, device="cuda"), torch.randn(1, H, c, device="cuda")
-
-        def merge():
-            lse = torch.logaddexp(l1, l2)
-            w1, w2 = (l1 - lse).exp_().unsqueeze(-1), (l2 - lse).exp_().unsqueeze(-1)
-            step = max(1, H // S.MERGE_GROUPS)
-            for a, b, x, y in zip(o1.split(step, 1), o2.split(step, 1), w1.split(step, 1), w2.split(step, 1)):
-                torch.addcmul(torch.mul(a, x), b, y, out=b)
-        row["merge_only_s"] = cuda_time(merge) * (len(spans) - 1)
+        l1, l2 = torch.randn(1, H, c, device="cuda") * 4, torch.randn(1, H, c, device="cuda") * 4
+        row["merge_torch_s"] = cuda_time(lambda: lse_merge.merge_torch(o1, l1, o2.clone(), l2)) * (len(spans) - 1)
+        row["merge_fused_s"] = cuda_time(lambda: lse_merge.merge_into(o1, l1, o2.clone(), l2)) * (len(spans) - 1)
+        row["clone_s"] = cuda_time(lambda: o2.clone()) * (len(spans) - 1)
+        row["merge_fused_used"] = lse_merge._triton_kernel() is not None
+        row["merge_fused_vs_torch_rel"] = rel_diff(lse_merge.merge_into(o1, l1, o2.clone(), l2),
+                                                   lse_merge.merge_torch(o1, l1, o2.clone(), l2))
+        t = o2.transpose(1, 2).contiguous().transpose(1, 2)   # cuDNN's output layout: Q's [B, c, H, D]
+        row["merge_fused_strided_vs_torch_rel"] = rel_diff(lse_merge.merge_into(o1, l1, t.clone(), l2),
+                                                           lse_merge.merge_torch(o1, l1, o2.clone(), l2))
+        a, r = spans[len(spans) // 2]
+        qc = q[:, :, a:a + r]
+        for name, kk, vv, causal, want in (
+                ("cudnn_gqa_diag", k[..., a:a + r, :], v[..., a:a + r, :], True, None),
+                ("cudnn_gqa_past", k[..., :a, :], v[..., :a, :], False, None)):
+            try:
+                got = S._cudnn_with_lse(qc, kk, vv, causal, None)
+                full = (kk.repeat_interleave(4, 1), vv.repeat_interleave(4, 1))
+                ref_part = S._cudnn_with_lse(qc, *full, causal, None)
+                row[name + "_rel"] = None if got is None else rel_diff(got[0], ref_part[0])
+            except (RuntimeError, NotImplementedError) as e:
+                row[name] = f"refused: {str(e).splitlines()[0][:200]}"
         for kind in ("flash", "cudnn", "efficient"):
             call = _single_calls(kind)
             name = {"flash": "flash_lower_right", "cudnn": "cudnn_causal", "efficient": "efficient_lower_right"}[kind]

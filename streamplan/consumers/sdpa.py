@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .lse_merge import MERGE_GROUPS, merge_into
+
 _HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
 
 
@@ -41,8 +43,9 @@ _ENABLED = {_FLASH: "flash_sdp_enabled", _EFFICIENT: "mem_efficient_sdp_enabled"
 def _choice(q, k, v, causal: bool, scale) -> int | None:
     """The backend PyTorch's own SDPA call would pick for these inputs (its priority order, the caller's switches
     and, on Hopper and Blackwell, its preference for cuDNN), or None where it cannot say."""
+    gqa = {"enable_gqa": True} if q.shape[1] != k.shape[1] else {}
     try:
-        return int(torch._fused_sdp_choice(q, k, v, None, 0.0, causal, scale=scale))
+        return int(torch._fused_sdp_choice(q, k, v, None, 0.0, causal, scale=scale, **gqa))
     except (AttributeError, RuntimeError, TypeError, NotImplementedError):
         return None
 
@@ -56,8 +59,11 @@ def _fused_with_lse(q, k, v, causal: bool, scale):
     if first == _MATH:
         return None
     order = _priority() if first not in _KERNELS else (first, *(b for b in _priority() if b != first))
+    gqa = q.shape[1] != k.shape[1]
     for backend in order:
         if not getattr(torch.backends.cuda, _ENABLED.get(backend, ""), lambda: False)():
+            continue
+        if gqa and backend not in _GQA_KERNELS:   # fewer K/V heads: only kernels known to take them as they are
             continue
         if backend == _MATH:
             return None
@@ -105,25 +111,20 @@ def _causal_by_parts(q, k, v, q_offset: int, scale):
     Hkv = k.shape[1]
     rep = H // Hkv
     k_diag, v_diag = k[..., q_offset:q_offset + c, :], v[..., q_offset:q_offset + c, :]
-    if rep > 1:
+    # GQA: the kernels take fewer K/V heads as they are where PyTorch has ``enable_gqa`` (cuDNN and flash on CUDA,
+    # flash on CPU: measured bit-identical to repeating them); else the block's K/V heads are repeated
+    diag = _fused_with_lse(q, k_diag, v_diag, True, scale) if rep == 1 or _HAS_GQA else None
+    if diag is None and rep > 1:
         k_diag, v_diag = k_diag.repeat_interleave(rep, dim=1), v_diag.repeat_interleave(rep, dim=1)
-    diag = _fused_with_lse(q, k_diag, v_diag, True, scale)
-    del k_diag, v_diag   # the diagonal block's repeated K/V heads (2 x heads x head_dim per row) go before the past
+        diag = _fused_with_lse(q, k_diag, v_diag, True, scale)
+    del k_diag, v_diag   # repeated K/V heads (2 x heads x head_dim per row) go before the past
     past = _fused_with_lse(_grouped(q, Hkv) if rep > 1 else q, k[..., :q_offset, :], v[..., :q_offset, :], False,
                            scale)
     if diag is None or past is None:
         return None
     (o2, lse2), (o1, lse1) = diag, past
-    o1, lse1 = o1.reshape(B, H, c, D), lse1.reshape(B, H, c)
-    lse = torch.logaddexp(lse1, lse2)
-    w1, w2 = (lse1 - lse).exp_().unsqueeze(-1), (lse2 - lse).exp_().unsqueeze(-1)
-    # o1 * w1 + o2 * w2 in fp32, cast once into o2, a group of heads at a time: one fp32 copy of a quarter of the
-    # heads alive, two kernels per group (a chunk's merge is on the host's critical path where chunks are small) and
-    # 14 bytes of traffic per element
-    step = max(1, H // MERGE_GROUPS)
-    for o1g, o2g, w1g, w2g in zip(o1.split(step, 1), o2.split(step, 1), w1.split(step, 1), w2.split(step, 1)):
-        torch.addcmul(torch.mul(o1g, w1g), o2g, w2g, out=o2g)
-    return o2
+    # into the diagonal block's output: one fused kernel on CUDA, PyTorch ops in head groups elsewhere (lse_merge)
+    return merge_into(o1.reshape(B, H, c, D), lse1.reshape(B, H, c), o2, lse2)
 
 
 def _cpu_flash_tiles(q_rows: int, k_rows: int, head_dim: int, elem: int) -> int:
@@ -133,9 +134,6 @@ def _cpu_flash_tiles(q_rows: int, k_rows: int, head_dim: int, elem: int) -> int:
     qs = min(q_rows, 256 if q_rows >= 768 else 64 if q_rows >= 192 else 32)
     ks = min(k_rows, 512)
     return torch.get_num_threads() * ((qs * ks + 2 * qs + qs * head_dim) * 4 + (qs * ks * elem if elem < 4 else 0))
-
-
-MERGE_GROUPS = 4   # head groups the causal merge runs in (its fp32 copy: 4 bytes x heads/4 per row and head dim)
 
 
 def _efficient_with_lse(q, k, v, causal: bool, scale):
@@ -151,6 +149,7 @@ def _efficient_with_lse(q, k, v, causal: bool, scale):
 
 
 _KERNELS = {_FLASH: _flash_with_lse, _EFFICIENT: _efficient_with_lse, _CUDNN: _cudnn_with_lse}
+_GQA_KERNELS = {_FLASH, _CUDNN}   # take fewer K/V heads than Q heads (H200: cuDNN bit-identical to repeated heads)
 
 
 MATH_SCORES = 1 << 26   # fp32 scores the math path holds at once (256 MiB): query rows are taken in pieces under it
@@ -228,7 +227,7 @@ class SDPAConsumer:
             return call(rows, keys, heads)
         rep = heads // max(1, kv_heads)
         out = heads * head_dim * elem * rows
-        diag = (2 * out if rep > 1 else 0) + call(rows, rows, heads)
+        diag = (2 * out if rep > 1 and not _HAS_GQA else 0) + call(rows, rows, heads)
         past = (out if rep > 1 else 0) + out + 4 * heads * rows + call(rep * rows, keys, kv_heads)
         merge = out + 20 * heads * rows + 4 * head_dim * rows * max(1, heads // MERGE_GROUPS)
         return max(diag, past, merge)

@@ -1,0 +1,95 @@
+"""Merging two partial attentions of the same query rows by their log-sum-exps, into the second one's output.
+
+``o2 <- o1 * exp(lse1 - lse) + o2 * exp(lse2 - lse)``, ``lse = logaddexp(lse1, lse2)``, in fp32, rounded once. In
+PyTorch that is a broadcast multiply and an ``addcmul`` per head group: broadcasting keeps them off PyTorch's
+vectorised kernels, and the merge measured 2-4% of a causal layer's attention time on the H200
+(``benchmarks/results/gpu_causal_chunks_131072.json``). On CUDA, where Triton is importable, one kernel does it reading
+each element once and writing it once (6 bytes an element in bf16, against 14). Everywhere else, and for layouts the
+kernel does not take, the PyTorch path runs. Both compute the same formula in fp32; they can differ by fp32 rounding
+before the one cast (a bf16 step at a rare tie), which is below any kernel-to-kernel difference of the attention itself.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+MERGE_GROUPS = 4   # head groups the PyTorch path runs in (its fp32 copy: 4 bytes x heads/4 per row and head dim)
+
+
+def merge_into(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor) -> torch.Tensor:
+    """o1, o2 [B, H, c, D]; lse1, lse2 [B, H, c] fp32. Writes the merged attention into ``o2`` and returns it."""
+    kernel = _triton_kernel() if o2.device.type == "cuda" else None
+    if kernel is not None and _kernel_takes(o1, lse1, o2, lse2):
+        return kernel(o1, lse1, o2, lse2)
+    return merge_torch(o1, lse1, o2, lse2)
+
+
+def merge_torch(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor) -> torch.Tensor:
+    """The merge in PyTorch ops: a group of heads at a time (one fp32 copy of a quarter of the heads alive), two
+    kernels a group."""
+    lse = torch.logaddexp(lse1, lse2)
+    w1, w2 = (lse1 - lse).exp_().unsqueeze(-1), (lse2 - lse).exp_().unsqueeze(-1)
+    step = max(1, o2.shape[1] // MERGE_GROUPS)
+    for o1g, o2g, w1g, w2g in zip(o1.split(step, 1), o2.split(step, 1), w1.split(step, 1), w2.split(step, 1)):
+        torch.addcmul(torch.mul(o1g, w1g), o2g, w2g, out=o2g)
+    return o2
+
+
+def _kernel_takes(o1, lse1, o2, lse2) -> bool:
+    """Any strides over batch, heads and rows (cuDNN returns its output in Q's layout); the head dim contiguous."""
+    return (o1.dim() == 4 and o1.shape == o2.shape and o1.dtype == o2.dtype and o1.stride(-1) == o2.stride(-1) == 1
+            and lse1.shape == lse2.shape == o2.shape[:3] and lse1.dtype == lse2.dtype == torch.float32
+            and o2.shape[-1] <= 512)
+
+
+@functools.lru_cache(maxsize=1)
+def _triton_kernel():
+    """The fused merge as a callable, or None where Triton is not there (CPU builds) or will not compile."""
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    @triton.jit
+    def _merge(o1_ptr, o2_ptr, l1_ptr, l2_ptr, rows, H, C,
+               s1b, s1h, s1c, s2b, s2h, s2c, t1b, t1h, t1c, t2b, t2h, t2c,
+               D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+        r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+        rmask = r < rows
+        b, h, i = r // (H * C), (r // C) % H, r % C
+        l1 = tl.load(l1_ptr + b * t1b + h * t1h + i * t1c, mask=rmask, other=0.0)
+        l2 = tl.load(l2_ptr + b * t2b + h * t2h + i * t2c, mask=rmask, other=0.0)
+        hi = tl.maximum(l1, l2)
+        lse = hi + tl.log(1.0 + tl.exp(tl.minimum(l1, l2) - hi))
+        w1 = tl.exp(l1 - lse)
+        w2 = tl.exp(l2 - lse)
+        d = tl.arange(0, BLOCK_D)
+        mask = rmask[:, None] & (d[None, :] < D)
+        p1 = o1_ptr + (b * s1b + h * s1h + i * s1c)[:, None] + d[None, :]
+        p2 = o2_ptr + (b * s2b + h * s2h + i * s2c)[:, None] + d[None, :]
+        x = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
+        y = tl.load(p2, mask=mask, other=0.0).to(tl.float32)
+        tl.store(p2, (x * w1[:, None] + y * w2[:, None]).to(o2_ptr.dtype.element_ty), mask=mask)
+
+    def run(o1, lse1, o2, lse2):
+        B, H, C, d = o2.shape
+        rows = B * H * C
+        block_d = triton.next_power_of_2(d)
+        block_r = max(1, 4096 // block_d)
+        _merge[(triton.cdiv(rows, block_r),)](o1, o2, lse1, lse2, rows, H, C, *o1.stride()[:3], *o2.stride()[:3],
+                                              *lse1.stride(), *lse2.stride(), D=d, BLOCK_R=block_r, BLOCK_D=block_d)
+        return o2
+
+    try:   # compile once on a tiny problem: a Triton that cannot build here leaves the PyTorch path
+        x = torch.zeros(1, 1, 2, 8, device="cuda", dtype=torch.bfloat16)
+        lse = torch.zeros(1, 1, 2, device="cuda")
+        run(x, lse, x.clone(), lse)
+    except Exception as exc:   # noqa: BLE001 - any failure to build means: the PyTorch path
+        logger.info("streamplan: the fused log-sum-exp merge is unavailable (%s); PyTorch ops merge", exc)
+        return None
+    return run
