@@ -105,7 +105,7 @@ def main(argv: list[str]) -> int:
         row["merge_torch_s"] = cuda_time(lambda: lse_merge.merge_torch(o1, l1, o2.clone(), l2)) * (len(spans) - 1)
         row["merge_fused_s"] = cuda_time(lambda: lse_merge.merge_into(o1, l1, o2.clone(), l2)) * (len(spans) - 1)
         row["clone_s"] = cuda_time(lambda: o2.clone()) * (len(spans) - 1)
-        row["merge_fused_used"] = lse_merge._triton_kernel() is not None
+        row["merge_fused_used"] = lse_merge.fused_kernel("cuda") is not None
         row["merge_fused_vs_torch_rel"] = rel_diff(lse_merge.merge_into(o1, l1, o2.clone(), l2),
                                                    lse_merge.merge_torch(o1, l1, o2.clone(), l2))
         t = o2.transpose(1, 2).contiguous().transpose(1, 2)   # cuDNN's output layout: Q's [B, c, H, D]

@@ -22,7 +22,7 @@ MERGE_GROUPS = 4   # head groups the PyTorch path runs in (its fp32 copy: 4 byte
 
 def merge_into(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor) -> torch.Tensor:
     """o1, o2 [B, H, c, D]; lse1, lse2 [B, H, c] fp32. Writes the merged attention into ``o2`` and returns it."""
-    kernel = _triton_kernel() if o2.device.type == "cuda" else None
+    kernel = fused_kernel(o2.device.type)
     if kernel is not None and _kernel_takes(o1, lse1, o2, lse2):
         return kernel(o1, lse1, o2, lse2)
     return merge_torch(o1, lse1, o2, lse2)
@@ -39,6 +39,14 @@ def merge_torch(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: to
     return o2
 
 
+def merge_bytes_per_row(heads: int, head_dim: int, device_type: str | None) -> int:
+    """What the merge allocates per query row besides its two inputs' outputs: the fused kernel nothing but the
+    log-sum-exps it reads; the PyTorch path the combined log-sum-exp, two weights and one head group's fp32 copy."""
+    if fused_kernel(device_type) is not None:
+        return 8 * heads
+    return 20 * heads + 4 * head_dim * max(1, heads // MERGE_GROUPS)
+
+
 def _kernel_takes(o1, lse1, o2, lse2) -> bool:
     """Any strides over batch, heads and rows (cuDNN returns its output in Q's layout); the head dim contiguous."""
     return (o1.dim() == 4 and o1.shape == o2.shape and o1.dtype == o2.dtype and o1.stride(-1) == o2.stride(-1) == 1
@@ -46,9 +54,29 @@ def _kernel_takes(o1, lse1, o2, lse2) -> bool:
             and o2.shape[-1] <= 512)
 
 
+def fused_kernel(device_type: str | None):
+    """The fused merge for tensors on this device type, or None: CUDA with a Triton that builds."""
+    return _cuda_kernel() if device_type == "cuda" else None
+
+
 @functools.lru_cache(maxsize=1)
-def _triton_kernel():
-    """The fused merge as a callable, or None where Triton is not there (CPU builds) or will not compile."""
+def _cuda_kernel():
+    run = build_kernel()
+    if run is None:
+        return None
+    try:   # compile once on a tiny problem: a Triton that cannot build here leaves the PyTorch path
+        x = torch.zeros(1, 1, 2, 8, device="cuda", dtype=torch.bfloat16)
+        lse = torch.zeros(1, 1, 2, device="cuda")
+        run(x, lse, x.clone(), lse)
+    except Exception as exc:   # noqa: BLE001 - any failure to build means: the PyTorch path
+        logger.info("streamplan: the fused log-sum-exp merge is unavailable (%s); PyTorch ops merge", exc)
+        return None
+    return run
+
+
+def build_kernel():
+    """The fused merge as a callable (Triton's; on CPU tensors under ``TRITON_INTERPRET=1``, which is how the tests
+    run it), or None where Triton is not installed."""
     try:
         import triton
         import triton.language as tl
@@ -85,11 +113,4 @@ def _triton_kernel():
                                               *lse1.stride(), *lse2.stride(), D=d, BLOCK_R=block_r, BLOCK_D=block_d)
         return o2
 
-    try:   # compile once on a tiny problem: a Triton that cannot build here leaves the PyTorch path
-        x = torch.zeros(1, 1, 2, 8, device="cuda", dtype=torch.bfloat16)
-        lse = torch.zeros(1, 1, 2, device="cuda")
-        run(x, lse, x.clone(), lse)
-    except Exception as exc:   # noqa: BLE001 - any failure to build means: the PyTorch path
-        logger.info("streamplan: the fused log-sum-exp merge is unavailable (%s); PyTorch ops merge", exc)
-        return None
     return run

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .lse_merge import MERGE_GROUPS, merge_into
+from .lse_merge import merge_bytes_per_row, merge_into
 
 _HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
 
@@ -118,8 +118,10 @@ def _causal_by_parts(q, k, v, q_offset: int, scale):
         k_diag, v_diag = k_diag.repeat_interleave(rep, dim=1), v_diag.repeat_interleave(rep, dim=1)
         diag = _fused_with_lse(q, k_diag, v_diag, True, scale)
     del k_diag, v_diag   # repeated K/V heads (2 x heads x head_dim per row) go before the past
-    past = _fused_with_lse(_grouped(q, Hkv) if rep > 1 else q, k[..., :q_offset, :], v[..., :q_offset, :], False,
-                           scale)
+    kp, vp = k[..., :q_offset, :], v[..., :q_offset, :]
+    past = _fused_with_lse(q, kp, vp, False, scale) if rep == 1 or _HAS_GQA else None
+    if past is None and rep > 1:   # the query heads sharing a K/V head as rows of one call (a copy of Q)
+        past = _fused_with_lse(_grouped(q, Hkv), kp, vp, False, scale)
     if diag is None or past is None:
         return None
     (o2, lse2), (o1, lse1) = diag, past
@@ -205,16 +207,17 @@ class SDPAConsumer:
         if not causal or masked:
             return 0
         if device_type in ("cuda", "meta"):   # CUDA's fused kernels allocate their output and log-sum-exp alone
-            return heads * head_dim * elem + 4 * head_dim * max(1, heads // MERGE_GROUPS)
+            return heads * head_dim * elem + merge_bytes_per_row(heads, head_dim, device_type)
         return heads * head_dim * (8 + 2 * elem)
 
     def workspace_bytes(self, *, rows: int, keys: int, heads: int, kv_heads: int, head_dim: int, elem: int,
                         causal: bool, masked: bool, device_type: str | None = None) -> int:
         """Bytes ``attend`` allocates besides its output for one chunk of ``rows`` query rows against up to ``keys``
         keys, at its worst moment (the planner charges them while the chunk's attention runs). A causal chunk after
-        the first: the diagonal block's repeated K/V heads (GQA), then the grouped Q copy and the past keys' output,
-        then the merge's fp32 weights and head-group copies. Each fused call adds its log-sum-exp and, on CPU, the
-        flash kernel's per-thread tiles, which scale with the thread count, not the rows."""
+        the first: the diagonal block's output (with GQA on torch < 2.5 its repeated K/V heads), then the past keys'
+        output (and there the grouped Q copy), then the merge's fp32 weights and head-group copies (the fused merge on
+        CUDA needs none). Each fused call adds its log-sum-exp and, on CPU, the flash kernel's
+        per-thread tiles, which scale with the thread count, not the rows."""
         if masked:
             return self.workspace_row_bytes(heads=heads, head_dim=head_dim, elem=elem, causal=causal, masked=masked,
                                             device_type=device_type) * rows
@@ -227,9 +230,13 @@ class SDPAConsumer:
             return call(rows, keys, heads)
         rep = heads // max(1, kv_heads)
         out = heads * head_dim * elem * rows
-        diag = (2 * out if rep > 1 and not _HAS_GQA else 0) + call(rows, rows, heads)
-        past = (out if rep > 1 else 0) + out + 4 * heads * rows + call(rep * rows, keys, kv_heads)
-        merge = out + 20 * heads * rows + 4 * head_dim * rows * max(1, heads // MERGE_GROUPS)
+        if _HAS_GQA:   # the kernels take the K/V heads as they are
+            diag = call(rows, rows, heads)
+            past = out + 4 * heads * rows + call(rows, keys, heads)
+        else:          # the diagonal block's K/V heads repeated; the past's query heads grouped as rows (a copy)
+            diag = (2 * out if rep > 1 else 0) + call(rows, rows, heads)
+            past = (out if rep > 1 else 0) + out + 4 * heads * rows + call(rep * rows, keys, kv_heads)
+        merge = out + merge_bytes_per_row(heads, head_dim, device_type) * rows
         return max(diag, past, merge)
 
     def attend_lse(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
