@@ -10,6 +10,7 @@ before the one cast (a bf16 step at a rare tie), which is below any kernel-to-ke
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 
@@ -109,8 +110,11 @@ def build_kernel():
         rows = B * H * C
         block_d = triton.next_power_of_2(d)
         block_r = max(1, 4096 // block_d)
-        _merge[(triton.cdiv(rows, block_r),)](o1, o2, lse1, lse2, rows, H, C, *o1.stride()[:3], *o2.stride()[:3],
-                                              *lse1.stride(), *lse2.stride(), D=d, BLOCK_R=block_r, BLOCK_D=block_d)
+        # on the tensors' own GPU (Triton launches on the current one); the interpreter's CPU tensors as they are
+        with torch.cuda.device(o2.device) if o2.device.type == "cuda" else contextlib.nullcontext():
+            _merge[(triton.cdiv(rows, block_r),)](o1, o2, lse1, lse2, rows, H, C, *o1.stride()[:3], *o2.stride()[:3],
+                                                  *lse1.stride(), *lse2.stride(), D=d, BLOCK_R=block_r,
+                                                  BLOCK_D=block_d)
         return o2
 
     return run
