@@ -290,6 +290,9 @@ class RowMask:
     # where the mask is padding and causality alone (no window): per batch element the keys [start, end) that are
     # not padding; query row i then sees keys start..min(i, end - 1), and a row before start none
     spans: tuple[tuple[int, int], ...] | None = None
+    # eager attention's additive masks: a row that sees no key adds the same minimum to every score, so it attends
+    # every key of the call evenly (not only those of its chunk's span)
+    blind_rows_see_all: bool = False
 
     def chunk_bytes(self, chunk: int, elem: int, row_bytes: int = 0) -> int:
         """Bytes of one chunk's mask rows at their worst: the bool rows and the kernel's additive copy of them; with

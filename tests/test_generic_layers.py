@@ -20,7 +20,6 @@ CPU = torch.device("cpu")
 
 STREAMS = [n for n in CASES if CASES[n].streams]
 STOCK = {   # layers that stay stock on the generic path, and the reason the report gives
-    "gemma2": "matmul contracts over the rows (attention written by hand?)",
     "falcon": "index of a value with rows",
     "bloom": "baddbmm contracts over the rows",
     "mpt": "capture failed",

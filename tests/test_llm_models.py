@@ -25,8 +25,9 @@ FAMILIES = {   # name -> (model_type, config overrides, the layers whose calls s
     "qwen3": ("qwen3", {}, [0, 1]),
     "phi3": ("phi3", dict(sliding_window=None), [0, 1]),
     "gemma": ("gemma", {}, [0, 1]),
-    # eager attention (transformers refuses SDPA with soft-capping): every mask is materialised, its layers stay stock
-    "gemma2": ("gemma2", dict(sliding_window=WINDOW), []),
+    # eager attention (transformers refuses SDPA with soft-capping): the hand-written chain found in each layer's
+    # graph, its eager masks described (tests/test_row_masks.py)
+    "gemma2": ("gemma2", dict(sliding_window=WINDOW), [0, 1]),
     # layer 0 slides over a window shorter than N (its mask rows built per Q chunk), layer 1 attends fully
     "gemma3": ("gemma3_text", dict(sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"]),
                [0, 1]),
@@ -101,7 +102,7 @@ def test_family_streams_exactly_and_restores(name):
         tiers = _tiers(handle, f"model.layers.{i}")
         if i in FAMILIES[name][2]:
             assert tiers == ["L1"] and handle.plans[f"model.layers.{i}"][0].rows == N, report
-        else:   # eager attention (Gemma 2): not captured, the layer keeps its stock forward and says why
+        else:   # a layer that keeps its stock forward says why
             assert "L1" not in tiers and "ran stock" in _notes(handle, f"model.layers.{i}"), report
     _restored(model, handle, ids, ref)
 
@@ -155,9 +156,9 @@ def test_padding_mask_batch_two(name):
 
 @torch.no_grad()
 def test_gemma2_padded_batch_two_with_cache():
-    """Gemma 2 (eager attention, soft-capped: its layers keep their stock forward, named; tests/test_row_masks.py),
-    batch 2 padded left and right, its sliding layers' window shorter than the sequence: the streamed model forward's
-    logits and cache (full and sliding layers) match stock's."""
+    """Gemma 2 (eager attention, soft-capped: found in its layers' graphs; tests/test_row_masks.py), batch 2 padded
+    left and right, its sliding layers' window shorter than the sequence: the streamed model forward's logits and
+    cache (full and sliding layers) match stock's."""
     model, ids = _lm("gemma2", attn_logit_softcapping=50.0), _ids()
     mask = torch.ones_like(ids)
     mask[0, :9] = 0

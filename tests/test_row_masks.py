@@ -3,7 +3,8 @@ forward hands its layers a ``RowMask`` (the library's own mask function, evaluat
 builds a ``[B, 1, N, N]`` mask: padded batches, sliding windows past the window, Gemma 2/3's alternating layers,
 Qwen2's sliding layers. Every layer streams from its graph, exact against the real model (logits and cache), and
 the mask rows each chunk builds are counted in its plan. Gemma 2 (transformers gives it no SDPA attention: eager, with
-its logits soft-capped) keeps its layers stock, named."""
+its logits soft-capped) streams the same way: its hand-written attention found in the graph, its eager masks
+described."""
 import pytest
 import torch
 
@@ -134,21 +135,70 @@ def test_no_mask_over_rows_x_rows_is_built(monkeypatch):
     handle.remove()
 
 
+@pytest.mark.parametrize("left,right", [(9, 13), (0, 0)])
 @torch.no_grad()
-def test_soft_capped_attention_stays_stock_with_the_reason():
-    """Gemma 2's attention soft-caps its logits; transformers gives it eager attention only (no SDPA), which a capture
-    does not stream (a hand-written softmax over the keys): its layers run stock, named; the model forward streams."""
+def test_soft_capped_eager_attention_streams_with_row_masks(left, right):
+    """Gemma 2: transformers gives it eager attention only (its scores soft-capped, c * tanh(s / c)): the hand-written
+    chain is found in the captured graph (``capture/eager_attention.py``) and every layer streams, the sliding layer's
+    keys cut to its window, the eager masks built a Q chunk's rows at a time; logits and cache match stock, padding
+    rows included (a row that sees no key attends every key evenly, as eager's additive minimum makes it)."""
     torch.manual_seed(0)
-    cfg = transformers.AutoConfig.for_model("gemma2", **COMMON, sliding_window=WINDOW, attn_logit_softcapping=50.0)
+    cfg = transformers.AutoConfig.for_model("gemma2", **COMMON, sliding_window=WINDOW, attn_logit_softcapping=5.0)
     model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+    with torch.no_grad():   # scores of a few units: where soft-capping at 5 bends them
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(4)
     ids = _ids()
+    mask = _padded(ids, left, right)
+    ref = model(ids, attention_mask=mask, use_cache=True)
+    handle = streamplan.apply(model, chunk_tokens=CHUNK)
+    out = model(ids, attention_mask=mask, use_cache=True)
+    assert rel_err(out.logits, ref.logits) <= 1e-5, rel_err(out.logits, ref.logits)
+    _same_cache(_cache_of(out), _cache_of(ref))
+    _layers_streamed(handle)
+    notes = " ".join(n for k, e in handle.installed.items() if k.startswith("model.layers.") for n in e.runtime_notes)
+    assert "Q chunk's rows at a time" in notes and "sliding window of 32" in notes, handle.report()
+    handle.remove()
+
+
+@torch.no_grad()
+def test_eager_attention_without_soft_capping_streams_through_fused_kernels():
+    """Llama with ``attn_implementation="eager"``: the same chain without tanh becomes an attention the SDPA consumer
+    runs on its fused kernels; padded batch, logits as stock's."""
+    model, ids = _lm("llama", impl="eager"), _ids()
     mask = _padded(ids)
     ref = model(ids, attention_mask=mask, use_cache=False).logits
     handle = streamplan.apply(model, chunk_tokens=CHUNK)
     out = model(ids, attention_mask=mask, use_cache=False).logits
-    assert rel_err(out, ref) <= 1e-5
-    notes = " ".join(n for k, e in handle.installed.items() if k.startswith("model.layers.") for n in e.runtime_notes)
-    assert "ran stock" in notes, handle.report()
+    assert rel_err(out, ref) <= 1e-5, rel_err(out, ref)
+    _layers_streamed(handle)
+    handle.remove()
+
+
+@torch.no_grad()
+def test_soft_capped_peak_has_no_rows_x_rows_tensor():
+    """Gemma 2 at 2,048 rows, batch 1, 128-row chunks: stock builds the [1, 1, N, N] eager mask and every layer's
+    [1, H, N, N] scores; streamed, the peak stays near the floor (residual + K + V) with one chunk's mask rows and one
+    piece of scores."""
+    torch.manual_seed(0)
+    n = 2048
+    cfg = transformers.AutoConfig.for_model("gemma2", **COMMON, sliding_window=WINDOW, attn_logit_softcapping=50.0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+    ids = _ids(batch=1, n=n)
+    call = lambda: model(ids, use_cache=False, logits_to_keep=1)  # noqa: E731
+    ref, stock_peak = streamplan.measure_peak(call)
+    handle = streamplan.apply(model, chunk_tokens=128)
+    out, peak = streamplan.measure_peak(call)
+    assert rel_err(out.logits, ref.logits) <= 1e-5
+    _layers_streamed(handle)
+    floor = n * (HIDDEN + 2 * KV_HEADS * HEAD_DIM) * 4
+    scores = HEADS * 128 * n * (2 * 4 + 4)    # one chunk's scores, their fp32 softmax and its cast (one piece here)
+    mask_rows = 128 * n * 4
+    assert stock_peak > n * n * 4 * HEADS, (stock_peak / floor)       # stock: the scores over rows x rows
+    assert peak <= 1.5 * floor + scores + mask_rows, (peak / floor, stock_peak / floor)
+    assert stock_peak > 10 * peak
+    plan = handle.plans["model.layers.0"][0]
+    assert plan.predicted_total >= 0.9 * peak, (plan.predicted_total / peak)   # the scores are in the plan
     handle.remove()
 
 

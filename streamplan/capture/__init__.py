@@ -9,6 +9,7 @@ from typing import Any
 from torch import nn
 
 from .analyze import Analysis, _name, analyze
+from .eager_attention import fuse_eager_attention
 from .execute import Phases, phases
 from .export import Captured, capture, rows_of_call, rows_problem, signature
 
@@ -48,6 +49,7 @@ def streamable(module: nn.Module, args: tuple, kwargs: dict, rows: int) -> tuple
     if isinstance(cap, str):
         _CACHE[key] = cap
         return cap, True
+    fuse_eager_attention(cap.graph)   # attention written by hand: one op the analysis knows
     placeholders = [n for n in cap.graph.nodes if n.op == "placeholder"]
     user = {n for n, (kind, _) in zip(placeholders, cap.inputs) if kind == "user"}
     an = analyze(cap.graph, cap.row_symbol, user)

@@ -44,6 +44,7 @@ class GlobalAttention:
     q_rows: Rows | None
     mask: fx.Node | None = None      # an input mask over the rows' keys: [.., 1, Nk] whole per chunk, or [.., N, Nk]
     mask_query_rows: bool = False    # its query rows are the rows (each Q chunk takes its own), keys whole
+    softcap: float = 0.0             # scores soft-capped as c * tanh(s / c) (hand-written attention; 0: none)
 
 
 @dataclass(eq=False)
@@ -85,7 +86,7 @@ _SOFTMAX = {"softmax", "_softmax", "log_softmax", "_log_softmax", "cumsum", "cum
 _NORMS = {"layer_norm", "native_layer_norm", "rms_norm", "_fused_rms_norm"}
 _MATMUL = {"linear", "matmul", "mm", "bmm", "addmm", "baddbmm"}
 _CREATE = {"new_zeros", "new_ones", "new_full", "new_empty", "zeros", "ones", "full", "empty"}
-_SDPA = {"scaled_dot_product_attention"}
+_SDPA = {"scaled_dot_product_attention", "eager_attention"}   # the second: capture/eager_attention.py
 
 
 def _name(target) -> str:
@@ -585,7 +586,8 @@ class _Analyzer:
         if causal and (not isinstance(qr, Rows) or (qr.pre, qr.post, kr.pre, kr.post) != (0, 0, 0, 0)):
             raise NotRowLocal("causal attention over rows joined with static rows")
         self.attentions.append(GlobalAttention(node, q, k, v, causal, a.get("scale"), kr,
-                                               qr if isinstance(qr, Rows) else None, mask, by_query))
+                                               qr if isinstance(qr, Rows) else None, mask, by_query,
+                                               float(a.get("softcap") or 0.0)))
         return self.out_rows(node, val, qr.pre, qr.post) if isinstance(qr, Rows) else None
 
     def global_mask(self, mask, qr, kr) -> bool:

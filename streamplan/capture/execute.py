@@ -128,8 +128,10 @@ def _same_elements(x: torch.Tensor, y: torch.Tensor) -> bool:
 
 def _mask_of(att: GlobalAttention, env: dict) -> dict:
     """The attention's mask for this chunk as the attend callable's keyword (none: no keyword): a key mask whole, a
-    mask over rows x rows as the chunk's query rows (``GraphRun._inputs`` took them)."""
-    return {} if att.mask is None else {"mask": env[att.mask]}
+    mask over rows x rows as the chunk's query rows (``GraphRun._inputs`` took them); and its soft-capping, where the
+    attention has one (hand-written attention, ``eager_attention``)."""
+    extra = {"softcap": att.softcap} if att.softcap else {}
+    return extra if att.mask is None else {"mask": env[att.mask], **extra}
 
 
 def _whole(like: torch.Tensor, r: Rows, total: int) -> torch.Tensor:
@@ -383,7 +385,7 @@ class GraphRun:
                       v: torch.Tensor) -> torch.Tensor:
         """Q chunk by chunk into one whole buffer, then the attention over every row in one call."""
         q_all = self._q_rows(att, q_nodes, 0, self.rows, chunk)
-        mask = {} if att.mask is None else _mask_of(att, self._inputs(0, self.rows))
+        mask = _mask_of(att, self._inputs(0, self.rows) if att.mask is not None else {})
         return self.attend(q_all, k, v, q_offset=0, causal=att.causal, scale=att.scale, **mask)
 
     def _q_rows(self, att: GlobalAttention, q_nodes: list[fx.Node], s0: int, s1: int, chunk: int) -> torch.Tensor:

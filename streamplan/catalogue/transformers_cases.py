@@ -133,10 +133,10 @@ _add("ministral", "ministral", "MinistralDecoderLayer", overrides=dict(sliding_w
 _add("qwen2", "qwen2", "Qwen2DecoderLayer")
 _add("qwen3", "qwen3", "Qwen3DecoderLayer")
 _add("gemma", "gemma", "GemmaDecoderLayer")
-_add("gemma2", "gemma2", "Gemma2DecoderLayer", layer=1, streams=False,
+_add("gemma2", "gemma2", "Gemma2DecoderLayer", layer=1,
      overrides=dict(sliding_window=WINDOW, attn_implementation="eager"),
-     note="transformers 5.24 refuses SDPA for Gemma 2 (attention logit soft-capping): eager attention, written "
-          "as matmul + softmax")
+     note="transformers 5.24 refuses SDPA for Gemma 2 (attention logit soft-capping): its eager attention, written "
+          "as matmul + tanh soft-cap + softmax, found as one attention in the graph")
 _add("gemma3_text", "gemma3", "Gemma3DecoderLayer", model_type="gemma3_text",
      overrides=dict(sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"]), layer=1,
      note="a full-attention layer")

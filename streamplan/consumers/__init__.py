@@ -25,6 +25,7 @@ class ConsumerCaps:
     dtypes: frozenset[torch.dtype] = frozenset({torch.float32, torch.float16, torch.bfloat16})
     max_head_dim: int | None = None
     q_align: int = 1                       # chunk starts must be multiples of this
+    softcap: bool = False                  # takes ``softcap=c``: scores soft-capped as c * tanh(s / c) (Gemma 2)
 
 
 class AttentionConsumer(Protocol):
@@ -92,7 +93,8 @@ def graph_consumer_scope(consumer: AttentionConsumer) -> Iterator[None]:
 
 
 def unsupported(consumer: AttentionConsumer, *, heads: int, kv_heads: int, head_dim: int, causal: bool,
-                mask: torch.Tensor | None, dtype: torch.dtype, whole_q: bool = False) -> str | None:
+                mask: torch.Tensor | None, dtype: torch.dtype, whole_q: bool = False,
+                softcap: bool = False) -> str | None:
     """Why this consumer cannot take this call in bounded Q chunks (``whole_q``: in one call with every query row),
     or None."""
     caps = consumer.caps
@@ -108,10 +110,13 @@ def unsupported(consumer: AttentionConsumer, *, heads: int, kv_heads: int, head_
         return f"attention backend {consumer.name} does not take {dtype}"
     if caps.max_head_dim is not None and head_dim > caps.max_head_dim:
         return f"attention backend {consumer.name} does not take head_dim {head_dim}"
+    if softcap and not caps.softcap:
+        return f"attention backend {consumer.name} does not soft-cap attention scores"
     return None
 
 
-SDPA = SDPAConsumer(ConsumerCaps(kv_blocks_lse=True))   # attend_lse: K/V in blocks, merged by log-sum-exp
+# attend_lse: K/V in blocks, merged by log-sum-exp; softcap: soft-capped scores by its fp32 math, in bounded pieces
+SDPA = SDPAConsumer(ConsumerCaps(kv_blocks_lse=True, softcap=True))
 for _name in ("sdpa", "eager", "native"):   # eager attention is the same math as SDPA's
     register_consumer(_name, SDPA)
 

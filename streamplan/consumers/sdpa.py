@@ -192,6 +192,43 @@ def _math_rows(q, k, v, offset: int | None, mask, scale):
     return out.reshape(B, H, c, D).to(q.dtype), lse.reshape(B, H, c)
 
 
+SOFTCAP_SCORES = 1 << 24   # scores the soft-capped path holds at once (query rows in pieces under it)
+
+
+def _softcapped(q, k, v, q_offset: int, causal: bool, mask, scale, softcap: float) -> torch.Tensor:
+    """Attention with soft-capped scores, as transformers' eager attention computes it (no fused kernel soft-caps):
+    scores in the inputs' dtype, ``c * tanh(s / c)``, the mask added, softmax in fp32, probabilities back in the
+    inputs' dtype; query rows in pieces so that at most ``SOFTCAP_SCORES`` scores exist, and the query heads that
+    share a K/V head as rows of one matmul (K/V heads never repeated)."""
+    B, H, c, D = q.shape
+    Hkv = k.shape[1]
+    rep = H // Hkv
+    if causal:   # later keys are all masked for this chunk
+        k, v = k[..., :q_offset + c, :], v[..., :q_offset + c, :]
+        mask = mask[..., :q_offset + c] if mask is not None else None
+    n = k.shape[-2]
+    scale = scale if scale is not None else D ** -0.5
+    piece = max(1, SOFTCAP_SCORES // max(1, B * H * n))
+    out = q.new_empty(q.shape)
+    for r in range(0, c, piece):
+        e = min(c, r + piece)
+        qg = q[:, :, r:e].reshape(B, Hkv, rep * (e - r), D)
+        s = torch.matmul(qg, k.transpose(-1, -2)).view(B, Hkv, rep, e - r, n)
+        s = s.mul_(scale).div_(softcap).tanh_().mul_(softcap)
+        if causal:
+            s.masked_fill_(torch.ones(e - r, n, dtype=torch.bool, device=q.device).triu(1 + q_offset + r),
+                           float("-inf"))
+        if mask is not None:   # broadcastable to [B, H, c, n]: its rows of this piece, heads grouped as the scores
+            m = mask[..., r:e, :] if mask.shape[-2] == c else mask
+            m = m.expand(B, H, e - r, n).reshape(B, Hkv, rep, e - r, n)
+            s = s.masked_fill_(~m, float("-inf")) if m.dtype == torch.bool else s.add_(m)
+        p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
+        del s
+        out[:, :, r:e] = torch.matmul(p.view(B, Hkv, rep * (e - r), n), v).view(B, H, e - r, D)
+        del p
+    return out
+
+
 class SDPAConsumer:
     name = "sdpa"
 
@@ -211,13 +248,15 @@ class SDPAConsumer:
         return heads * head_dim * (8 + 2 * elem)
 
     def workspace_bytes(self, *, rows: int, keys: int, heads: int, kv_heads: int, head_dim: int, elem: int,
-                        causal: bool, masked: bool, device_type: str | None = None) -> int:
+                        causal: bool, masked: bool, device_type: str | None = None, softcap: float = 0.0) -> int:
         """Bytes ``attend`` allocates besides its output for one chunk of ``rows`` query rows against up to ``keys``
         keys, at its worst moment (the planner charges them while the chunk's attention runs). A causal chunk after
         the first: the diagonal block's output (with GQA on torch < 2.5 its repeated K/V heads), then the past keys'
         output (and there the grouped Q copy), then the merge's fp32 weights and head-group copies (the fused merge on
         CUDA needs none). Each fused call adds its log-sum-exp and, on CPU, the flash kernel's
         per-thread tiles, which scale with the thread count, not the rows."""
+        if softcap:   # one piece of scores in the inputs' dtype, its fp32 softmax and that cast back (_softcapped)
+            return min(SOFTCAP_SCORES, heads * rows * keys) * (2 * elem + 4)
         if masked:
             return self.workspace_row_bytes(heads=heads, head_dim=head_dim, elem=elem, causal=causal, masked=masked,
                                             device_type=device_type) * rows
@@ -262,7 +301,9 @@ class SDPAConsumer:
         return _math_with_lse(q, k, v, causal, mask, scale)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_offset: int, causal: bool,
-               mask: torch.Tensor | None, scale: float | None) -> torch.Tensor:
+               mask: torch.Tensor | None, scale: float | None, softcap: float = 0.0) -> torch.Tensor:
+        if softcap:
+            return _softcapped(q, k, v, q_offset, causal, mask, scale, softcap)
         gqa = q.shape[1] != k.shape[1]
         if causal and mask is None and q_offset > 0:
             out = _causal_by_parts(q, k, v, q_offset, scale)

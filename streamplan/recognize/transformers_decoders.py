@@ -168,13 +168,14 @@ def _masks(model: nn.Module, family: Family, cache_name: str, hidden: torch.Tens
     kw = {"config": cfg, "inputs_embeds": hidden, "attention_mask": attention_mask, cache_name: cache,
           "position_ids": position_ids}
     layers = model.layers[: cfg.num_hidden_layers]
-    describe = getattr(cfg, "_attn_implementation", None) == "sdpa" and any(takes_row_masks(m) for m in layers)
+    impl = getattr(cfg, "_attn_implementation", None)
+    describe = impl in ("sdpa", "eager") and any(takes_row_masks(m) for m in layers)
     made: dict[str, object] = {}
 
     def make(kind: str):
         if kind not in made:
             fn = mod.create_sliding_window_causal_mask if kind == "sliding" else mod.create_causal_mask
-            made[kind] = _described(fn, kw) if describe else fn(**kw)
+            made[kind] = _described(fn, kw, impl) if describe else fn(**kw)
         return made[kind]
 
     if family.masks == "causal":
@@ -211,48 +212,50 @@ class _Recorded:
     kw: dict
 
 
-def _described(fn: Callable, kw: dict):
-    """``fn(**kw)`` (transformers' create_causal_mask or create_sliding_window_causal_mask) with its call of the SDPA
-    mask interface held: None where the library would skip the mask (plain causal), else a ``RowMask`` whose chunk
-    rows are that interface called for the chunk's query rows and keys; what returns before the interface (a 4-D mask
-    given) as it is."""
+def _described(fn: Callable, kw: dict, impl: str = "sdpa"):
+    """``fn(**kw)`` (transformers' create_causal_mask or create_sliding_window_causal_mask) with its call of the
+    ``impl`` mask interface (SDPA's or eager's) held: None where the library would skip the mask (plain causal, SDPA
+    only), else a ``RowMask`` whose chunk rows are that interface called for the chunk's query rows and keys; what
+    returns before the interface (a 4-D mask given) as it is."""
     from transformers import masking_utils as mu
     interface = mu.ALL_MASK_ATTENTION_FUNCTIONS
-    real = interface["sdpa"]
+    real = interface[impl]
 
     def recorder(**call):
         return _Recorded(real, call) if _RECORDING.get() else real(**call)
 
     with _RECORD_LOCK:   # the library's mask interface, replaced for this thread's call alone
         local = interface._local_mapping
-        prior = local.get("sdpa", _NONE)
-        local["sdpa"] = recorder
+        prior = local.get(impl, _NONE)
+        local[impl] = recorder
         token = _RECORDING.set(True)
         try:
             got = fn(**kw)
         finally:
             _RECORDING.reset(token)
             if prior is _NONE:
-                local.pop("sdpa", None)
+                local.pop(impl, None)
             else:
-                local["sdpa"] = prior
+                local[impl] = prior
     if not isinstance(got, _Recorded):
         return got
-    return _row_mask(got, mu)
+    return _row_mask(got, mu, eager=impl == "eager")
 
 
 _NONE = object()
 
 
-def _row_mask(rec: _Recorded, mu):
+def _row_mask(rec: _Recorded, mu, eager: bool = False):
+    """``eager``: eager attention's additive masks (the library's ``eager_mask``), never skipped, and always as rows
+    of its own mask (a padded row that sees no key attends every key evenly there, as stock's does)."""
     c = rec.kw
     rows, keys = c["q_length"], c["kv_length"]
     whole = functools.partial(rec.real, **c)
     ignore, prepare = getattr(mu, "_ignore_causal_mask_sdpa", None), getattr(mu, "prepare_padding_mask", None)
     if ignore is None or prepare is None or c.get("q_offset") != 0 or c.get("kv_offset") != 0 or rows != keys:
         return whole()   # a cache that already holds tokens, or masking code this file was not checked against
-    if c.get("allow_is_causal_skip", True) and ignore(prepare(c.get("attention_mask"), keys, 0), rows, keys, 0, 0,
-                                                      c.get("local_size")):
+    if not eager and c.get("allow_is_causal_skip", True) and ignore(
+            prepare(c.get("attention_mask"), keys, 0), rows, keys, 0, 0, c.get("local_size")):
         return None      # the library's own skip: SDPA's is_causal
     window = c.get("local_size")
     causal = not c.get("use_vmap", False)   # no custom or/and mask functions: causal (and windowed where set)
@@ -267,7 +270,8 @@ def _row_mask(rec: _Recorded, mu):
                            "allow_is_causal_skip": False})
 
     return RowMask(c["batch_size"], rows, keys, part, span, whole, window if causal else None,
-                   _padding_spans(c.get("attention_mask"), keys) if causal and not window else None)
+                   _padding_spans(c.get("attention_mask"), keys) if causal and not window and not eager else None,
+                   blind_rows_see_all=eager)
 
 
 def _padding_spans(padding: torch.Tensor | None, keys: int) -> tuple[tuple[int, int], ...] | None:

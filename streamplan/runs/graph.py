@@ -136,7 +136,7 @@ def _run_onloaded(handle, entry, args: tuple, kwargs: dict) -> Any:
         given = att.mask.meta["val"] if att.mask is not None else None   # a mask input the graph attends with
         why = unsupported(consumer, heads=qv.shape[1], kv_heads=kv_.shape[1], head_dim=qv.shape[-1],
                           causal=att.causal, mask=_BOOL_MASK if row_mask is not None else given, dtype=qv.dtype,
-                          whole_q=whole_q)
+                          whole_q=whole_q, softcap=any(a.softcap for a in an.attentions))
         if why:
             handle.note(entry, f"ran stock: {why}")
             return stock()
@@ -147,6 +147,9 @@ def _run_onloaded(handle, entry, args: tuple, kwargs: dict) -> Any:
             handle.note(entry, f"ran stock: {why}")
             return stock()
         consumer = parallel.consumer(consumer, par)
+        if any(a.softcap for a in an.attentions) and not consumer.caps.softcap:
+            handle.note(entry, f"ran stock: soft-capped attention through {consumer.name}, which does not soft-cap")
+            return stock()
     o = handle.options
     regions = found.mlp_regions
     # L3 keeps no whole K/V to hand back to a cache; under sequence parallelism head groups would change the exchanges
@@ -215,7 +218,7 @@ def _run_onloaded(handle, entry, args: tuple, kwargs: dict) -> Any:
             # the consumer's own allocations, charged while the chunk's attention runs (its Q chunk and static rows
             # against every key)
             call = SimpleNamespace(heads=qv.shape[1], kv_heads=kv_.shape[1], head_dim=qv.shape[-1], causal=att.causal,
-                                   mask=row_mask, device_type=device.type)
+                                   mask=row_mask, device_type=device.type, softcap=att.softcap)
             q_static = att.q_rows.pre + att.q_rows.post if att.q_rows is not None else 0
             keys = rows + att.kv_rows.pre + att.kv_rows.post
             ws = functools.partial(_workspace, consumer, call, qv.element_size(), rows, q_static, keys)
@@ -251,16 +254,23 @@ def _run_onloaded(handle, entry, args: tuple, kwargs: dict) -> Any:
     if plan.tier == Tier.L0:
         return stock()
 
-    def attend(q, k, v, *, q_offset, causal, scale, mask=None):
+    def attend(q, k, v, *, q_offset, causal, scale, mask=None, softcap=0.0):
+        cap = {"softcap": softcap} if softcap else {}   # soft-capped scores (hand-written attention): said only then
         if row_mask is None:   # a mask the block was given: its chunk rows (or whole, over the keys alone)
-            return consumer.attend(q, k, v, q_offset=q_offset, causal=causal, mask=mask, scale=scale)
+            return consumer.attend(q, k, v, q_offset=q_offset, causal=causal, mask=mask, scale=scale, **cap)
         # the chunk's mask rows against the keys it can see: built here, for these rows alone
         a, b = q_offset, q_offset + q.shape[-2]
         if row_mask.spans is not None:   # padding and causality: each batch element's keys without a mask
-            return _attend_spans(consumer, row_mask, q, k, v, a, scale)
+            return _attend_spans(consumer, row_mask, q, k, v, a, scale, cap)
         lo, hi = row_mask.span(a, b)
-        return consumer.attend(q, k[..., lo:hi, :], v[..., lo:hi, :], q_offset=a - lo, causal=False,
-                               mask=row_mask.part(a, b, lo, hi), scale=scale)
+        part = row_mask.part(a, b, lo, hi)
+        out = consumer.attend(q, k[..., lo:hi, :], v[..., lo:hi, :], q_offset=a - lo, causal=False, mask=part,
+                              scale=scale, **cap)
+        if row_mask.blind_rows_see_all:
+            out = _blind_rows_see_all(out, part, v, mean_of)
+        return out
+
+    mean_of: dict = {}   # V's mean over every key, once per call (eager masks' rows that see no key)
 
     stores = {}
     if par is not None:   # K/V of every rank's rows for this rank's heads, exchanged chunk by chunk
@@ -307,7 +317,7 @@ def _row_mask_bytes(row_mask: RowMask, elem: int, row_bytes: int, causal_ws: int
     return row_mask.chunk_bytes(chunk, elem, row_bytes) + causal_ws * min(chunk, rows)
 
 
-def _attend_spans(consumer, row_mask: RowMask, q, k, v, a: int, scale):
+def _attend_spans(consumer, row_mask: RowMask, q, k, v, a: int, scale, cap: dict):
     """Query rows [a, a + c) of a padded batch whose mask is padding and causality alone (``RowMask.spans``): for each
     batch element with keys [s, e) not padding, rows from s to e attend causally from key s, rows past e attend all of
     [s, e), each through the consumer's own unmasked calls; rows before s (no key to see) get the library's mask rows,
@@ -321,17 +331,29 @@ def _attend_spans(consumer, row_mask: RowMask, q, k, v, a: int, scale):
             lo, hi = row_mask.span(a, blind)
             out[i:i + 1, :, :blind - a] = consumer.attend(
                 qi[:, :, :blind - a], ki[:, :, lo:hi], vi[:, :, lo:hi], q_offset=0, causal=False,
-                mask=row_mask.part(a, blind, lo, hi)[i:i + 1], scale=scale)
+                mask=row_mask.part(a, blind, lo, hi)[i:i + 1], scale=scale, **cap)
         r0, r1 = max(a, blind), min(b, e)
         if r1 > r0:
             out[i:i + 1, :, r0 - a:r1 - a] = consumer.attend(
                 qi[:, :, r0 - a:r1 - a], ki[:, :, s:e], vi[:, :, s:e], q_offset=r0 - s, causal=True, mask=None,
-                scale=scale)
+                scale=scale, **cap)
         r0 = max(a, blind, r1)
         if b > r0:   # rows past the last key that is not padding: all of [s, e)
             out[i:i + 1, :, r0 - a:] = consumer.attend(
-                qi[:, :, r0 - a:], ki[:, :, s:e], vi[:, :, s:e], q_offset=0, causal=False, mask=None, scale=scale)
+                qi[:, :, r0 - a:], ki[:, :, s:e], vi[:, :, s:e], q_offset=0, causal=False, mask=None, scale=scale,
+                **cap)
     return out
+
+
+def _blind_rows_see_all(out: torch.Tensor, part: torch.Tensor, v: torch.Tensor, mean_of: dict) -> torch.Tensor:
+    """Rows of ``part`` (the chunk's eager mask rows, [B, 1, c, keys]) that see no key: the mean of V over every key
+    of the call, as eager attention gives them (the same minimum added to every score: an even softmax)."""
+    seen = part if part.dtype == torch.bool else part > torch.finfo(part.dtype).min / 2
+    blind = ~seen.any(-1, keepdim=True)                       # [B, 1, c, 1]
+    if "v" not in mean_of:
+        mean_of["v"] = v.float().mean(-2, keepdim=True).to(out.dtype).repeat_interleave(
+            out.shape[1] // v.shape[1], 1)                    # [B, H, 1, D]
+    return torch.where(blind, mean_of["v"], out)
 
 
 def _stock_masked(entry, args: tuple, kwargs: dict) -> Any:
@@ -347,7 +369,10 @@ def _row_mask_problem(an, row_mask: RowMask, rows: int) -> str | None:
     if len(an.attentions) != 1:
         return f"a row mask for a graph with {len(an.attentions)} global attentions"
     att = an.attentions[0]
-    if not att.causal or (att.kv_rows.pre, att.kv_rows.post) != (0, 0) or att.q_rows is None or (
+    # hand-written (eager) attention captured with no mask attends every key: the row mask is its whole rule
+    eager = getattr(att.node.target, "_overloadpacket", None) is torch.ops.streamplan.eager_attention and \
+        att.mask is None
+    if not (att.causal or eager) or (att.kv_rows.pre, att.kv_rows.post) != (0, 0) or att.q_rows is None or (
             att.q_rows.pre, att.q_rows.post) != (0, 0):
         return "a row mask for an attention that is not causal over the call's rows alone"
     if (row_mask.rows, row_mask.keys) != (rows, rows):

@@ -51,8 +51,10 @@ def workspace_bytes(consumer, call, elem: int, rows: int, keys: int) -> int:
     declare = getattr(consumer, "workspace_bytes", None)
     if declare is None:
         return workspace_row_bytes(consumer, call, elem) * rows
+    kw = {"softcap": call.softcap} if getattr(call, "softcap", 0.0) else {}   # said only where there is one
     return declare(rows=rows, keys=keys, heads=call.heads, kv_heads=call.kv_heads, head_dim=call.head_dim, elem=elem,
-                   causal=call.causal, masked=call.mask is not None, device_type=getattr(call, "device_type", None))
+                   causal=call.causal, masked=call.mask is not None, device_type=getattr(call, "device_type", None),
+                   **kw)
 
 
 @handles(RowLocalSpec)
