@@ -269,8 +269,10 @@ def _row_mask(rec: _Recorded, mu, eager: bool = False):
         return rec.real(**{**c, "q_length": b - a, "kv_length": hi - lo, "q_offset": a, "kv_offset": lo,
                            "allow_is_causal_skip": False})
 
-    return RowMask(c["batch_size"], rows, keys, part, span, whole, window if causal else None,
-                   _padding_spans(c.get("attention_mask"), keys) if causal and not window and not eager else None,
+    spans = _padding_spans(c.get("attention_mask"), keys) if causal and not window else None
+    if eager and causal and not window and c.get("attention_mask") is None:   # eager's plain causal mask: no rows
+        spans = ((0, keys),) * c["batch_size"]
+    return RowMask(c["batch_size"], rows, keys, part, span, whole, window if causal else None, spans,
                    blind_rows_see_all=eager)
 
 

@@ -261,7 +261,7 @@ def _run_onloaded(handle, entry, args: tuple, kwargs: dict) -> Any:
         # the chunk's mask rows against the keys it can see: built here, for these rows alone
         a, b = q_offset, q_offset + q.shape[-2]
         if row_mask.spans is not None:   # padding and causality: each batch element's keys without a mask
-            return _attend_spans(consumer, row_mask, q, k, v, a, scale, cap)
+            return _attend_spans(consumer, row_mask, q, k, v, a, scale, cap, mean_of)
         lo, hi = row_mask.span(a, b)
         part = row_mask.part(a, b, lo, hi)
         out = consumer.attend(q, k[..., lo:hi, :], v[..., lo:hi, :], q_offset=a - lo, causal=False, mask=part,
@@ -317,7 +317,7 @@ def _row_mask_bytes(row_mask: RowMask, elem: int, row_bytes: int, causal_ws: int
     return row_mask.chunk_bytes(chunk, elem, row_bytes) + causal_ws * min(chunk, rows)
 
 
-def _attend_spans(consumer, row_mask: RowMask, q, k, v, a: int, scale, cap: dict):
+def _attend_spans(consumer, row_mask: RowMask, q, k, v, a: int, scale, cap: dict, mean_of: dict):
     """Query rows [a, a + c) of a padded batch whose mask is padding and causality alone (``RowMask.spans``): for each
     batch element with keys [s, e) not padding, rows from s to e attend causally from key s, rows past e attend all of
     [s, e), each through the consumer's own unmasked calls; rows before s (no key to see) get the library's mask rows,
@@ -327,7 +327,9 @@ def _attend_spans(consumer, row_mask: RowMask, q, k, v, a: int, scale, cap: dict
     for i, (s, e) in enumerate(row_mask.spans):
         qi, ki, vi = q[i:i + 1], k[i:i + 1], v[i:i + 1]
         blind = min(b, s) if e > s else b     # rows [a, blind) see no key
-        if blind > a:
+        if blind > a and row_mask.blind_rows_see_all:   # eager: every key of the call evenly
+            out[i:i + 1, :, :blind - a] = _mean_v(v, out, mean_of)[i:i + 1]
+        elif blind > a:
             lo, hi = row_mask.span(a, blind)
             out[i:i + 1, :, :blind - a] = consumer.attend(
                 qi[:, :, :blind - a], ki[:, :, lo:hi], vi[:, :, lo:hi], q_offset=0, causal=False,
@@ -350,10 +352,14 @@ def _blind_rows_see_all(out: torch.Tensor, part: torch.Tensor, v: torch.Tensor, 
     of the call, as eager attention gives them (the same minimum added to every score: an even softmax)."""
     seen = part if part.dtype == torch.bool else part > torch.finfo(part.dtype).min / 2
     blind = ~seen.any(-1, keepdim=True)                       # [B, 1, c, 1]
+    return torch.where(blind, _mean_v(v, out, mean_of), out)
+
+
+def _mean_v(v: torch.Tensor, out: torch.Tensor, mean_of: dict) -> torch.Tensor:
+    """V's mean over every key of the call, per query head ([B, H, 1, D]), once per call."""
     if "v" not in mean_of:
-        mean_of["v"] = v.float().mean(-2, keepdim=True).to(out.dtype).repeat_interleave(
-            out.shape[1] // v.shape[1], 1)                    # [B, H, 1, D]
-    return torch.where(blind, mean_of["v"], out)
+        mean_of["v"] = v.float().mean(-2, keepdim=True).to(out.dtype).repeat_interleave(out.shape[1] // v.shape[1], 1)
+    return mean_of["v"]
 
 
 def _stock_masked(entry, args: tuple, kwargs: dict) -> Any:
