@@ -40,28 +40,19 @@ def kernel_table(fn, label: str, rows: int = 14) -> tuple[dict[str, float], dict
     return totals, ops
 
 
-def enqueue(fn, repeats: int = 3) -> float:
-    """Seconds until ``fn`` returns without waiting for the GPU: near the wall time, the host is the bottleneck."""
+def wall(fn, repeats: int = 5, wait: bool = True) -> float:
+    """Median seconds of ``fn``; ``wait=False``: until it returns, the GPU not waited for (its enqueue time: near the
+    wall time, the host is the bottleneck)."""
     fn()
     times = []
     for _ in range(repeats):
         torch.cuda.synchronize()
         t = time.perf_counter()
         fn()
+        if wait:
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
         torch.cuda.synchronize()
-    return statistics.median(times)
-
-
-def wall(fn, repeats: int = 5) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
     return statistics.median(times)
 
 
@@ -83,7 +74,7 @@ def profile_case(spec: str) -> dict:
         handle = streamplan.apply(block, **opts)
         streamed, streamed_ops = kernel_table(lambda: block(*args), f"{spec} streamed")
         streamed_wall = wall(lambda: block(*args))
-        streamed_enqueue = enqueue(lambda: block(*args))
+        streamed_enqueue = wall(lambda: block(*args), 3, wait=False)
         plan = handle.plans[""][0]
         handle.remove()
     diffs = sorted(set(stock) | set(streamed), key=lambda k: -abs(streamed.get(k, 0) - stock.get(k, 0)))[:12]
