@@ -1,0 +1,110 @@
+"""H200: Gemma 2 at long context (issue 16's soft-capping), Gemma-2-9B width (3584, 16 query heads x 256, 8 K/V heads,
+GeGLU 14336, vocab 256000, alternating 4096-token sliding and full layers, attention logits soft-capped at 50, final
+logits at 30), bf16, random weights, transformers' eager attention (the only one it gives Gemma 2 here).
+
+Stock eager builds the [1, 1, N, N] mask and every layer's [1, 16, N, N] scores (and their fp32 softmax); streamplan
+finds the hand-written attention in each layer's graph and streams it, soft-capping in bounded pieces of scores, its
+masks built per Q chunk (none on full layers). Prefill ``model(ids, logits_to_keep=1, use_cache=False)``: peak
+KB/token above weights and inputs against the floor (residual + one layer's K + V: 15.0 KB/token), time against
+stock where stock fits, the last token's logits against stock's.
+
+    python benchmarks/gpu_gemma2.py 16384 stock,chunk=4096,held layers=4
+    python benchmarks/gpu_gemma2.py 131072 held layers=2          # stock: [16, N, N] scores do not fit
+    python benchmarks/gpu_gemma2.py dry                           # CPU, tiny widths: the script itself
+Modes: ``stock``; ``chunk=C`` (C-row chunks); ``held`` (the planner given 1.15x the floor).
+Results: ``$OUT/gpu_gemma2_<tokens>_<layers>l.json``, written after every row.
+"""
+from __future__ import annotations
+
+import gc
+import sys
+import time
+
+import torch
+
+import streamplan
+from common import cuda_time, device_info, write_results
+from streamplan.verify import compare_outputs
+
+REAL = dict(hidden_size=3584, intermediate_size=14336, num_attention_heads=16, num_key_value_heads=8, head_dim=256,
+            vocab_size=256000, sliding_window=4096, attn_logit_softcapping=50.0, final_logit_softcapping=30.0)
+TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            vocab_size=512, sliding_window=64, attn_logit_softcapping=50.0, final_logit_softcapping=30.0)
+
+
+def build(widths: dict, layers: int, device: str, dtype: torch.dtype):
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+    cfg = Gemma2Config(**widths, num_hidden_layers=layers, max_position_embeddings=1 << 21,
+                       attn_implementation="eager", tie_word_embeddings=False)
+    torch.manual_seed(0)
+    with torch.device(device):
+        return Gemma2ForCausalLM(cfg).to(dtype).eval()
+
+
+def _measure(fn, device: str):
+    start = time.perf_counter()
+    out, peak = streamplan.measure_peak(fn, device=device)
+    return out, peak, time.perf_counter() - start
+
+
+def main(argv: list[str]) -> int:
+    dry = len(argv) > 1 and argv[1] == "dry"
+    device, dtype = ("cpu", torch.float32) if dry else ("cuda", torch.bfloat16)
+    n = 512 if dry else int(argv[1])
+    modes = ["stock", "chunk=128", "held"] if dry else argv[2].split(",")
+    layers = next((int(a[7:]) for a in argv if a.startswith("layers=")), 2)
+    widths = TINY if dry else REAL
+    floor = (widths["hidden_size"] + 2 * widths["num_key_value_heads"] * widths["head_dim"]) * dtype.itemsize
+    model = build(widths, layers, device, dtype)
+    gen = torch.Generator(device).manual_seed(1)
+    ids = torch.randint(0, widths["vocab_size"], (1, n), device=device, generator=gen)
+    call = lambda: model(ids, logits_to_keep=1, use_cache=False).logits  # noqa: E731
+    info = {"device": "cpu (dry run, tiny widths)"} if dry else device_info()
+    base = {"case": f"gemma2-9b-width-{layers}-layers" if not dry else "gemma2-tiny", "tokens": n, "layers": layers,
+            "floor_KB_per_token": floor / 1024, "transformers": __import__("transformers").__version__}
+    rows, ref, stock_t = [], None, None
+    name = f"gpu_gemma2_{'dry' if dry else n}_{layers}l"
+
+    def emit(row: dict) -> None:
+        rows.append({**base, **row})
+        print(rows[-1], flush=True)
+        if not dry:
+            write_results(name, {**info, "rows": rows})
+
+    with torch.inference_mode():
+        for mode in modes:
+            gc.collect()
+            if device == "cuda":
+                torch.cuda.empty_cache()
+            handle = None
+            try:
+                if mode == "held":
+                    handle = streamplan.apply(model, budget=int(ids.numel() * 8 + 1.15 * floor * n))
+                elif mode.startswith("chunk="):
+                    handle = streamplan.apply(model, chunk_tokens=int(mode[6:]))
+                elif mode != "stock":
+                    raise ValueError(f"unknown mode {mode!r}: stock, chunk=C or held")
+                logits, peak, first = _measure(call, device)
+                t = cuda_time(call, repeats=2, warmup=0) if device == "cuda" else first
+                row = {"mode": mode, "KB_per_token": peak / n / 1024, "peak_vs_floor": peak / floor / n, "time_s": t,
+                       "time_per_layer_s": t / layers}
+                if mode == "stock":
+                    ref, stock_t = logits, t
+                else:
+                    layer_plans = [p for k, ps in handle.plans.items() if k.startswith("model.layers.") for p in ps]
+                    row.update(time_ratio=t / stock_t if stock_t else None, first_call_s_with_capture=first,
+                               rel_diff=compare_outputs(logits, ref)["output"]["rel"] if ref is not None else None,
+                               layer_plans=sorted({f"{p.tier}/{p.chunk}" for p in layer_plans}),
+                               ran_stock=[k for k, e in handle.installed.items()
+                                          if any("ran stock" in x for x in e.runtime_notes)])
+                emit(row)
+            except (torch.OutOfMemoryError, streamplan.BudgetError) as exc:
+                emit({"mode": mode, "error": type(exc).__name__, "detail": str(exc)[:300]})
+            finally:
+                if handle is not None:
+                    handle.remove()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
