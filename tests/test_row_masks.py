@@ -135,13 +135,18 @@ def test_no_mask_over_rows_x_rows_is_built(monkeypatch):
     handle.remove()
 
 
+@pytest.mark.parametrize("key_block", [None, 48], ids=["keys whole", "key blocks"])
 @pytest.mark.parametrize("left,right", [(9, 13), (0, 0)])
 @torch.no_grad()
-def test_soft_capped_eager_attention_streams_with_row_masks(left, right):
+def test_soft_capped_eager_attention_streams_with_row_masks(left, right, key_block, monkeypatch):
     """Gemma 2: transformers gives it eager attention only (its scores soft-capped, c * tanh(s / c)): the hand-written
     chain is found in the captured graph (``capture/eager_attention.py``) and every layer streams, the sliding layer's
     keys cut to its window, the eager masks built a Q chunk's rows at a time; logits and cache match stock, padding
-    rows included (a row that sees no key attends every key evenly, as eager's additive minimum makes it)."""
+    rows included (a row that sees no key attends every key evenly, as eager's additive minimum makes it). With key
+    blocks of 48 (past that, the soft-capped path merges blocks by their log-sum-exps) the same."""
+    if key_block:
+        from streamplan.consumers import sdpa
+        monkeypatch.setattr(sdpa, "SOFTCAP_KEYS", key_block)
     torch.manual_seed(0)
     cfg = transformers.AutoConfig.for_model("gemma2", **COMMON, sliding_window=WINDOW, attn_logit_softcapping=5.0)
     model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()

@@ -192,14 +192,16 @@ def _math_rows(q, k, v, offset: int | None, mask, scale):
     return out.reshape(B, H, c, D).to(q.dtype), lse.reshape(B, H, c)
 
 
-SOFTCAP_SCORES = 1 << 24   # scores the soft-capped path holds at once (query rows in pieces under it)
+SOFTCAP_SCORES = 1 << 24   # scores the soft-capped path holds at once (query rows and keys in pieces under it)
+SOFTCAP_KEYS = 8192        # keys per block of the soft-capped path past which blocks merge by their log-sum-exps
 
 
 def _softcapped(q, k, v, q_offset: int, causal: bool, mask, scale, softcap: float) -> torch.Tensor:
     """Attention with soft-capped scores, as transformers' eager attention computes it (no fused kernel soft-caps):
     scores in the inputs' dtype, ``c * tanh(s / c)``, the mask added, softmax in fp32, probabilities back in the
-    inputs' dtype; query rows in pieces so that at most ``SOFTCAP_SCORES`` scores exist, and the query heads that
-    share a K/V head as rows of one matmul (K/V heads never repeated)."""
+    inputs' dtype. Query rows in pieces and, past ``SOFTCAP_KEYS`` keys, keys in blocks merged by their log-sum-exps
+    in fp32, so that at most ``SOFTCAP_SCORES`` scores exist; the query heads that share a K/V head as rows of one
+    matmul (K/V heads never repeated). Up to ``SOFTCAP_KEYS`` keys the ops are eager's own, in its order."""
     B, H, c, D = q.shape
     Hkv = k.shape[1]
     rep = H // Hkv
@@ -207,26 +209,54 @@ def _softcapped(q, k, v, q_offset: int, causal: bool, mask, scale, softcap: floa
         k, v = k[..., :q_offset + c, :], v[..., :q_offset + c, :]
         mask = mask[..., :q_offset + c] if mask is not None else None
     n = k.shape[-2]
+    block = min(n, SOFTCAP_KEYS)
     scale = scale if scale is not None else D ** -0.5
-    piece = max(1, SOFTCAP_SCORES // max(1, B * H * n))
+    piece = max(1, SOFTCAP_SCORES // max(1, B * H * block))
     out = q.new_empty(q.shape)
     for r in range(0, c, piece):
         e = min(c, r + piece)
         qg = q[:, :, r:e].reshape(B, Hkv, rep * (e - r), D)
-        s = torch.matmul(qg, k.transpose(-1, -2)).view(B, Hkv, rep, e - r, n)
-        s = s.mul_(scale).div_(softcap).tanh_().mul_(softcap)
-        if causal:
-            s.masked_fill_(torch.ones(e - r, n, dtype=torch.bool, device=q.device).triu(1 + q_offset + r),
-                           float("-inf"))
-        if mask is not None:   # broadcastable to [B, H, c, n]: its rows of this piece, heads grouped as the scores
-            m = mask[..., r:e, :] if mask.shape[-2] == c else mask
-            m = m.expand(B, H, e - r, n).reshape(B, Hkv, rep, e - r, n)
-            s = s.masked_fill_(~m, float("-inf")) if m.dtype == torch.bool else s.add_(m)
-        p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
-        del s
-        out[:, :, r:e] = torch.matmul(p.view(B, Hkv, rep * (e - r), n), v).view(B, H, e - r, D)
-        del p
+        acc = None
+        for s0 in range(0, n, block):
+            s1 = min(n, s0 + block)
+            s = torch.matmul(qg, k[..., s0:s1, :].transpose(-1, -2)).view(B, Hkv, rep, e - r, s1 - s0)
+            s = s.mul_(scale).div_(softcap).tanh_().mul_(softcap)
+            if causal:   # query row q_offset + r + i sees keys up to itself
+                rows_at = torch.arange(q_offset + r, q_offset + e, device=q.device).unsqueeze(-1)
+                s.masked_fill_(torch.arange(s0, s1, device=q.device) > rows_at, float("-inf"))
+            if mask is not None:   # broadcastable to [B, H, c, n]: this piece's rows and block's keys
+                m = mask[..., r:e, :] if mask.shape[-2] == c else mask
+                m = m[..., s0:s1].expand(B, H, e - r, s1 - s0).reshape(B, Hkv, rep, e - r, s1 - s0)
+                s = s.masked_fill_(~m, float("-inf")) if m.dtype == torch.bool else s.add_(m)
+            if block == n:   # one block: eager's softmax over every key
+                p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
+                del s
+                out[:, :, r:e] = torch.matmul(p.view(B, Hkv, rep * (e - r), n), v).view(B, H, e - r, D)
+                continue
+            acc = _softcap_block(acc, s, v[..., s0:s1, :], q.dtype)
+        if acc is not None:
+            o, total, _ = acc
+            out[:, :, r:e] = (o / total).view(B, H, e - r, D).to(q.dtype)
     return out
+
+
+def _softcap_block(acc, s: torch.Tensor, v: torch.Tensor, dtype: torch.dtype):
+    """One key block's scores [B, Hkv, rep, rows, keys] added to the running (output sum, weight sum, max), fp32."""
+    B, Hkv, rep, rows, n = s.shape
+    top = s.amax(-1, keepdim=True).float()
+    # a row that sees no key of this block takes nothing from it, and keeps its running maximum
+    top = torch.where(torch.isinf(top), 0.0 if acc is None else acc[2], top)
+    p = torch.exp(s.float() - top)
+    del s
+    weight = p.sum(-1, keepdim=True)
+    o = torch.matmul(p.to(dtype).view(B, Hkv, rep * rows, n), v).view(B, Hkv, rep, rows, -1).float()
+    del p
+    if acc is None:
+        return o, weight, top
+    o0, w0, t0 = acc
+    new = torch.maximum(t0, top)
+    a, b = torch.exp(t0 - new), torch.exp(top - new)
+    return o0.mul_(a).add_(o.mul_(b)), w0.mul_(a).add_(weight.mul_(b)), new
 
 
 class SDPAConsumer:
@@ -256,7 +286,8 @@ class SDPAConsumer:
         CUDA needs none). Each fused call adds its log-sum-exp and, on CPU, the flash kernel's
         per-thread tiles, which scale with the thread count, not the rows."""
         if softcap:   # one piece of scores in the inputs' dtype, its fp32 softmax and that cast back (_softcapped)
-            return min(SOFTCAP_SCORES, heads * rows * keys) * (2 * elem + 4)
+            return min(SOFTCAP_SCORES, heads * rows * keys) * (2 * elem + 4) + (
+                rows * heads * (head_dim + 2) * 4 * 2 if keys > SOFTCAP_KEYS else 0)   # the block merge's sums
         if masked:
             return self.workspace_row_bytes(heads=heads, head_dim=head_dim, elem=elem, causal=causal, masked=masked,
                                             device_type=device_type) * rows
