@@ -167,6 +167,24 @@ def test_soft_capped_eager_attention_streams_with_row_masks(left, right, key_blo
 
 
 @torch.no_grad()
+def test_soft_capped_eager_attention_in_head_groups():
+    """L3 (two head groups, each with its own K/V buffer): padded rows that see no key take each group's own V mean."""
+    torch.manual_seed(0)
+    cfg = transformers.AutoConfig.for_model("gemma2", **COMMON, sliding_window=WINDOW, attn_logit_softcapping=5.0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+    ids = _ids()
+    mask = _padded(ids)
+    ref = model(ids, attention_mask=mask, use_cache=False).logits
+    handle = streamplan.apply(model, chunk_tokens=CHUNK, head_groups=2)
+    out = model(ids, attention_mask=mask, use_cache=False).logits
+    assert rel_err(out, ref) <= 1e-5, rel_err(out, ref)
+    for i in range(2):
+        assert [(str(p.tier), p.head_groups) for p in handle.plans[f"model.layers.{i}"]] == [("L3", 2)], \
+            handle.report()
+    handle.remove()
+
+
+@torch.no_grad()
 def test_eager_attention_without_soft_capping_streams_through_fused_kernels():
     """Llama with ``attn_implementation="eager"``: the same chain without tanh becomes an attention the SDPA consumer
     runs on its fused kernels; padded batch, logits as stock's."""

@@ -3,6 +3,7 @@ graph captured (or reused), planned from the graph's memory model, then run phas
 from __future__ import annotations
 
 import functools
+import weakref
 from types import SimpleNamespace
 from typing import Any
 
@@ -356,10 +357,13 @@ def _blind_rows_see_all(out: torch.Tensor, part: torch.Tensor, v: torch.Tensor, 
 
 
 def _mean_v(v: torch.Tensor, out: torch.Tensor, mean_of: dict) -> torch.Tensor:
-    """V's mean over every key of the call, per query head ([B, H, 1, D]), once per call."""
-    if "v" not in mean_of:
-        mean_of["v"] = v.float().mean(-2, keepdim=True).to(out.dtype).repeat_interleave(out.shape[1] // v.shape[1], 1)
-    return mean_of["v"]
+    """V's mean over every key of the call, per query head ([B, H, 1, D]), once per V buffer (L3 attends a buffer
+    per head group: held weakly, a later group's buffer is never taken for an earlier one's)."""
+    held = mean_of.get("v")
+    if held is None or held[0]() is not v:
+        mean = v.float().mean(-2, keepdim=True).to(out.dtype).repeat_interleave(out.shape[1] // v.shape[1], 1)
+        held = mean_of["v"] = (weakref.ref(v), mean)
+    return held[1]
 
 
 def _stock_masked(entry, args: tuple, kwargs: dict) -> Any:
