@@ -186,10 +186,17 @@ def run_region(region: MLPRegion, env: dict, ffn_slice: int) -> torch.Tensor:
                                     else None, region.ffn, parts, a, b)
         for n in region.inner:
             parts = region.parts[n]
+            src = local.get(n.args[0]) if n.args and isinstance(n.args[0], fx.Node) else None
+            if isinstance(src, _Parts) and _splits_into(n, len(src), region.ffn):   # gate/up: each its own linear
+                local[n] = tuple(src)
+                for m in dead.get(n, ()):
+                    local.pop(m, None)
+                continue
 
             def arg(m, parts=parts, n=n, local=local):
                 if m in local:
-                    return local[m]
+                    v = local[m]
+                    return torch.cat(v, -1) if isinstance(v, _Parts) else v
                 v = env[m]
                 if isinstance(v, torch.Tensor) and v.dim() and v.shape[-1] == parts * region.ffn and v.shape[-1] > 1:
                     return _take(v, _feature_index(region.ffn, parts, a, b, v.device))
@@ -217,11 +224,30 @@ def run_region(region: MLPRegion, env: dict, ffn_slice: int) -> torch.Tensor:
     return out
 
 
+class _Parts(list):
+    """A fused entry linear's slice kept as one output per part: the split that follows takes them as they are (no
+    join and split again); any other use joins them."""
+
+
+def _splits_into(n: fx.Node, parts: int, ffn: int) -> bool:
+    """Whether ``n`` splits its input's last dimension into ``parts`` pieces of ``ffn`` features (as captured)."""
+    name = _name(n.target)
+    val = n.args[0].meta.get("val")
+    dim = n.args[2] if len(n.args) > 2 else n.kwargs.get("dim", 0)
+    if val is None or not isinstance(dim, int) or dim % val.dim() != val.dim() - 1:
+        return False
+    if name == "chunk":
+        return n.args[1] == parts
+    if name == "split":
+        return n.args[1] == ffn
+    return name == "split_with_sizes" and list(n.args[1]) == [ffn] * parts
+
+
 def _entry_slice(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, ffn: int, parts: int, a: int,
-                 b: int) -> torch.Tensor:
+                 b: int) -> torch.Tensor | _Parts:
     """An entry linear over hidden features [a:b) of each of its ``parts`` (a fused gate/up weight holds two): one
-    linear per part on a row range of the weight (a view, never a gathered copy of the weight), joined."""
+    linear per part on a row range of the weight (a view, never a gathered copy of the weight)."""
     if parts == 1:
         return F.linear(x, w[a:b], None if bias is None else bias[a:b])
-    return torch.cat([F.linear(x, w[j * ffn + a:j * ffn + b], None if bias is None else bias[j * ffn + a:j * ffn + b])
-                      for j in range(parts)], -1)
+    return _Parts(F.linear(x, w[j * ffn + a:j * ffn + b], None if bias is None else bias[j * ffn + a:j * ffn + b])
+                  for j in range(parts))
