@@ -189,9 +189,11 @@ def run_region(region: MLPRegion, env: dict, ffn_slice: int) -> torch.Tensor:
             src = local.get(n.args[0]) if n.args and isinstance(n.args[0], fx.Node) else None
             if isinstance(src, _Parts) and _splits_into(n, len(src), region.ffn):   # gate/up: each its own linear
                 local[n] = tuple(src)
+                del src
                 for m in dead.get(n, ()):
                     local.pop(m, None)
                 continue
+            del src   # not held past its last use: the slice frees its values as the memory model counts them
 
             def arg(m, parts=parts, n=n, local=local):
                 if m in local:
