@@ -1,4 +1,6 @@
-"""Merging two partial attentions of the same query rows by their log-sum-exps, into the second one's output.
+"""Merging partial attentions of the same query rows by their log-sum-exps: two into the second one's output
+(``merge_into``: a causal chunk's past keys and diagonal block), or any number into an fp32 accumulator
+(``LseAccumulator``).
 
 ``o2 <- o1 * exp(lse1 - lse) + o2 * exp(lse2 - lse)``, ``lse = logaddexp(lse1, lse2)``, in fp32, rounded once. In
 PyTorch that is a broadcast multiply and an ``addcmul`` per head group: broadcasting keeps them off PyTorch's
@@ -38,6 +40,43 @@ def merge_torch(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: to
     for o1g, o2g, w1g, w2g in zip(o1.split(step, 1), o2.split(step, 1), w1.split(step, 1), w2.split(step, 1)):
         torch.addcmul(torch.mul(o1g, w1g), o2g, w2g, out=o2g)
     return o2
+
+
+class LseAccumulator:
+    """Any number of partial attention outputs of the same query rows merged by their log-sum-exps, in fp32 (K/V
+    blocks of a store, key blocks of the soft-capped path): the accumulator and the log-sum-exps stay fp32 throughout,
+    each block's output is widened as it is added, and the result is cast once at the end."""
+
+    def __init__(self, q: torch.Tensor):
+        B, H, c, D = q.shape
+        self.acc = torch.zeros(B, H, c, D, dtype=torch.float32, device=q.device)
+        self.lse = torch.full((B, H, c), float("-inf"), dtype=torch.float32, device=q.device)
+        self.spare: torch.Tensor | None = None   # a whole-chunk partial output, reused for the result
+
+    def add(self, o: torch.Tensor, lse: torch.Tensor, r0: int = 0, masked: bool = False) -> None:
+        """Block output ``o`` of rows ``r0``.. with log-sum-exp ``lse``. ``masked``: rows may see no key of the block
+        (-inf); they take nothing from it even where a kernel wrote NaN (decided without reading the device)."""
+        acc, old = self.acc[:, :, r0:], self.lse[:, :, r0:]
+        lse = lse.float()
+        new = torch.logaddexp(old, lse)
+        safe = torch.where(torch.isinf(new), 0.0, new)
+        a = torch.exp(old - safe).unsqueeze(-1)
+        w = torch.exp(lse - safe).unsqueeze(-1)
+        acc.mul_(a)
+        acc.addcmul_(torch.where(w > 0, o, 0.0) if masked else o, w)
+        old.copy_(new)
+        if r0 == 0 and o.shape == self.acc.shape and o.is_contiguous():
+            self.spare = o
+
+    def result(self, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The merged output in ``dtype`` (into ``out`` when given)."""
+        if out is not None:
+            return out.copy_(self.acc)
+        if dtype == torch.float32:
+            return self.acc
+        if self.spare is not None and self.spare.dtype == dtype:
+            return self.spare.copy_(self.acc)
+        return self.acc.to(dtype)
 
 
 def merge_bytes_per_row(heads: int, head_dim: int, device_type: str | None) -> int:

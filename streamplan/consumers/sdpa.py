@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .lse_merge import merge_bytes_per_row, merge_into
+from .lse_merge import LseAccumulator, merge_bytes_per_row, merge_into
 
 _HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
 
@@ -200,8 +200,9 @@ def _softcapped(q, k, v, q_offset: int, causal: bool, mask, scale, softcap: floa
     """Attention with soft-capped scores, as transformers' eager attention computes it (no fused kernel soft-caps):
     scores in the inputs' dtype, ``c * tanh(s / c)``, the mask added, softmax in fp32, probabilities back in the
     inputs' dtype. Query rows in pieces and, past ``SOFTCAP_KEYS`` keys, keys in blocks merged by their log-sum-exps
-    in fp32, so that at most ``SOFTCAP_SCORES`` scores exist; the query heads that share a K/V head as rows of one
-    matmul (K/V heads never repeated). Up to ``SOFTCAP_KEYS`` keys the ops are eager's own, in its order."""
+    (``LseAccumulator``), so that at most ``SOFTCAP_SCORES`` scores exist; the query heads that share a K/V head as
+    rows of one matmul (K/V heads never repeated). Up to ``SOFTCAP_KEYS`` keys the ops are eager's own, in its
+    order."""
     B, H, c, D = q.shape
     Hkv = k.shape[1]
     rep = H // Hkv
@@ -216,7 +217,7 @@ def _softcapped(q, k, v, q_offset: int, causal: bool, mask, scale, softcap: floa
     for r in range(0, c, piece):
         e = min(c, r + piece)
         qg = q[:, :, r:e].reshape(B, Hkv, rep * (e - r), D)
-        acc = None
+        merge = LseAccumulator(q[:, :, r:e]) if block < n else None
         for s0 in range(0, n, block):
             s1 = min(n, s0 + block)
             s = torch.matmul(qg, k[..., s0:s1, :].transpose(-1, -2)).view(B, Hkv, rep, e - r, s1 - s0)
@@ -228,35 +229,24 @@ def _softcapped(q, k, v, q_offset: int, causal: bool, mask, scale, softcap: floa
                 m = mask[..., r:e, :] if mask.shape[-2] == c else mask
                 m = m[..., s0:s1].expand(B, H, e - r, s1 - s0).reshape(B, Hkv, rep, e - r, s1 - s0)
                 s = s.masked_fill_(~m, float("-inf")) if m.dtype == torch.bool else s.add_(m)
-            if block == n:   # one block: eager's softmax over every key
+            if merge is None:   # one block: eager's softmax over every key
                 p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
                 del s
                 out[:, :, r:e] = torch.matmul(p.view(B, Hkv, rep * (e - r), n), v).view(B, H, e - r, D)
                 continue
-            acc = _softcap_block(acc, s, v[..., s0:s1, :], q.dtype)
-        if acc is not None:
-            o, total, _ = acc
-            out[:, :, r:e] = (o / total).view(B, H, e - r, D).to(q.dtype)
+            # this block's attention and log-sum-exp; a row that sees none of its keys has -inf (taken as nothing)
+            top = s.amax(-1, keepdim=True).float()
+            top = torch.where(torch.isinf(top), 0.0, top)
+            p = torch.exp(s.float() - top)
+            del s
+            total = p.sum(-1, keepdim=True)
+            o = torch.matmul(p.to(q.dtype).view(B, Hkv, rep * (e - r), s1 - s0), v[..., s0:s1, :]).float()
+            del p
+            merge.add(o.view(B, H, e - r, D).div_(total.view(B, H, e - r, 1)),
+                      (top + total.log()).view(B, H, e - r), masked=True)
+        if merge is not None:
+            merge.result(q.dtype, out[:, :, r:e])
     return out
-
-
-def _softcap_block(acc, s: torch.Tensor, v: torch.Tensor, dtype: torch.dtype):
-    """One key block's scores [B, Hkv, rep, rows, keys] added to the running (output sum, weight sum, max), fp32."""
-    B, Hkv, rep, rows, n = s.shape
-    top = s.amax(-1, keepdim=True).float()
-    # a row that sees no key of this block takes nothing from it, and keeps its running maximum
-    top = torch.where(torch.isinf(top), 0.0 if acc is None else acc[2], top)
-    p = torch.exp(s.float() - top)
-    del s
-    weight = p.sum(-1, keepdim=True)
-    o = torch.matmul(p.to(dtype).view(B, Hkv, rep * rows, n), v).view(B, Hkv, rep, rows, -1).float()
-    del p
-    if acc is None:
-        return o, weight, top
-    o0, w0, t0 = acc
-    new = torch.maximum(t0, top)
-    a, b = torch.exp(t0 - new), torch.exp(top - new)
-    return o0.mul_(a).add_(o.mul_(b)), w0.mul_(a).add_(weight.mul_(b)), new
 
 
 class SDPAConsumer:
@@ -287,7 +277,7 @@ class SDPAConsumer:
         per-thread tiles, which scale with the thread count, not the rows."""
         if softcap:   # one piece of scores in the inputs' dtype, its fp32 softmax and that cast back (_softcapped)
             return min(SOFTCAP_SCORES, heads * rows * keys) * (2 * elem + 4) + (
-                rows * heads * (head_dim + 2) * 4 * 2 if keys > SOFTCAP_KEYS else 0)   # the block merge's sums
+                rows * heads * (head_dim + 1) * 4 * 2 if keys > SOFTCAP_KEYS else 0)   # the accumulator, a block's
         if masked:
             return self.workspace_row_bytes(heads=heads, head_dim=head_dim, elem=elem, causal=causal, masked=masked,
                                             device_type=device_type) * rows

@@ -34,6 +34,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from ..consumers.lse_merge import LseAccumulator
+
 KV_KINDS = ("device", "host", "int8", "fp8")
 APPROXIMATE = frozenset({"int8", "fp8"})
 FP8_TILE = 128          # rows per fp8 scale (per head)
@@ -451,42 +453,6 @@ def write_rows(store: KVStore, k: torch.Tensor, v: torch.Tensor, pre: int, post:
         store.write(pre + total, k[:, :, pre + b - a:pre + b - a + post], v[:, :, pre + b - a:pre + b - a + post])
 
 
-class _Merge:
-    """Partial attention outputs merged by their log-sum-exps, in fp32: the accumulator and the log-sum-exps stay fp32
-    throughout, each block's output is widened as it is added, and the result is cast once at the end."""
-
-    def __init__(self, q: torch.Tensor):
-        B, H, c, D = q.shape
-        self.acc = torch.zeros(B, H, c, D, dtype=torch.float32, device=q.device)
-        self.lse = torch.full((B, H, c), float("-inf"), dtype=torch.float32, device=q.device)
-        self.spare: torch.Tensor | None = None   # a whole-chunk partial output, reused for the result
-
-    def add(self, o: torch.Tensor, lse: torch.Tensor, r0: int = 0, masked: bool = False) -> None:
-        """Block output ``o`` of rows ``r0``.. with log-sum-exp ``lse``. ``masked``: rows may see no key of the block
-        (-inf); they take nothing from it even where a kernel wrote NaN (decided without reading the device)."""
-        acc, old = self.acc[:, :, r0:], self.lse[:, :, r0:]
-        lse = lse.float()
-        new = torch.logaddexp(old, lse)
-        safe = torch.where(torch.isinf(new), 0.0, new)
-        a = torch.exp(old - safe).unsqueeze(-1)
-        w = torch.exp(lse - safe).unsqueeze(-1)
-        acc.mul_(a)
-        acc.addcmul_(torch.where(w > 0, o, 0.0) if masked else o, w)
-        old.copy_(new)
-        if r0 == 0 and o.shape == self.acc.shape and o.is_contiguous():
-            self.spare = o
-
-    def result(self, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The merged output in ``dtype`` (into ``out`` when given)."""
-        if out is not None:
-            return out.copy_(self.acc)
-        if dtype == torch.float32:
-            return self.acc
-        if self.spare is not None and self.spare.dtype == dtype:
-            return self.spare.copy_(self.acc)
-        return self.acc.to(dtype)
-
-
 def attend_blocks(consumer: Any, q: torch.Tensor, store: KVStore, *, q_offset: int, causal: bool,
                   scale: float | None, mask: torch.Tensor | None = None) -> torch.Tensor:
     """Q chunk [B, H, c, D] (rows ``q_offset`` .. ``q_offset + c``) against a store's K/V, head group by head group,
@@ -513,11 +479,11 @@ def attend_blocks(consumer: Any, q: torch.Tensor, store: KVStore, *, q_offset: i
 
 
 def _attend_group(consumer: Any, q: torch.Tensor, store: KVStore, g: int, q_offset: int, causal: bool,
-                  scale: float | None, mask: torch.Tensor | None) -> _Merge:
+                  scale: float | None, mask: torch.Tensor | None) -> LseAccumulator:
     """Head group ``g``'s query heads against its K/V blocks, merged."""
     c = q.shape[2]
     stop = min(store.rows, q_offset + c) if causal else store.rows
-    merge = _Merge(q)
+    merge = LseAccumulator(q)
     for s, k, v in store.blocks(stop, g):
         e = s + k.shape[2]
         cut = q_offset - s if causal and s < q_offset < e else (0 if causal and s >= q_offset else k.shape[2])
