@@ -105,23 +105,27 @@ def _grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return q.reshape(B, kv_heads, (H // kv_heads) * c, D)
 
 
+def _gqa_fused(q, k, v, causal: bool, scale, fallback):
+    """``_fused_with_lse`` with fewer K/V heads than Q heads given as they are where PyTorch has ``enable_gqa``
+    (cuDNN and flash on CUDA, flash on CPU: measured bit-identical to repeating them), else on ``fallback(q, k, v)``'s
+    layout of the same call."""
+    if q.shape[1] == k.shape[1]:
+        return _fused_with_lse(q, k, v, causal, scale)
+    got = _fused_with_lse(q, k, v, causal, scale) if _HAS_GQA else None
+    return got if got is not None else _fused_with_lse(*fallback(q, k, v), causal, scale)
+
+
 def _causal_by_parts(q, k, v, q_offset: int, scale):
     """Exact causal attention of a chunk, as keys [0, offset) whole plus the causal diagonal block, merged by LSE."""
     B, H, c, D = q.shape
     Hkv = k.shape[1]
     rep = H // Hkv
-    k_diag, v_diag = k[..., q_offset:q_offset + c, :], v[..., q_offset:q_offset + c, :]
-    # GQA: the kernels take fewer K/V heads as they are where PyTorch has ``enable_gqa`` (cuDNN and flash on CUDA,
-    # flash on CPU: measured bit-identical to repeating them); else the block's K/V heads are repeated
-    diag = _fused_with_lse(q, k_diag, v_diag, True, scale) if rep == 1 or _HAS_GQA else None
-    if diag is None and rep > 1:
-        k_diag, v_diag = k_diag.repeat_interleave(rep, dim=1), v_diag.repeat_interleave(rep, dim=1)
-        diag = _fused_with_lse(q, k_diag, v_diag, True, scale)
-    del k_diag, v_diag   # repeated K/V heads (2 x heads x head_dim per row) go before the past
-    kp, vp = k[..., :q_offset, :], v[..., :q_offset, :]
-    past = _fused_with_lse(q, kp, vp, False, scale) if rep == 1 or _HAS_GQA else None
-    if past is None and rep > 1:   # the query heads sharing a K/V head as rows of one call (a copy of Q)
-        past = _fused_with_lse(_grouped(q, Hkv), kp, vp, False, scale)
+    # the diagonal block (its K/V heads repeated where the kernels cannot take GQA: they go before the past), then
+    # the past keys (the query heads sharing a K/V head as rows of one call there: a copy of Q)
+    diag = _gqa_fused(q, k[..., q_offset:q_offset + c, :], v[..., q_offset:q_offset + c, :], True, scale,
+                      lambda q, k, v: (q, k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)))
+    past = _gqa_fused(q, k[..., :q_offset, :], v[..., :q_offset, :], False, scale,
+                      lambda q, k, v: (_grouped(q, Hkv), k, v))
     if diag is None or past is None:
         return None
     (o2, lse2), (o1, lse1) = diag, past
