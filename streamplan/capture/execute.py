@@ -126,10 +126,10 @@ def _same_elements(x: torch.Tensor, y: torch.Tensor) -> bool:
         n == 1 or a == b for n, a, b in zip(x.shape, x.stride(), y.stride()))
 
 
-def _mask_of(att: GlobalAttention, env: dict) -> dict:
-    """The attention's mask for this chunk as the attend callable's keyword (none: no keyword): a key mask whole, a
-    mask over rows x rows as the chunk's query rows (``GraphRun._inputs`` took them); and its soft-capping, where the
-    attention has one (hand-written attention, ``eager_attention``)."""
+def _attend_kwargs(att: GlobalAttention, env: dict) -> dict:
+    """The attend callable's keywords beyond Q, K and V for this chunk, each only where the attention has it: its
+    mask (a key mask whole, a mask over rows x rows as the chunk's query rows, which ``GraphRun._inputs`` took) and
+    its soft-capping (hand-written attention, ``eager_attention``)."""
     extra = {"softcap": att.softcap} if att.softcap else {}
     return extra if att.mask is None else {"mask": env[att.mask], **extra}
 
@@ -273,7 +273,7 @@ class GraphRun:
             return self.attend_store(env[att.q], store, q_offset=a, causal=att.causal, scale=att.scale)
         k, v = self.kv[att.node]
         q = env[att.q]
-        return self.attend(q, k, v, q_offset=a, causal=att.causal, scale=att.scale, **_mask_of(att, env))
+        return self.attend(q, k, v, q_offset=a, causal=att.causal, scale=att.scale, **_attend_kwargs(att, env))
 
     def _run(self, nodes: list[fx.Node], env: dict, a: int, keep: set[fx.Node], rows: int | None = None) -> dict:
         """Run ``nodes`` on one chunk; ``rows`` set: the chunk's dynamic rows alone (static rows done once)."""
@@ -371,7 +371,7 @@ class GraphRun:
                     q = self._run(q_nodes, self._inputs(a, b), a, {att.q})[att.q]
                     h = q.shape[1] // groups
                     o = self.attend(q[:, g * h:(g + 1) * h], bufs[0], bufs[1], q_offset=a, causal=att.causal,
-                                    scale=att.scale, **_mask_of(att, self._inputs(a, b)))
+                                    scale=att.scale, **_attend_kwargs(att, self._inputs(a, b)))
                     if out is None:
                         shape = list(o.shape)
                         shape[1], shape[2] = q.shape[1], self.rows
@@ -385,7 +385,7 @@ class GraphRun:
                       v: torch.Tensor) -> torch.Tensor:
         """Q chunk by chunk into one whole buffer, then the attention over every row in one call."""
         q_all = self._q_rows(att, q_nodes, 0, self.rows, chunk)
-        mask = _mask_of(att, self._inputs(0, self.rows) if att.mask is not None else {})
+        mask = _attend_kwargs(att, self._inputs(0, self.rows) if att.mask is not None else {})
         return self.attend(q_all, k, v, q_offset=0, causal=att.causal, scale=att.scale, **mask)
 
     def _q_rows(self, att: GlobalAttention, q_nodes: list[fx.Node], s0: int, s1: int, chunk: int) -> torch.Tensor:

@@ -186,14 +186,13 @@ def run_region(region: MLPRegion, env: dict, ffn_slice: int) -> torch.Tensor:
                                     else None, region.ffn, parts, a, b)
         for n in region.inner:
             parts = region.parts[n]
-            src = local.get(n.args[0]) if n.args and isinstance(n.args[0], fx.Node) else None
-            if isinstance(src, _Parts) and _splits_into(n, len(src), region.ffn):   # gate/up: each its own linear
-                local[n] = tuple(src)
-                del src
+            pieces = _parts_split(n, local, region.ffn)
+            if pieces is not None:   # a fused gate/up split: each part its own linear's output already
+                local[n] = pieces
+                del pieces
                 for m in dead.get(n, ()):
                     local.pop(m, None)
                 continue
-            del src   # not held past its last use: the slice frees its values as the memory model counts them
 
             def arg(m, parts=parts, n=n, local=local):
                 if m in local:
@@ -231,18 +230,21 @@ class _Parts(list):
     join and split again); any other use joins them."""
 
 
-def _splits_into(n: fx.Node, parts: int, ffn: int) -> bool:
-    """Whether ``n`` splits its input's last dimension into ``parts`` pieces of ``ffn`` features (as captured)."""
-    name = _name(n.target)
+def _parts_split(n: fx.Node, local: dict, ffn: int) -> tuple | None:
+    """The parts themselves where ``n`` splits a ``_Parts`` value's last dimension into its parts of ``ffn`` features
+    each (as captured), else None."""
+    src = local.get(n.args[0]) if n.args and isinstance(n.args[0], fx.Node) else None
+    if not isinstance(src, _Parts):
+        return None
+    name, parts = _name(n.target), len(src)
     val = n.args[0].meta.get("val")
     dim = n.args[2] if len(n.args) > 2 else n.kwargs.get("dim", 0)
     if val is None or not isinstance(dim, int) or dim % val.dim() != val.dim() - 1:
-        return False
-    if name == "chunk":
-        return n.args[1] == parts
-    if name == "split":
-        return n.args[1] == ffn
-    return name == "split_with_sizes" and list(n.args[1]) == [ffn] * parts
+        return None
+    if (name == "chunk" and n.args[1] == parts) or (name == "split" and n.args[1] == ffn) or (
+            name == "split_with_sizes" and list(n.args[1]) == [ffn] * parts):
+        return tuple(src)
+    return None
 
 
 def _entry_slice(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, ffn: int, parts: int, a: int,
