@@ -19,6 +19,13 @@ def cuda_peak(fn: Callable[[], Any]) -> tuple[Any, int]:
     return measure_peak(fn, device="cuda")
 
 
+def timed_peak(fn: Callable[[], Any], device: str = "cuda") -> tuple[Any, int, float]:
+    """(result, peak bytes above what was allocated before, seconds) of one run (``measure_peak`` synchronises)."""
+    start = time.perf_counter()
+    out, peak = measure_peak(fn, device=device)
+    return out, peak, time.perf_counter() - start
+
+
 def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return compare_outputs(a, b)["output"]["rel"]
 

@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import gc
 import sys
-import time
 
 import torch
 
 import streamplan
-from common import cuda_time, device_info, write_results
+from common import cuda_time, device_info, timed_peak, write_results
 from streamplan.verify import compare_outputs
 
 REAL = dict(hidden_size=3584, intermediate_size=14336, num_attention_heads=16, num_key_value_heads=8, head_dim=256,
@@ -39,12 +38,6 @@ def build(widths: dict, layers: int, device: str, dtype: torch.dtype):
     torch.manual_seed(0)
     with torch.device(device):
         return Gemma2ForCausalLM(cfg).to(dtype).eval()
-
-
-def _measure(fn, device: str):
-    start = time.perf_counter()
-    out, peak = streamplan.measure_peak(fn, device=device)
-    return out, peak, time.perf_counter() - start
 
 
 def main(argv: list[str]) -> int:
@@ -84,7 +77,7 @@ def main(argv: list[str]) -> int:
                     handle = streamplan.apply(model, chunk_tokens=int(mode[6:]))
                 elif mode != "stock":
                     raise ValueError(f"unknown mode {mode!r}: stock, chunk=C or held")
-                logits, peak, first = _measure(call, device)
+                logits, peak, first = timed_peak(call, device)
                 t = cuda_time(call, repeats=2, warmup=0) if device == "cuda" else first
                 row = {"mode": mode, "KB_per_token": peak / n / 1024, "peak_vs_floor": peak / floor / n, "time_s": t,
                        "time_per_layer_s": t / layers}

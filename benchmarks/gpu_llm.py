@@ -57,7 +57,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import streamplan
-from common import cuda_time, device_info, write_results
+from common import cuda_time, device_info, timed_peak, write_results
 from streamplan.verify import compare_outputs
 
 BF16 = torch.bfloat16
@@ -161,13 +161,6 @@ class AttentionCalls:
         self.module._fused_with_lse, self.module.F = self.fused, self.functional
 
 
-def _timed_peak(fn):
-    """(result, peak bytes, seconds) of one run: peak from the allocator (measure_peak synchronises)."""
-    start = time.perf_counter()
-    out, peak = streamplan.measure_peak(fn, device=DEVICE)
-    return out, peak, time.perf_counter() - start
-
-
 def _apply(model, mode: str, inputs: int, n: int):
     if mode == "chunk":
         return streamplan.apply(model, chunk_tokens=CHUNK)
@@ -210,7 +203,7 @@ def prefill(n: int, layers: int, modes: list[str], name: str, padded: int = 0) -
         if "stock" in modes:
             _clean()
             try:
-                out, peak, t = _timed_peak(call)
+                out, peak, t = timed_peak(call, DEVICE)
                 ref = out.logits
                 del out
                 stock_t = cuda_time(call, repeats=repeats, warmup=0) if repeats else t
@@ -237,7 +230,7 @@ def prefill(n: int, layers: int, modes: list[str], name: str, padded: int = 0) -
                     _clean()
                 start = time.perf_counter()
                 with AttentionCalls() as attention_calls:
-                    out, peak, t = _timed_peak(call)
+                    out, peak, t = timed_peak(call, DEVICE)
                 first_s = time.perf_counter() - start
                 logits = out.logits
                 del out
@@ -313,7 +306,7 @@ def generate(n: int, layers: int, name: str, new_tokens: int = 16) -> list[dict]
     with torch.inference_mode():
         _clean()
         try:
-            ref, peak, stock_t = _timed_peak(call)
+            ref, peak, stock_t = timed_peak(call, DEVICE)
             ref_tokens, ref_logits, ref_cache = ref.sequences, ref.logits, _cache_layers(cache_of(ref), compared)
             del ref   # the other layers' K/V go
             emit({"mode": "stock", "KB_per_token": peak / n / 1024, "time_s": stock_t,
@@ -323,7 +316,7 @@ def generate(n: int, layers: int, name: str, new_tokens: int = 16) -> list[dict]
         _clean()
         handle = streamplan.apply(model, chunk_tokens=CHUNK)
         try:
-            out, peak, t = _timed_peak(call)
+            out, peak, t = timed_peak(call, DEVICE)
             row = {"mode": f"streamplan chunk {CHUNK}", "KB_per_token": peak / n / 1024, "time_s": t,
                    "time_ratio": t / stock_t if stock_t else None, "tokens_out": out.sequences[0, n:].tolist()}
             if ref_tokens is not None:
