@@ -373,18 +373,16 @@ def _stock_masked(entry, args: tuple, kwargs: dict) -> Any:
 
 
 def _row_mask_problem(an, row_mask: RowMask, rows: int) -> str | None:
-    """Why a described mask cannot replace the causal rule of this graph's attention, or None: the graph (captured
-    with no mask) must have one global attention, causal (the library's own choice where no mask is given), over the
-    call's rows alone."""
+    """Why a described mask cannot stand for the mask this graph's attention was captured without, or None: the graph
+    must have one global attention, with no mask input, over the call's rows alone."""
     if len(an.attentions) != 1:
         return f"a row mask for a graph with {len(an.attentions)} global attentions"
     att = an.attentions[0]
-    # hand-written (eager) attention captured with no mask attends every key: the row mask is its whole rule
-    eager = getattr(att.node.target, "_overloadpacket", None) is torch.ops.streamplan.eager_attention and \
-        att.mask is None
-    if not (att.causal or eager) or (att.kv_rows.pre, att.kv_rows.post) != (0, 0) or att.q_rows is None or (
+    # captured with no mask, the attention is causal (SDPA's is_causal: the row mask replaces that rule) or attends
+    # every key (eager's, hand-written: the row mask is its whole rule); either way the row mask is what it lacks
+    if att.mask is not None or (att.kv_rows.pre, att.kv_rows.post) != (0, 0) or att.q_rows is None or (
             att.q_rows.pre, att.q_rows.post) != (0, 0):
-        return "a row mask for an attention that is not causal over the call's rows alone"
+        return "a row mask for an attention that takes a mask of its own or is not over the call's rows alone"
     if (row_mask.rows, row_mask.keys) != (rows, rows):
         return f"a row mask of {row_mask.rows} x {row_mask.keys} rows for a call of {rows}"
     return None
