@@ -88,11 +88,13 @@ def main(argv: list[str]) -> int:
                     row.update(time_ratio=t / stock_t if stock_t else None, first_call_s_with_capture=first,
                                rel_diff=compare_outputs(logits, ref)["output"]["rel"] if ref is not None else None,
                                layer_plans=sorted({f"{p.tier}/{p.chunk}" for p in layer_plans}),
-                               ran_stock=[k for k, e in handle.installed.items()
-                                          if any("ran stock" in x for x in e.runtime_notes)])
+                               ran_stock={k: sorted({x for x in e.runtime_notes if "stock" in x})
+                                          for k, e in handle.installed.items()
+                                          if any("ran stock" in x for x in e.runtime_notes)})
                 emit(row)
             except (torch.OutOfMemoryError, streamplan.BudgetError) as exc:
-                emit({"mode": mode, "error": type(exc).__name__, "detail": str(exc)[:300]})
+                emit({"mode": mode, "error": type(exc).__name__, "detail": str(exc)[:300],
+                      "report": handle.report() if handle is not None else None})
             finally:
                 if handle is not None:
                     handle.remove()

@@ -163,6 +163,22 @@ def _load():
     return comfy
 
 
+def comfy_api_io():
+    """ComfyUI's V3 node API (``comfy_api.latest.io``), or a skip saying why. The tarball lacks ComfyUI's server-side
+    ``protocol.py``, which ``comfy_execution.progress`` imports for one name (the binary event type of image
+    previews sent to the browser, never sent here): a stand-in module supplies that name only."""
+    comfyui()
+    if importlib.util.find_spec("protocol") is None and "protocol" not in sys.modules:
+        stand_in = types.ModuleType("protocol")
+        stand_in.BinaryEventTypes = type("BinaryEventTypes", (), {"PREVIEW_IMAGE_WITH_METADATA": 4})
+        sys.modules["protocol"] = stand_in
+    try:
+        from comfy_api.latest import io
+    except Exception as exc:  # noqa: BLE001 -- the vendored tree lacks ComfyUI's server-side modules
+        pytest.skip(f"comfy_api.latest does not import here: {type(exc).__name__}: {exc}")
+    return io
+
+
 def _drop_placeholder() -> None:
     """Once ComfyUI has imported, the placeholder leaves sys.modules and the import path (ComfyUI's modules keep the
     references they took): other libraries imported later (diffusers checks torchvision's version) never see it."""

@@ -126,3 +126,17 @@ def test_sequence_first_blocks_stay_stock_saying_why():
     assert report.count("sequence-first [rows, batch, features] layout") == 2, report
     assert "not called yet" not in report, report
     handle.remove()
+
+
+def test_a_guard_on_the_row_count_is_kept_only_where_sympy_proves_it():
+    """torch 2.11 leaves ``min(16*rows, 32*rows) == 16*rows`` (``repeat_kv``'s reshape) unproven; its own Min does
+    not simplify, so the check turns it into sympy's first."""
+    import sympy
+    from torch.utils._sympy.functions import Max, Min
+
+    from streamplan.capture.export import provable
+    rows = sympy.Symbol("s0", integer=True, positive=True)
+    assert provable(sympy.Eq(Min(16 * rows, 32 * rows), 16 * rows))
+    assert provable(sympy.Eq(Max(rows, 2 * rows), 2 * rows))
+    assert not provable(sympy.Gt(rows, 150))
+    assert not provable(sympy.Eq(Min(rows, 64), rows))

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import streamplan
-from comfy_support import comfyui
+from comfy_support import comfy_api_io, comfyui
 from conftest import rel_err
 
 CPU = torch.device("cpu")
@@ -505,11 +505,7 @@ def test_stream_report_node_function(fresh_captures):
 
 
 def test_node_schema_and_execute(fresh_captures):
-    comfyui()
-    try:
-        from comfy_api.latest import io
-    except Exception as exc:  # noqa: BLE001 -- the vendored tree lacks ComfyUI's server-side modules
-        pytest.skip(f"comfy_api.latest does not import here: {type(exc).__name__}: {exc}")
+    io = comfy_api_io()
     import asyncio
 
     from streamplan.comfy import nodes
@@ -517,7 +513,7 @@ def test_node_schema_and_execute(fresh_captures):
     schema = node.GET_SCHEMA()
     assert schema.node_id == nodes.NODE_ID
     assert [i.id for i in schema.inputs] == ["model", "budget", "chunk_tokens", "min_tokens", "reserve", "self_check"]
-    assert [type(o).__qualname__ for o in schema.outputs] == ["Model.Output", "String.Output"]
+    assert [o.io_type for o in schema.outputs] == ["MODEL", "STRING"]
     base, x, cond = wan_patcher()
     out = node.execute(model=base, budget="none", chunk_tokens=64, min_tokens=0, reserve="", self_check=False)
     patched, text = out.result

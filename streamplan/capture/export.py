@@ -151,6 +151,50 @@ def structure(module: nn.Module) -> tuple:
     return tuple(out)
 
 
+def _export(export, module: nn.Module, args: tuple, kwargs: dict, dynamic: dict):
+    """``torch.export`` at this call. Where export cannot prove a guard on the row count for every count
+    ("Constraints violated (rows)": torch 2.11 cannot prove ``min(16*rows, 32*rows) == 16*rows`` from
+    ``repeat_kv``'s reshape of an expanded K/V, i.e. every eager GQA attention), the trace is taken once more with
+    the guards left in the graph as assertions, and kept only if sympy proves each of them for every positive count
+    (the executors do not run assertions)."""
+    with torch.no_grad():
+        try:
+            return export(module, tuple(args), dict(kwargs), dynamic_shapes=dynamic, strict=False)
+        except Exception as exc:  # noqa: BLE001 -- only the constraint failure is retried
+            if "Constraints violated" not in str(exc):
+                raise
+            program = export(module, tuple(args), dict(kwargs), dynamic_shapes=dynamic, strict=False,
+                             prefer_deferred_runtime_asserts_over_guards=True)
+            unproven = _unproven_assertion(program.graph)
+            if unproven is not None:
+                raise RuntimeError(f"a guard on the row count that holds only for some counts: {unproven}") from exc
+            return program
+
+
+def _unproven_assertion(graph: torch.fx.Graph) -> str | None:
+    """The first runtime assertion over the row count that sympy cannot prove for every positive count, or None."""
+    for node in graph.nodes:
+        if node.target is not torch.ops.aten._assert_scalar.default:
+            continue
+        cond = node.args[0]
+        val = cond.meta.get("val") if isinstance(cond, torch.fx.Node) else cond
+        if isinstance(val, bool) and val:
+            continue
+        if not isinstance(val, torch.SymBool) or not provable(val.node.expr):
+            return str(val.node.expr if isinstance(val, torch.SymBool) else val)
+    return None
+
+
+def provable(expr) -> bool:
+    """Whether a sympy condition over row counts holds for every positive integer count."""
+    import sympy
+    for name, fn in (("Min", sympy.Min), ("Max", sympy.Max)):   # torch's own Min/Max do not simplify
+        expr = expr.replace(lambda e, n=name: isinstance(e, sympy.Basic) and type(e).__name__ == n,
+                            lambda e, f=fn: f(*e.args))
+    positive = {sym: sympy.Symbol(f"{sym}_p", integer=True, positive=True) for sym in expr.free_symbols}
+    return sympy.simplify(expr.subs(positive)) is sympy.true
+
+
 def capture(module: nn.Module, args: tuple, kwargs: dict, rows: int) -> Captured | str:
     """Export ``module`` at this call with every dimension of size ``rows`` made one symbolic row count. Runs on
     fake tensors: nothing the size of the call is allocated."""
@@ -213,8 +257,7 @@ def capture(module: nn.Module, args: tuple, kwargs: dict, rows: int) -> Captured
             dynamic = {k: pytree.tree_map(lambda x: dyn(x, joined), v, is_leaf=_dyn_leaf)
                        for k, v in bound.items()}
             try:
-                with torch.no_grad():
-                    program = export(module, tuple(args), dict(kwargs), dynamic_shapes=dynamic, strict=False)
+                program = _export(export, module, args, kwargs, dynamic)
                 min_rows = lo
                 break
             except Exception as exc:  # noqa: BLE001 -- any capture failure keeps the module stock, with the reason
