@@ -229,19 +229,21 @@ def _softcapped(q, k, v, q_offset: int, causal: bool, mask, scale, softcap: floa
             if causal:   # query row q_offset + r + i sees keys up to itself
                 rows_at = torch.arange(q_offset + r, q_offset + e, device=q.device).unsqueeze(-1)
                 s.masked_fill_(torch.arange(s0, s1, device=q.device) > rows_at, float("-inf"))
-            if mask is not None:   # broadcastable to [B, H, c, n]: this piece's rows and block's keys
+            if mask is not None:   # broadcastable to [B, H, c, n]: this piece's rows and block's keys, as a view
                 m = mask[..., r:e, :] if mask.shape[-2] == c else mask
-                m = m[..., s0:s1].expand(B, H, e - r, s1 - s0).reshape(B, Hkv, rep, e - r, s1 - s0)
+                m = m[..., s0:s1]
+                m = m.unsqueeze(2) if m.shape[1] == 1 else m.unflatten(1, (Hkv, rep))
                 s = s.masked_fill_(~m, float("-inf")) if m.dtype == torch.bool else s.add_(m)
             if merge is None:   # one block: eager's softmax over every key
-                p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
+                p = torch.softmax(s, dim=-1, dtype=torch.float32)
                 del s
+                p = p.to(q.dtype)
                 out[:, :, r:e] = torch.matmul(p.view(B, Hkv, rep * (e - r), n), v).view(B, H, e - r, D)
                 continue
             # this block's attention and log-sum-exp; a row that sees none of its keys has -inf (taken as nothing)
             top = s.amax(-1, keepdim=True).float()
             top = torch.where(torch.isinf(top), 0.0, top)
-            p = torch.exp(s.float() - top)
+            p = s.float().sub_(top).exp_()
             del s
             total = p.sum(-1, keepdim=True)
             o = torch.matmul(p.to(q.dtype).view(B, Hkv, rep * (e - r), s1 - s0), v[..., s0:s1, :]).float()
@@ -279,9 +281,12 @@ class SDPAConsumer:
         output (and there the grouped Q copy), then the merge's fp32 weights and head-group copies (the fused merge on
         CUDA needs none). Each fused call adds its log-sum-exp and, on CPU, the flash kernel's
         per-thread tiles, which scale with the thread count, not the rows."""
-        if softcap:   # one piece of scores in the inputs' dtype, its fp32 softmax and that cast back (_softcapped)
-            return min(SOFTCAP_SCORES, heads * rows * keys) * (2 * elem + 4) + (
-                rows * heads * (head_dim + 1) * 4 * 2 if keys > SOFTCAP_KEYS else 0)   # the accumulator, a block's
+        if softcap:   # one piece of scores in the inputs' dtype beside its fp32 softmax and the fp32 copy softmax
+            # makes of a bf16/fp16 input (or, merging key blocks, the fp32 exponentials then their cast back); a
+            # boolean mask's negation for the piece's rows and keys; the merge's accumulator and a block's output
+            scores = min(SOFTCAP_SCORES, heads * rows * keys)
+            return scores * (elem + 8) + (scores // max(1, heads) if masked else 0) + (
+                rows * heads * (head_dim + 1) * 4 * 2 if keys > SOFTCAP_KEYS else 0)
         if masked:
             return self.workspace_row_bytes(heads=heads, head_dim=head_dim, elem=elem, causal=causal, masked=masked,
                                             device_type=device_type) * rows

@@ -361,7 +361,11 @@ def _mean_v(v: torch.Tensor, out: torch.Tensor, mean_of: dict) -> torch.Tensor:
     per head group: held weakly, a later group's buffer is never taken for an earlier one's)."""
     held = mean_of.get("v")
     if held is None or held[0]() is not v:
-        mean = v.float().mean(-2, keepdim=True).to(out.dtype).repeat_interleave(out.shape[1] // v.shape[1], 1)
+        # summed in fp32 a chunk's rows of keys at a time: a whole fp32 copy of V (1 GiB for Gemma 2 at 131k
+        # tokens) is a transient no plan charges
+        step, n = max(1, out.shape[-2]), v.shape[-2]
+        total = sum(v[..., s:s + step, :].sum(-2, keepdim=True, dtype=torch.float32) for s in range(0, n, step))
+        mean = total.div_(n).to(out.dtype).repeat_interleave(out.shape[1] // v.shape[1], 1)
         held = mean_of["v"] = (weakref.ref(v), mean)
     return held[1]
 
