@@ -1,6 +1,7 @@
 """Specs: plain descriptions of a structure in row-local pieces, produced by recognizers."""
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
@@ -186,6 +187,17 @@ CAPTURE_STATE_ATTRS: set[str] = set()
 
 def register_capture_state(*names: str) -> None:
     CAPTURE_STATE_ATTRS.update(names)
+
+
+# What a library changes while a block of its is captured, and only then: ``(block) -> context manager | None``
+# (ComfyUI: its selected attention function, Sage say, does not trace; the capture traces its PyTorch one, while the
+# streamed chunks still go to the selected one through the consumer).
+CAPTURE_CONTEXTS: list[Callable[[nn.Module], "AbstractContextManager | None"]] = []
+
+
+def register_capture_context(context: Callable[[nn.Module], "AbstractContextManager | None"]) -> None:
+    if context not in CAPTURE_CONTEXTS:
+        CAPTURE_CONTEXTS.append(context)
 
 
 # Argument records: dataclasses of tensors a block takes as arguments (ComfyUI Flux's ``ModulationOut``), declared by

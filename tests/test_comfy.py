@@ -876,3 +876,30 @@ def test_wan_i2v_model_forward(fresh_captures):
     assert rel_err(sample_call(patched, x, cond), stock) <= 1e-5
     text = sc.report(patched)
     assert "model forward (WanModel): 1 call(s) streamed" in text and text.count("1 call(s) through the streamer") == 2
+
+
+def test_blocks_stream_under_comfyui_selected_attention(fresh_captures):
+    """ComfyUI started with another attention than PyTorch's (here split attention, ``--use-split-cross-attention``;
+    Sage, flash and xformers are bound the same way and do not trace): the captures trace ComfyUI's PyTorch attention
+    and every streamed chunk goes to the selected function. Wan and Flux stream, within 1e-5 of the stock model under
+    that same attention."""
+    comfyui()
+    import comfy.ldm.modules.attention as attention
+
+    from streamplan.recognize.comfy_attention import _bound_to
+    calls: list = []
+
+    def selected(q, k, v, heads, **kwargs):
+        calls.append(1)
+        return attention.attention_split(q, k, v, heads, **kwargs)
+
+    with _bound_to([attention.attention_pytorch], selected):
+        for make, blocks in ((wan_patcher, 2), (flux_patcher, 4)):
+            base, x, cond = make()
+            calls.clear()
+            sample_call(base, x, cond)
+            stock_calls = len(calls)
+            patched, text, keys = _stream_and_compare(base, x, cond)
+            assert text.count("1 call(s) through the streamer") == blocks and "ran stock" not in text, text
+            assert len(calls) > 2 * stock_calls, (len(calls), stock_calls)   # stock twice, then chunk by chunk
+    assert attention.optimized_attention is not selected and "selected" not in repr(attention.optimized_attention)

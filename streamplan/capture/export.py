@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import logging
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass, fields, is_dataclass
 from typing import Any
 
@@ -12,7 +13,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from ..ir import ARGUMENT_RECORDS, CAPTURE_STATE_ATTRS
+from ..ir import ARGUMENT_RECORDS, CAPTURE_CONTEXTS, CAPTURE_STATE_ATTRS
 
 log = logging.getLogger("streamplan")
 
@@ -157,7 +158,11 @@ def _export(export, module: nn.Module, args: tuple, kwargs: dict, dynamic: dict)
     ``repeat_kv``'s reshape of an expanded K/V, i.e. every eager GQA attention), the trace is taken once more with
     the guards left in the graph as assertions, and kept only if sympy proves each of them for every positive count
     (the executors do not run assertions)."""
-    with torch.no_grad():
+    with torch.no_grad(), ExitStack() as contexts:
+        for context in CAPTURE_CONTEXTS:   # what a block's library swaps while it is traced (ir)
+            held = context(module)
+            if held is not None:
+                contexts.enter_context(held)
         try:
             return export(module, tuple(args), dict(kwargs), dynamic_shapes=dynamic, strict=False)
         except Exception as exc:  # noqa: BLE001 -- only the constraint failure is retried

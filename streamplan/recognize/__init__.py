@@ -9,6 +9,7 @@ from ..ir import AttentionSpec, GraphSpec, MLPSpec, ModelSpec, RowLocalSpec, Ski
 from . import accelerate_hooks, diffusers_hooks  # noqa: F401  (register their hook chains with streamplan.hooks)
 from . import comfy_kitchen_ops  # noqa: F401  (declares comfy_kitchen's row-local ops)
 from . import comfy_flux  # noqa: F401  (declares ComfyUI Flux's modulation records, block arguments)
+from . import comfy_attention  # noqa: F401  (ComfyUI's PyTorch attention while its blocks are captured)
 from . import peft_layers  # noqa: F401  (declares the adapter state peft's layers read)
 from .diffusers_attention import recognize_attention
 from .diffusers_mlp import recognize_feedforward
