@@ -196,7 +196,8 @@ def test_int8_weight_only_streams_exact():
 def test_sequential_cpu_offload():
     """accelerate's sequential offload (enable_sequential_cpu_offload's cpu_offload): weights live on the meta device
     and each module's AlignDevicesHook loads its own for its call. The blocks stream inside their hooks, their leaves'
-    weights loaded around the graph run; the model forward (a SequentialHook) stays stock, named."""
+    weights loaded around the graph run; the model forward streams inside its two hooks (a SequentialHook: inputs
+    moved, its own weights loaded), its row loops calling the leaves under their hooks."""
     torch.manual_seed(0)
     model = setups.wan_model()
     setups.sequential_offload(model)
@@ -206,9 +207,10 @@ def test_sequential_cpu_offload():
     setups.steps(model)   # the capture, outside the measurement
     out, peak = streamplan.measure_peak(setups.steps, model, device="cpu")
     assert _streamed(handle) == BLOCKS, handle.report()
-    assert "accelerate hook SequentialHook: several accelerate hooks chained" in handle.report()
+    assert handle.installed[""].plans and "runs inside hooks: accelerate 0: AlignDevicesHook, accelerate 1: " \
+        "AlignDevicesHook" in handle.report(), handle.report()
     assert all(rel_err(o, r) <= 1e-5 for o, r in zip(out, ref))
-    assert peak < 0.75 * ref_peak, (peak, ref_peak)
+    assert peak < 0.6 * ref_peak, (peak, ref_peak)
     assert model.blocks[0].attn1.to_q.weight.device.type == "meta"   # offloaded again after the streamed call
     block = model.blocks[0]
     handle.remove()

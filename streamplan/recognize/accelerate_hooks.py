@@ -2,10 +2,11 @@
 kept in ``module._old_forward`` and ``module.forward`` calls the hook around it; that attribute is the innermost link.
 
 ``AlignDevicesHook`` (sequential CPU offload: ``enable_sequential_cpu_offload``, ``cpu_offload``) loads the module's
-own weights from the offload map for its call and puts them back after: streamplan sits inside it on a block and runs
-it around the graph on the leaves. Other accelerate hooks keep the module stock, named: ``SequentialHook`` (several
-hooks chained on one module, the model under sequential offload) and ``CpuOffload`` (``enable_model_cpu_offload``: on
-the model, whose blocks stream inside it all the same)."""
+own weights from the offload map for its call and puts them back after: streamplan sits inside it on a block (and on
+the model, whose own row loops call their leaves, each under its hook, per chunk) and runs it around the graph on the
+leaves. ``SequentialHook`` (several hooks on one module: the model under sequential offload has one moving its inputs
+and one loading its own weights) is taken as the chain of its hooks, each judged alone. ``CpuOffload``
+(``enable_model_cpu_offload``) moves the whole model to the device before its call: streamplan sits inside it."""
 from __future__ import annotations
 
 from typing import Any, Iterable
@@ -26,6 +27,8 @@ class AccelerateChain:
         hook = module.__dict__.get("_hf_hook")
         if hook is None or "_old_forward" not in module.__dict__ or "forward" not in module.__dict__:
             return None
+        if type(hook).__name__ == "SequentialHook" and type(hook).__module__.startswith(self.module_prefix):
+            return [(f"{i}", h) for i, h in enumerate(hook.hooks)]   # its pre_forwards in order, as it runs them
         return [("", hook)]
 
     def inner(self, module: nn.Module) -> tuple[Any, str]:
@@ -39,7 +42,4 @@ class AccelerateChain:
 register_chain(AccelerateChain())
 
 register_hook_kind("accelerate", "AlignDevicesHook", HookKind(around=True, weights=True, lets_go=True))
-register_hook_kind("accelerate", "SequentialHook", HookKind(stock=(
-    "several accelerate hooks chained on one module; streamplan sits inside single known hooks only")))
-register_hook_kind("accelerate", "CpuOffload", HookKind(stock=(
-    "model CPU offload wraps the model call; its blocks stream inside it")))
+register_hook_kind("accelerate", "CpuOffload", HookKind(around=True, lets_go=True))
