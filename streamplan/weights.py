@@ -21,6 +21,8 @@ class LinearCaps:
     in_slice: bool      # columns of the weight (input features) can be used alone
     align: int = 1      # slices must start and end on multiples of this
     capture: str | None = None  # why a block capture cannot trace the layer (None: it traces)
+    opaque: bool = False  # a capture takes the layer as one op (capture.opaque_layers), run by its own forward
+    rows: str | None = None  # why a chunk of rows is not the layer's math (None: row chunks are exact)
     name: str = ""      # the format, for reports
     note: str = ""      # what the layout allows beyond what is declared, or why it does not trace
 
@@ -126,14 +128,23 @@ def _bnb_layer(*names: str) -> Callable[[nn.Module], bool]:
 
 
 # bitsandbytes: the layer's forward is bnb's own matmul; a capture with fake tensors cannot trace it (its weight's
-# CB/SCB or quant_state are attributes of the real parameter). Row chunks run the layer's forward on each chunk.
-_BNB_CAPTURE = ("bnb's matmul reads the real parameter's quantisation state (CB/SCB, quant_state), which the fake "
-                "tensors of a block capture do not carry; the block's parts stream on their own")
+# CB/SCB or quant_state are attributes of the real parameter), so a block capture takes the layer as one opaque op,
+# run by the layer's own forward on each chunk of rows.
+register_weight_format("bitsandbytes", lambda m: _bnb_layer("Linear8bitLt")(m) and _bnb_threshold(m) > 0, LinearCaps(
+    out_slice=False, in_slice=False, name="bitsandbytes 8-bit (Int8Params) with an outlier threshold",
+    rows="its outlier columns are those over the threshold in any row of the call (LLM.int8's decomposition): a "
+         "chunk of rows would pick its own"))
 register_weight_format("bitsandbytes", _bnb_layer("Linear8bitLt"), LinearCaps(
-    out_slice=False, in_slice=False, capture=_BNB_CAPTURE, name="bitsandbytes 8-bit (Int8Params)",
+    out_slice=False, in_slice=False, opaque=True, name="bitsandbytes 8-bit (Int8Params)",
     note="int8 rows with a scale each (SCB) would slice by output feature, but the layer quantises its input per row "
-         "over all input features and splits outliers by threshold, so only bnb's matmul on whole rows is its math"))
+         "over all input features, so only bnb's matmul on whole rows is its math"))
 register_weight_format("bitsandbytes", _bnb_layer("Linear4bit", "LinearNF4", "LinearFP4"), LinearCaps(
-    out_slice=False, in_slice=False, capture=_BNB_CAPTURE, name="bitsandbytes 4-bit (Params4bit)",
+    out_slice=False, in_slice=False, opaque=True, name="bitsandbytes 4-bit (Params4bit)",
     note="4-bit values packed in blocks of quant_state.blocksize along the flattened weight, one absmax per block "
          "(itself quantised with nested quantisation): no slice is a weight of its own"))
+
+
+def _bnb_threshold(module: nn.Module) -> float:
+    state = getattr(module, "state", None)
+    return float(getattr(state, "threshold", 0.0) or 0.0)
+

@@ -426,21 +426,45 @@ def test_quantized_mlp_takes_the_slices_its_format_declares(config):
 
 @pytest.mark.parametrize("bits", [8, 4])
 @torch.no_grad()
-def test_bitsandbytes_blocks_stay_stock_their_mlps_stream(bits):
-    """bitsandbytes 8-bit and 4-bit linears run on the CPU (bitsandbytes 0.50): a block capture cannot trace them
-    (bnb's matmul reads the real parameter's quantisation state), so the blocks stay stock, named, and their
-    feed-forward parts stream in row chunks (the layers' own forwards per chunk: rows only, declared), exact."""
+def test_bitsandbytes_blocks_stream_in_row_chunks(bits):
+    """bitsandbytes 8-bit and 4-bit linears run on the CPU (bitsandbytes 0.50). A block capture cannot trace bnb's
+    matmul (it reads the real parameter's quantisation state), so it takes each such layer as one opaque row-local op
+    that runs the layer's own forward on the chunk's rows: the blocks stream in row chunks (no feature slices:
+    declared), exact against the same quantised model unstreamed, the peak down."""
     torch.manual_seed(0)
     pytest.importorskip("bitsandbytes")
     model = setups.bnb_blocks(setups.wan_model(), bits)
     caps = streamplan.weights.linear_caps(model.blocks[0].ffn.net[2])
-    assert caps.name.startswith(f"bitsandbytes {bits}-bit") and not (caps.out_slice or caps.in_slice) and caps.capture
-    ref = setups.steps(model)
+    assert caps.name.startswith(f"bitsandbytes {bits}-bit") and not (caps.out_slice or caps.in_slice) and caps.opaque
+    ref, ref_peak = streamplan.measure_peak(setups.steps, model)
     handle = streamplan.apply(model, chunk_tokens=256, ffn_slice=64)
+    setups.steps(model)   # the capture, outside the measurement
+    out, peak = streamplan.measure_peak(setups.steps, model)
+    report = handle.report()
+    assert _streamed(handle) == BLOCKS, report
+    assert all(p.tier == "L1" and p.chunk == 256 for e in handle.installed.values() for p in e.plans.values()
+               if isinstance(e.spec, streamplan.ir.GraphSpec)), report
+    assert all(rel_err(o, r) <= 1e-5 for o, r in zip(out, ref)), report
+    assert peak < 0.75 * ref_peak, (peak, ref_peak)
+    handle.remove()
+    assert all(torch.equal(a, r) for a, r in zip(setups.steps(model), ref))
+
+
+@torch.no_grad()
+def test_bitsandbytes_outlier_threshold_keeps_the_layers_stock():
+    """LLM.int8 with an outlier threshold picks its fp16 columns from every row of a call: a chunk of rows would pick
+    its own (on CUDA; bnb's CPU kernels happen to agree), so nothing containing such a layer streams, named."""
+    torch.manual_seed(0)
+    pytest.importorskip("bitsandbytes")
+    model = setups.bnb_blocks(setups.wan_model(), 8)
+    for m in model.blocks.modules():
+        if hasattr(m, "state"):
+            m.state.threshold = 6.0
+    ref = setups.steps(model)
+    handle = streamplan.apply(model, chunk_tokens=256)
     out = setups.steps(model)
     report = handle.report()
-    assert not _streamed(handle), report
-    assert f"attn1.to_q has bitsandbytes {bits}-bit" in report and "which the fake tensors" in report, report
-    ffn = handle.installed["blocks.0.ffn"]
-    assert ffn.plans and all(p.tier == "L1" for p in ffn.plans.values()), report
-    assert all(rel_err(o, r) <= 1e-5 for o, r in zip(out, ref)), report
+    assert not _streamed(handle) and "with an outlier threshold weights: its outlier columns" in report, report
+    assert not any(p.tier != "L0" for n, e in handle.installed.items() if n.startswith("blocks")
+                   for p in e.plans.values()), report
+    assert all(torch.equal(o, r) for o, r in zip(out, ref))

@@ -12,6 +12,7 @@ from .analyze import Analysis, _name, analyze
 from .eager_attention import fuse_eager_attention
 from .execute import Phases, phases
 from .export import Captured, capture, rows_of_call, rows_problem, signature
+from .opaque_layers import running  # noqa: F401  (declares the opaque layers' op and capture context)
 
 
 @dataclass(eq=False)

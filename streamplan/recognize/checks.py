@@ -11,6 +11,7 @@ from torch.nn.modules import module as _module_globals
 
 from .. import hooks as hook_chains
 from ..ir import Activation
+from ..weights import linear_caps
 
 STREAMED_MARK = "__streamplan_streamed__"
 
@@ -69,6 +70,9 @@ def stock_problem(module: nn.Module, expected_forward: Callable | None = None, *
         return problem
     for name, m in (module.named_modules() if subtree else [("", module)]):
         where = name or "the module"
+        caps = linear_caps(m) if hasattr(m, "weight") else None
+        if caps is not None and caps.rows:
+            return f"{where} has {caps.name} weights: {caps.rows}"
         if getattr(m, "_compiled_call_impl", None) is not None:   # Module.compile / compile_repeated_blocks
             return f"{where} is compiled (torch.compile): its calls run under dynamo, which would trace the chunk loops"
         fwd = m.__dict__.get("forward")

@@ -60,6 +60,12 @@ def head_groups_allowed(found, whole_problem: str | None) -> tuple[int, ...]:
 
 
 def _run_onloaded(handle, entry, args: tuple, kwargs: dict) -> Any:
+    from ..capture import running
+    with running(entry.module):   # whose layers the graph's opaque layer ops call (capture.opaque_layers)
+        return _run_graph(handle, entry, args, kwargs)
+
+
+def _run_graph(handle, entry, args: tuple, kwargs: dict) -> Any:
     from ..capture import rows_of_call, rows_problem, streamable
     from ..capture.execute import GraphRun
     from ..capture.memory import _numel as numel_besides, graph_memory
