@@ -150,10 +150,14 @@ def main() -> int:
     p.add_argument("--record-stream", action="store_true", help="group offloading's record_stream=True")
     p.add_argument("--uncapped-reference", action="store_true",
                    help="where stock runs out of memory under the cap, run stock once without it to compare outputs")
+    p.add_argument("--modes", default="stock,streamplan", help="which of stock, streamplan to run, in that order")
     p.add_argument("--warmup-tokens", type=int, default=4096)
     p.add_argument("--out-dir", default=None, help="where the JSON goes (default $OUT, else benchmarks/results)")
     p.add_argument("--cpu-dry-run", action="store_true", help="the same steps on the CPU, tiny width, no streams")
     a = p.parse_args()
+    modes = a.modes.split(",")
+    if any(m not in ("stock", "streamplan") for m in modes):
+        p.error(f"--modes takes stock and/or streamplan, got {a.modes!r}")
     global DEV
     if a.cpu_dry_run:
         DEV = "cpu"
@@ -180,7 +184,7 @@ def main() -> int:
     _cuda("set_per_process_memory_fraction", min(1.0, cap / total))
     counts = [int(t) for t in a.tokens.split(",")]
     refs: dict[int, torch.Tensor | None] = {}
-    for mode in ("stock", "streamplan"):
+    for mode in [m for m in ("stock", "streamplan") if m in modes]:
         handle = None
         if mode == "streamplan":
             opts = dict(chunk_tokens=a.chunk) if a.chunk else dict(budget=cap - int(a.margin_gib * GiB))
