@@ -200,6 +200,17 @@ def register_capture_context(context: Callable[[nn.Module], "AbstractContextMana
         CAPTURE_CONTEXTS.append(context)
 
 
+# Layers a capture takes as one opaque row-local op (``capture.opaque_layers``), run by the layer's own forward on
+# each chunk of rows: ``(module) -> bool``, declared by whoever knows the layer's format (``recognize``, from
+# ``weights.LinearCaps.opaque``: bitsandbytes' linears).
+OPAQUE_LAYERS: list[Callable[[nn.Module], bool]] = []
+
+
+def register_opaque_layer(matches: Callable[[nn.Module], bool]) -> None:
+    if matches not in OPAQUE_LAYERS:
+        OPAQUE_LAYERS.append(matches)
+
+
 # Argument records: dataclasses of tensors a block takes as arguments (ComfyUI Flux's ``ModulationOut``), declared by
 # the library's recognizer file as "module:QualName". The capture flattens them into their fields (registering them
 # as pytree nodes when first met); any other object argument keeps its block stock.

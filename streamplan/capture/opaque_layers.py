@@ -1,5 +1,6 @@
-"""Linear layers a capture cannot trace but whose format declares them row-local (``weights.LinearCaps.opaque``:
-bitsandbytes' 8-bit and 4-bit linears, whose matmul reads the real parameter's quantisation state). While a block is
+"""Linear layers a capture cannot trace but whose format declares them row-local (``ir.OPAQUE_LAYERS``, filled from
+``weights.LinearCaps.opaque`` by ``recognize``: bitsandbytes' 8-bit and 4-bit linears, whose matmul reads the real
+parameter's quantisation state). While a block is
 captured, each such layer is one ``streamplan::opaque_linear`` op (its output shaped from its input), row-local for
 the analysis; when the graph runs, the op calls that layer of the block being run (by its name inside the block: a
 capture serves every block of its class) on the chunk's rows, through the layer's own forward."""
@@ -12,8 +13,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from ..ir import register_capture_context, register_row_local_op
-from ..weights import linear_caps
+from ..ir import OPAQUE_LAYERS, register_capture_context, register_row_local_op
 
 _RUNNING = threading.local()
 
@@ -35,8 +35,7 @@ register_row_local_op("streamplan", "opaque_linear", "norm")   # a row's feature
 
 
 def opaque_layers(block: nn.Module) -> list[tuple[str, nn.Module]]:
-    return [(name, m) for name, m in block.named_modules() if name and hasattr(m, "weight")
-            and linear_caps(m).opaque]
+    return [(name, m) for name, m in block.named_modules() if name and any(match(m) for match in OPAQUE_LAYERS)]
 
 
 @contextlib.contextmanager

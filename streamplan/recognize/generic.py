@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..ir import GraphSpec, Skip
-from ..weights import capture_problem
+from ..ir import GraphSpec, Skip, register_opaque_layer
+from ..weights import capture_problem, linear_caps
 from .checks import stock_problem
 
 
@@ -42,3 +42,11 @@ def recognize_generic(name: str, module: nn.Module) -> GraphSpec | Skip:
         return Skip(name, type(module).__name__, problem)
     lib = type(module).__module__.split(".")[0]
     return GraphSpec(module, f"captured {lib}.{type(module).__name__}")
+
+
+def _opaque_format(module: nn.Module) -> bool:
+    """A layer whose weight format a capture takes as one opaque row-local op (``weights.LinearCaps.opaque``)."""
+    return hasattr(module, "weight") and linear_caps(module).opaque
+
+
+register_opaque_layer(_opaque_format)
