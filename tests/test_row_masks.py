@@ -225,6 +225,34 @@ def test_soft_capped_peak_has_no_rows_x_rows_tensor():
     handle.remove()
 
 
+@torch.no_grad()
+def test_soft_capped_layers_held_to_a_budget_stay_within_it(monkeypatch):
+    """Gemma 2 under a budget of four floors (tiny widths: a chunk's mask rows weigh more): the soft-capped pieces
+    shrink with the planner's chunk (``sdpa.softcap_scores``; their fixed size made the smallest reachable peak many
+    times the floor), rows that see no key take V's mean without a whole fp32 copy of V, and the measured peak stays
+    in the budget."""
+    from streamplan.consumers import sdpa
+    monkeypatch.setattr(sdpa, "SOFTCAP_MIN_SCORES", 1 << 12)   # the tiny model's chunks: pieces of their own size
+    torch.manual_seed(0)
+    n = 4096
+    cfg = transformers.AutoConfig.for_model("gemma2", **COMMON, sliding_window=WINDOW, attn_logit_softcapping=50.0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+    ids = _ids(batch=1, n=n)
+    mask = torch.ones_like(ids)
+    mask[:, :7] = 0   # left padding: rows that see no key
+    call = lambda: model(ids, attention_mask=mask, use_cache=False, logits_to_keep=1)  # noqa: E731
+    ref = call()
+    floor = n * (HIDDEN + 2 * KV_HEADS * HEAD_DIM) * 4
+    budget = ids.numel() * 16 + 4 * floor
+    handle = streamplan.apply(model, budget=budget)
+    call()   # the capture, outside the measurement
+    out, peak = streamplan.measure_peak(call)
+    assert rel_err(out.logits, ref.logits) <= 1e-5
+    _layers_streamed(handle)
+    assert peak <= budget, (peak / floor, budget / floor, handle.report())
+    handle.remove()
+
+
 @pytest.mark.parametrize("name", ["llama", "mistral"])
 @torch.no_grad()
 def test_padded_peak_is_near_the_floor(name):

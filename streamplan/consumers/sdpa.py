@@ -196,16 +196,24 @@ def _math_rows(q, k, v, offset: int | None, mask, scale):
     return out.reshape(B, H, c, D).to(q.dtype), lse.reshape(B, H, c)
 
 
-SOFTCAP_SCORES = 1 << 24   # scores the soft-capped path holds at once (query rows and keys in pieces under it)
+SOFTCAP_SCORES = 1 << 24   # scores the soft-capped path holds at once at most (query rows, keys in pieces under it)
+SOFTCAP_MIN_SCORES = 1 << 20   # ... and at least, where a chunk's own share (below) is smaller
+SOFTCAP_ROW_SCORES = 256   # a chunk's share: this many scores per query row and head (a small chunk, small pieces)
 SOFTCAP_KEYS = 8192        # keys per block of the soft-capped path past which blocks merge by their log-sum-exps
+
+
+def softcap_scores(rows: int, heads: int) -> int:
+    """Scores one piece of a soft-capped chunk of ``rows`` query rows holds: in proportion to the chunk, so that a
+    planner short of memory shrinks them with the chunk, between SOFTCAP_MIN_SCORES and SOFTCAP_SCORES."""
+    return min(SOFTCAP_SCORES, max(SOFTCAP_MIN_SCORES, rows * heads * SOFTCAP_ROW_SCORES))
 
 
 def _softcapped(q, k, v, q_offset: int, causal: bool, mask, scale, softcap: float) -> torch.Tensor:
     """Attention with soft-capped scores, as transformers' eager attention computes it (no fused kernel soft-caps):
     scores in the inputs' dtype, ``c * tanh(s / c)``, the mask added, softmax in fp32, probabilities back in the
     inputs' dtype. Query rows in pieces and, past ``SOFTCAP_KEYS`` keys, keys in blocks merged by their log-sum-exps
-    (``LseAccumulator``), so that at most ``SOFTCAP_SCORES`` scores exist; the query heads that share a K/V head as
-    rows of one matmul (K/V heads never repeated). Up to ``SOFTCAP_KEYS`` keys the ops are eager's own, in its
+    (``LseAccumulator``), so that at most ``softcap_scores(c, H)`` scores exist; the query heads that share a K/V head
+    as rows of one matmul (K/V heads never repeated). Up to ``SOFTCAP_KEYS`` keys the ops are eager's own, in its
     order."""
     B, H, c, D = q.shape
     Hkv = k.shape[1]
@@ -216,7 +224,7 @@ def _softcapped(q, k, v, q_offset: int, causal: bool, mask, scale, softcap: floa
     n = k.shape[-2]
     block = min(n, SOFTCAP_KEYS)
     scale = scale if scale is not None else D ** -0.5
-    piece = max(1, SOFTCAP_SCORES // max(1, B * H * block))
+    piece = max(1, softcap_scores(c, H) // max(1, B * H * block))
     out = q.new_empty(q.shape)
     for r in range(0, c, piece):
         e = min(c, r + piece)
@@ -284,7 +292,7 @@ class SDPAConsumer:
         if softcap:   # one piece of scores in the inputs' dtype beside its fp32 softmax and the fp32 copy softmax
             # makes of a bf16/fp16 input (or, merging key blocks, the fp32 exponentials then their cast back); a
             # boolean mask's negation for the piece's rows and keys; the merge's accumulator and a block's output
-            scores = min(SOFTCAP_SCORES, heads * rows * keys)
+            scores = min(softcap_scores(rows, heads), heads * rows * keys)
             return scores * (elem + 8) + (scores // max(1, heads) if masked else 0) + (
                 rows * heads * (head_dim + 1) * 4 * 2 if keys > SOFTCAP_KEYS else 0)
         if masked:
