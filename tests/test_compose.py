@@ -446,6 +446,7 @@ def test_bitsandbytes_blocks_stream_in_row_chunks(bits):
                if isinstance(e.spec, streamplan.ir.GraphSpec)), report
     assert all(rel_err(o, r) <= 1e-5 for o, r in zip(out, ref)), report
     assert peak < 0.75 * ref_peak, (peak, ref_peak)
+    assert f"run whole on each chunk's rows as opaque ops (Linear{bits}bit" in report, report
     handle.remove()
     assert all(torch.equal(a, r) for a, r in zip(setups.steps(model), ref))
 

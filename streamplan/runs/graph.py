@@ -67,6 +67,7 @@ def _run_onloaded(handle, entry, args: tuple, kwargs: dict) -> Any:
 
 def _run_graph(handle, entry, args: tuple, kwargs: dict) -> Any:
     from ..capture import rows_of_call, rows_problem, streamable
+    from ..capture.opaque_layers import opaque_layers
     from ..capture.execute import GraphRun
     from ..capture.memory import _numel as numel_besides, graph_memory
 
@@ -121,8 +122,11 @@ def _run_graph(handle, entry, args: tuple, kwargs: dict) -> Any:
     an, cap = found.analysis, found.captured
     if fresh or not any(n.startswith("captured") for n in entry.runtime_notes):
         static = f"; {found.static_rows} static rows joined (computed once per phase)" if found.static_rows else ""
+        opaque = opaque_layers(module)
+        layers = (f"; {len(opaque)} layer(s) run whole on each chunk's rows as opaque ops ("
+                  f"{type(opaque[0][1]).__name__} {opaque[0][0]}, ...): no feature slices") if opaque else ""
         handle.note(entry, f"captured in {cap.seconds:.2f} s: {an.ops} ops, {len(an.attentions)} global "
-                    f"attention(s){static}")
+                    f"attention(s){static}{layers}")
     att = an.attentions[0] if an.attentions else None   # none: every op row-local (cross-attention, an MLP)
     if row_mask is not None:
         why = _row_mask_problem(an, row_mask, rows)
