@@ -13,6 +13,7 @@ from torch import fx
 from .analyze import Analysis, Rows, _name
 from .analyze import VIEW_OPS
 from .execute import Phases, _last_uses
+from .opaque_layers import workspace_bytes as opaque_workspace
 from .pieces import RowRun, find_runs, schedule
 
 
@@ -55,6 +56,9 @@ class GraphMemory:
         (what the phase hands on) given: its row-local runs in pieces, as ``GraphRun`` runs them."""
         extra = at_attention * rows + workspace
         work = {n: extra for n in self.attention_nodes} if extra else {}
+        for n in nodes:   # what an opaque layer allocates inside its call (a dequantised weight)
+            if (w := opaque_workspace(n)):
+                work[n] = work.get(n, 0) + w
         reads: dict[fx.Node, list[fx.Node]] = {}
         if ffn_slice:
             inside = {n for r in regions for n in r.nodes}

@@ -34,6 +34,18 @@ def _(x: torch.Tensor, name: str, out_features: int) -> torch.Tensor:
 register_row_local_op("streamplan", "opaque_linear", "norm")   # a row's features in, the same row's features out
 
 
+def workspace_bytes(node: torch.fx.Node) -> int:
+    """What an opaque layer may allocate inside its call besides its output, at most: its weight in the input's dtype
+    (bitsandbytes' 4-bit matmul dequantises the whole weight per call, so per chunk). Row-independent."""
+    if node.target is not torch.ops.streamplan.opaque_linear.default:
+        return 0
+    x = node.args[0].meta.get("val")
+    if not isinstance(x, torch.Tensor):
+        return 0
+    in_features, out_features = x.shape[-1], node.args[2]
+    return int(in_features) * int(out_features) * x.element_size()
+
+
 def opaque_layers(block: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(name, m) for name, m in block.named_modules() if name and any(match(m) for match in OPAQUE_LAYERS)]
 
