@@ -345,8 +345,8 @@ def test_chunks_attend_through_comfy_optimized_attention(fresh_captures, monkeyp
 
 def test_h3_registered_attention_function_serves_chunks(fresh_captures, monkeypatch):
     """An attention function registered with ComfyUI and set on the model with ``set_model_optimized_attention``
-    (ComfyUI's own override) attends every streamed Q chunk of H3's blocks; a Wan block, whose stock runs inside the
-    streamer would not keep the override, stays stock with the reason."""
+    (ComfyUI's own override) attends every streamed Q chunk of H3's and Wan's blocks (Wan's text cross-attention runs
+    inside the captured graph as PyTorch SDPA, as with any selected attention); the streamers' stock runs keep it."""
     comfyui()
     import comfy.ldm.modules.attention as attention
 
@@ -369,11 +369,21 @@ def test_h3_registered_attention_function_serves_chunks(fresh_captures, monkeypa
     assert text.count("attention chunks to ComfyUI optimized_attention (override: streamplan_spy)") == 2, text
 
     base, x, cond = wan_patcher(layers=1)
-    stock = sample_call(base, x, cond)
+    stock_run = base.clone()
+    stock_run.set_model_optimized_attention(spy)
+    calls.clear()
+    stock = sample_call(stock_run, x, cond)
+    assert calls == [768, 768], calls                     # self- and cross-attention, whole Q
+    calls.clear()
     run = sc.patch(base, budget=None, chunk_tokens=64, min_tokens=0)
     run.set_model_optimized_attention(spy)
-    assert torch.equal(sample_call(run, x, cond), stock)
-    assert "1 call(s) stock: an optimized_attention_override is set" in sc.report(run)
+    assert rel_err(sample_call(run, x, cond), stock) <= 1e-5
+    assert calls == [64] * 12, calls
+    assert "attention chunks to ComfyUI optimized_attention (override: streamplan_spy)" in sc.report(run)
+    calls.clear()
+    short = sc.patch(base, budget=None, chunk_tokens=64, min_tokens=10 ** 6)   # every call stock, in the streamer
+    short.set_model_optimized_attention(spy)
+    assert torch.equal(sample_call(short, x, cond), stock) and calls == [768, 768], calls
 
 
 class _StreamedConsumer:

@@ -116,9 +116,9 @@ def test_opaque_override_on_the_streamed_contract_path_unchanged():
 
 
 def test_wan_opaque_override_stays_stock():
-    """A Wan block's stock forward calls the attention twice (self and text cross-attention) and its stock runs inside
-    the streamer do not keep transformer_options: one full-Q call would hide the cross-attention from the override.
-    The block stays stock, exactly, the override called as stock calls it, the reason reported."""
+    """A Wan block's stock forward calls the attention twice (self and text cross-attention): one full-Q call would
+    hide the cross-attention from the override (a node's guidance on text attention, say). The block stays stock,
+    exactly, the override called as stock calls it, the reason reported."""
     import streamplan.comfy as sc
     calls: list = []
     override = _override(calls)
@@ -133,7 +133,8 @@ def test_wan_opaque_override_stays_stock():
     run.model_options["transformer_options"]["optimized_attention_override"] = override
     assert torch.equal(sample_call(run, x, cond), stock)
     assert calls == stock_calls
-    assert "1 call(s) stock: an optimized_attention_override is set" in sc.report(run), sc.report(run)
+    assert "1 call(s) stock: an opaque optimized_attention_override (_override.<locals>.node_override) may need " \
+        "every query row at once" in sc.report(run), sc.report(run)
 
 
 if __name__ == "__main__":

@@ -13,12 +13,53 @@ from torch import nn
 from ..recognize import comfy_h3
 
 
+class HostOptions(nn.Module):
+    """A block whose forward takes ``transformer_options``, as its streamer sees it: captured with an empty one (the
+    caller checked that nothing in the host's changes the block's math), run stock with the host's own (``host``, set
+    per call), so that an attention override a ComfyUI node installed is honoured where the streamer runs it stock."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+        self.training = False          # the block's own flag is checked by the caller; never flipped here
+        self.host: dict | None = None
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.host is not None and not torch.compiler.is_exporting():
+            kwargs = {**kwargs, "transformer_options": self.host}
+        return self.block(*args, **kwargs)
+
+
+_HOST_CLASSES: dict[type, type] = {}
+
+
+def host_options(block: nn.Module) -> nn.Module:
+    """``block`` in a ``HostOptions`` of its class (the capture binds its calls to the block's own signature), or the
+    block itself where its forward takes no ``transformer_options``."""
+    cls = type(block)
+    signature = inspect.signature(cls.forward)
+    if "transformer_options" not in signature.parameters:
+        return block
+    wrapper = _HOST_CLASSES.get(cls)
+    if wrapper is None:
+        def forward(self, *args: Any, **kwargs: Any) -> Any:
+            return HostOptions.forward(self, *args, **kwargs)
+        forward.__signature__ = signature
+        wrapper = _HOST_CLASSES[cls] = type(f"{cls.__name__}HostOptions", (HostOptions,), {"forward": forward})
+    return wrapper(block)
+
+
 def _as_called(streamer: Callable, module: nn.Module, args: tuple, kwargs: dict) -> Any:
     """The block streamed with the host's own arguments. Its transformer_options were checked by the caller and hold
-    nothing that changes the block's math: the block (and its capture) get an empty one."""
-    if "transformer_options" in kwargs:
-        kwargs = {**kwargs, "transformer_options": {}}
-    return streamer(*args, **kwargs)
+    nothing that changes the block's math: the capture and the streamed run get an empty one, a stock run the host's
+    (``HostOptions``)."""
+    if "transformer_options" not in kwargs or not isinstance(module, HostOptions):
+        return streamer(*args, **kwargs)
+    module.host = kwargs["transformer_options"] or {}
+    try:
+        return streamer(*args, **{**kwargs, "transformer_options": {}})
+    finally:
+        module.host = None
 
 
 @dataclass(frozen=True)
@@ -34,10 +75,10 @@ class BlockCalls:
     ``[B, H, N, D]``: an opaque attention override gets it once per block call (None: such overrides keep the block
     stock)."""
 
-    streamed: Callable[[nn.Module], nn.Module] = lambda block: block
+    streamed: Callable[[nn.Module], nn.Module] = host_options
     call: Callable[[Callable, nn.Module, tuple, dict], Any] = _as_called
     img_dims: int = 3
-    host_attention: bool = False
+    host_attention: bool = True
     direct_weights: tuple[str, ...] = ()
     whole_attention: Callable[..., torch.Tensor] | None = None
 

@@ -19,7 +19,7 @@ ATTENTION_MODULE = "comfy.ldm.modules.attention"
 
 
 def _pytorch_attention_while_traced(block: nn.Module):
-    if not type(block).__module__.startswith("comfy."):
+    if not any(type(m).__module__.startswith("comfy.") for m in block.modules()):   # a block, or an adapter over one
         return None
     attention = sys.modules.get(ATTENTION_MODULE)
     if attention is None:
