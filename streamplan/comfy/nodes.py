@@ -24,9 +24,9 @@ DESCRIPTION = (
     "DynamicVRAM (weights faulted in and evicted on demand) and LoRA applied per call, each layer's weight is taken "
     "once per block call through ComfyUI's own cast and patch path (the patched weight, not the LoRA math again per "
     "chunk) and released when the block returns; quantized layers (fp8, ...) take row chunks only. Each chunk attends "
-    "through ComfyUI's optimized_attention (so --use-sage-attention and the like still apply). What cannot stream "
-    "(attention patches or overrides, unknown forwards, custom ops with per-call patches) runs stock; the report says "
-    "which and why.")
+    "through ComfyUI's optimized_attention (so --use-sage-attention, and attention functions nodes set on the model, "
+    "still apply). What cannot stream (attention patches, overrides that may need every query row at once outside "
+    "MiniMax-H3, unknown forwards, custom ops with per-call patches) runs stock; the report says which and why.")
 BUDGET_TOOLTIP = (
     '"auto": plan each block within what ComfyUI reports free on the device, less --reserve-vram and reserve '
     "(weights DynamicVRAM could evict are not counted as free); where that holds no plan, the block streams at the "
