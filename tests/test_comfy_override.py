@@ -12,7 +12,8 @@ import torch
 import streamplan
 from streamplan.planner import Tier
 from conftest import rel_err
-from test_comfy import _block_lines, _h3_run, fresh_captures, h3_patcher, sample_call, wan_patcher  # noqa: F401
+from test_comfy import (_block_lines, _h3_run, flux_patcher, fresh_captures, h3_patcher,  # noqa: F401
+                        sample_call, wan_patcher)
 
 pytestmark = pytest.mark.usefixtures("fresh_captures")
 FULL_Q = "full Q for an opaque attention override"
@@ -135,6 +136,33 @@ def test_wan_opaque_override_stays_stock():
     assert calls == stock_calls
     assert "1 call(s) stock: an opaque optimized_attention_override (_override.<locals>.node_override) may need " \
         "every query row at once" in sc.report(run), sc.report(run)
+
+
+def test_flux_single_blocks_give_an_opaque_override_the_whole_q():
+    """Flux's single-stream blocks attend once over their joint text + image rows: under an opaque override each
+    makes that call once with the whole Q, as stock makes it, the rest streaming; the double blocks (text rows joined
+    to the image rows inside the block) stay stock, saying why. Output within 1e-5 of stock with the same override,
+    the override called exactly as stock calls it."""
+    import streamplan.comfy as sc
+    calls: list = []
+    override = _override(calls)
+    base, x, cond = flux_patcher()
+    stock_run = base.clone()
+    stock_run.model_options["transformer_options"]["optimized_attention_override"] = override
+    stock = sample_call(stock_run, x, cond)
+    stock_calls = list(calls)
+    assert len(stock_calls) == 4, stock_calls   # two double, two single blocks: one call each, whole Q
+    calls.clear()
+    run = sc.patch(base, budget=None, chunk_tokens=64, min_tokens=0)
+    run.model_options["transformer_options"]["optimized_attention_override"] = override
+    assert rel_err(sample_call(run, x, cond), stock) <= 1e-5
+    assert calls == stock_calls, (calls, stock_calls)
+    sections = _block_lines(sc.report(run))
+    for name in ("single_block.0", "single_block.1"):
+        assert sections[name].startswith(f"  {name}: 1 call(s) through the streamer"), sections[name]
+        assert FULL_Q in sections[name] and "q=whole (one attention call)" in sections[name], sections[name]
+    for name in ("double_block.0", "double_block.1"):
+        assert "1 call(s) stock: an opaque optimized_attention_override" in sections[name], sections[name]
 
 
 if __name__ == "__main__":

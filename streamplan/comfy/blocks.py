@@ -10,7 +10,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..recognize import comfy_h3
+from ..recognize import comfy_flux, comfy_h3
 
 
 class HostOptions(nn.Module):
@@ -133,3 +133,6 @@ def _h3_call(streamer: Callable, adapter: comfy_h3.PackedRows, args: tuple, kwar
 register_block_calls(comfy_h3.CLASS_PATH, BlockCalls(comfy_h3.PackedRows, _h3_call, img_dims=2,
                                                      host_attention=True, direct_weights=comfy_h3.DIRECT_WEIGHTS,
                                                      whole_attention=comfy_h3.whole_attention))
+# Flux's (and HunyuanVideo's, Chroma's) single-stream blocks attend once over their own joint rows: an opaque override
+# can get that call with the whole Q; double blocks join text rows the whole-Q path cannot take, and stay stock
+register_block_calls(comfy_flux.SINGLE_BLOCK_PATH, BlockCalls(whole_attention=comfy_flux.whole_attention))
