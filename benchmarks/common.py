@@ -48,3 +48,57 @@ def wall_time(fn: Callable[[], Any], repeats: int = 2) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+STAGES = [("streamplan.recognize.transformers_decoders", "_rope"),
+          ("streamplan.recognize.transformers_decoders", "_masks"),
+          ("streamplan.recognize.transformers_decoders", "_norm_in_place"),
+          ("streamplan.runs.graph", "_run_onloaded")]   # a captured block's whole streamed call
+
+
+class stage_peaks:
+    """Per-stage CUDA peaks of one call (how a held plan's overshoot was found in 2026-12-01's Gemma 2 run): each
+    ``(module path, function name)`` in ``stages`` (functions streamplan calls through its module's globals) and
+    each ``(label, module)`` in ``modules`` (a submodule's forward, e.g. an embedding: never a streamed block, whose
+    forward streamplan owns) is wrapped to record the memory allocated before it, its peak and what it leaves, in
+    GiB above the allocation when the context was entered. Synchronises around every stage: for diagnosis, not
+    timing."""
+
+    def __init__(self, stages: list[tuple[str, str]] = STAGES, modules: list[tuple[str, torch.nn.Module]] = ()):
+        self.stages, self.modules, self.rows, self._undo = stages, list(modules), [], []
+
+    def _wrap(self, label: str, owner: Any, attr: str) -> None:
+        original = getattr(owner, attr)
+        in_dict = attr in getattr(owner, "__dict__", {})
+
+        def probed(*args, **kwargs):
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            out = original(*args, **kwargs)
+            torch.cuda.synchronize()
+            self.rows.append({"stage": label, "before_GiB": (before - self.base) / 2**30,
+                              "peak_GiB": (torch.cuda.max_memory_allocated() - self.base) / 2**30,
+                              "after_GiB": (torch.cuda.memory_allocated() - self.base) / 2**30})
+            return out
+
+        setattr(owner, attr, probed)
+        self._undo.append((owner, attr, original, in_dict))
+
+    def __enter__(self) -> "stage_peaks":
+        import importlib
+        torch.cuda.synchronize()
+        self.base = torch.cuda.memory_allocated()
+        for path, name in self.stages:
+            self._wrap(f"{path.rsplit('.', 1)[-1]}.{name}", importlib.import_module(path), name)
+        for label, module in self.modules:
+            self._wrap(label, module, "forward")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for owner, attr, original, in_dict in reversed(self._undo):
+            if in_dict:
+                setattr(owner, attr, original)
+            else:
+                delattr(owner, attr)
+        self._undo.clear()

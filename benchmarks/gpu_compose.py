@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import streamplan  # noqa: E402
-from common import device_info, write_results  # noqa: E402
+from common import device_info, stage_peaks, write_results  # noqa: E402
 
 BF16 = torch.bfloat16
 GiB = 1 << 30
@@ -151,6 +151,8 @@ def main() -> int:
     p.add_argument("--uncapped-reference", action="store_true",
                    help="where stock runs out of memory under the cap, run stock once without it to compare outputs")
     p.add_argument("--modes", default="stock,streamplan", help="which of stock, streamplan to run, in that order")
+    p.add_argument("--stages", action="store_true",
+                   help="streamplan's call once more under common.stage_peaks: CUDA peaks per block call")
     p.add_argument("--warmup-tokens", type=int, default=4096)
     p.add_argument("--out-dir", default=None, help="where the JSON goes (default $OUT, else benchmarks/results)")
     p.add_argument("--cpu-dry-run", action="store_true", help="the same steps on the CPU, tiny width, no streams")
@@ -206,6 +208,15 @@ def main() -> int:
                 row["block_plans"] = [{"tier": str(pl.tier), "chunk": pl.chunk, "rows": pl.rows,
                                        "predicted_GiB": pl.predicted_peak / GiB} for pl in plans]
                 row["model_notes"] = handle.installed[""].runtime_notes[-3:] if "" in handle.installed else []
+                if a.stages and DEV == "cuda" and not r["oom"]:   # the call again, its peak block call by block call
+                    del out
+                    gc.collect()
+                    with stage_peaks(modules=[("patch_embedding", model.patch_embedding)]) as probe:
+                        r2 = one_call(model, tokens)
+                    r2.pop("out", None)
+                    row["stages"] = probe.rows
+                    row["stages_worst"] = max(probe.rows, key=lambda x: x["peak_GiB"]) if probe.rows else None
+                    out = None
             del out
             gc.collect()
             _cuda("empty_cache")

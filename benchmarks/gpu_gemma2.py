@@ -10,6 +10,7 @@ stock where stock fits, the last token's logits against stock's.
 
     python benchmarks/gpu_gemma2.py 16384 stock,chunk=4096,held layers=4
     python benchmarks/gpu_gemma2.py 131072 held layers=2          # stock: [16, N, N] scores do not fit
+    python benchmarks/gpu_gemma2.py 131072 held layers=2 stages   # + CUDA peaks per stage (embedding, rope, each layer)
     python benchmarks/gpu_gemma2.py dry                           # CPU, tiny widths: the script itself
 Modes: ``stock``; ``chunk=C`` (C-row chunks); ``held`` (the planner given ``hold=`` times the floor, 1.15 by default:
 the position embeddings (1 KB/token at head_dim 256) and the soft-capped scores' pieces (~144 MiB) come out of it).
@@ -23,7 +24,7 @@ import sys
 import torch
 
 import streamplan
-from common import cuda_time, device_info, timed_peak, write_results
+from common import cuda_time, device_info, stage_peaks, timed_peak, write_results
 from streamplan.verify import compare_outputs
 
 REAL = dict(hidden_size=3584, intermediate_size=14336, num_attention_heads=16, num_key_value_heads=8, head_dim=256,
@@ -94,6 +95,10 @@ def main(argv: list[str]) -> int:
                                ran_stock={k: sorted({x for x in e.runtime_notes if "stock" in x})
                                           for k, e in handle.installed.items()
                                           if any("ran stock" in x for x in e.runtime_notes)})
+                if "stages" in argv and device == "cuda" and mode != "stock":   # where the peak is, stage by stage
+                    with stage_peaks(modules=[("embed_tokens", model.model.embed_tokens)]) as probe:
+                        call()
+                    row["stages"] = probe.rows
                 emit(row)
             except (torch.OutOfMemoryError, streamplan.BudgetError) as exc:
                 emit({"mode": mode, "error": type(exc).__name__, "detail": str(exc)[:300],
