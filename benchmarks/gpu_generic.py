@@ -11,7 +11,7 @@ The MiniMax-H3 2-layer model at the end: both outputs, stock vs streamed, and un
     python benchmarks/gpu_generic.py model 217088
     python benchmarks/gpu_generic.py held 65536 h3-block 1.10   # planner held to 1.10x the floor, one case
     python benchmarks/gpu_generic.py sweep 65536 h3-block 1.10 12672/2048,8448/4096,4224/0/p2
-        # input donated: the planner's plan held to 1.10x, then each forced chunk/MLP slice[/row pieces], and stock,
+        # input donated: the planner's plan held to 1.10x, each forced chunk/MLP slice[/pN: N row pieces], stock,
         # timed alike (median of 7 on fresh inputs, interleaved rounds), which fit the floor budget marked
 """
 from __future__ import annotations
@@ -238,11 +238,13 @@ def run_sweep(case: str, n: int, hold: float, forced: list[str], rounds: int = 7
     live = sum(a.numel() * a.element_size() for a in torch.utils._pytree.tree_leaves(inputs())
                if isinstance(a, torch.Tensor))
     variants = [("planner", dict(budget=int(live + hold * floor)))]
-    for spec in forced:
-        parts = [int(x) for x in spec.removesuffix("/p2").removesuffix("/p4").split("/")]
+    for spec in forced:   # "chunk[/ffn_slice][/pN]": N row pieces (row-local chains in pieces of the chunk)
+        fields = spec.split("/")
+        pieces = int(fields.pop()[1:]) if fields[-1].startswith("p") else 0
+        parts = [int(x) for x in fields]
         kw = dict(chunk_tokens=parts[0], ffn_slice=parts[1] if len(parts) > 1 and parts[1] else None)
-        if spec.endswith(("/p2", "/p4")):
-            kw["row_pieces"] = int(spec[-1])
+        if pieces:
+            kw["row_pieces"] = pieces
         variants.append((spec, kw))
     rows, times, calls = [], {"stock": []}, {}
     with torch.inference_mode():
