@@ -1,11 +1,11 @@
 """What a linear layer's weight format allows the executors to do with it.
 
-Every format allows row chunks: the layer's own forward applied to a chunk of rows (exact for weight-only formats,
-whose kernels quantise nothing per call; equivalent otherwise). Feature slices are allowed only where the layout
+Every format allows row chunks (the layer's own forward on a chunk of rows: exact for weight-only formats, whose
+kernels quantise nothing per call) unless it says why not (``rows``). Feature slices are allowed only where the layout
 slices and the executors can run the slice: output features (rows of the weight, with their own scales) for an MLP's
 input projections, input features (columns, accumulated) for its output projection. A format a library ships is
 declared here by its weight (or layer) class; an unknown layer is applied whole on row chunks only, and one that a
-block capture cannot trace keeps its block stock, named (``capture_problem``), its parts streaming on their own."""
+block capture cannot trace is taken by it as one opaque op (``opaque``: ``capture.opaque_layers``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -20,7 +20,6 @@ class LinearCaps:
     out_slice: bool     # rows of the weight (output features) can be used alone
     in_slice: bool      # columns of the weight (input features) can be used alone
     align: int = 1      # slices must start and end on multiples of this
-    capture: str | None = None  # why a block capture cannot trace the layer (None: it traces)
     opaque: bool = False  # a capture takes the layer as one op (capture.opaque_layers), run by its own forward
     rows: str | None = None  # why a chunk of rows is not the layer's math (None: row chunks are exact)
     name: str = ""      # the format, for reports
@@ -65,15 +64,6 @@ def linear_caps(module: nn.Module) -> LinearCaps:
         except Exception:  # a matcher must never break planning: an error means "not this format"
             continue
     return ROWS_ONLY
-
-
-def capture_problem(block: nn.Module) -> str | None:
-    """The first layer inside ``block`` whose declared format a block capture cannot trace, as a reason, or None."""
-    for name, m in block.named_modules():
-        caps = linear_caps(m) if hasattr(m, "weight") else None
-        if caps is not None and caps.capture:
-            return f"{name or 'the block'} has {caps.name} weights: {caps.capture}"
-    return None
 
 
 def can_slice_out(*modules: nn.Module) -> bool:

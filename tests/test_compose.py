@@ -390,7 +390,7 @@ def test_float8_weight_only_streams_exact():
     model = setups.wan_model()
     quantize_(model, Float8WeightOnlyConfig())
     caps = streamplan.weights.linear_caps(model.blocks[0].attn1.to_q)
-    assert (caps.name, caps.out_slice, caps.in_slice, caps.capture) == ("torchao float8 weight-only", True, False, None)
+    assert (caps.name, caps.out_slice, caps.in_slice, caps.opaque) == ("torchao float8 weight-only", True, False, False)
     ref, ref_peak = streamplan.measure_peak(setups.steps, model)
     handle = streamplan.apply(model, chunk_tokens=256)
     out, peak = streamplan.measure_peak(setups.steps, model)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from torch import nn
 
 from ..ir import GraphSpec, Skip, register_opaque_layer
-from ..weights import capture_problem, linear_caps
+from ..weights import linear_caps
 from .checks import stock_problem
 
 
@@ -37,7 +37,7 @@ def _linear(m: nn.Module) -> bool:
 
 def recognize_generic(name: str, module: nn.Module) -> GraphSpec | Skip:
     # the graph run onloads hooked leaves (streamplan.hooks); weight formats say whether a capture traces them
-    problem = stock_problem(module, onloads=True) or capture_problem(module)
+    problem = stock_problem(module, onloads=True)
     if problem:
         return Skip(name, type(module).__name__, problem)
     lib = type(module).__module__.split(".")[0]
