@@ -226,17 +226,18 @@ def _softcapped(q, k, v, q_offset: int, causal: bool, mask, scale, softcap: floa
     scale = scale if scale is not None else D ** -0.5
     piece = max(1, softcap_scores(c, H) // max(1, B * H * block))
     out = q.new_empty(q.shape)
+    positions = torch.arange(n, device=q.device) if causal else None   # keys' (and query rows') positions
     for r in range(0, c, piece):
         e = min(c, r + piece)
         qg = q[:, :, r:e].reshape(B, Hkv, rep * (e - r), D)
         merge = LseAccumulator(q[:, :, r:e]) if block < n else None
+        rows_at = positions[q_offset + r:q_offset + e].unsqueeze(-1) if causal else None
         for s0 in range(0, n, block):
             s1 = min(n, s0 + block)
             s = torch.matmul(qg, k[..., s0:s1, :].transpose(-1, -2)).view(B, Hkv, rep, e - r, s1 - s0)
             s = s.mul_(scale).div_(softcap).tanh_().mul_(softcap)
             if causal:   # query row q_offset + r + i sees keys up to itself
-                rows_at = torch.arange(q_offset + r, q_offset + e, device=q.device).unsqueeze(-1)
-                s.masked_fill_(torch.arange(s0, s1, device=q.device) > rows_at, float("-inf"))
+                s.masked_fill_(positions[s0:s1] > rows_at, float("-inf"))
             if mask is not None:   # broadcastable to [B, H, c, n]: this piece's rows and block's keys, as a view
                 m = mask[..., r:e, :] if mask.shape[-2] == c else mask
                 m = m[..., s0:s1]
