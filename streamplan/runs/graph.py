@@ -363,7 +363,7 @@ def _blind_rows_see_all(out: torch.Tensor, part: torch.Tensor, v: torch.Tensor, 
     of the call, as eager attention gives them (the same minimum added to every score: an even softmax)."""
     seen = part if part.dtype == torch.bool else part > torch.finfo(part.dtype).min / 2
     blind = ~seen.any(-1, keepdim=True)                       # [B, 1, c, 1]
-    return torch.where(blind, _mean_v(v, out, mean_of), out)
+    return torch.where(blind, _mean_v(v, out, mean_of), out, out=out)   # in place: no copy of the chunk's output
 
 
 def _mean_v(v: torch.Tensor, out: torch.Tensor, mean_of: dict) -> torch.Tensor:
