@@ -5,7 +5,7 @@ what the GPU waits on.
 
     python benchmarks/gpu_profile.py h3-block:65536:held1.10 ltx-block:217088:16384 llama3-8b-layer:131072:2816/1024
 (case from gpu_generic.BLOCKS : tokens : a fixed chunk C or C/S (the MLP in S-feature slices), or heldF = the planner
-held to F x the floor)
+held to F x the floor; a trailing /pN: row-local chains in N pieces of a chunk)
 """
 from __future__ import annotations
 
@@ -40,6 +40,25 @@ def kernel_table(fn, label: str, rows: int = 14) -> tuple[dict[str, float], dict
     return totals, ops
 
 
+def kind(kernel: str) -> str:
+    """A kernel's kind, so the difference reads as GEMMs / attention / copies / the rest."""
+    k = kernel.lower()
+    if "sdpa" in k or "flash" in k or "fmha" in k or "attention" in k:
+        return "attention"
+    if "nvjet" in k or "gemm" in k or "cutlass" in k or "cublas" in k:
+        return "gemm"
+    if "copy" in k or "cat" in k or "memcpy" in k:
+        return "copy"
+    return "elementwise"
+
+
+def by_kind(totals: dict[str, float]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for name, ms in totals.items():
+        out[kind(name)] = out.get(kind(name), 0.0) + ms
+    return out
+
+
 def wall(fn, repeats: int = 5, wait: bool = True) -> float:
     """Median seconds of ``fn``; ``wait=False``: until it returns, the GPU not waited for (its enqueue time: near the
     wall time, the host is the bottleneck)."""
@@ -65,9 +84,11 @@ def profile_case(spec: str) -> dict:
     args = inputs()
     live = sum(a.numel() * a.element_size() for a in torch.utils._pytree.tree_leaves(args)
                if isinstance(a, torch.Tensor))
-    chunk, _, sl = mode.partition("/")   # C or C/S: C-row chunks, the MLP in S-feature slices
-    opts = (dict(budget=int(live + float(mode[4:]) * floor)) if mode.startswith("held")
-            else dict(chunk_tokens=int(chunk), ffn_slice=int(sl) if sl else None))
+    fields = mode.split("/")   # C, C/S or C/S/pN: C-row chunks, the MLP in S-feature slices, N row pieces
+    pieces = int(fields.pop()[1:]) if len(fields) > 1 and fields[-1].startswith("p") else None
+    opts = (dict(budget=int(live + float(fields[0][4:]) * floor)) if mode.startswith("held")
+            else dict(chunk_tokens=int(fields[0]), ffn_slice=int(fields[1]) if len(fields) > 1 else None))
+    opts["row_pieces"] = pieces
     with torch.inference_mode():
         stock, stock_ops = kernel_table(lambda: block(*args), f"{spec} stock")
         stock_wall = wall(lambda: block(*args))
@@ -85,6 +106,7 @@ def profile_case(spec: str) -> dict:
            "stock_wall_s": stock_wall, "streamed_wall_s": streamed_wall, "time_ratio": streamed_wall / stock_wall,
            "stock_kernel_ms": sum(stock.values()), "streamed_kernel_ms": sum(streamed.values()),
            "streamed_enqueue_s": streamed_enqueue,
+           "stock_kernel_ms_by_kind": by_kind(stock), "streamed_kernel_ms_by_kind": by_kind(streamed),
            "largest_differences_ms": {k: streamed.get(k, 0) - stock.get(k, 0) for k in diffs}}
     none = [0, 0.0, 0.0]
     by_op = sorted(set(stock_ops) | set(streamed_ops),
