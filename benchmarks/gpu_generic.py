@@ -12,7 +12,8 @@ The MiniMax-H3 2-layer model at the end: both outputs, stock vs streamed, and un
     python benchmarks/gpu_generic.py held 65536 h3-block 1.10   # planner held to 1.10x the floor, one case
     python benchmarks/gpu_generic.py sweep 65536 h3-block 1.10 12672/2048,8448/4096,4224/0/p2
         # input donated: the planner's plan held to 1.10x, each forced chunk/MLP slice[/pN: N row pieces], stock,
-        # timed alike (median of 7 on fresh inputs, interleaved rounds), which fit the floor budget marked
+        # timed alike (median of 7 on fresh inputs, interleaved rounds in rotating order; a 6th argument: rounds),
+        # which fit the floor budget marked
 """
 from __future__ import annotations
 
@@ -228,8 +229,8 @@ def _donated_call(block, inputs):
 
 def run_sweep(case: str, n: int, hold: float, forced: list[str], rounds: int = 7) -> list[dict]:
     """Where a donated block's time goes under a floor budget: every plan installed on its own copy of the block (the
-    same weights) and timed in the same rounds (each round runs stock, then each plan once), so drift hits them
-    alike."""
+    same weights) and timed in the same rounds (each round runs stock and each plan once, the order rotated round by
+    round), so drift and position hit them alike."""
     torch.manual_seed(0)
     name, block, inputs, floor = BLOCKS[case](n)
     block = block.cuda().to(BF16).eval()
@@ -277,15 +278,18 @@ def run_sweep(case: str, n: int, hold: float, forced: list[str], rounds: int = 7
                          "row_pieces": kw.get("row_pieces", 1)})
             times[label] = []
             print(rows[-1], flush=True)
-        for _ in range(rounds):
-            fresh = inputs()
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            o = block(*fresh)
-            torch.cuda.synchronize()
-            times["stock"].append(time.perf_counter() - t0)
-            del o, fresh
-            for label, _ in variants:
+        labels = ["stock", *(label for label, _ in variants)]
+        for i in range(rounds):   # each round in another order: no plan always runs right after stock
+            for label in labels[i % len(labels):] + labels[:i % len(labels)]:
+                if label == "stock":
+                    fresh = inputs()
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    o = block(*fresh)
+                    torch.cuda.synchronize()
+                    times["stock"].append(time.perf_counter() - t0)
+                    del o, fresh
+                    continue
                 o, t = calls[label]()
                 times[label].append(t)
                 del o
@@ -382,7 +386,8 @@ def main() -> int:
             rows += run_block(case, n, [], held=True, hold=hold)
             write_results(f"gpu_generic_{what}_{n}", {**info, "rows": rows})
     elif what == "sweep":
-        rows += run_sweep(cases[0], n, hold, sys.argv[5].split(",") if len(sys.argv) > 5 else [])
+        rows += run_sweep(cases[0], n, hold, sys.argv[5].split(",") if len(sys.argv) > 5 else [],
+                          int(sys.argv[6]) if len(sys.argv) > 6 else 7)
     elif what == "model":
         rows += run_model(n)
     suffix = f"_{hold:.2f}" if what in ("held", "sweep") else ""

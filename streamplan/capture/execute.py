@@ -16,8 +16,9 @@ from ..executors.chunks import MAX_SPLITS, _attempt, spans
 from ..executors.kv_store import write_rows
 from .analyze import VIEW_OPS, Analysis, GlobalAttention, Rows, _name, written_args
 from .export import Captured
+from .into import Into, call_into, found, producer
 from .mlp import MLPRegion, run_region
-from .pieces import RowRun, find_runs, run_pieces, schedule
+from .pieces import RowRun, _view as _is_view, find_runs, run_pieces, schedule
 
 _LAYOUT = {"cat", "concat", "slice", "narrow", "split", "split_with_sizes", "chunk", "tensor_split"}
 
@@ -114,6 +115,8 @@ def _write_rows(dst: torch.Tensor, src: torch.Tensor, r: Rows, total: int, a: in
     d = r.dim
     to, rows = dst.narrow(d, r.pre + a, b - a), src.narrow(d, r.pre if first else 0, b - a)
     if not _same_elements(to, rows):   # a donated input the block updated in place is its own output already
+        if rows.untyped_storage().data_ptr() == to.untyped_storage().data_ptr():
+            rows = rows.clone()   # in the buffer, laid out otherwise: a copy would read what it has overwritten
         to.copy_(rows)
     if first and r.pre:
         dst.narrow(d, 0, r.pre).copy_(src.narrow(d, 0, r.pre))
@@ -165,6 +168,8 @@ class GraphRun:
         self._region_at = {r.exit: r for r in self.regions}
         self._attention_at = {att.node: att for att in an.attentions}
         self._schedules: dict[tuple, tuple[list[fx.Node], dict]] = {}
+        self._into: dict[fx.Node, Into] = {}   # a K/V/output value whose producer writes into its buffer (``into``)
+        self._producers: dict[fx.Node, fx.Node | None] = {}
         flat = pytree.tree_leaves((args, kwargs), is_leaf=lambda x: x is None)
         self.base: dict[fx.Node, Any] = {}
         placeholders = [n for n in cap.graph.nodes if n.op == "placeholder"]
@@ -275,8 +280,10 @@ class GraphRun:
         q = env[att.q]
         return self.attend(q, k, v, q_offset=a, causal=att.causal, scale=att.scale, **_attend_kwargs(att, env))
 
-    def _run(self, nodes: list[fx.Node], env: dict, a: int, keep: set[fx.Node], rows: int | None = None) -> dict:
-        """Run ``nodes`` on one chunk; ``rows`` set: the chunk's dynamic rows alone (static rows done once)."""
+    def _run(self, nodes: list[fx.Node], env: dict, a: int, keep: set[fx.Node], rows: int | None = None,
+             into: dict[fx.Node, torch.Tensor] | None = None) -> dict:
+        """Run ``nodes`` on one chunk; ``rows`` set: the chunk's dynamic rows alone (static rows done once);
+        ``into``: producers that write into the given tensors (their ``out=``)."""
         nodes, frees, pieces = self._schedule(nodes, keep)
         regions, globals_ = self._region_at, self._attention_at
         for i, node in enumerate(nodes):
@@ -289,6 +296,8 @@ class GraphRun:
                 env[node] = self._attention(att, env, a)
             elif rows is not None:
                 env[node] = self._dynamic(node, env, rows)
+            elif into and node in into:
+                env[node] = call_into(node, env, into[node])
             else:
                 env[node] = self._call(node, env)
                 if self.static_mode and node in self.wanted:
@@ -315,6 +324,32 @@ class GraphRun:
             found = self._schedules[key] = (run, frees, {r.marker: r for r in runs})
         return found
 
+    # -- values written straight into their buffers (``into``) ----------------------------------------------------
+    def _producer(self, value: fx.Node, nodes: list[fx.Node] | None = None) -> fx.Node | None:
+        """``value``'s producer where it may write into the value's buffer; ``nodes`` given (a donated output): only
+        if views alone follow it there, as nothing after it may read the input rows it overwrites."""
+        if value not in self._producers:
+            p = None if self.static_mode else producer(value, self.an)
+            if p is not None and nodes is not None:
+                after = nodes[nodes.index(p) + 1:] if p in nodes else None
+                p = p if after is not None and all(_is_view(n) for n in after) else None
+            self._producers[value] = p
+        return self._producers[value]
+
+    def _watch(self, values, nodes: list[fx.Node] | None = None) -> set[fx.Node]:
+        """The producers a first chunk keeps to its end, so ``_found`` can see them."""
+        return {p for v in values if v not in self._into and (p := self._producer(v, nodes)) is not None}
+
+    def _found(self, value: fx.Node, env: dict, buf: torch.Tensor, r: Rows) -> None:
+        p = self._producers.get(value)
+        if p is not None and value not in self._into and p in env and isinstance(env.get(value), torch.Tensor):
+            got = found(p, self.an, env[p], env[value], buf, r.dim, self.rows)
+            if got is not None:
+                self._into[value] = got
+
+    def _dests(self, values, a: int, b: int) -> dict[fx.Node, torch.Tensor]:
+        return {i.node: i.dest(a, b) for v in values if (i := self._into.get(v)) is not None}
+
     # -- the phases ---------------------------------------------------------------------------------------------
     def build_kv(self, chunk: int) -> None:
         for att, nodes in zip(self.an.attentions, self.ph.kv):
@@ -323,7 +358,10 @@ class GraphRun:
 
             def work(a: int, b: int, att=att, nodes=nodes, bufs=bufs, store=store) -> None:
                 dyn = self.static_mode and a > 0
-                env = self._run(nodes, self._inputs(a, b, dyn), a, {att.k, att.v}, b - a if dyn else None)
+                values = (att.k, att.v) if store is None else ()
+                watch = self._watch(values) if not bufs else set()
+                env = self._run(nodes, self._inputs(a, b, dyn), a, {att.k, att.v, *watch}, b - a if dyn else None,
+                                self._dests(values, a, b))
                 kc, vc = env[att.k], env[att.v]
                 if store is not None:
                     r = att.kv_rows
@@ -331,6 +369,8 @@ class GraphRun:
                     return
                 if not bufs:
                     bufs += [_whole(kc, att.kv_rows, self.rows), _whole(vc, att.kv_rows, self.rows)]
+                    self._found(att.k, env, bufs[0], att.kv_rows)
+                    self._found(att.v, env, bufs[1], att.kv_rows)
                 _write_rows(bufs[0], kc, att.kv_rows, self.rows, a, b, a == 0)
                 _write_rows(bufs[1], vc, att.kv_rows, self.rows, a, b, a == 0)
 
@@ -420,10 +460,16 @@ class GraphRun:
                               {att.node: []})
             nodes = [n for n in nodes if n in need]
 
+        rowed = [o for o in self.an.outputs if isinstance(o, fx.Node) and isinstance(self.an.rows.get(o), Rows)]
+
         def work(a: int, b: int) -> None:
             dyn = self.static_mode and a > 0
             self._span = (a, b)
-            env = self._run(nodes, self._inputs(a, b, dyn), a, keep, b - a if dyn else None)
+            first = outs[self.an.outputs.index(rowed[0])] is None if rowed else False
+            watch = set().union(*(self._watch([o], nodes if i in donate else None)
+                                  for i, o in enumerate(self.an.outputs) if o in rowed)) if first else set()
+            env = self._run(nodes, self._inputs(a, b, dyn), a, keep | watch, b - a if dyn else None,
+                            self._dests(rowed, a, b))
             for i, o in enumerate(self.an.outputs):
                 if not isinstance(o, fx.Node):
                     outs[i] = o
@@ -435,6 +481,7 @@ class GraphRun:
                 if isinstance(r, Rows):
                     if outs[i] is None:
                         outs[i] = donate.get(i) if i in donate else _whole(val, r, self.rows)
+                        self._found(o, env, outs[i], r)
                     _write_rows(outs[i], val, r, self.rows, a, b, a == 0)
                 else:
                     outs[i] = val

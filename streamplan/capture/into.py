@@ -1,0 +1,96 @@
+"""A chunk's K, V or output written by the op that makes it straight into the whole buffer it goes to (the op's
+``out=`` overload), instead of into a chunk tensor of its own that is then copied there: one pass over those rows
+less, and no chunk-sized tensor for them. Found on a phase's first chunk, from what that chunk's values turned out to
+be (the producer contiguous, the value a view over all of it laid out as the buffer's rows are); anything else keeps
+the copy. The written value is then the buffer's rows already, and ``execute._write_rows`` sees it and copies
+nothing."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx
+
+from .analyze import _SDPA, Analysis, Rows, _name, written_args
+from .pieces import _storage, _view
+
+
+@dataclass(eq=False)
+class Into:
+    """``node`` writes each chunk's rows into ``buf`` (rows along ``buf``'s ``dim``, ``row`` elements apart), its
+    own value shaped ``shape`` with the chunk's rows at ``node_dim``."""
+
+    node: fx.Node
+    buf: torch.Tensor
+    row: int
+    shape: list[int]
+    node_dim: int
+
+    def dest(self, a: int, b: int) -> torch.Tensor:
+        """The producer's ``out`` for rows [a, b): the buffer's memory of those rows, in the producer's shape."""
+        shape = list(self.shape)
+        shape[self.node_dim] = b - a
+        flat = self.buf.as_strided(((b - a) * self.row,), (1,), self.buf.storage_offset() + a * self.row)
+        return flat.view(shape)
+
+
+def producer(value: fx.Node, an: Analysis) -> fx.Node | None:
+    """The op whose storage ``value`` is a view of, where that op has an ``out=`` overload and makes its rows fresh
+    (no static rows, no in-place write, not an attention)."""
+    p = _storage(value)
+    if p.op != "call_function" or _view(p) or not isinstance(p.target, torch._ops.OpOverload):
+        return None
+    r = an.rows.get(p)
+    if p.target.namespace != "aten" or not isinstance(r, Rows) or r.pre or r.post:
+        return None
+    if _name(p.target) in _SDPA or _written(p):
+        return None
+    out = getattr(p.target.overloadpacket, "out", None)
+    if out is None or [a.name for a in out._schema.arguments if a.is_out] != ["out"]:
+        return None
+    if [a.name for a in out._schema.arguments if not a.is_out] != [a.name for a in p.target._schema.arguments]:
+        return None   # not the same call with ``out`` added (``empty_like.out`` takes no ``pin_memory``)
+    return p
+
+
+def _written(p: fx.Node) -> bool:
+    """Whether ``p``, or a view of it, is written in place anywhere (its value is then more than its op's)."""
+    todo, seen = [p], set()
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "call_function" and (_name(n.target).endswith("_") or written_args(n)):
+            return True
+        todo.extend(u for u in n.users if u.op == "call_function" and (
+            _view(u) or _name(u.target).endswith("_") or n in written_args(u)))
+    return False
+
+
+def found(node: fx.Node, an: Analysis, produced: Any, value: torch.Tensor, buf: torch.Tensor, dim: int,
+          total: int) -> Into | None:
+    """An ``Into`` where ``value`` (the chunk's rows along ``dim``) is a view over all of ``produced`` laid out as
+    ``buf``'s rows are and ``buf`` holds its ``total`` rows one after another."""
+    if not isinstance(produced, torch.Tensor) or not produced.is_contiguous() or produced.dtype != buf.dtype:
+        return None
+    rows, row = value.shape[dim], buf.stride(dim)
+    outer = all(n == 1 or s < row for i, (n, s) in enumerate(zip(buf.shape, buf.stride())) if i != dim)
+    if not outer or buf.numel() != total * row or produced.numel() != rows * row:
+        return None
+    if value.data_ptr() != produced.data_ptr() or any(n != 1 and s != t for n, s, t in
+                                                     zip(value.shape, value.stride(), buf.stride())):
+        return None
+    return Into(node, buf, row, list(produced.shape), an.rows[node].dim)
+
+
+def call_into(node: fx.Node, env: dict, out: torch.Tensor) -> Any:
+    """``node`` run into ``out``; as usual where one of its inputs lies in ``out``'s storage (a donated input)."""
+    args = fx.node.map_arg(node.args, lambda n: env[n])
+    kwargs = fx.node.map_arg(node.kwargs, lambda n: env[n])
+    storage = out.untyped_storage().data_ptr()
+    ins = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    if any(t.untyped_storage().data_ptr() == storage for t in ins):
+        return node.target(*args, **kwargs)
+    return node.target.overloadpacket.out(*args, **kwargs, out=out)

@@ -1,0 +1,104 @@
+"""A chunk's K, V and output are written by the ops that make them straight into their whole buffers (``out=``), not
+copied there from chunk tensors of their own: bit for bit what the copies gave, the copies gone, and never where an
+input the op overwrites is still to be read."""
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import streamplan
+from conftest import rel_err
+from streamplan.capture import execute
+from streamplan.executors.donation import donate
+
+N = 1200
+
+
+class _Copies(TorchDispatchMode):
+    """Counts ``copy_`` calls of at least ``rows`` rows' worth of elements."""
+
+    def __init__(self, elements: int):
+        super().__init__()
+        self.elements, self.count = elements, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.copy_.default and args[0].numel() >= self.elements:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _h3():
+    from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3TransformerBlock
+    block = MiniMaxH3TransformerBlock(256, 8, 64, 512, 32, 1e-6, 1e-6).eval()
+    return block, (torch.randn(1, N, 256), torch.randn(2, 32), torch.randint(0, 6, (N,)),
+                   (torch.randn(N, 48), torch.randn(N, 48)))
+
+
+def _streamed(block, args, monkeypatch, direct: bool, donated: bool = False):
+    """Output and chunk-sized copies of one streamed call (three 400-row chunks), with or without the direct writes."""
+    if not direct:
+        monkeypatch.setattr(execute, "found", lambda *a, **k: None)
+    handle = streamplan.apply(block, capture="prefer", chunk_tokens=400)
+    x = args[0].clone()
+    block(x, *args[1:])   # captured and planned
+    counter = _Copies(400 * 256)
+    with counter:
+        if donated:
+            with donate(x):
+                out = block(x, *args[1:])
+        else:
+            out = block(x.clone(), *args[1:])
+    handle.remove()
+    monkeypatch.undo()
+    return out, counter.count, x
+
+
+@torch.no_grad()
+def test_k_v_and_output_are_written_into_their_buffers(monkeypatch):
+    block, args = _h3()
+    ref = block(*args)
+    out, copies, _ = _streamed(block, args, monkeypatch, direct=True)
+    old, old_copies, _ = _streamed(block, args, monkeypatch, direct=False)
+    assert rel_err(out, ref) <= 1e-5
+    assert torch.equal(out, old)
+    # K (its rotary's cat), V (its projection) and the output (the last add) copied from the first chunk alone
+    assert old_copies - copies == 3 * 2, (old_copies, copies)
+
+
+@torch.no_grad()
+def test_a_donated_input_is_written_by_the_last_add(monkeypatch):
+    block, args = _h3()
+    ref = block(*args)
+    out, copies, x = _streamed(block, args, monkeypatch, direct=True, donated=True)
+    assert out.data_ptr() == x.data_ptr() and rel_err(out, ref) <= 1e-5
+    old, _, _ = _streamed(block, args, monkeypatch, direct=False, donated=True)
+    assert torch.equal(out, old)
+
+
+class _ReadsInputAfterOutput(nn.Module):
+    """Its first output is made before a second one reads the input's rows again: written into a donated input, the
+    first output would overwrite rows the second still reads."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(64, 192)
+        self.out = nn.Linear(64, 64)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).view(1, -1, 3, 4, 16).permute(2, 0, 3, 1, 4)
+        a = nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(x.shape)
+        first = self.out(a) + 1.0
+        second = x * 2.0
+        return first, second
+
+
+@torch.no_grad()
+def test_no_direct_write_where_a_later_node_reads_the_donated_input():
+    block = _ReadsInputAfterOutput().eval()
+    x = torch.randn(1, 900, 64)
+    ref = block(x)
+    streamplan.apply(block, capture="prefer", chunk_tokens=300)
+    y = x.clone()
+    block(y.clone())
+    with donate(y):
+        first, second = block(y)
+    assert rel_err(first, ref[0]) <= 1e-5 and torch.equal(second, ref[1])
