@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from .analyze import _SDPA, Analysis, Rows, _name, written_args
+from .analyze import Analysis, Rows, _name, written_args
 from .pieces import _storage, _view
 
 
@@ -44,7 +44,7 @@ def producer(value: fx.Node, an: Analysis) -> fx.Node | None:
     r = an.rows.get(p)
     if p.target.namespace != "aten" or not isinstance(r, Rows) or r.pre or r.post:
         return None
-    if _name(p.target) in _SDPA or _written(p):
+    if not _same_math(p) or _written(p):
         return None
     out = getattr(p.target.overloadpacket, "out", None)
     if out is None or [a.name for a in out._schema.arguments if a.is_out] != ["out"]:
@@ -52,6 +52,19 @@ def producer(value: fx.Node, an: Analysis) -> fx.Node | None:
     if [a.name for a in out._schema.arguments if not a.is_out] != [a.name for a in p.target._schema.arguments]:
         return None   # not the same call with ``out`` added (``empty_like.out`` takes no ``pin_memory``)
     return p
+
+
+def _same_math(p: fx.Node) -> bool:
+    """Ops whose ``out=`` overload computes what the op does, bit for bit: pointwise ops, joins and plain matrix
+    products. Not ``linear`` with a bias (its ``out=`` adds the bias after the product, rounded twice; the op adds it
+    in the GEMM's epilogue) nor anything not known to."""
+    name = _name(p.target)
+    if torch.Tag.pointwise in p.target.tags or name in _PLAIN:
+        return True
+    return name == "linear" and (len(p.args) < 3 or p.args[2] is None) and p.kwargs.get("bias") is None
+
+
+_PLAIN = {"cat", "mm", "bmm", "matmul"}
 
 
 def _written(p: fx.Node) -> bool:
