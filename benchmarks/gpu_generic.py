@@ -36,16 +36,22 @@ def _gen():
     return torch.Generator(device="cuda").manual_seed(1)
 
 
-def h3_block(n):
+def h3_block(n, packed: bool = False):
+    """``packed``: the AdaLN index as the model's packed sequence has it, runs of rows of one (timestep, modality):
+    512 text rows (index 4), 2000 audio (5), 4096 conditioning video rows at t=0 (0), the noisy video rows (3); else
+    one random index per row (no two neighbours need agree: the lookups' worst case)."""
     from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3TransformerBlock
     block = MiniMaxH3TransformerBlock(5376, 56, 128, 14336, 2688, 1e-5, 1e-5)
     pos = torch.randn(n, 96, device="cuda")
+    runs = [(4, 512), (5, 2000), (0, 4096)]
+    layout = torch.cat([torch.full((k,), i, device="cuda") for i, k in runs]
+                       + [torch.full((n - sum(k for _, k in runs),), 3, device="cuda")])
 
     def inputs():
         g = _gen()
         return (torch.randn(1, n, 5376, device="cuda", dtype=BF16, generator=g),
                 torch.randn(2, 2688, device="cuda", generator=g),
-                torch.randint(0, 6, (n,), device="cuda", generator=g), (pos.cos(), pos.sin()))
+                layout if packed else torch.randint(0, 6, (n,), device="cuda", generator=g), (pos.cos(), pos.sin()))
     # floor: the residual (5376 wide) + K + V (56 x 128 = 7168 wide each), bf16
     return "diffusers MiniMaxH3TransformerBlock (5376, 56x128, SwiGLU 14336)", block, inputs, n * (5376 + 2 * 7168) * 2
 
@@ -123,7 +129,8 @@ def llama(n):
     return "transformers LlamaDecoderLayer (Llama-3-8B, GQA 32/8)", block, inputs, n * (4096 + 2 * 1024) * 2
 
 
-BLOCKS = {"h3-block": h3_block, "hunyuan-double-block": hunyuan(False), "hunyuan-single-block": hunyuan(True),
+BLOCKS = {"h3-block": h3_block, "h3-block-packed": lambda n: h3_block(n, packed=True),
+          "hunyuan-double-block": hunyuan(False), "hunyuan-single-block": hunyuan(True),
           "ltx-block": ltx, "wan-14b-block": wan, "flux-single-block": flux_single, "llama3-8b-layer": llama}
 
 

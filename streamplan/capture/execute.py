@@ -17,6 +17,7 @@ from ..executors.kv_store import write_rows
 from .analyze import VIEW_OPS, Analysis, GlobalAttention, Rows, _name, written_args
 from .export import Captured
 from .into import Into, call_into, found, producer
+from .lookups import IndexRuns, entry_row, find_lookups
 from .mlp import MLPRegion, run_region
 from .pieces import RowRun, _view as _is_view, find_runs, run_pieces, schedule
 
@@ -170,6 +171,9 @@ class GraphRun:
         self._schedules: dict[tuple, tuple[list[fx.Node], dict]] = {}
         self._into: dict[fx.Node, Into] = {}   # a K/V/output value whose producer writes into its buffer (``into``)
         self._producers: dict[fx.Node, fx.Node | None] = {}
+        # per-row table lookups a chunk inside one run of equal indices takes as one broadcast row (``lookups``)
+        self._lookups = find_lookups(cap.graph, an) if pieces == 1 else {}
+        self._runs: dict[fx.Node, IndexRuns] = {}
         flat = pytree.tree_leaves((args, kwargs), is_leaf=lambda x: x is None)
         self.base: dict[fx.Node, Any] = {}
         placeholders = [n for n in cap.graph.nodes if n.op == "placeholder"]
@@ -187,6 +191,8 @@ class GraphRun:
         self._base = 0   # the first row of what ``attn_out`` holds
         self.consts: dict[fx.Node, Any] = {}
         self._static_rows_once(cap)
+        if self.static_mode:
+            self._lookups = {}
         env = dict(self.base)
         for node in ph.const:
             env[node] = self._call(node, env)
@@ -296,6 +302,8 @@ class GraphRun:
                 env[node] = self._attention(att, env, a)
             elif rows is not None:
                 env[node] = self._dynamic(node, env, rows)
+            elif node in self._lookups and (row := self._entry(node, env, a)) is not None:
+                env[node] = row
             elif into and node in into:
                 env[node] = call_into(node, env, into[node])
             else:
@@ -323,6 +331,13 @@ class GraphRun:
             frees = _last_uses(run, extra={**extra, **{r.marker: r.inputs for r in runs}})
             found = self._schedules[key] = (run, frees, {r.marker: r for r in runs})
         return found
+
+    def _entry(self, node: fx.Node, env: dict, a: int) -> torch.Tensor | None:
+        lk = self._lookups[node]
+        runs = self._runs.get(lk.index)
+        if runs is None:
+            runs = self._runs[lk.index] = IndexRuns(self.base[lk.index])
+        return entry_row(lk, env[lk.table], runs, a, a + env[lk.index].shape[0])
 
     # -- values written straight into their buffers (``into``) ----------------------------------------------------
     def _producer(self, value: fx.Node, nodes: list[fx.Node] | None = None) -> fx.Node | None:
