@@ -517,6 +517,7 @@ class GraphRun:
                 del self.attn_out[att.node]
             self._base = 0
         self.kv.clear()
+        self._into.clear()   # they hold the K/V and output buffers: not past the call
         for store in self.stores.values():
             store.release()
         self.stores.clear()
