@@ -518,6 +518,7 @@ class GraphRun:
             self._base = 0
         self.kv.clear()
         self._into.clear()   # they hold the K/V and output buffers: not past the call
+        self.attn_out.clear()
         for store in self.stores.values():
             store.release()
         self.stores.clear()
