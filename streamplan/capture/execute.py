@@ -16,7 +16,7 @@ from ..executors.chunks import MAX_SPLITS, _attempt, spans
 from ..executors.kv_store import write_rows
 from .analyze import VIEW_OPS, Analysis, GlobalAttention, Rows, _name, written_args
 from .export import Captured
-from .into import Into, call_into, found, producer
+from .into import Into, Made, call_into, found, producer
 from .lookups import IndexRuns, entry_row, find_lookups
 from .mlp import MLPRegion, run_region
 from .pieces import RowRun, _view as _is_view, find_runs, run_pieces, schedule
@@ -171,6 +171,7 @@ class GraphRun:
         self._schedules: dict[tuple, tuple[list[fx.Node], dict]] = {}
         self._into: dict[fx.Node, Into] = {}   # a K/V/output value whose producer writes into its buffer (``into``)
         self._producers: dict[fx.Node, fx.Node | None] = {}
+        self._made: dict[fx.Node, Made | None] = {}   # what a watched producer made on a first chunk
         # per-row table lookups a chunk inside one run of equal indices takes as one broadcast row (``lookups``)
         self._lookups = find_lookups(cap.graph, an) if pieces == 1 else {}
         self._runs: dict[fx.Node, IndexRuns] = {}
@@ -287,9 +288,10 @@ class GraphRun:
         return self.attend(q, k, v, q_offset=a, causal=att.causal, scale=att.scale, **_attend_kwargs(att, env))
 
     def _run(self, nodes: list[fx.Node], env: dict, a: int, keep: set[fx.Node], rows: int | None = None,
-             into: dict[fx.Node, torch.Tensor] | None = None) -> dict:
+             into: dict[fx.Node, torch.Tensor] | None = None, watch: set[fx.Node] = frozenset()) -> dict:
         """Run ``nodes`` on one chunk; ``rows`` set: the chunk's dynamic rows alone (static rows done once);
-        ``into``: producers that write into the given tensors (their ``out=``)."""
+        ``into``: producers that write into the given tensors (their ``out=``); ``watch``: producers whose value's
+        layout ``_made`` records."""
         nodes, frees, pieces = self._schedule(nodes, keep)
         regions, globals_ = self._region_at, self._attention_at
         for i, node in enumerate(nodes):
@@ -310,6 +312,8 @@ class GraphRun:
                 env[node] = self._call(node, env)
                 if self.static_mode and node in self.wanted:
                     self.cache[node] = env[node]
+            if node in watch:
+                self._made[node] = Made.of(env[node])
             for m in frees.get(i, ()):
                 if m not in keep and m not in self.consts and m not in self.base:
                     env.pop(m, None)
@@ -352,13 +356,13 @@ class GraphRun:
         return self._producers[value]
 
     def _watch(self, values, nodes: list[fx.Node] | None = None) -> set[fx.Node]:
-        """The producers a first chunk keeps to its end, so ``_found`` can see them."""
+        """The producers whose value's layout a first chunk records, so ``_found`` can see it."""
         return {p for v in values if v not in self._into and (p := self._producer(v, nodes)) is not None}
 
     def _found(self, value: fx.Node, env: dict, buf: torch.Tensor, r: Rows) -> None:
         p = self._producers.get(value)
-        if p is not None and value not in self._into and p in env and isinstance(env.get(value), torch.Tensor):
-            got = found(p, self.an, env[p], env[value], buf, r.dim, self.rows)
+        if p is not None and value not in self._into and p in self._made and isinstance(env.get(value), torch.Tensor):
+            got = found(p, self.an, self._made.pop(p), env[value], buf, r.dim, self.rows)
             if got is not None:
                 self._into[value] = got
 
@@ -375,8 +379,8 @@ class GraphRun:
                 dyn = self.static_mode and a > 0
                 values = (att.k, att.v) if store is None else ()
                 watch = self._watch(values) if not bufs else set()
-                env = self._run(nodes, self._inputs(a, b, dyn), a, {att.k, att.v, *watch}, b - a if dyn else None,
-                                self._dests(values, a, b))
+                env = self._run(nodes, self._inputs(a, b, dyn), a, {att.k, att.v}, b - a if dyn else None,
+                                self._dests(values, a, b), watch)
                 kc, vc = env[att.k], env[att.v]
                 if store is not None:
                     r = att.kv_rows
@@ -483,8 +487,8 @@ class GraphRun:
             first = outs[self.an.outputs.index(rowed[0])] is None if rowed else False
             watch = set().union(*(self._watch([o], nodes if i in donate else None)
                                   for i, o in enumerate(self.an.outputs) if o in rowed)) if first else set()
-            env = self._run(nodes, self._inputs(a, b, dyn), a, keep | watch, b - a if dyn else None,
-                            self._dests(rowed, a, b))
+            env = self._run(nodes, self._inputs(a, b, dyn), a, keep, b - a if dyn else None,
+                            self._dests(rowed, a, b), watch)
             for i, o in enumerate(self.an.outputs):
                 if not isinstance(o, fx.Node):
                     outs[i] = o

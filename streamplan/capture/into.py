@@ -82,20 +82,37 @@ def _written(p: fx.Node) -> bool:
     return False
 
 
-def found(node: fx.Node, an: Analysis, produced: Any, value: torch.Tensor, buf: torch.Tensor, dim: int,
+@dataclass(frozen=True)
+class Made:
+    """What a producer made on a phase's first chunk, without holding it (its memory is the plan's to free)."""
+
+    ptr: int
+    shape: tuple[int, ...]
+    numel: int
+    dtype: torch.dtype
+    contiguous: bool
+
+    @staticmethod
+    def of(t: Any) -> Made | None:
+        if not isinstance(t, torch.Tensor):
+            return None
+        return Made(t.data_ptr(), tuple(t.shape), t.numel(), t.dtype, t.is_contiguous())
+
+
+def found(node: fx.Node, an: Analysis, made: Made | None, value: torch.Tensor, buf: torch.Tensor, dim: int,
           total: int) -> Into | None:
-    """An ``Into`` where ``value`` (the chunk's rows along ``dim``) is a view over all of ``produced`` laid out as
-    ``buf``'s rows are and ``buf`` holds its ``total`` rows one after another."""
-    if not isinstance(produced, torch.Tensor) or not produced.is_contiguous() or produced.dtype != buf.dtype:
+    """An ``Into`` where ``value`` (the chunk's rows along ``dim``) is a view over all of what ``node`` ``made``,
+    laid out as ``buf``'s rows are, and ``buf`` holds its ``total`` rows one after another."""
+    if made is None or not made.contiguous or made.dtype != buf.dtype:
         return None
     rows, row = value.shape[dim], buf.stride(dim)
     outer = all(n == 1 or s < row for i, (n, s) in enumerate(zip(buf.shape, buf.stride())) if i != dim)
-    if not outer or buf.numel() != total * row or produced.numel() != rows * row:
+    if not outer or buf.numel() != total * row or made.numel != rows * row:
         return None
-    if value.data_ptr() != produced.data_ptr() or any(n != 1 and s != t for n, s, t in
-                                                     zip(value.shape, value.stride(), buf.stride())):
+    if value.data_ptr() != made.ptr or any(n != 1 and s != t for n, s, t in
+                                           zip(value.shape, value.stride(), buf.stride())):
         return None
-    return Into(node, buf, row, list(produced.shape), an.rows[node].dim)
+    return Into(node, buf, row, list(made.shape), an.rows[node].dim)
 
 
 def call_into(node: fx.Node, env: dict, out: torch.Tensor) -> Any:
