@@ -128,9 +128,10 @@ def test_a_projection_with_a_bias_keeps_its_copy(monkeypatch):
 
 def test_nothing_of_a_streamed_call_outlives_it():
     """The first call captures the block: none of its runs (their K/V and output buffers) may survive it, with the cycle
-    collector off (as it mostly is between GPU kernels). With torch 2.11 a capture that retries leaves cycles among
-    torch.export's frames that reach that call's frame: ``capture`` collects them (seen holding a Gemma 2 layer's V
-    into the next layer on the H200; torch 2.13 here leaves none, so this checks the rest: nothing else keeps a run)."""
+    collector off (as it mostly is between GPU kernels). A trace that fails inside torch.export leaves cycles among
+    its frames that reach that call's frame: ``capture`` collects them when a trace failed (torch 2.11's constraint
+    retry, every eager GQA attention: a Gemma 2 layer's V held into the next layer on the H200, reproduced with torch
+    2.11 on CPU); this H3 block traces at once, so this checks the rest: nothing else keeps a run)."""
     import gc
     block, args = _h3()
     streamplan.apply(block, capture="prefer", chunk_tokens=400)

@@ -174,7 +174,7 @@ class GraphRun:
         self._made: dict[fx.Node, Made | None] = {}   # what a watched producer made on a first chunk
         # per-row table lookups a chunk inside one run of equal indices takes as one broadcast row (``lookups``)
         self._lookups = find_lookups(cap.graph, an) if pieces == 1 else {}
-        self._runs: dict[fx.Node, IndexRuns] = {}
+        self._runs: dict[fx.Node, IndexRuns | None] = {}
         flat = pytree.tree_leaves((args, kwargs), is_leaf=lambda x: x is None)
         self.base: dict[fx.Node, Any] = {}
         placeholders = [n for n in cap.graph.nodes if n.op == "placeholder"]
@@ -338,10 +338,10 @@ class GraphRun:
 
     def _entry(self, node: fx.Node, env: dict, a: int) -> torch.Tensor | None:
         lk = self._lookups[node]
-        runs = self._runs.get(lk.index)
-        if runs is None:
-            runs = self._runs[lk.index] = IndexRuns(self.base[lk.index])
-        return entry_row(lk, env[lk.table], runs, a, a + env[lk.index].shape[0])
+        if lk.index not in self._runs:
+            self._runs[lk.index] = IndexRuns.of(self.base[lk.index])
+        runs = self._runs[lk.index]
+        return None if runs is None else entry_row(lk, env[lk.table], runs, a, a + env[lk.index].shape[0])
 
     # -- values written straight into their buffers (``into``) ----------------------------------------------------
     def _producer(self, value: fx.Node, nodes: list[fx.Node] | None = None) -> fx.Node | None:

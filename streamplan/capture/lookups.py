@@ -70,6 +70,11 @@ def _broadcasts(root: fx.Node, an: Analysis) -> bool:
 class IndexRuns:
     """The runs of equal values of a per-row index, read to the host once (one sync per block call)."""
 
+    @staticmethod
+    def of(index: torch.Tensor) -> IndexRuns | None:
+        """None where the index has no values to read (the meta device: planning on shapes alone)."""
+        return None if index.device.type == "meta" else IndexRuns(index)
+
     def __init__(self, index: torch.Tensor):
         flat = index.reshape(-1)
         change = torch.nonzero(flat[1:] != flat[:-1]).flatten() + 1
