@@ -72,8 +72,8 @@ class IndexRuns:
 
     @staticmethod
     def of(index: torch.Tensor) -> IndexRuns | None:
-        """None where the index has no values to read (the meta device: planning on shapes alone)."""
-        return None if index.device.type == "meta" else IndexRuns(index)
+        """None where the index has no values to read (the meta device: planning on shapes alone; no rows)."""
+        return None if index.device.type == "meta" or index.numel() == 0 else IndexRuns(index)
 
     def __init__(self, index: torch.Tensor):
         flat = index.reshape(-1)
