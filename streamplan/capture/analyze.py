@@ -89,6 +89,11 @@ _CREATE = {"new_zeros", "new_ones", "new_full", "new_empty", "zeros", "ones", "f
 _SDPA = {"scaled_dot_product_attention", "eager_attention"}   # the second: capture/eager_attention.py
 
 
+def pointwise(target) -> bool:
+    """An elementwise op (torch's own tag): each output element from the inputs' elements at its place."""
+    return torch.Tag.pointwise in getattr(target, "tags", ())
+
+
 def _name(target) -> str:
     packet = getattr(target, "_overloadpacket", None)
     return packet.__name__ if packet is not None else getattr(target, "__name__", str(target))
@@ -371,14 +376,14 @@ class _Analyzer:
             rdim = args.get("dim")
             if not isinstance(rdim, int) or self.norm_dim(rdim, x_val.dim()) == x.dim:
                 raise NotRowLocal("repeat_interleave along the rows (or of the flattened rows)")
-        if name in _DIMMED or name in _PASS or torch.Tag.pointwise in node.target.tags:
+        if name in _DIMMED or name in _PASS or pointwise(node.target):
             pre, post = self.same_layout(name, inputs)
             out = self.out_rows(node, val, pre, post)
             if out is None:
                 raise NotRowLocal(f"{name} drops the rows")
             if name in _RESHAPES and self.prefix(x_val, x.dim) != self.prefix(val, out.dim):
                 raise NotRowLocal(f"{name} mixes the rows with the dimensions before them")
-            if torch.Tag.pointwise in node.target.tags:
+            if pointwise(node.target):
                 for n, r in inputs:
                     if n.meta["val"].dim() - r.dim != val.dim() - out.dim:
                         raise NotRowLocal(f"{name} broadcasts rows against another dimension")

@@ -19,18 +19,22 @@ from .export import Captured
 from .into import Into, Made, call_into, found, producer
 from .lookups import IndexRuns, entry_row, find_lookups
 from .mlp import MLPRegion, run_region
-from .pieces import RowRun, _view as _is_view, find_runs, run_pieces, schedule
+from .pieces import RowRun, find_runs, is_view, run_pieces, schedule
 
 _LAYOUT = {"cat", "concat", "slice", "narrow", "split", "split_with_sizes", "chunk", "tensor_split"}
 
 @dataclass(eq=False)
 class Phases:
-    """The node lists each phase runs (constants excluded) and what each keeps to the end."""
+    """The node lists each phase runs (constants excluded) and what each keeps to the end; worked out once per
+    capture with what the runs may do besides running them (``lookups``, ``producers``)."""
 
     const: list[fx.Node]
     kv: list[list[fx.Node]]          # per global attention, in graph order
     q: list[fx.Node]
     writes: dict = field(default_factory=dict)   # in-place writes each node depends on (``_writes``)
+    lookups: dict = field(default_factory=dict)  # per-row table lookups a run of equal indices takes as a row
+    producers: dict = field(default_factory=dict)  # K, V or output -> the op that may write it into its buffer
+    last: set = field(default_factory=set)       # outputs whose producer only views follow: may write a donated input
 
 
 def _writes(order: list[fx.Node], base: dict[fx.Node, fx.Node] | None = None) -> dict[fx.Node, set[fx.Node]]:
@@ -94,7 +98,16 @@ def phases(cap: Captured, an: Analysis) -> Phases:
               for att in an.attentions}
     need = _ancestors([o for o in an.outputs if isinstance(o, fx.Node)] + list(extra.get(output, ())), stop, extra,
                       q_only)
-    return Phases(const, kv, [n for n in order if n in need], extra)
+    q = [n for n in order if n in need]
+    values = [v for att in an.attentions for v in (att.k, att.v)] + _rowed_outputs(an)
+    producers = {v: p for v in values if (p := producer(v, an)) is not None}
+    # a donated output's producer overwrites the input's rows: nothing after it in phase Q may read them
+    last = {v for v, p in producers.items() if p in q and all(is_view(n) for n in q[q.index(p) + 1:])}
+    return Phases(const, kv, q, extra, find_lookups(cap.graph, an), producers, last)
+
+
+def _rowed_outputs(an: Analysis) -> list[fx.Node]:
+    return [o for o in an.outputs if isinstance(o, fx.Node) and isinstance(an.rows.get(o), Rows)]
 
 
 def _last_uses(nodes: list[fx.Node], extra: dict | None = None) -> dict[int, list[fx.Node]]:
@@ -170,10 +183,9 @@ class GraphRun:
         self._attention_at = {att.node: att for att in an.attentions}
         self._schedules: dict[tuple, tuple[list[fx.Node], dict]] = {}
         self._into: dict[fx.Node, Into] = {}   # a K/V/output value whose producer writes into its buffer (``into``)
-        self._producers: dict[fx.Node, fx.Node | None] = {}
         self._made: dict[fx.Node, Made | None] = {}   # what a watched producer made on a first chunk
         # per-row table lookups a chunk inside one run of equal indices takes as one broadcast row (``lookups``)
-        self._lookups = find_lookups(cap.graph, an) if pieces == 1 else {}
+        self._lookups = ph.lookups if pieces == 1 else {}
         self._runs: dict[fx.Node, IndexRuns | None] = {}
         flat = pytree.tree_leaves((args, kwargs), is_leaf=lambda x: x is None)
         self.base: dict[fx.Node, Any] = {}
@@ -344,23 +356,18 @@ class GraphRun:
         return None if runs is None else entry_row(lk, env[lk.table], runs, a, a + env[lk.index].shape[0])
 
     # -- values written straight into their buffers (``into``) ----------------------------------------------------
-    def _producer(self, value: fx.Node, nodes: list[fx.Node] | None = None) -> fx.Node | None:
-        """``value``'s producer where it may write into the value's buffer; ``nodes`` given (a donated output): only
-        if views alone follow it there, as nothing after it may read the input rows it overwrites."""
-        if value not in self._producers:
-            p = None if self.static_mode else producer(value, self.an)
-            if p is not None and nodes is not None:
-                after = nodes[nodes.index(p) + 1:] if p in nodes else None
-                p = p if after is not None and all(_is_view(n) for n in after) else None
-            self._producers[value] = p
-        return self._producers[value]
+    def _producer(self, value: fx.Node, donated: bool = False) -> fx.Node | None:
+        """``value``'s producer where it may write into the value's buffer (a donated input: only from the end)."""
+        if self.static_mode or (donated and value not in self.ph.last):
+            return None
+        return self.ph.producers.get(value)
 
-    def _watch(self, values, nodes: list[fx.Node] | None = None) -> set[fx.Node]:
+    def _watch(self, values, donated: bool = False) -> set[fx.Node]:
         """The producers whose value's layout a first chunk records, so ``_found`` can see it."""
-        return {p for v in values if v not in self._into and (p := self._producer(v, nodes)) is not None}
+        return {p for v in values if v not in self._into and (p := self._producer(v, donated)) is not None}
 
     def _found(self, value: fx.Node, env: dict, buf: torch.Tensor, r: Rows) -> None:
-        p = self._producers.get(value)
+        p = self.ph.producers.get(value)
         if p is not None and value not in self._into and p in self._made and isinstance(env.get(value), torch.Tensor):
             got = found(p, self.an, self._made.pop(p), env[value], buf, r.dim, self.rows)
             if got is not None:
@@ -479,13 +486,13 @@ class GraphRun:
                               {att.node: []})
             nodes = [n for n in nodes if n in need]
 
-        rowed = [o for o in self.an.outputs if isinstance(o, fx.Node) and isinstance(self.an.rows.get(o), Rows)]
+        rowed = _rowed_outputs(self.an)
 
         def work(a: int, b: int) -> None:
             dyn = self.static_mode and a > 0
             self._span = (a, b)
             first = outs[self.an.outputs.index(rowed[0])] is None if rowed else False
-            watch = set().union(*(self._watch([o], nodes if i in donate else None)
+            watch = set().union(*(self._watch([o], i in donate)
                                   for i, o in enumerate(self.an.outputs) if o in rowed)) if first else set()
             env = self._run(nodes, self._inputs(a, b, dyn), a, keep, b - a if dyn else None,
                             self._dests(rowed, a, b), watch)

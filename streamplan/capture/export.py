@@ -153,39 +153,30 @@ def structure(module: nn.Module) -> tuple:
     return tuple(out)
 
 
-class _Failed:
-    count = 0   # traces that failed inside torch.export (each may leave reference cycles among its frames)
-
-
-FAILED_TRACES = _Failed()
-
-
-def _export(export, module: nn.Module, args: tuple, kwargs: dict, dynamic: dict):
+def _export(export, module: nn.Module, args: tuple, kwargs: dict, dynamic: dict) -> tuple[Any, bool]:
     """``torch.export`` at this call. Where export cannot prove a guard on the row count for every count
     ("Constraints violated (rows)": torch 2.11 cannot prove ``min(16*rows, 32*rows) == 16*rows`` from
-    ``repeat_kv``'s reshape of an expanded K/V, i.e. every eager GQA attention), the trace is taken once more with
+    the reshape of an expanded K/V that eager grouped-query attention makes), the trace is taken once more with
     the guards left in the graph as assertions, and kept only if sympy proves each of them for every positive count
-    (the executors do not run assertions)."""
-    failed = False
+    (the executors do not run assertions). Also whether a trace failed on the way (``capture`` then collects the
+    reference cycles a failed trace leaves)."""
     with torch.no_grad(), ExitStack() as contexts:
         for context in CAPTURE_CONTEXTS:   # what a block's library swaps while it is traced (ir)
             held = context(module)
             if held is not None:
                 contexts.enter_context(held)
         try:
-            return export(module, tuple(args), dict(kwargs), dynamic_shapes=dynamic, strict=False)
+            return export(module, tuple(args), dict(kwargs), dynamic_shapes=dynamic, strict=False), False
         except Exception as exc:  # noqa: BLE001 -- only the constraint failure is retried
             if "Constraints violated" not in str(exc):
                 raise
-            failed = True
-        if failed:   # outside the handler: the failure's traceback is let go before the second trace
-            program = export(module, tuple(args), dict(kwargs), dynamic_shapes=dynamic, strict=False,
-                             prefer_deferred_runtime_asserts_over_guards=True)
-            FAILED_TRACES.count += 1
-            unproven = _unproven_assertion(program.graph)
-            if unproven is not None:
-                raise RuntimeError(f"a guard on the row count that holds only for some counts: {unproven}")
-            return program
+        # retried outside the handler: the failure's traceback is let go before the second trace
+        program = export(module, tuple(args), dict(kwargs), dynamic_shapes=dynamic, strict=False,
+                         prefer_deferred_runtime_asserts_over_guards=True)
+        unproven = _unproven_assertion(program.graph)
+        if unproven is not None:
+            raise RuntimeError(f"a guard on the row count that holds only for some counts: {unproven}")
+        return program, True
 
 
 def _reason(exc: Exception) -> str:
@@ -253,7 +244,7 @@ def capture(module: nn.Module, args: tuple, kwargs: dict, rows: int) -> Captured
     extra = bound.pop(var_kw) if var_kw in bound else {}
     bound.update(extra)
     start = time.perf_counter()
-    failures = FAILED_TRACES.count
+    failed = False   # a trace failed inside torch.export: see the collection below
     installed = module.__dict__.pop("forward", None)   # streamplan's own wrapper: trace the class forward
     if extra:
         cls_forward = type(module).forward
@@ -281,12 +272,12 @@ def capture(module: nn.Module, args: tuple, kwargs: dict, rows: int) -> Captured
             dynamic = {k: pytree.tree_map(lambda x: dyn(x, joined), v, is_leaf=_dyn_leaf)
                        for k, v in bound.items()}
             try:
-                program = _export(export, module, args, kwargs, dynamic)
+                program, failed = _export(export, module, args, kwargs, dynamic)
+                failed = failed or first_reason is not None
                 min_rows = lo
                 break
             except Exception as exc:  # noqa: BLE001 -- any capture failure keeps the module stock, with the reason
-                first_reason = first_reason or _reason(exc)
-                FAILED_TRACES.count += 1
+                first_reason, failed = first_reason or _reason(exc), True
                 if i + 1 < len(attempts):
                     continue
                 return first_reason
@@ -297,9 +288,9 @@ def capture(module: nn.Module, args: tuple, kwargs: dict, rows: int) -> Captured
             module.forward = installed
         # a trace that failed inside torch.export leaves reference cycles among its frames; through their callers
         # they keep the streamed call that captured (its inputs, K/V and output buffers) alive until the cycle
-        # collector runs (on the H200 a Gemma 2 layer's V, 0.5 GiB at 131k, held into the next layer's budget under
-        # torch 2.11): collected now, only where a trace failed (a full collection costs ~0.3 s)
-        if FAILED_TRACES.count != failures:
+        # collector runs (on the H200 under torch 2.11 one layer's V, 0.5 GiB at 131k tokens, held into the next
+        # layer's budget): collected now, only where a trace failed (a full collection costs ~0.3 s)
+        if failed:
             gc.collect()
     seconds = time.perf_counter() - start
     sig = program.graph_signature

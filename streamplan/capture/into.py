@@ -12,8 +12,8 @@ from typing import Any
 import torch
 from torch import fx
 
-from .analyze import Analysis, Rows, _name, written_args
-from .pieces import _storage, _view
+from .analyze import Analysis, Rows, _name, pointwise, written_args
+from .pieces import storage_node, is_view
 
 
 @dataclass(eq=False)
@@ -38,8 +38,8 @@ class Into:
 def producer(value: fx.Node, an: Analysis) -> fx.Node | None:
     """The op whose storage ``value`` is a view of, where that op has an ``out=`` overload and makes its rows fresh
     (no static rows, no in-place write, not an attention)."""
-    p = _storage(value)
-    if p.op != "call_function" or _view(p) or not isinstance(p.target, torch._ops.OpOverload):
+    p = storage_node(value)
+    if p.op != "call_function" or is_view(p) or not isinstance(p.target, torch._ops.OpOverload):
         return None
     r = an.rows.get(p)
     if p.target.namespace != "aten" or not isinstance(r, Rows) or r.pre or r.post:
@@ -59,7 +59,7 @@ def _same_math(p: fx.Node) -> bool:
     products. Not ``linear`` with a bias (its ``out=`` adds the bias after the product, rounded twice; the op adds it
     in the GEMM's epilogue) nor anything not known to."""
     name = _name(p.target)
-    if torch.Tag.pointwise in p.target.tags or name in _PLAIN:
+    if pointwise(p.target) or name in _PLAIN:
         return True
     return name == "linear" and (len(p.args) < 3 or p.args[2] is None) and p.kwargs.get("bias") is None
 
@@ -78,7 +78,7 @@ def _written(p: fx.Node) -> bool:
         if n.op == "call_function" and (_name(n.target).endswith("_") or written_args(n)):
             return True
         todo.extend(u for u in n.users if u.op == "call_function" and (
-            _view(u) or _name(u.target).endswith("_") or n in written_args(u)))
+            is_view(u) or _name(u.target).endswith("_") or n in written_args(u)))
     return False
 
 

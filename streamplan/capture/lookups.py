@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from .analyze import Analysis, Rows, _name
+from .analyze import Analysis, Rows, _name, pointwise
 
 
 @dataclass(eq=False)
@@ -22,14 +22,8 @@ class Lookup:
     index: fx.Node   # a graph input, one index per row
 
 
-def _pointwise(n: fx.Node) -> bool:
-    return (n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
-            and torch.Tag.pointwise in n.target.tags and not _name(n.target).endswith("_"))
-
-
-def _from_right(n: fx.Node, an: Analysis) -> int | None:
-    val, r = n.meta.get("val"), an.rows.get(n)
-    return val.dim() - r.dim if isinstance(val, torch.Tensor) and isinstance(r, Rows) else None
+def _elementwise(n: fx.Node) -> bool:
+    return n.op == "call_function" and pointwise(n.target) and not _name(n.target).endswith("_")
 
 
 def find_lookups(graph: fx.Graph, an: Analysis) -> dict[fx.Node, Lookup]:
@@ -51,17 +45,16 @@ def find_lookups(graph: fx.Graph, an: Analysis) -> dict[fx.Node, Lookup]:
 
 
 def _broadcasts(root: fx.Node, an: Analysis) -> bool:
+    """Every use an elementwise op: one stays per-entry (no full-rows operand) and is checked in turn, or meets a
+    full-rows operand, whose rows the analysis has on the same axis (``analyze``: no op broadcasts rows against
+    another dimension), so the broadcast gives stock's shape."""
     narrow, todo = {root}, [root]
     while todo:
-        n = todo.pop()
-        side = _from_right(n, an)
-        for u in n.users:
-            if not _pointwise(u):
+        for u in todo.pop().users:
+            if not _elementwise(u):
                 return False
-            full = [m for m in u.all_input_nodes if m not in narrow and isinstance(an.rows.get(m), Rows)]
-            if any(_from_right(m, an) != side for m in full) or side is None:
-                return False
-            if not full and u not in narrow:   # still one entry: its users are checked in turn
+            full = any(m not in narrow and isinstance(an.rows.get(m), Rows) for m in u.all_input_nodes)
+            if not full and u not in narrow:
                 narrow.add(u)
                 todo.append(u)
     return True

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
-from .analyze import Analysis, Rows, _name
+from .analyze import Analysis, Rows, _name, pointwise
 
 aten = torch.ops.aten
 _PASSING = {"_to_copy", "to", "type_as", "clone", "dropout", "alias", "contiguous", "detach"}
@@ -104,7 +104,7 @@ def _region(exit_: fx.Node, order: dict, an: Analysis) -> MLPRegion | None:
             if (n.args[2] if len(n.args) > 2 else n.kwargs.get("dim", 0)) not in (-1, _ndim(n) - 1):
                 return None
             todo.append(n.args[0])
-        elif name in _PASSING or torch.Tag.pointwise in getattr(n.target, "tags", ()):
+        elif name in _PASSING or pointwise(n.target):
             for m in n.all_input_nodes:
                 if isinstance(an.rows.get(m), Rows) or m in order:
                     todo.append(m)

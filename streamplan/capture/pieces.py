@@ -26,7 +26,7 @@ class RowRun:
     reuse: dict[fx.Node, fx.Node]    # output -> an input (a GEMM's rows, dead after the run) whose storage it takes
 
 
-def _view(n: fx.Node) -> bool:
+def is_view(n: fx.Node) -> bool:
     """A value in its input's storage: a view, or a conversion to the dtype it has (which returns its input)."""
     if n.target is operator.getitem or _name(n.target) in VIEW_OPS:
         return True
@@ -90,10 +90,10 @@ def _run(seg: list[fx.Node], pos: dict, nodes: list[fx.Node], an: Analysis, keep
     inside = set(seg)
     prelude: list[fx.Node] = []
     for n in seg:   # views of what came before the run cost nothing whole: taken first, read in pieces
-        if _view(n) and all(m not in inside or m in prelude for m in n.all_input_nodes):
+        if is_view(n) and all(m not in inside or m in prelude for m in n.all_input_nodes):
             prelude.append(n)
     members = [n for n in seg if n not in prelude]
-    if sum(not _view(n) for n in members) < 2:
+    if sum(not is_view(n) for n in members) < 2:
         return None
     mset = set(members)
     last = pos[members[-1]]
@@ -105,7 +105,7 @@ def _run(seg: list[fx.Node], pos: dict, nodes: list[fx.Node], an: Analysis, keep
     for n in reversed(members):   # a view read after the run is taken again on its base's buffer: one buffer each
         if n not in want:
             continue
-        if _view(n) and all(m in mset or m not in inside for m in n.all_input_nodes):
+        if is_view(n) and all(m in mset or m not in inside for m in n.all_input_nodes):
             post.insert(0, n)
             want.update(n.all_input_nodes)
         else:
@@ -127,8 +127,8 @@ def _run(seg: list[fx.Node], pos: dict, nodes: list[fx.Node], an: Analysis, keep
                   _reuse(inputs, outputs, nodes[:pos[seg[0]]], nodes[last + 1:], keep, extra, an))
 
 
-def _storage(n: fx.Node) -> fx.Node:
-    while _view(n) and n.all_input_nodes:
+def storage_node(n: fx.Node) -> fx.Node:
+    while is_view(n) and n.all_input_nodes:
         n = n.args[0] if isinstance(n.args[0], fx.Node) else n.all_input_nodes[0]
     return n
 
@@ -152,12 +152,12 @@ def _reuse(inputs: list[fx.Node], outputs: list[fx.Node], before: list[fx.Node],
            extra: dict, an: Analysis) -> dict[fx.Node, fx.Node]:
     """Outputs written into the storage of an input the phase made with a GEMM and nobody reads after the run, row
     for row (each piece's rows only once that piece has read them): the output costs no buffer of its own."""
-    read_after = {_storage(m) for n in after for m in [*n.all_input_nodes, *extra.get(n, ())]}
-    read_after |= {_storage(k) for k in keep}
+    read_after = {storage_node(m) for n in after for m in [*n.all_input_nodes, *extra.get(n, ())]}
+    read_after |= {storage_node(k) for k in keep}
     made = set(before)
     free = {}
     for m in inputs:
-        b = _storage(m)
+        b = storage_node(m)
         if b in made and b not in read_after and b.op == "call_function" and _name(b.target) in _MATMUL \
                 and b not in free.values() and _row_bytes(b, an):
             free[m] = b
