@@ -13,10 +13,12 @@ The MiniMax-H3 2-layer model at the end: both outputs, stock vs streamed, and un
     python benchmarks/gpu_generic.py sweep 65536 h3-block 1.10 12672/2048,8448/4096,4224/0/p2
         # input donated: the planner's plan held to 1.10x, each forced chunk/MLP slice[/pN: N row pieces], stock,
         # timed alike (median of 7 on fresh inputs, interleaved rounds in rotating order; a 6th argument: rounds),
-        # which fit the floor budget marked
+        # which fit the floor budget marked; "/f" (MLP split by features), "/nj" (no joins built in place) switch
+        # the engine for one variant, "planner/f/nj" the planner's plan under them
 """
 from __future__ import annotations
 
+import contextlib
 import copy as copy_module
 import sys
 import time
@@ -222,12 +224,27 @@ def run_block(case: str, n: int, chunks: list[int], held: bool, hold: float = 1.
     return rows
 
 
-def _donated_call(block, inputs):
+@contextlib.contextmanager
+def _engine(flags: set[str]):
+    """Engine switches one variant runs under: "f" the MLP split by features (not rows), "nj" no joins built in
+    place."""
+    from streamplan.capture import execute, mlp
+    saved = mlp.SPLIT, execute.in_place
+    mlp.SPLIT = "features" if "f" in flags else "rows"
+    if "nj" in flags:   # (what runs in place is kept per capture, which the variants share: filtered per call)
+        execute.in_place = lambda *a: ({}, saved[1](*a)[1])
+    try:
+        yield
+    finally:
+        mlp.SPLIT, execute.in_place = saved
+
+
+def _donated_call(block, inputs, flags: set[str] = frozenset()):
     def call():
         fresh = inputs()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        with donate(fresh[0]):
+        with donate(fresh[0]), _engine(flags):
             out = block(*fresh)
         torch.cuda.synchronize()
         return out, time.perf_counter() - t0
@@ -246,11 +263,17 @@ def run_sweep(case: str, n: int, hold: float, forced: list[str], rounds: int = 7
     live = sum(a.numel() * a.element_size() for a in torch.utils._pytree.tree_leaves(inputs())
                if isinstance(a, torch.Tensor))
     variants = [("planner", dict(budget=int(live + hold * floor)))]
-    for spec in forced:   # "chunk[/ffn_slice][/pN]": N row pieces (row-local chains in pieces of the chunk)
+    # "chunk[/ffn_slice][/pN][/f][/nj]": N row pieces (row-local chains in pieces of the chunk); f, nj: engine
+    for spec in filter(None, forced):   # switches (``_engine``); "planner/f" the planner's plan under them
         fields = spec.split("/")
+        flags = {f for f in fields if f in ("f", "nj")}
+        fields = [f for f in fields if f not in flags]
+        if fields == ["planner"]:
+            variants.append((spec, dict(variants[0][1], flags=flags)))
+            continue
         pieces = int(fields.pop()[1:]) if fields[-1].startswith("p") else 0
         parts = [int(x) for x in fields]
-        kw = dict(chunk_tokens=parts[0], ffn_slice=parts[1] if len(parts) > 1 and parts[1] else None)
+        kw = dict(chunk_tokens=parts[0], ffn_slice=parts[1] if len(parts) > 1 and parts[1] else None, flags=flags)
         if pieces:
             kw["row_pieces"] = pieces
         variants.append((spec, kw))
@@ -261,8 +284,9 @@ def run_sweep(case: str, n: int, hold: float, forced: list[str], rounds: int = 7
         stock_peak = max(0, stock_peak)
         for label, kw in list(variants):   # capture, plan, peak, output once each
             copy = copy_module.deepcopy(block)
-            handle = streamplan.apply(copy, capture="prefer", **kw)
-            call = calls[label] = _donated_call(copy, inputs)
+            flags = kw.get("flags", set())
+            handle = streamplan.apply(copy, capture="prefer", **{k: v for k, v in kw.items() if k != "flags"})
+            call = calls[label] = _donated_call(copy, inputs, flags)
             try:
                 call()
             except streamplan.BudgetError as exc:   # this plan does not fit: the row says so, the others run

@@ -422,7 +422,6 @@ def l4_extra_seconds(option: KVOption, rows: int, chunk: int, costs: Costs, bloc
     return out + unhidden + merge + passes * blocks * groups * BLOCK_STEP_S
 
 
-SLICE_FOR_CHUNKS_BELOW = 4   # a captured block's planner slices its MLP when row chunks alone stay under 4x the floor
 SLICES = (4096, 2048, 1024)  # MLP hidden features per slice the planner tries first (GEMMs stay wide at each)
 NARROWER_GAIN = 1.1          # a narrower slice is taken when it buys 10% more rows per chunk
 L2_GAIN = 1.5                # L2 is taken over L1 when it buys 1.5x the rows per chunk
@@ -571,8 +570,9 @@ def plan_graph(rows: int, fixed: int, transient, stock: int, *, chunk_tokens: in
 
     for floor in dict.fromkeys((max(min_chunk, MIN_CHUNK_TOKENS), MIN_CHUNK_TOKENS)):
         chunk = _largest_chunk(lambda c: fixed + transient(c, 0), rows, budget, floor)
-        if (chunk is None or chunk < rows and chunk < SLICE_FOR_CHUNKS_BELOW * floor) and ffn > SLICES[0]:
-            # small row chunks cost time (per-chunk work, text rows recomputed); slicing the MLP buys larger ones
+        if (chunk is None or chunk < rows) and ffn > SLICES[0]:
+            # row chunks cost time (per-chunk work, text rows recomputed, attention calls); slicing the MLP (in row
+            # pieces: exact, GEMMs as wide) buys larger ones: taken where it buys L2_GAIN more rows
             wider = sliced(floor)
             if wider is not None and (chunk is None or waves.round(wider[0], rows)
                                       >= L2_GAIN * waves.round(chunk, rows)):

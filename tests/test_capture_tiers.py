@@ -6,6 +6,7 @@ import torch
 
 import streamplan
 from conftest import rel_err
+from streamplan.capture import mlp
 from streamplan.planner import Plan, Tier, plan_graph
 
 N = 1200
@@ -36,9 +37,11 @@ def _llama():
     return layer, (x,), {"position_embeddings": (cos, sin)}
 
 
+@pytest.mark.parametrize("split", ["rows", "features"])
 @pytest.mark.parametrize("make", [_h3, _wan, _llama], ids=["h3-swiglu", "wan-gelu-tanh", "llama-gated-separate"])
 @torch.no_grad()
-def test_feature_sliced_mlp_in_the_graph_is_exact_and_smaller(make):
+def test_sliced_mlp_in_the_graph_is_exact_and_smaller(make, split, monkeypatch):
+    monkeypatch.setattr(mlp, "SPLIT", split)
     block, args, *rest = make()
     kwargs = rest[0] if rest else {}
     first = lambda out: out[0] if isinstance(out, tuple) else out  # noqa: E731
@@ -53,6 +56,21 @@ def test_feature_sliced_mlp_in_the_graph_is_exact_and_smaller(make):
         assert plan.predicted_peak >= 0.9 * peaks[len(mode)]     # the model does not promise less than happens
         handle.remove()
     assert peaks[2] < peaks[1] < stock_peak, peaks
+
+
+@pytest.mark.parametrize("make", [_h3, _wan, _llama], ids=["h3-swiglu", "wan-gelu-tanh", "llama-gated-separate"])
+@torch.no_grad()
+def test_an_mlp_split_by_rows_is_the_unsliced_chunk_bit_for_bit(make):
+    """Row pieces are row-local: each output row the same GEMMs' row (features accumulate, one rounding a slice)."""
+    block, args, *rest = make()
+    kwargs = rest[0] if rest else {}
+    outs = []
+    for mode in (dict(chunk_tokens=400), dict(chunk_tokens=400, ffn_slice=128)):
+        handle = streamplan.apply(block, capture="prefer", **mode)
+        out = block(*args, **kwargs)
+        outs.append(out[0] if isinstance(out, tuple) else out)
+        handle.remove()
+    assert torch.equal(outs[0], outs[1])
 
 
 def test_the_planner_climbs_to_l2_when_row_chunks_alone_cannot_meet_the_budget():

@@ -17,9 +17,11 @@ from ..executors.kv_store import write_rows
 from .analyze import VIEW_OPS, Analysis, GlobalAttention, Rows, _name, written_args
 from .export import Captured
 from .into import Into, Made, call_into, found, producer
+from .joins import Join, find_joins, run_join
 from .lookups import IndexRuns, entry_row, find_lookups
 from .mlp import MLPRegion, run_region
 from .pieces import RowRun, find_runs, is_view, run_pieces, schedule
+from .reuse import find_reuse, run_over
 
 _LAYOUT = {"cat", "concat", "slice", "narrow", "split", "split_with_sizes", "chunk", "tensor_split"}
 
@@ -35,6 +37,7 @@ class Phases:
     lookups: dict = field(default_factory=dict)  # per-row table lookups a run of equal indices takes as a row
     producers: dict = field(default_factory=dict)  # K, V or output -> the op that may write it into its buffer
     last: set = field(default_factory=set)       # outputs whose producer only views follow: may write a donated input
+    done: dict = field(default_factory=dict)     # ``in_place``'s answers, per phase as run and what it keeps
 
 
 def _writes(order: list[fx.Node], base: dict[fx.Node, fx.Node] | None = None) -> dict[fx.Node, set[fx.Node]]:
@@ -104,6 +107,25 @@ def phases(cap: Captured, an: Analysis) -> Phases:
     # a donated output's producer overwrites the input's rows: nothing after it in phase Q may read them
     last = {v for v, p in producers.items() if p in q and all(is_view(n) for n in q[q.index(p) + 1:])}
     return Phases(const, kv, q, extra, find_lookups(cap.graph, an), producers, last)
+
+
+def in_place(nodes: list[fx.Node], an: Analysis, ph: Phases, keep: set) -> tuple[dict[fx.Node, Join],
+                                                                                dict[fx.Node, fx.Node]]:
+    """What a phase (``nodes`` as it runs, ``keep`` handed on) computes in place: joins built by their parts
+    (``joins``), and ops written over an operand that dies with them (``reuse``); the executor and the memory model
+    both take it from here, worked out once per capture."""
+    key = (tuple(nodes), frozenset(keep))
+    if key in ph.done:
+        return ph.done[key]
+    parts = [r for v in an.rows.values() for r in (v if isinstance(v, list) else [v]) if isinstance(r, Rows)]
+    if any(r.pre or r.post for r in parts):   # static rows: a phase computes them once, not per chunk
+        found: tuple[dict, dict] = ({}, {})
+    else:
+        joins = find_joins(nodes, an)
+        avoid = {a.node for a in an.attentions} | set(ph.lookups) | set(ph.producers.values()) | set(joins)
+        found = (joins, find_reuse(nodes, an, keep, avoid))
+    ph.done[key] = found
+    return found
 
 
 def _rowed_outputs(an: Analysis) -> list[fx.Node]:
@@ -304,22 +326,28 @@ class GraphRun:
         """Run ``nodes`` on one chunk; ``rows`` set: the chunk's dynamic rows alone (static rows done once);
         ``into``: producers that write into the given tensors (their ``out=``); ``watch``: producers whose value's
         layout ``_made`` records."""
-        nodes, frees, pieces = self._schedule(nodes, keep)
+        nodes, frees, pieces, joins, reuse = self._schedule(nodes, keep)
         regions, globals_ = self._region_at, self._attention_at
+        built: dict[fx.Node, torch.Tensor] = {}   # this chunk's joins built in place so far
         for i, node in enumerate(nodes):
             att = globals_.get(node)
             if node in pieces:
                 run_pieces(pieces[node], env, self.an, self.cap.row_symbol, self._call, self.pieces)
             elif node in regions:
-                env[node] = run_region(regions[node], env, self.ffn_slice)
+                env[node] = run_region(regions[node], env, self.ffn_slice, self._row_dim(regions[node].x))
             elif att is not None:
                 env[node] = self._attention(att, env, a)
             elif rows is not None:
                 env[node] = self._dynamic(node, env, rows)
             elif node in self._lookups and (row := self._entry(node, env, a)) is not None:
                 env[node] = row
+            elif node in joins and (joined := run_join(joins[node], node, env, built, into)) is not None:
+                env[node] = joined
+                del joined   # the name would hold the joined buffer to the chunk's end
             elif into and node in into:
                 env[node] = call_into(node, env, into[node])
+            elif node in reuse:
+                env[node] = run_over(node, reuse[node], env, self._call)
             else:
                 env[node] = self._call(node, env)
                 if self.static_mode and node in self.wanted:
@@ -332,10 +360,11 @@ class GraphRun:
         return env
 
     def _schedule(self, nodes: list[fx.Node], keep: set[fx.Node]) -> tuple[list[fx.Node], dict[int, list[fx.Node]],
-                                                                         dict[fx.Node, RowRun]]:
+                                                                         dict[fx.Node, RowRun], dict[fx.Node, Join],
+                                                                         dict[fx.Node, fx.Node]]:
         """A phase's nodes as this call runs them (a feature-sliced MLP runs at its exit: its inner nodes are skipped,
-        their inputs used there; a run of row-local nodes runs in row pieces at its last node, ``pieces``) and when
-        each value is freed: worked out once per call, not per chunk."""
+        their inputs used there; a run of row-local nodes runs in row pieces at its last node, ``pieces``; what runs
+        in place, ``in_place``) and when each value is freed: worked out once per call, not per chunk."""
         key = (tuple(nodes), frozenset(keep))
         found = self._schedules.get(key)
         if found is None:
@@ -343,10 +372,15 @@ class GraphRun:
             run = [n for n in nodes if n not in inside] if inside else nodes
             extra = {r.exit: [r.x, *(m for n in r.nodes for m in n.all_input_nodes)] for r in self.regions}
             runs = find_runs(run, self.an, keep, extra) if self.pieces > 1 else []
+            joins, reuse = in_place(run, self.an, self.ph, keep) if self.pieces == 1 else ({}, {})
             run = schedule(run, runs)
             frees = _last_uses(run, extra={**extra, **{r.marker: r.inputs for r in runs}})
-            found = self._schedules[key] = (run, frees, {r.marker: r for r in runs})
+            found = self._schedules[key] = (run, frees, {r.marker: r for r in runs}, joins, reuse)
         return found
+
+    def _row_dim(self, node: fx.Node) -> int | None:
+        r = self.an.rows.get(node)
+        return r.dim if isinstance(r, Rows) and not (r.pre or r.post) else None
 
     def _entry(self, node: fx.Node, env: dict, a: int) -> torch.Tensor | None:
         lk = self._lookups[node]

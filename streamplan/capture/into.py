@@ -44,14 +44,18 @@ def producer(value: fx.Node, an: Analysis) -> fx.Node | None:
     r = an.rows.get(p)
     if p.target.namespace != "aten" or not isinstance(r, Rows) or r.pre or r.post:
         return None
-    if not _same_math(p) or _written(p):
+    if not _same_math(p) or _written(p) or not has_out(p):
         return None
+    return p
+
+
+def has_out(p: fx.Node) -> bool:
+    """Whether ``p``'s op has an ``out=`` overload that is the same call with ``out`` added (``empty_like.out`` takes
+    no ``pin_memory``, ``_to_copy.out`` no dtype)."""
     out = getattr(p.target.overloadpacket, "out", None)
     if out is None or [a.name for a in out._schema.arguments if a.is_out] != ["out"]:
-        return None
-    if [a.name for a in out._schema.arguments if not a.is_out] != [a.name for a in p.target._schema.arguments]:
-        return None   # not the same call with ``out`` added (``empty_like.out`` takes no ``pin_memory``)
-    return p
+        return False
+    return [a.name for a in out._schema.arguments if not a.is_out] == [a.name for a in p.target._schema.arguments]
 
 
 def _same_math(p: fx.Node) -> bool:
@@ -115,12 +119,21 @@ def found(node: fx.Node, an: Analysis, made: Made | None, value: torch.Tensor, b
     return Into(node, buf, row, list(made.shape), an.rows[node].dim)
 
 
-def call_into(node: fx.Node, env: dict, out: torch.Tensor) -> Any:
-    """``node`` run into ``out``; as usual where one of its inputs lies in ``out``'s storage (a donated input)."""
+def call_into(node: fx.Node, env: dict, out: torch.Tensor, fresh: bool = False) -> Any:
+    """``node`` run into ``out``; as usual where one of its inputs lies in ``out``'s storage otherwise than as ``out``
+    itself (a donated input's other rows). A pointwise op over an input that is ``out`` exactly reads each element
+    before it writes it. ``fresh``: ``out`` is a buffer this chunk made, which only its own writers read."""
     args = fx.node.map_arg(node.args, lambda n: env[n])
     kwargs = fx.node.map_arg(node.kwargs, lambda n: env[n])
+    if fresh:
+        return node.target.overloadpacket.out(*args, **kwargs, out=out)
     storage = out.untyped_storage().data_ptr()
     ins = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-    if any(t.untyped_storage().data_ptr() == storage for t in ins):
+    if any(t.untyped_storage().data_ptr() == storage and not (pointwise(node.target) and _same_view(t, out))
+           for t in ins):
         return node.target(*args, **kwargs)
     return node.target.overloadpacket.out(*args, **kwargs, out=out)
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()

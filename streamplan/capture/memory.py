@@ -12,7 +12,7 @@ from torch import fx
 
 from .analyze import Analysis, Rows, _name
 from .analyze import VIEW_OPS
-from .execute import Phases, _last_uses
+from .execute import Phases, _last_uses, in_place
 from .opaque_layers import workspace_bytes as opaque_workspace
 from .pieces import RowRun, find_runs, schedule
 
@@ -68,6 +68,8 @@ class GraphMemory:
                 reads[r.exit] = [r.x, *(m for n in r.nodes for m in n.all_input_nodes)]
         runs = find_runs(nodes, self.analysis, keep, reads) if keep is not None and self.pieces > 1 else []
         at_run = {r.marker: r for r in runs}
+        joins, reuse = in_place(nodes, self.analysis, self.phases, keep) if self.pieces == 1 and keep is not None \
+            else ({}, {})   # (the stock estimate, keep None: nothing in place)
         nodes = schedule(nodes, runs)
         frees = _last_uses(nodes, extra={**reads, **{r.marker: r.inputs for r in runs}})
         owner: dict[fx.Node, fx.Node] = {}
@@ -82,6 +84,16 @@ class GraphMemory:
                     b = owner.get(run.reuse.get(o)) or o
                     owner[o], refs[b] = b, refs.get(b, 0) + 1
                 live += outs
+            elif n in reuse and reuse[n] in owner:   # over an operand that dies here: its storage, no new one
+                owner[n] = owner[reuse[n]]
+                refs[owner[n]] += 1
+            elif (j := joins.get(n)) is not None and (n is not j.node or n in owner):
+                if n is not j.node:   # a slot: its part of the join's buffer, which the first slot makes
+                    if j.node not in owner:
+                        owner[j.node], refs[j.node] = j.node, 1
+                        live += self.value(j.node, rows)
+                    owner[n] = j.node
+                    refs[j.node] += 1
             else:
                 base = None if self.allocates.get(n, True) else next(
                     (owner[m] for m in n.all_input_nodes if m in owner), None)

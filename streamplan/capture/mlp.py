@@ -1,6 +1,6 @@
-"""Feature-sliced MLPs in a captured graph (tier L2): a linear -> elementwise -> linear region found in the graph is
-run a slice of its hidden features at a time, each slice's contribution to the output projection accumulated, so the
-chunk never holds all hidden features at once."""
+"""Sliced MLPs in a captured graph (tier L2): a linear -> elementwise -> linear region found in the graph holds no more
+than a slice of its hidden features' worth of hidden values at a time, so the chunk never holds all of them at once:
+the whole MLP on row pieces of the chunk, or every row a slice of hidden features at a time (``SPLIT``)."""
 from __future__ import annotations
 
 import operator
@@ -30,6 +30,11 @@ class MLPRegion:
     @property
     def nodes(self) -> set[fx.Node]:
         return set(self.entries) | set(self.inner)
+
+    @property
+    def sized(self) -> bool:
+        """Whether an inner node reads a size from the graph (which may count the chunk's rows, not a piece's)."""
+        return any(isinstance(m.meta.get("val"), torch.SymInt) for n in self.inner for m in n.all_input_nodes)
 
     def dead_after(self) -> dict[fx.Node, list[fx.Node]]:
         """Per inner node, the region values it uses for the last time (what the exit reads stays): a slice frees
@@ -171,58 +176,101 @@ def _take(t: torch.Tensor, index, dim: int = -1) -> torch.Tensor:
     return t.index_select(dim, index)
 
 
-def run_region(region: MLPRegion, env: dict, ffn_slice: int) -> torch.Tensor:
-    """The exit linear's value, built a slice of hidden features at a time."""
+# How a region keeps to a slice's worth of hidden values: "rows" runs the whole MLP on as many row pieces of the
+# chunk as there would be slices (row-local: each output row is the stock GEMMs' row, no accumulation); "features"
+# runs every row a slice of hidden features at a time, accumulating the exit's partial products (one rounding per
+# slice). Rows where the region reads no size that counts the rows; features otherwise.
+SPLIT = "rows"
+
+
+def run_region(region: MLPRegion, env: dict, ffn_slice: int, row_dim: int | None = None) -> torch.Tensor:
+    """The exit linear's value with no more than ``ffn_slice`` hidden features' worth of hidden values at a time;
+    ``row_dim``: the rows' dimension of the region's input (row pieces possible)."""
+    if SPLIT == "rows" and row_dim is not None and not region.sized:
+        return _by_rows(region, env, ffn_slice, row_dim)
     x = env[region.x]
     w_out = env[region.exit.args[1]]
     b_out = env[region.exit.args[2]] if len(region.exit.args) > 2 and region.exit.args[2] is not None else None
     out = None
-    dead = region.dead_after()
     for a in range(0, region.ffn, ffn_slice):
         b = min(a + ffn_slice, region.ffn)
-        local: dict[fx.Node, object] = {}
-        for e, parts in region.entries.items():
-            local[e] = _entry_slice(x, env[e.args[1]], env[e.args[2]] if len(e.args) > 2 and e.args[2] is not None
-                                    else None, region.ffn, parts, a, b)
-        for n in region.inner:
-            parts = region.parts[n]
-            pieces = _parts_split(n, local, region.ffn)
-            if pieces is not None:   # a fused gate/up split: each part its own linear's output already
-                local[n] = pieces
-                del pieces
-                for m in dead.get(n, ()):
-                    local.pop(m, None)
-                continue
-
-            def arg(m, parts=parts, n=n, local=local):
-                if m in local:
-                    v = local[m]
-                    return torch.cat(v, -1) if isinstance(v, _Parts) else v
-                v = env[m]
-                if isinstance(v, torch.Tensor) and v.dim() and v.shape[-1] == parts * region.ffn and v.shape[-1] > 1:
-                    return _take(v, _feature_index(region.ffn, parts, a, b, v.device))
-                return v
-
-            args = fx.node.map_arg(n.args, arg)
-            kwargs = fx.node.map_arg(n.kwargs, arg)
-            name = _name(n.target)
-            if name == "split_with_sizes":
-                args = (args[0], [b - a] * len(args[1]), *args[2:])
-            elif name == "split":
-                args = (args[0], b - a, *args[2:])
-            local[n] = args[0][args[1]] if n.target is operator.getitem else n.target(*args, **kwargs)
-            del args, kwargs
-            for m in dead.get(n, ()):
-                local.pop(m, None)
-        h = local[region.exit.args[0]]  # noqa: F821 (local is rebuilt per slice; the closure above reads it)
+        h = _hidden(region, env, x, a, b)
         if out is None:
             out = F.linear(h, w_out[:, a:b], b_out)
         elif type(w_out) not in (torch.Tensor, torch.nn.Parameter):   # a weight subclass: its own linear
             out.add_(F.linear(h, w_out[:, a:b]))
         else:   # accumulated by the GEMM itself (beta = 1): no separate add, one rounding per slice
             out.view(-1, out.shape[-1]).addmm_(h.reshape(-1, h.shape[-1]), w_out[:, a:b].t())
-        del local, h
+        del h
     return out
+
+
+def _by_rows(region: MLPRegion, env: dict, ffn_slice: int, dim: int) -> torch.Tensor:
+    """The region on row pieces of the chunk, as many as ``ffn_slice`` makes slices, each written into its rows of
+    the output (by the exit's own GEMM where it has no bias: ``linear``'s ``out=`` is then the op)."""
+    x = env[region.x]
+    w_out = env[region.exit.args[1]]
+    b_out = env[region.exit.args[2]] if len(region.exit.args) > 2 and region.exit.args[2] is not None else None
+    rows = x.shape[dim]
+    step = -(-rows // -(-region.ffn // ffn_slice))
+    direct = b_out is None and type(w_out) in (torch.Tensor, torch.nn.Parameter)
+    out = None
+    for s in range(0, rows, step):
+        piece = x.narrow(dim, s, min(step, rows - s))
+        h = _hidden(region, env, piece, 0, region.ffn)
+        if out is None:
+            shape = list(piece.shape[:-1]) + [w_out.shape[0]]
+            shape[dim] = rows
+            out = piece.new_empty(shape, dtype=h.dtype)
+        dst = out.narrow(dim, s, piece.shape[dim])
+        if direct and dst.is_contiguous():
+            torch.ops.aten.linear.out(h, w_out, None, out=dst)
+        else:
+            dst.copy_(F.linear(h, w_out, b_out))
+        del h
+    return out
+
+
+def _hidden(region: MLPRegion, env: dict, x: torch.Tensor, a: int, b: int) -> torch.Tensor:
+    """The exit's input for hidden features [a, b) of the rows ``x``."""
+    local: dict[fx.Node, object] = {}
+    dead = region.dead_after()
+    for e, parts in region.entries.items():
+        local[e] = _entry_slice(x, env[e.args[1]], env[e.args[2]] if len(e.args) > 2 and e.args[2] is not None
+                                else None, region.ffn, parts, a, b)
+    whole = a == 0 and b == region.ffn
+    for n in region.inner:
+        parts = region.parts[n]
+        pieces = _parts_split(n, local, region.ffn)
+        if pieces is not None:   # a fused gate/up split: each part its own linear's output already
+            local[n] = pieces
+            del pieces
+            for m in dead.get(n, ()):
+                local.pop(m, None)
+            continue
+
+        def arg(m, parts=parts):
+            if m in local:
+                v = local[m]
+                return torch.cat(v, -1) if isinstance(v, _Parts) else v
+            v = env[m]
+            if not whole and isinstance(v, torch.Tensor) and v.dim() and v.shape[-1] == parts * region.ffn \
+                    and v.shape[-1] > 1:
+                return _take(v, _feature_index(region.ffn, parts, a, b, v.device))
+            return v
+
+        args = fx.node.map_arg(n.args, arg)
+        kwargs = fx.node.map_arg(n.kwargs, arg)
+        name = _name(n.target)
+        if name == "split_with_sizes":
+            args = (args[0], [b - a] * len(args[1]), *args[2:])
+        elif name == "split":
+            args = (args[0], b - a, *args[2:])
+        local[n] = args[0][args[1]] if n.target is operator.getitem else n.target(*args, **kwargs)
+        del args, kwargs
+        for m in dead.get(n, ()):
+            local.pop(m, None)
+    return local[region.exit.args[0]]
 
 
 class _Parts(list):
