@@ -41,7 +41,7 @@ def _gen():
 def h3_block(n, packed: bool = False):
     """``packed``: the AdaLN index as the model's packed sequence has it, runs of rows of one (timestep, modality):
     512 text rows (index 4), 2000 audio (5), 4096 conditioning video rows at t=0 (0), the noisy video rows (3); else
-    one random index per row (no two neighbours need agree: the lookups' worst case)."""
+    one random index per row."""
     from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3TransformerBlock
     block = MiniMaxH3TransformerBlock(5376, 56, 128, 14336, 2688, 1e-5, 1e-5)
     pos = torch.randn(n, 96, device="cuda")

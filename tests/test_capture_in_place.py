@@ -163,3 +163,26 @@ def _joins(block, x):
     joins = [j for nodes in [*found.phases.kv, found.phases.q]
              for j in execute.in_place(nodes, found.analysis, found.phases, set())[0].values()]
     return {id(j): j for j in joins}.values()
+
+
+@pytest.mark.parametrize("donated", [True, False])
+@torch.no_grad()
+def test_the_memory_model_prices_what_runs_in_place(donated):
+    """The planner reads the same in-place decisions (``execute.in_place``): its predicted peak is the measured one to
+    within 5%, input donated (the model forward's way) or not (phase KV runs before the output buffer exists)."""
+    from streamplan.executors.donation import donate
+    block, args, _ = _h3()
+    handle = streamplan.apply(block, capture="prefer", chunk_tokens=400)
+    x = args[0].clone()
+
+    def call():
+        if not donated:
+            return block(x, *args[1:])
+        with donate(x):
+            return block(x, *args[1:])
+    call()
+    x = args[0].clone()
+    _, peak = streamplan.measure_peak(call)
+    plan = handle.plans[""][-1]
+    assert 0.95 * peak <= plan.predicted_peak <= 1.05 * peak, (plan.predicted_peak, peak)
+    handle.remove()

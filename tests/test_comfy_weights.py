@@ -196,7 +196,7 @@ def test_explicit_budget_pays_for_cast_weights():
 
     # a budget the block fits in with ComfyUI's own weights no longer fits once every weight is a patched copy
     import streamplan.comfy as sc
-    room = 768 * 64 * 4 * 4    # K + V and as much again for a chunk (768 rows, 64 wide, fp32)
+    room = 768 * 64 * 4 * 7 // 2   # K + V and 3/4 as much again for a chunk (768 rows, 64 wide, fp32)
     for lora in (False, True):
         base, x, cond = wan_patcher(layers=1)
         sd = base.model.state_dict()

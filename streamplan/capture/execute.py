@@ -18,7 +18,6 @@ from .analyze import VIEW_OPS, Analysis, GlobalAttention, Rows, _name, written_a
 from .export import Captured
 from .into import Into, Made, call_into, found, producer
 from .joins import Join, find_joins, run_join
-from .lookups import IndexRuns, entry_row, find_lookups
 from .mlp import MLPRegion, run_region
 from .pieces import RowRun, find_runs, is_view, run_pieces, schedule
 from .reuse import find_reuse, run_over
@@ -28,13 +27,12 @@ _LAYOUT = {"cat", "concat", "slice", "narrow", "split", "split_with_sizes", "chu
 @dataclass(eq=False)
 class Phases:
     """The node lists each phase runs (constants excluded) and what each keeps to the end; worked out once per
-    capture with what the runs may do besides running them (``lookups``, ``producers``)."""
+    capture with what the runs may do besides running them (``producers``, ``last``, ``done``)."""
 
     const: list[fx.Node]
     kv: list[list[fx.Node]]          # per global attention, in graph order
     q: list[fx.Node]
     writes: dict = field(default_factory=dict)   # in-place writes each node depends on (``_writes``)
-    lookups: dict = field(default_factory=dict)  # per-row table lookups a run of equal indices takes as a row
     producers: dict = field(default_factory=dict)  # K, V or output -> the op that may write it into its buffer
     last: set = field(default_factory=set)       # outputs whose producer only views follow: may write a donated input
     done: dict = field(default_factory=dict)     # ``in_place``'s answers, per phase as run and what it keeps
@@ -106,7 +104,7 @@ def phases(cap: Captured, an: Analysis) -> Phases:
     producers = {v: p for v in values if (p := producer(v, an)) is not None}
     # a donated output's producer overwrites the input's rows: nothing after it in phase Q may read them
     last = {v for v, p in producers.items() if p in q and all(is_view(n) for n in q[q.index(p) + 1:])}
-    return Phases(const, kv, q, extra, find_lookups(cap.graph, an), producers, last)
+    return Phases(const, kv, q, extra, producers, last)
 
 
 def in_place(nodes: list[fx.Node], an: Analysis, ph: Phases, keep: set) -> tuple[dict[fx.Node, Join],
@@ -122,7 +120,9 @@ def in_place(nodes: list[fx.Node], an: Analysis, ph: Phases, keep: set) -> tuple
         found: tuple[dict, dict] = ({}, {})
     else:
         joins = find_joins(nodes, an)
-        avoid = {a.node for a in an.attentions} | set(ph.lookups) | set(ph.producers.values()) | set(joins)
+        # a join's parts are slices of its buffer; a join itself is a buffer of its own unless it writes into one
+        avoid = {a.node for a in an.attentions} | set(ph.producers.values()) | {n for n, j in joins.items()
+                                                                                if n is not j.node}
         found = (joins, find_reuse(nodes, an, keep, avoid))
     ph.done[key] = found
     return found
@@ -206,9 +206,6 @@ class GraphRun:
         self._schedules: dict[tuple, tuple[list[fx.Node], dict]] = {}
         self._into: dict[fx.Node, Into] = {}   # a K/V/output value whose producer writes into its buffer (``into``)
         self._made: dict[fx.Node, Made | None] = {}   # what a watched producer made on a first chunk
-        # per-row table lookups a chunk inside one run of equal indices takes as one broadcast row (``lookups``)
-        self._lookups = ph.lookups if pieces == 1 else {}
-        self._runs: dict[fx.Node, IndexRuns | None] = {}
         flat = pytree.tree_leaves((args, kwargs), is_leaf=lambda x: x is None)
         self.base: dict[fx.Node, Any] = {}
         placeholders = [n for n in cap.graph.nodes if n.op == "placeholder"]
@@ -226,8 +223,6 @@ class GraphRun:
         self._base = 0   # the first row of what ``attn_out`` holds
         self.consts: dict[fx.Node, Any] = {}
         self._static_rows_once(cap)
-        if self.static_mode:
-            self._lookups = {}
         env = dict(self.base)
         for node in ph.const:
             env[node] = self._call(node, env)
@@ -339,8 +334,6 @@ class GraphRun:
                 env[node] = self._attention(att, env, a)
             elif rows is not None:
                 env[node] = self._dynamic(node, env, rows)
-            elif node in self._lookups and (row := self._entry(node, env, a)) is not None:
-                env[node] = row
             elif node in joins and (joined := run_join(joins[node], node, env, built, into)) is not None:
                 env[node] = joined
                 del joined   # the name would hold the joined buffer to the chunk's end
@@ -381,13 +374,6 @@ class GraphRun:
     def _row_dim(self, node: fx.Node) -> int | None:
         r = self.an.rows.get(node)
         return r.dim if isinstance(r, Rows) and not (r.pre or r.post) else None
-
-    def _entry(self, node: fx.Node, env: dict, a: int) -> torch.Tensor | None:
-        lk = self._lookups[node]
-        if lk.index not in self._runs:
-            self._runs[lk.index] = IndexRuns.of(self.base[lk.index])
-        runs = self._runs[lk.index]
-        return None if runs is None else entry_row(lk, env[lk.table], runs, a, a + env[lk.index].shape[0])
 
     # -- values written straight into their buffers (``into``) ----------------------------------------------------
     def _producer(self, value: fx.Node, donated: bool = False) -> fx.Node | None:

@@ -94,15 +94,13 @@ class GraphMemory:
                         live += self.value(j.node, rows)
                     owner[n] = j.node
                     refs[j.node] += 1
-            else:
-                base = None if self.allocates.get(n, True) else next(
-                    (owner[m] for m in n.all_input_nodes if m in owner), None)
-                if base is None:
-                    owner[n], refs[n] = n, 1
-                    live += self.value(n, rows)
-                else:
-                    owner[n] = base
-                    refs[base] += 1
+            elif self.allocates.get(n, True):
+                owner[n], refs[n] = n, 1
+                live += self.value(n, rows)
+            elif (base := next((owner[m] for m in n.all_input_nodes if m in owner), None)) is not None:
+                owner[n] = base
+                refs[base] += 1
+            # else: a view of an input or a constant, which this chunk does not allocate
             peak = max(peak, live + work.get(n, 0))
             for m in frees.get(i, ()):
                 live -= self._release(owner, refs, m, rows)
@@ -152,12 +150,14 @@ class GraphMemory:
         return peak
 
     def transient(self, chunk: int, ffn_slice: int = 0, regions=(), at_attention: int = 0, workspace: int = 0) -> int:
-        """One chunk's worst moment over the phases, as the executor runs them (row-local runs in pieces)."""
+        """One chunk's worst moment over the phases beyond the whole buffers, as the executor runs them (row-local runs
+        in pieces). Phase KV runs before the outputs' buffers exist: its moment is counted without them."""
         chunk = min(chunk, self.rows)
         an = self.analysis
         outputs = {o for o in an.outputs if isinstance(o, fx.Node)}
-        return max([self._phase(p, chunk, keep={a.k, a.v}) for p, a in zip(self.phases.kv, an.attentions)]
-                   + [self._phase(self.phases.q, chunk, ffn_slice, regions, at_attention, workspace, keep=outputs)])
+        kv = max([self._phase(p, chunk, keep={a.k, a.v}) for p, a in zip(self.phases.kv, an.attentions)], default=0)
+        return max(kv - self.out_bytes,
+                   self._phase(self.phases.q, chunk, ffn_slice, regions, at_attention, workspace, keep=outputs))
 
     def predicted(self, chunk: int) -> int:
         return self.kv_bytes + self.out_bytes + self.transient(chunk)

@@ -18,7 +18,7 @@ from .pieces import is_view
 def fresh_result(n: fx.Node, an: Analysis, avoid: set) -> bool:
     """``n`` makes a new tensor of its own on the chunk's rows, contiguous, read by one node alone: an ATen op whose
     result aliases none of its inputs (by its schema), not a view, not one whose value may be something else at run
-    time (``avoid``: attentions, lookups, values written into buffers)."""
+    time (``avoid``: attentions, values written into buffers, joins)."""
     if n.op != "call_function" or n in avoid or n in an.const or is_view(n) or len(n.users) != 1:
         return False
     if not isinstance(n.target, torch._ops.OpOverload) or n.target.namespace != "aten":
