@@ -8,6 +8,27 @@ def _seed_and_threads():
     yield
 
 
+class OpCounter:
+    """Counts calls of ``ops`` whose arguments ``big`` says are chunk-sized, inside ``with``."""
+
+    def __init__(self, ops: tuple, big):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(mode, func, types, args=(), kwargs=None):
+                if func in ops and big(args):
+                    self.count += 1
+                return func(*args, **(kwargs or {}))
+        self.count, self._mode = 0, _Mode()
+
+    def __enter__(self):
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._mode.__exit__(*exc)
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """Max abs difference relative to the reference's max magnitude."""
     return ((out.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-30)).item()

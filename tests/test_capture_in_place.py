@@ -5,46 +5,25 @@ value something else still reads."""
 import pytest
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import streamplan
-from conftest import rel_err
+from conftest import OpCounter, rel_err
 from streamplan.capture import execute
+from test_capture_into import _h3 as _h3_block
+from test_capture_tiers import _llama
 
 N = 1200
 
 
-class _Cats(TorchDispatchMode):
+def _cats(rows: int) -> OpCounter:
     """Counts ``cat`` calls (into a buffer or not) of inputs with ``rows`` rows or more."""
-
-    def __init__(self, rows: int):
-        super().__init__()
-        self.rows, self.count = rows, 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        first = args[0][0]
-        if func in (torch.ops.aten.cat.default, torch.ops.aten.cat.out) and first.dim() > 1 \
-                and max(first.shape[:-1]) >= self.rows:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
+    return OpCounter((torch.ops.aten.cat.default, torch.ops.aten.cat.out),
+                     lambda args: args[0][0].dim() > 1 and max(args[0][0].shape[:-1]) >= rows)
 
 
 def _h3():
-    from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3TransformerBlock
-    block = MiniMaxH3TransformerBlock(256, 8, 64, 512, 32, 1e-6, 1e-6).eval()
-    return block, (torch.randn(1, N, 256), torch.randn(2, 32), torch.randint(0, 6, (N,)),
-                   (torch.randn(N, 48), torch.randn(N, 48))), {}
-
-
-def _llama():
-    from transformers import LlamaConfig
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
-                      attn_implementation="sdpa")
-    layer = LlamaDecoderLayer(cfg, layer_idx=0).eval()
-    x = torch.randn(1, N, 64)
-    cos, sin = LlamaRotaryEmbedding(cfg)(x, torch.arange(N)[None])
-    return layer, (x,), {"position_embeddings": (cos, sin)}
+    block, args = _h3_block()
+    return block, args, {}
 
 
 def _streamed(make, monkeypatch, joins: bool, reuse: bool = True):
@@ -59,7 +38,7 @@ def _streamed(make, monkeypatch, joins: bool, reuse: bool = True):
     handle = streamplan.apply(block, capture="prefer", chunk_tokens=400)
     first = lambda out: out[0] if isinstance(out, tuple) else out  # noqa: E731
     first(block(*args, **kwargs))   # captured and planned
-    cats = _Cats(400)
+    cats = _cats(400)
     with cats:
         out, peak = streamplan.measure_peak(lambda: first(block(*args, **kwargs)))
     handle.remove()
@@ -92,77 +71,80 @@ def test_ops_over_dying_operands_save_memory_bit_for_bit(make, monkeypatch):
     assert peak < 0.97 * old_peak, (peak, old_peak)
 
 
-class _OperandReadTwice(nn.Module):
-    """``scaled`` is read three times and ``shifted`` twice (once through a view): neither may be written over; the
-    values read once may."""
+class _Attention(nn.Module):
+    """Four heads of 16 over 64 features, as the test modules below shape their values around them."""
 
     def __init__(self):
         super().__init__()
         self.qkv = nn.Linear(64, 192)
         self.out = nn.Linear(64, 64)
 
+    def heads(self, x):
+        return self.qkv(x).view(1, -1, 3, 4, 16).permute(2, 0, 3, 1, 4)
+
+    def attend(self, q, k, v, x):
+        return nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(x.shape)
+
+
+class _OperandReadTwice(_Attention):
+    """``scaled`` is read three times and ``shifted`` twice (once through a view): neither may be written over; the
+    values read once may."""
+
     def forward(self, x):
-        q, k, v = self.qkv(x).view(1, -1, 3, 4, 16).permute(2, 0, 3, 1, 4)
-        a = nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(x.shape)
-        scaled = self.out(a) * 3.0
+        q, k, v = self.heads(x)
+        scaled = self.out(self.attend(q, k, v, x)) * 3.0
         shifted = scaled + 1.0
         both = scaled * shifted
         return both * 2.0 + scaled, shifted.unsqueeze(0).squeeze(0) - scaled
 
 
-@torch.no_grad()
-def test_no_op_writes_over_an_operand_still_read():
-    block = _OperandReadTwice().eval()
+def _applied(cls):
+    """A test module, its input, its stock output, and the module streamed in 300-row chunks."""
+    block = cls().eval()
     x = torch.randn(1, 900, 64)
     ref = block(x)
-    handle = streamplan.apply(block, capture="prefer", chunk_tokens=300)
+    return block, x, ref, streamplan.apply(block, capture="prefer", chunk_tokens=300)
+
+
+def _in_place(block, x) -> list[tuple[dict, dict]]:
+    """What each phase of the captured block computes in place, phase KV's first (K's join is theirs)."""
+    from streamplan.capture import streamable
+    found, _ = streamable(block, (x,), {}, x.shape[1])
+    return [execute.in_place(nodes, found.analysis, found.phases, set())
+            for nodes in [*found.phases.kv, found.phases.q]]
+
+
+@torch.no_grad()
+def test_no_op_writes_over_an_operand_still_read():
+    block, x, ref, handle = _applied(_OperandReadTwice)
     out = block(x)
     assert handle.plans[""], handle.report()
     assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
-    from streamplan.capture import streamable
-    found, _ = streamable(block, (x,), {}, x.shape[1])
-    _, reuse = execute.in_place(found.phases.q, found.analysis, found.phases, set())
+    _, reuse = _in_place(block, x)[-1]
     # the out projection's result under ``scaled``, ``both`` under its double; the sums write into the outputs
     assert sorted((p.name, m.name) for p, m in reuse.items()) == [("mul", "linear_1"), ("mul_2", "mul_1")], reuse
     handle.remove()
 
 
-class _PartReadTwice(nn.Module):
+class _PartReadTwice(_Attention):
     """A join's part that the block also reads after the join: written in place, a later write into the joined
     value would reach it; it is copied in instead."""
 
-    def __init__(self):
-        super().__init__()
-        self.qkv = nn.Linear(64, 192)
-
     def forward(self, x):
-        q, k, v = self.qkv(x).view(1, -1, 3, 4, 16).permute(2, 0, 3, 1, 4)
+        q, k, v = self.heads(x)
         doubled = k * 2.0                                   # read by the join and after it
         halved = k * 0.5                                    # read by the join alone: a slot
         k = torch.cat([doubled[..., :8], halved[..., 8:] + 1.0], dim=-1)
-        a = nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(x.shape)
-        return a + doubled.transpose(1, 2).reshape(x.shape)
+        return self.out(self.attend(q, k, v, x)) + doubled.transpose(1, 2).reshape(x.shape)
 
 
 @torch.no_grad()
 def test_a_part_read_elsewhere_is_copied_in():
-    block = _PartReadTwice().eval()
-    x = torch.randn(1, 900, 64)
-    ref = block(x)
-    handle = streamplan.apply(block, capture="prefer", chunk_tokens=300)
-    (found,) = [j for j in _joins(block, x)]
+    block, x, ref, handle = _applied(_PartReadTwice)
+    (found,) = {id(j): j for joins, _ in _in_place(block, x) for j in joins.values()}.values()
     assert [m.name for m in found.slots] == ["add"]   # the doubled part's slice is a view of a value read later
     assert rel_err(block(x), ref) <= 1e-5
     handle.remove()
-
-
-def _joins(block, x):
-    """The joins the captured block's phases (K's is phase KV's) build in place."""
-    from streamplan.capture import streamable
-    found, _ = streamable(block, (x,), {}, x.shape[1])
-    joins = [j for nodes in [*found.phases.kv, found.phases.q]
-             for j in execute.in_place(nodes, found.analysis, found.phases, set())[0].values()]
-    return {id(j): j for j in joins}.values()
 
 
 @pytest.mark.parametrize("donated", [True, False])

@@ -3,27 +3,18 @@ copied there from chunk tensors of their own: bit for bit what the copies gave, 
 input the op overwrites is still to be read."""
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import streamplan
-from conftest import rel_err
+from conftest import OpCounter, rel_err
 from streamplan.capture import execute
 from streamplan.executors.donation import donate
 
 N = 1200
 
 
-class _Copies(TorchDispatchMode):
-    """Counts ``copy_`` calls of at least ``rows`` rows' worth of elements."""
-
-    def __init__(self, elements: int):
-        super().__init__()
-        self.elements, self.count = elements, 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten.copy_.default and args[0].numel() >= self.elements:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
+def _copies(elements: int) -> OpCounter:
+    """Counts ``copy_`` calls of at least ``elements`` elements."""
+    return OpCounter((torch.ops.aten.copy_.default,), lambda args: args[0].numel() >= elements)
 
 
 def _h3():
@@ -40,7 +31,7 @@ def _streamed(block, args, monkeypatch, direct: bool, donated: bool = False):
     handle = streamplan.apply(block, capture="prefer", chunk_tokens=400)
     x = args[0].clone()
     block(x, *args[1:])   # captured and planned
-    counter = _Copies(400 * 256)
+    counter = _copies(400 * 256)
     with counter:
         if donated:
             with donate(x):
