@@ -232,9 +232,10 @@ def test_planner_chosen_chunks_fill_whole_gpu_waves():
 def test_a_narrower_mlp_slice_must_buy_rows_that_survive_wave_rounding():
     """H3 at 65,536 rows, donated, 1.10x the floor: 4096- and 2048-feature slices both run 12,672-row chunks once
     rounded to whole attention waves (56 heads on 132 multiprocessors: 4,224-row quanta), so the wider slice (4 GEMM
-    passes, not 7) is the plan; a slice that buys a whole extra quantum is still taken."""
+    passes, not 7) is the plan; a slice that buys a whole extra quantum is still taken; half the MLP at a time (2
+    passes) where it fits as many rows."""
     from streamplan.planner import Waves, plan_graph
-    per_row = {0: 100, 4096: 40, 2048: 33, 1024: 31.5}
+    per_row = {0: 100, 7168: 60, 4096: 40, 2048: 33, 1024: 31.5}
     h200 = Waves(132, 56)
     kw = dict(budget=520_000, min_chunk=2048, waves=h200, ffn=14336)
     plan = plan_graph(65536, 0, lambda c, sl: int(c * per_row[sl]), 10**9, **kw)
@@ -242,3 +243,6 @@ def test_a_narrower_mlp_slice_must_buy_rows_that_survive_wave_rounding():
     per_row[1024] = 29   # 17,931 rows: 16,896 once rounded, a quantum more than 4096's
     plan = plan_graph(65536, 0, lambda c, sl: int(c * per_row[sl]), 10**9, **kw)
     assert (plan.tier, plan.chunk, plan.ffn_slice) == ("L2", 16896, 1024), plan
+    per_row.update({7168: 40, 1024: 31.5})   # half the MLP at a time fits 12,672 rows too: the widest is the plan
+    plan = plan_graph(65536, 0, lambda c, sl: int(c * per_row[sl]), 10**9, **kw)
+    assert (plan.tier, plan.chunk, plan.ffn_slice) == ("L2", 12672, 7168), plan

@@ -123,20 +123,25 @@ class GraphMemory:
     def _region_peak(self, r, rows: int) -> int:
         """The worst moment of one MLP region's values at full width (``run_region`` takes it a slice at a time):
         entries, then the elementwise nodes in graph order, each freed after its last use inside the region (what
-        the exit reads stays); a fused entry's parts and their join are alive together."""
+        the exit reads stays); a fused entry's parts and their join are alive together where something joins them."""
         nodes = [*r.entries, *r.inner]
-        return self._walk(nodes, _last_uses(nodes), rows, joined=lambda n, own: own if r.entries.get(n, 1) > 1 else 0)
+        return self._walk(nodes, _last_uses(nodes), rows, joined=lambda n, own: own if r.joins_parts(n) else 0,
+                          over=r.over)
 
-    def _walk(self, nodes: list[fx.Node], dead: dict[int, list[fx.Node]], rows: int, joined=None) -> int:
+    def _walk(self, nodes: list[fx.Node], dead: dict[int, list[fx.Node]], rows: int, joined=None,
+              over: dict | None = None) -> int:
         """Peak bytes of ``nodes`` run in order at ``rows`` rows, ``dead[i]`` freed after node ``i`` (a view keeps its
-        base's storage alive); ``joined(node, own bytes)``: bytes alive beside a node at its own moment only."""
+        base's storage alive); ``joined(node, own bytes)``: bytes alive beside a node at its own moment only;
+        ``over``: nodes written over an operand (its storage, no new one)."""
         owner: dict[fx.Node, fx.Node] = {}
         refs: dict[fx.Node, int] = {}
         live = peak = 0
+        over = over or {}
         for i, n in enumerate(nodes):
             own = 0
-            base = None if self.allocates.get(n, True) else next(
-                (owner[m] for m in n.all_input_nodes if m in owner), None)
+            base = owner.get(over[n]) if n in over else None
+            if base is None and not self.allocates.get(n, True):
+                base = next((owner[m] for m in n.all_input_nodes if m in owner), None)
             if base is not None:
                 owner[n] = base
                 refs[base] += 1

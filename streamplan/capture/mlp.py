@@ -3,6 +3,7 @@ than a slice of its hidden features' worth of hidden values at a time, so the ch
 the whole MLP on row pieces of the chunk, or every row a slice of hidden features at a time (``SPLIT``)."""
 from __future__ import annotations
 
+import functools
 import operator
 from dataclasses import dataclass, field
 
@@ -11,6 +12,8 @@ import torch.nn.functional as F
 from torch import fx
 
 from .analyze import Analysis, Rows, _name, pointwise
+from .pieces import is_view
+from .reuse import can_write, same_layout
 
 aten = torch.ops.aten
 _PASSING = {"_to_copy", "to", "type_as", "clone", "dropout", "alias", "contiguous", "detach"}
@@ -30,6 +33,35 @@ class MLPRegion:
     @property
     def nodes(self) -> set[fx.Node]:
         return set(self.entries) | set(self.inner)
+
+    @functools.cached_property
+    def over(self) -> dict[fx.Node, fx.Node]:
+        """Inner pointwise ops that write over an operand dying with them (``reuse``'s rule inside a region): an
+        entry's output, a fresh inner value, or an entry's part taken by its split (the parts are disjoint)."""
+        found: dict[fx.Node, fx.Node] = {}
+        for n in self.inner:
+            if not can_write(n):
+                continue
+            for m in n.args:
+                if isinstance(m, fx.Node) and m not in found.values() and len(m.users) == 1 \
+                        and list(n.args).count(m) == 1 and self._exclusive(m) and same_layout(m, n):
+                    found[n] = m
+                    break
+        return found
+
+    def joins_parts(self, e: fx.Node) -> bool:
+        """Whether a fused entry's parts are ever joined (a use other than the split that takes them apart)."""
+        return self.entries.get(e, 1) > 1 and any(not splits_parts(u, self.entries[e], self.ffn) for u in e.users)
+
+    def _exclusive(self, m: fx.Node) -> bool:
+        if m in self.entries:
+            return self.entries[m] == 1
+        if m not in self.parts:
+            return False
+        if m.target is operator.getitem:
+            split = m.args[0]
+            return _name(split.target) in _SPLITS and split.args[0] in self.entries and len(split.args[0].users) == 1
+        return not is_view(m)
 
     @property
     def sized(self) -> bool:
@@ -266,11 +298,24 @@ def _hidden(region: MLPRegion, env: dict, x: torch.Tensor, a: int, b: int) -> to
             args = (args[0], [b - a] * len(args[1]), *args[2:])
         elif name == "split":
             args = (args[0], b - a, *args[2:])
-        local[n] = args[0][args[1]] if n.target is operator.getitem else n.target(*args, **kwargs)
+        if n.target is operator.getitem:
+            local[n] = args[0][args[1]]
+        elif n in region.over and _writable(local.get(region.over[n]), n, args):
+            local[n] = n.target.overloadpacket.out(*args, **kwargs, out=local[region.over[n]])
+        else:
+            local[n] = n.target(*args, **kwargs)
         del args, kwargs
         for m in dead.get(n, ()):
             local.pop(m, None)
     return local[region.exit.args[0]]
+
+
+def _writable(v, n: fx.Node, args: tuple) -> bool:
+    """The operand's value can take the result: a tensor of its dtype and shape."""
+    if not isinstance(v, torch.Tensor) or v.dtype != n.meta["val"].dtype:
+        return False
+    shapes = [t.shape for t in args if isinstance(t, torch.Tensor)]
+    return tuple(torch.broadcast_shapes(*shapes)) == tuple(v.shape)
 
 
 class _Parts(list):
@@ -284,15 +329,20 @@ def _parts_split(n: fx.Node, local: dict, ffn: int) -> tuple | None:
     src = local.get(n.args[0]) if n.args and isinstance(n.args[0], fx.Node) else None
     if not isinstance(src, _Parts):
         return None
-    name, parts = _name(n.target), len(src)
+    return tuple(src) if splits_parts(n, len(src), ffn) else None
+
+
+def splits_parts(n: fx.Node, parts: int, ffn: int) -> bool:
+    """``n`` splits its input's last dimension into ``parts`` parts of ``ffn`` features each."""
+    if not n.args or not isinstance(n.args[0], fx.Node):
+        return False
+    name = _name(n.target)
     val = n.args[0].meta.get("val")
     dim = n.args[2] if len(n.args) > 2 else n.kwargs.get("dim", 0)
     if val is None or not isinstance(dim, int) or dim % val.dim() != val.dim() - 1:
-        return None
-    if (name == "chunk" and n.args[1] == parts) or (name == "split" and n.args[1] == ffn) or (
-            name == "split_with_sizes" and list(n.args[1]) == [ffn] * parts):
-        return tuple(src)
-    return None
+        return False
+    return (name == "chunk" and n.args[1] == parts) or (name == "split" and n.args[1] == ffn) or (
+        name == "split_with_sizes" and list(n.args[1]) == [ffn] * parts)
 
 
 def _entry_slice(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, ffn: int, parts: int, a: int,
