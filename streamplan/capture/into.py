@@ -129,11 +129,12 @@ def call_into(node: fx.Node, env: dict, out: torch.Tensor, fresh: bool = False) 
         return node.target.overloadpacket.out(*args, **kwargs, out=out)
     storage = out.untyped_storage().data_ptr()
     ins = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-    if any(t.untyped_storage().data_ptr() == storage and not (pointwise(node.target) and _same_view(t, out))
+    if any(t.untyped_storage().data_ptr() == storage and not (pointwise(node.target) and same_view(t, out))
            for t in ins):
         return node.target(*args, **kwargs)
     return node.target.overloadpacket.out(*args, **kwargs, out=out)
 
 
-def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+def same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``a`` and ``b`` are the same elements of the same memory, laid out alike."""
     return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()

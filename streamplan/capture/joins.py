@@ -12,9 +12,9 @@ import torch
 from torch import fx
 
 from .analyze import Analysis, Rows
-from .into import call_into
+from .into import call_into, same_view
 from .pieces import is_view
-from .reuse import can_write, fresh_result, same_layout
+from .reuse import can_write, dense, fresh_result, same_layout
 
 aten = torch.ops.aten
 
@@ -61,7 +61,7 @@ def _join(c: fx.Node, an: Analysis, present: set) -> Join | None:
     if not isinstance(val, torch.Tensor) or not isinstance(r, Rows) or not isinstance(dim, int):
         return None
     dim %= val.dim()
-    if dim == r.dim or not _contiguous(val) or len(set(ins)) != len(ins) \
+    if dim == r.dim or not dense(c) or len(set(ins)) != len(ins) \
             or not all(isinstance(m, fx.Node) for m in ins):
         return None
     offsets = [0]
@@ -85,14 +85,7 @@ def _slot(m: fx.Node, c: fx.Node, an: Analysis, present: set) -> bool:
     """``m`` can write into its slice: a fresh pointwise value on the chunk's rows, read by the join alone."""
     if m not in present or m in an.const or is_view(m) or list(m.users) != [c]:
         return False
-    return can_write(m, dense=False) and isinstance(an.rows.get(m), Rows)
-
-
-def _contiguous(val: torch.Tensor) -> bool:
-    try:
-        return bool(val.is_contiguous())
-    except Exception:   # a size the symbols cannot decide: left alone
-        return False
+    return can_write(m, whole=False) and isinstance(an.rows.get(m), Rows)
 
 
 def run_join(j: Join, node: fx.Node, env: dict, built: dict[fx.Node, torch.Tensor],
@@ -112,6 +105,6 @@ def run_join(j: Join, node: fx.Node, env: dict, built: dict[fx.Node, torch.Tenso
         return None
     for m in j.inputs:   # what is not in place yet (a view's values, a slot that could not write in place)
         dst, v = j.part(buf, m), env[m]
-        if not (v.data_ptr() == dst.data_ptr() and v.shape == dst.shape and v.stride() == dst.stride()):
+        if not same_view(v, dst):
             dst.copy_(v)
     return buf

@@ -26,13 +26,13 @@ def fresh_result(n: fx.Node, an: Analysis, avoid: set) -> bool:
     returns = n.target._schema.returns
     if len(returns) != 1 or returns[0].alias_info is not None or _name(n.target).endswith("_"):
         return False
-    return _dense(n) and isinstance(an.rows.get(n), Rows)
+    return dense(n) and isinstance(an.rows.get(n), Rows)
 
 
-def can_write(p: fx.Node, dense: bool = True) -> bool:
-    """``p`` is a pointwise ATen op with an ``out=`` overload that is the op (``dense``: its result contiguous)."""
+def can_write(p: fx.Node, whole: bool = True) -> bool:
+    """``p`` is a pointwise ATen op with an ``out=`` overload that is the op (``whole``: its result contiguous)."""
     return (p.op == "call_function" and isinstance(p.target, torch._ops.OpOverload) and p.target.namespace == "aten"
-            and pointwise(p.target) and has_out(p) and not _name(p.target).endswith("_") and (not dense or _dense(p)))
+            and pointwise(p.target) and has_out(p) and not _name(p.target).endswith("_") and (not whole or dense(p)))
 
 
 def same_layout(a: fx.Node, b: fx.Node) -> bool:
@@ -57,7 +57,8 @@ def find_reuse(nodes: list[fx.Node], an: Analysis, keep: set, avoid: set) -> dic
     return found
 
 
-def _dense(n: fx.Node) -> bool:
+def dense(n: fx.Node) -> bool:
+    """``n``'s value is contiguous (as captured)."""
     val = n.meta.get("val")
     if not isinstance(val, torch.Tensor):
         return False
