@@ -349,6 +349,8 @@ def _entry_slice(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, ff
                  b: int) -> torch.Tensor | _Parts:
     """An entry linear over hidden features [a:b) of each of its ``parts`` (a fused gate/up weight holds two): one
     linear per part on a row range of the weight (a view, never a gathered copy of the weight)."""
+    if parts == 1 and a == 0 and b == ffn:   # all of it (a row piece): the weight as it is, whatever its type
+        return F.linear(x, w, bias)
     if parts == 1:
         return F.linear(x, w[a:b], None if bias is None else bias[a:b])
     return _Parts(F.linear(x, w[j * ffn + a:j * ffn + b], None if bias is None else bias[j * ffn + a:j * ffn + b])
