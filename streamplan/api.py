@@ -351,7 +351,8 @@ def apply(module: nn.Module, budget: int | str | None = "auto", chunk_tokens: in
     ``budget`` (bytes, ``"12GiB"``, or ``"auto"``: the device's free memory when an operation is first planned) lets
     the planner pick tiers and chunks, keeping stock wherever stock fits; ``budget=None`` streams every input longer
     than a fixed default chunk instead. ``chunk_tokens`` forces row streaming at that chunk; ``ffn_slice`` forces
-    feature-sliced MLPs with that many hidden features per slice;
+    sliced MLPs holding that many hidden features' worth at a time (a captured block's MLP on as many row pieces of
+    the chunk, exact; a hand-written one a slice of its features at a time);
     ``head_groups`` forces head-grouped K/V (L3) with the K/V heads split into that many groups.
     ``reserve`` is kept free under ``budget="auto"``. ``self_check`` runs the first streamed call stock as well and
     logs (and reports) the difference. ``capture`` picks the way in for blocks: "fallback" (default) streams every

@@ -314,7 +314,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--chunk-tokens", type=_positive_int, default=None, metavar="N",
                       help="force row streaming with this many tokens per chunk")
     demo.add_argument("--ffn-slice", type=_positive_int, default=None, metavar="N",
-                      help="force feature-sliced MLPs with this many hidden features per slice")
+                      help="force sliced MLPs holding this many hidden features' worth at a time")
     demo.set_defaults(func=_demo, _parser=demo)
 
     plan = sub.add_parser(
