@@ -558,9 +558,9 @@ def plan_graph(rows: int, fixed: int, transient, stock: int, *, chunk_tokens: in
         return make(Tier.L0, rows)
     def sliced(floor: int) -> tuple[int, int] | None:
         """(chunk, slice) of the widest MLP slice among half the MLP and ``SLICES`` whose chunk a narrower one does not
-        beat by more than ``NARROWER_GAIN``: narrower slices are smaller GEMMs (more, smaller row pieces: on the H200
-        the H3 block at 65,536 rows ran 0.5-1% faster in 2 pieces than in 4 or 8), but larger chunks are fewer passes
-        of everything.
+        beat by more than ``NARROWER_GAIN``: narrower slices are more, smaller GEMMs (row pieces), but larger chunks
+        are fewer passes of everything (on the H200, 2026-12-01, the H3 block at 65,536 rows: 2 pieces 0.5-1% faster
+        than 4 or 8 in two runs, within the runs' spread in a third).
         Chunks compare as they will run, rounded to whole attention waves: a narrower slice whose extra rows the
         rounding takes back buys nothing (H3 at 65,536 rows: 12,672 rows either way, 7 slices or 4)."""
         best = None

@@ -59,6 +59,13 @@ class Analysis:
     input_writes: set = field(default_factory=set)   # in-place writes into the block's own inputs (as stock does)
     whole_inputs: set = field(default_factory=set)   # inputs with rows every chunk takes whole (a key mask)
 
+    @property
+    def static_rows(self) -> bool:
+        """Whether some value has static rows joined to the dynamic ones (text rows beside image rows): a phase
+        computes those once, not per chunk."""
+        return any(r.pre or r.post for v in self.rows.values() for r in (v if isinstance(v, list) else [v])
+                   if isinstance(r, Rows))
+
 
 class NotRowLocal(Exception):
     """The graph has something streamplan cannot run in row chunks (the message says what)."""

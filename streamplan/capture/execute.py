@@ -115,8 +115,7 @@ def in_place(nodes: list[fx.Node], an: Analysis, ph: Phases, keep: set) -> tuple
     key = (tuple(nodes), frozenset(keep))
     if key in ph.done:
         return ph.done[key]
-    parts = [r for v in an.rows.values() for r in (v if isinstance(v, list) else [v]) if isinstance(r, Rows)]
-    if any(r.pre or r.post for r in parts):   # static rows: a phase computes them once, not per chunk
+    if an.static_rows:   # computed once per phase, not per chunk: nothing of theirs in place
         found: tuple[dict, dict] = ({}, {})
     else:
         joins = find_joins(nodes, an)
@@ -235,8 +234,7 @@ class GraphRun:
         in every chunk), joins and cuts along the rows pass the dynamic rows through, and sizes that count rows
         count the chunk's own."""
         an = self.an
-        rows = [r for v in an.rows.values() for r in (v if isinstance(v, list) else [v]) if isinstance(r, Rows)]
-        self.static_mode = any(r.pre or r.post for r in rows)
+        self.static_mode = an.static_rows
         self.cache: dict[fx.Node, Any] = {}
         if not self.static_mode:
             return

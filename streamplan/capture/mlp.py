@@ -13,7 +13,7 @@ from torch import fx
 
 from .analyze import Analysis, Rows, _name, pointwise
 from .pieces import is_view
-from .reuse import can_write, same_layout
+from .reuse import can_write, same_layout, takes
 
 aten = torch.ops.aten
 _PASSING = {"_to_copy", "to", "type_as", "clone", "dropout", "alias", "contiguous", "detach"}
@@ -58,9 +58,10 @@ class MLPRegion:
             return self.entries[m] == 1
         if m not in self.parts:
             return False
-        if m.target is operator.getitem:
+        if m.target is operator.getitem:   # a fused entry's part, as the split that takes them apart gives it
             split = m.args[0]
-            return _name(split.target) in _SPLITS and split.args[0] in self.entries and len(split.args[0].users) == 1
+            e = split.args[0] if split.args else None
+            return e in self.entries and list(e.users) == [split] and splits_parts(split, self.entries[e], self.ffn)
         return not is_view(m)
 
     @property
@@ -300,7 +301,7 @@ def _hidden(region: MLPRegion, env: dict, x: torch.Tensor, a: int, b: int) -> to
             args = (args[0], b - a, *args[2:])
         if n.target is operator.getitem:
             local[n] = args[0][args[1]]
-        elif n in region.over and _writable(local.get(region.over[n]), n, args):
+        elif n in region.over and takes(local.get(region.over[n]), n):
             local[n] = n.target.overloadpacket.out(*args, **kwargs, out=local[region.over[n]])
         else:
             local[n] = n.target(*args, **kwargs)
@@ -308,14 +309,6 @@ def _hidden(region: MLPRegion, env: dict, x: torch.Tensor, a: int, b: int) -> to
         for m in dead.get(n, ()):
             local.pop(m, None)
     return local[region.exit.args[0]]
-
-
-def _writable(v, n: fx.Node, args: tuple) -> bool:
-    """The operand's value can take the result: a tensor of its dtype and shape."""
-    if not isinstance(v, torch.Tensor) or v.dtype != n.meta["val"].dtype:
-        return False
-    shapes = [t.shape for t in args if isinstance(t, torch.Tensor)]
-    return tuple(torch.broadcast_shapes(*shapes)) == tuple(v.shape)
 
 
 class _Parts(list):

@@ -61,8 +61,7 @@ def find_runs(nodes: list[fx.Node], an: Analysis, keep: set, extra: dict | None 
     inside. None where the graph has static rows (their rows are computed once per phase) or writes in place (a
     piece's buffer would not be the storage the write reaches). ``keep``: values the phase hands on; ``extra``: inputs
     a node reads off the graph's edges (a feature-sliced MLP's exit)."""
-    parts = [r for v in an.rows.values() for r in (v if isinstance(v, list) else [v]) if isinstance(r, Rows)]
-    if an.input_writes or any(r.pre or r.post for r in parts):
+    if an.input_writes or an.static_rows:
         return []
     if any(n.op == "call_function" and (_name(n.target).endswith("_") or written_args(n)) for n in nodes
            if n.target is not operator.getitem):

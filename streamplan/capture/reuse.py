@@ -68,12 +68,17 @@ def dense(n: fx.Node) -> bool:
         return False
 
 
+def takes(v: Any, node: fx.Node) -> bool:
+    """At run time: ``v`` (an operand's value) can take ``node``'s result: a contiguous tensor of its dtype (its shape
+    the rules above settle; that nothing else holds its memory too: under ``inference_mode`` views are not tracked,
+    so it could not be checked here)."""
+    return isinstance(v, torch.Tensor) and v.dtype == node.meta["val"].dtype and v.is_contiguous()
+
+
 def run_over(node: fx.Node, operand: fx.Node, env: dict, call) -> Any:
-    """``node`` written over ``operand``'s value where that is a contiguous tensor of the result's dtype (the rules
-    above make sure nothing else holds its memory: under ``inference_mode`` views are not tracked, so it could not
-    be checked here); as usual otherwise."""
+    """``node`` written over ``operand``'s value where it ``takes`` the result; as usual otherwise."""
     v = env[operand]
-    if not isinstance(v, torch.Tensor) or v.dtype != node.meta["val"].dtype or not v.is_contiguous():
+    if not takes(v, node):
         return call(node, env)
     args = fx.node.map_arg(node.args, lambda n: env[n])
     kwargs = fx.node.map_arg(node.kwargs, lambda n: env[n])
