@@ -52,6 +52,8 @@ def test_sliced_mlp_in_the_graph_is_exact_and_smaller(make, split, monkeypatch):
         out, peaks[len(mode)] = streamplan.measure_peak(lambda: first(block(*args, **kwargs)))
         (plan,) = handle.plans[""]
         assert plan.tier == (Tier.L2 if "ffn_slice" in mode else Tier.L1), handle.report()
+        # an MLP sliced by features (inexact to rounding) says so; row pieces are stock's rows and say nothing
+        assert ("sliced by hidden features" in handle.report()) == (split == "features" and "ffn_slice" in mode)
         assert rel_err(out, ref) <= 1e-5
         assert plan.predicted_peak >= 0.9 * peaks[len(mode)]     # the model does not promise less than happens
         handle.remove()

@@ -18,7 +18,7 @@ from .analyze import VIEW_OPS, Analysis, GlobalAttention, Rows, _name, written_a
 from .export import Captured
 from .into import Into, Made, call_into, found, producer
 from .joins import Join, find_joins, run_join
-from .mlp import MLPRegion, run_region
+from .mlp import MLPRegion, row_dim, run_region
 from .pieces import RowRun, find_runs, is_view, run_pieces, schedule
 from .reuse import find_reuse, run_over
 
@@ -327,7 +327,7 @@ class GraphRun:
             if node in pieces:
                 run_pieces(pieces[node], env, self.an, self.cap.row_symbol, self._call, self.pieces)
             elif node in regions:
-                env[node] = run_region(regions[node], env, self.ffn_slice, self._row_dim(regions[node].x))
+                env[node] = run_region(regions[node], env, self.ffn_slice, row_dim(regions[node], self.an))
             elif att is not None:
                 env[node] = self._attention(att, env, a)
             elif rows is not None:
@@ -368,10 +368,6 @@ class GraphRun:
             frees = _last_uses(run, extra={**extra, **{r.marker: r.inputs for r in runs}})
             found = self._schedules[key] = (run, frees, {r.marker: r for r in runs}, joins, reuse)
         return found
-
-    def _row_dim(self, node: fx.Node) -> int | None:
-        r = self.an.rows.get(node)
-        return r.dim if isinstance(r, Rows) and not (r.pre or r.post) else None
 
     # -- values written straight into their buffers (``into``) ----------------------------------------------------
     def _producer(self, value: fx.Node, donated: bool = False) -> fx.Node | None:

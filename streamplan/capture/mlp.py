@@ -216,11 +216,20 @@ def _take(t: torch.Tensor, index, dim: int = -1) -> torch.Tensor:
 SPLIT = "rows"
 
 
-def run_region(region: MLPRegion, env: dict, ffn_slice: int, row_dim: int | None = None) -> torch.Tensor:
-    """The exit linear's value with no more than ``ffn_slice`` hidden features' worth of hidden values at a time;
-    ``row_dim``: the rows' dimension of the region's input (row pieces possible)."""
-    if SPLIT == "rows" and row_dim is not None and not region.sized:
-        return _by_rows(region, env, ffn_slice, row_dim)
+def row_dim(region: MLPRegion, an: Analysis) -> int | None:
+    """The dimension of the region input's rows where the region can run on row pieces (``SPLIT``), else None: the
+    region reads a size, or its input has static rows."""
+    r = an.rows.get(region.x)
+    if SPLIT != "rows" or region.sized or not isinstance(r, Rows) or r.pre or r.post:
+        return None
+    return r.dim
+
+
+def run_region(region: MLPRegion, env: dict, ffn_slice: int, rows_at: int | None = None) -> torch.Tensor:
+    """The exit linear's value with no more than ``ffn_slice`` hidden features' worth of hidden values at a time: on
+    row pieces along ``rows_at`` (``row_dim``), else a slice of hidden features at a time."""
+    if rows_at is not None:
+        return _by_rows(region, env, ffn_slice, rows_at)
     x = env[region.x]
     w_out = env[region.exit.args[1]]
     b_out = env[region.exit.args[2]] if len(region.exit.args) > 2 and region.exit.args[2] is not None else None

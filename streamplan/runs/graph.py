@@ -69,6 +69,7 @@ def _run_graph(handle, entry, args: tuple, kwargs: dict) -> Any:
     from ..capture import rows_of_call, rows_problem, streamable
     from ..capture.opaque_layers import opaque_layers
     from ..capture.execute import GraphRun
+    from ..capture.mlp import row_dim
     from ..capture.memory import _numel as numel_besides, graph_memory
 
     module = entry.module
@@ -288,6 +289,9 @@ def _run_graph(handle, entry, args: tuple, kwargs: dict) -> Any:
         stores = dict(kv_store=lambda att: consumer.store(device), attend_store=consumer.attend_store)
         if not any(n.startswith("streams under") for n in entry.runtime_notes):
             handle.note(entry, f"streams under {par.label}: attention through {consumer.name}")
+    if plan.tier in SLICED_TIERS and any(row_dim(r, an) is None for r in regions):
+        handle.note(entry, "an MLP sliced by hidden features (it reads a size, or has static rows): its partial "
+                    "products accumulated, one rounding a slice (row pieces, elsewhere, are stock's rows exactly)")
     run = GraphRun(cap, an, found.phases, module, args, kwargs, rows, attend,
                    ffn_slice=plan.ffn_slice if plan.tier in SLICED_TIERS else 0, regions=regions,
                    pieces=o.row_pieces, **stores)
