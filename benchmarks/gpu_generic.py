@@ -14,7 +14,8 @@ The MiniMax-H3 2-layer model at the end: both outputs, stock vs streamed, and un
         # input donated: the planner's plan held to 1.10x, each forced chunk/MLP slice[/pN: N row pieces], stock,
         # timed alike (median of 7 on fresh inputs, interleaved rounds in rotating order; a 6th argument: rounds),
         # which fit the floor budget marked; "/f" (MLP split by features), "/nj" (no joins built in place) switch
-        # the engine for one variant, "planner/f/nj" the planner's plan under them
+        # the engine for one variant, "/nf" its element-wise chains not fused (``fuse=False``), "planner/f/nj" the
+        # planner's plan under them
 """
 from __future__ import annotations
 
@@ -267,13 +268,15 @@ def run_sweep(case: str, n: int, hold: float, forced: list[str], rounds: int = 7
     for spec in filter(None, forced):   # switches (``_engine``); "planner/f" the planner's plan under them
         fields = spec.split("/")
         flags = {f for f in fields if f in ("f", "nj")}
-        fields = [f for f in fields if f not in flags]
+        unfused = {"fuse": False} if "nf" in fields else {}
+        fields = [f for f in fields if f not in flags and f != "nf"]
         if fields == ["planner"]:
-            variants.append((spec, dict(variants[0][1], flags=flags)))
+            variants.append((spec, dict(variants[0][1], flags=flags, **unfused)))
             continue
         pieces = int(fields.pop()[1:]) if fields[-1].startswith("p") else 0
         parts = [int(x) for x in fields]
-        kw = dict(chunk_tokens=parts[0], ffn_slice=parts[1] if len(parts) > 1 and parts[1] else None, flags=flags)
+        kw = dict(chunk_tokens=parts[0], ffn_slice=parts[1] if len(parts) > 1 and parts[1] else None, flags=flags,
+                  **unfused)
         if pieces:
             kw["row_pieces"] = pieces
         variants.append((spec, kw))
@@ -308,7 +311,7 @@ def run_sweep(case: str, n: int, hold: float, forced: list[str], rounds: int = 7
                          "predicted_KB_per_token": kb(plan.predicted_peak) if plan else None,
                          "row_pieces": kw.get("row_pieces", 1)})
             times[label] = []
-            print(rows[-1], flush=True)
+            print(rows[-1], [n for n in handle.report().splitlines() if "chain" in n], flush=True)
         labels = ["stock", *(label for label, _ in variants)]
         for i in range(rounds):   # each round in another order: no plan always runs right after stock
             for label in labels[i % len(labels):] + labels[:i % len(labels)]:

@@ -97,6 +97,7 @@ def profile_case(spec: str) -> dict:
         streamed_wall = wall(lambda: block(*args))
         streamed_enqueue = wall(lambda: block(*args), 3, wait=False)
         plan = handle.plans[""][0]
+        print(handle.report(), flush=True)
         handle.remove()
     diffs = sorted(set(stock) | set(streamed), key=lambda k: -abs(streamed.get(k, 0) - stock.get(k, 0)))[:12]
     print("--- largest differences (streamed - stock), ms", flush=True)

@@ -345,7 +345,7 @@ class BlockStreamer:
 def apply(module: nn.Module, budget: int | str | None = "auto", chunk_tokens: int | None = None, *,
           ffn_slice: int | None = None, head_groups: int | None = None, reserve: int | str = DEFAULT_RESERVE,
           self_check: bool = False, capture: str = "fallback", kv: str = "device",
-          row_pieces: int | None = None, q_span: int | None = None) -> StreamHandle:
+          row_pieces: int | None = None, q_span: int | None = None, fuse: bool | None = None) -> StreamHandle:
     """Stream every recognised structure inside ``module`` in place; returns a handle to report and undo.
 
     ``budget`` (bytes, ``"12GiB"``, or ``"auto"``: the device's free memory when an operation is first planned) lets
@@ -368,11 +368,16 @@ def apply(module: nn.Module, budget: int | str | None = "auto", chunk_tokens: in
     cost of more, smaller kernels (on the H200 4 pieces ran the H3 block at 65,536 rows slower, not yet tuned).
     ``q_span`` (with K/V in a store and ``chunk_tokens``): the query rows of that many rows are built and attended in
     one pass over the store before their chunks run, so K/V are read back once per span, not once per chunk (under a
-    budget the planner picks the span itself).
+    budget the planner picks the span itself). ``fuse``: a captured block's chains of element-wise ops (a rotary,
+    an AdaLN modulation, a gated residual) each compiled by Inductor into one kernel that rounds as eager does, checked
+    bit for bit against its eager ops on the first chunk before it is used (a chain that differs runs eager, reported);
+    None (default) where the device is CUDA with Triton, True anywhere Inductor runs, False never. The first call per
+    chain compiles it (seconds, once per process; identical chains of a model's blocks share one).
     """
     if not isinstance(module, nn.Module):
         raise ValueError(f"module must be a torch.nn.Module, got {type(module).__name__}")
-    options = make_options(budget, chunk_tokens, ffn_slice, head_groups, reserve, self_check, kv, row_pieces, q_span)
+    options = make_options(budget, chunk_tokens, ffn_slice, head_groups, reserve, self_check, kv, row_pieces, q_span,
+                           fuse)
     if capture not in CAPTURE_MODES:
         raise ValueError(f"capture must be one of {', '.join(CAPTURE_MODES)}; got {capture!r}")
     superseded = _supersede(module)

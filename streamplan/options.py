@@ -24,6 +24,9 @@ class StreamOptions:
     row_pieces: int = 1
     # K/V in a store (kv="host", "int8", "fp8") at a fixed chunk: query rows attended per pass over the store
     q_span: int | None = None
+    # a captured block's element-wise chains compiled into exact kernels (``capture.fuse``): None where the device
+    # is CUDA with Triton, True anywhere Inductor runs, False never
+    fuse: bool | None = None
 
 
 _INT_MEANING = {"chunk_tokens": "rows per chunk", "ffn_slice": "MLP hidden features per slice",
@@ -41,7 +44,7 @@ def positive_int(value: Any, arg: str) -> int | None:
 
 
 def make_options(budget, chunk_tokens, ffn_slice, head_groups, reserve, self_check, kv="device",
-                 row_pieces=None, q_span=None) -> StreamOptions:
+                 row_pieces=None, q_span=None, fuse=None) -> StreamOptions:
     from .kv_tiers import check_kv
     kv = check_kv(kv)
     chunk_tokens = positive_int(chunk_tokens, "chunk_tokens")
@@ -57,5 +60,8 @@ def make_options(budget, chunk_tokens, ffn_slice, head_groups, reserve, self_che
     if q_span is not None and kv == "device":
         raise ValueError(f"q_span={q_span} sets the query rows of a pass over a K/V store: it needs kv='host', 'int8' "
                          f"or 'fp8' (with kv='device' the planner picks any span itself when it stages K/V)")
+    if fuse is not None and not isinstance(fuse, bool):
+        raise ValueError(f"fuse must be True, False or None (None: fuse where the device is CUDA with Triton), "
+                         f"got {fuse!r}")
     return StreamOptions(parsed, reserve, chunk_tokens, ffn_slice, bool(self_check), head_groups, kv,
-                         row_pieces=pieces, q_span=q_span)
+                         row_pieces=pieces, q_span=q_span, fuse=fuse)

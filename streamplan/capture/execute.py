@@ -16,6 +16,7 @@ from ..executors.chunks import MAX_SPLITS, _attempt, spans
 from ..executors.kv_store import write_rows
 from .analyze import VIEW_OPS, Analysis, GlobalAttention, Rows, _name, written_args
 from .export import Captured
+from .fuse import MIN_BYTES, FusedChain, find_chains, run_chain
 from .into import Into, Made, call_into, found, producer
 from .joins import Join, find_joins, run_join
 from .mlp import MLPRegion, row_dim, run_region
@@ -35,7 +36,7 @@ class Phases:
     writes: dict = field(default_factory=dict)   # in-place writes each node depends on (``_writes``)
     producers: dict = field(default_factory=dict)  # K, V or output -> the op that may write it into its buffer
     last: set = field(default_factory=set)       # outputs whose producer only views follow: may write a donated input
-    done: dict = field(default_factory=dict)     # ``in_place``'s answers, per phase as run and what it keeps
+    done: dict = field(default_factory=dict)     # ``in_place``'s and ``find_chains``' answers per phase and keep
 
 
 def _writes(order: list[fx.Node], base: dict[fx.Node, fx.Node] | None = None) -> dict[fx.Node, set[fx.Node]]:
@@ -188,9 +189,13 @@ class GraphRun:
     def __init__(self, cap: Captured, an: Analysis, ph: Phases, module: torch.nn.Module, args: tuple, kwargs: dict,
                  rows: int, attend: Callable[..., torch.Tensor], ffn_slice: int = 0,
                  regions: list[MLPRegion] | None = None, kv_store: Callable[[GlobalAttention], Any] | None = None,
-                 attend_store: Callable[..., torch.Tensor] | None = None, pieces: int = 1):
+                 attend_store: Callable[..., torch.Tensor] | None = None, pieces: int = 1,
+                 fuse: torch.device | None = None, fuse_rows: int = 0):
         self.cap, self.an, self.ph, self.rows, self.attend = cap, an, ph, rows, attend
         self.pieces = pieces   # row-local runs in this many pieces of a chunk's rows (1: every node on the chunk)
+        self.fuse = fuse if pieces == 1 else None   # element-wise chains compiled for this device (``fuse``)
+        self.fuse_rows = fuse_rows   # set: only chains whose outputs at this many rows are worth a compiled call
+        self.chains: dict[FusedChain, None] = {}   # the chains this call ran (its report)
         # L4/L5: each global attention's K/V go into a store (``executors.kv_store``) made by ``kv_store`` and are
         # attended block by block through ``attend_store(q, store, q_offset=, causal=, scale=)``
         self.kv_store, self.attend_store = kv_store, attend_store
@@ -319,13 +324,15 @@ class GraphRun:
         """Run ``nodes`` on one chunk; ``rows`` set: the chunk's dynamic rows alone (static rows done once);
         ``into``: producers that write into the given tensors (their ``out=``); ``watch``: producers whose value's
         layout ``_made`` records."""
-        nodes, frees, pieces, joins, reuse = self._schedule(nodes, keep)
+        nodes, frees, pieces, joins, reuse, chains = self._schedule(nodes, keep)
         regions, globals_ = self._region_at, self._attention_at
         built: dict[fx.Node, torch.Tensor] = {}   # this chunk's joins built in place so far
         for i, node in enumerate(nodes):
             att = globals_.get(node)
             if node in pieces:
                 run_pieces(pieces[node], env, self.an, self.cap.row_symbol, self._call, self.pieces)
+            elif node in chains:
+                run_chain(chains[node], env, self.an, self.cap.row_symbol, self._call, self.fuse)
             elif node in regions:
                 env[node] = run_region(regions[node], env, self.ffn_slice, row_dim(regions[node], self.an))
             elif att is not None:
@@ -352,10 +359,12 @@ class GraphRun:
 
     def _schedule(self, nodes: list[fx.Node], keep: set[fx.Node]) -> tuple[list[fx.Node], dict[int, list[fx.Node]],
                                                                          dict[fx.Node, RowRun], dict[fx.Node, Join],
-                                                                         dict[fx.Node, fx.Node]]:
+                                                                         dict[fx.Node, fx.Node],
+                                                                         dict[fx.Node, FusedChain]]:
         """A phase's nodes as this call runs them (a feature-sliced MLP runs at its exit: its inner nodes are skipped,
-        their inputs used there; a run of row-local nodes runs in row pieces at its last node, ``pieces``; what runs
-        in place, ``in_place``) and when each value is freed: worked out once per call, not per chunk."""
+        their inputs used there; a run of row-local nodes runs in row pieces at its last node, ``pieces``; a chain of
+        element-wise ops as one compiled kernel at its last node, ``chains``; what runs in place, ``in_place``, where
+        no chain runs it) and when each value is freed: worked out once per call, not per chunk."""
         key = (tuple(nodes), frozenset(keep))
         found = self._schedules.get(key)
         if found is None:
@@ -364,10 +373,26 @@ class GraphRun:
             extra = {r.exit: [r.x, *(m for n in r.nodes for m in n.all_input_nodes)] for r in self.regions}
             runs = find_runs(run, self.an, keep, extra) if self.pieces > 1 else []
             joins, reuse = in_place(run, self.an, self.ph, keep) if self.pieces == 1 else ({}, {})
-            run = schedule(run, runs)
-            frees = _last_uses(run, extra={**extra, **{r.marker: r.inputs for r in runs}})
-            found = self._schedules[key] = (run, frees, {r.marker: r for r in runs}, joins, reuse)
+            chains = [c for c in (self._chains(run, keep, extra) if self.fuse is not None else [])
+                      if not self.fuse_rows or c.row_bytes * self.fuse_rows >= MIN_BYTES]
+            if chains:   # a chain's values are its kernel's: nothing of it written in place by eager rules
+                inside = {n for c in chains for n in c.nodes}
+                joins = {n: j for n, j in joins.items()
+                         if not inside & {j.node, *j.inputs, *j.slots, *j.feeds}}
+                reuse = {n: m for n, m in reuse.items() if n not in inside and m not in inside}
+            run = schedule(run, [*runs, *chains])
+            frees = _last_uses(run, extra={**extra, **{r.marker: r.inputs for r in [*runs, *chains]}})
+            found = self._schedules[key] = (run, frees, {r.marker: r for r in runs}, joins, reuse,
+                                            {c.marker: c for c in chains})
+            self.chains.update(dict.fromkeys(chains))
         return found
+
+    def _chains(self, run: list[fx.Node], keep: set, extra: dict) -> list[FusedChain]:
+        """``find_chains`` once per capture (a call's ``GraphRun`` is new: building a chain's graph is not free)."""
+        key = ("chains", tuple(run), frozenset(keep))
+        if key not in self.ph.done:
+            self.ph.done[key] = find_chains(run, self.an, keep, extra)
+        return self.ph.done[key]
 
     # -- values written straight into their buffers (``into``) ----------------------------------------------------
     def _producer(self, value: fx.Node, donated: bool = False) -> fx.Node | None:

@@ -16,6 +16,7 @@ from ..consumers import graph_consumer, unsupported
 from ..executors.donation import donated
 from ..ir import GraphSpec, RowMask, adapt_call, block_backend, row_masks_whole
 from ..planner import META_MULTIPROCESSORS, SLICED_TIERS, UTILISATION_FLOOR, Plan, Tier, Waves, plan_graph
+from ..capture import fuse
 from ..recognize.checks import hooks_added_inside
 from . import handles
 from .parts import workspace_bytes, workspace_row_bytes
@@ -292,27 +293,43 @@ def _run_graph(handle, entry, args: tuple, kwargs: dict) -> Any:
     if plan.tier in SLICED_TIERS and any(row_dim(r, an) is None for r in regions):
         handle.note(entry, "an MLP sliced by hidden features (it reads a size, or has static rows): its partial "
                     "products accumulated, one rounding a slice (row pieces, elsewhere, are stock's rows exactly)")
+    fuse_on = device if o.fuse or (o.fuse is None and fuse.available(device)) else None
     run = GraphRun(cap, an, found.phases, module, args, kwargs, rows, attend,
                    ffn_slice=plan.ffn_slice if plan.tier in SLICED_TIERS else 0, regions=regions,
-                   pieces=o.row_pieces, **stores)
+                   pieces=o.row_pieces, fuse=fuse_on, fuse_rows=0 if o.fuse else plan.chunk, **stores)
     if par is not None:
         run._retries = 0   # a chunk retried alone would leave the other ranks waiting in its exchanges
     if plan.kv != "device" and run.kv_store is None:   # L4/L5: K/V into a store, attended block by block
         return kv_tiers.run_stored(handle, entry, sig, run, plan, device, consumer, donate, lambda: GraphRun(
             cap, an, found.phases, module, args, kwargs, rows, attend, ffn_slice=run.ffn_slice, regions=regions,
-            pieces=o.row_pieces))
+            pieces=o.row_pieces, fuse=fuse_on, fuse_rows=run.fuse_rows))
     if plan.tier == Tier.L3 or plan.q == "whole":   # the attention output whole, read by rows in phase Q
         run.build_grouped(plan.chunk, plan.head_groups, whole_q=plan.q == "whole")
     else:
         run.build_kv(plan.chunk)
     kv = run.kv[att.node] if adapted is not None else None   # phase Q lets go of its buffers: keep them
     out = run.run_q(plan.chunk, donate)
+    _note_chains(handle, entry, run)
     if kv is not None:
         adapted.fill(*kv)
     return out
 
 
 _BOOL_MASK = torch.empty(0, dtype=torch.bool)
+
+
+def _note_chains(handle, entry, run) -> None:
+    """What the report says of the call's element-wise chains: how many ran compiled, and each kept eager, why."""
+    if run.fuse is None or not run.chains:
+        return
+    states = [(c, fuse.state(c, run.fuse)) for c in run.chains]
+    done = sum(1 for _, s in states if s is not None and s.ok)
+    if done:
+        handle.note(entry, f"{done} chain(s) of element-wise ops each ran as one compiled kernel, exact (checked bit "
+                    f"for bit against their eager ops on a first chunk)")
+    for c, s in states:
+        if s is not None and s.ok is False:
+            handle.note(entry, f"a chain of {c.ops} ran eager: {s.why}")
 
 
 def _workspace(consumer, call, elem: int, rows: int, q_static: int, keys: int, chunk: int) -> int:
