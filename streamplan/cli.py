@@ -47,6 +47,10 @@ BENCH_CASES = {
 del BENCH_CASES["wan-1.3b-block"]
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 KV_CHOICES = ("device", "host", "int8", "fp8")   # apply's kv= (streamplan.executors.kv_store.KV_KINDS)
+FUSE_CHOICES = {"auto": None, "on": True, "off": False}   # apply's fuse=
+FUSE_HELP = ("compile a captured block's element-wise chains into exact kernels (checked bit for bit before use): "
+             "auto = on CUDA with Triton where chunks are large enough, on = anywhere Inductor runs (the first "
+             "call compiles, seconds), off = never (default: auto)")
 _BENCH_MODE = re.compile(r"^(stock|naive-chunked-ffn|forward-chunking|streamplan-[1-9][0-9]*"
                          r"|streamplan-[0-9]*\.?[0-9]+GiB|streamplan-floor[0-9]*\.?[0-9]+)$")
 _NEGATIVE_LOOKING = re.compile(r"^-\.?[0-9]")
@@ -190,7 +194,7 @@ def _demo(args: argparse.Namespace) -> int:
 
     r = run_demo(args.case, tokens=tokens, device=args.device, dtype=getattr(torch, DTYPES[args.dtype]),
                  budget=args.budget, chunk_tokens=args.chunk_tokens, ffn_slice=args.ffn_slice,
-                 progress=_progress_printer())
+                 fuse=FUSE_CHOICES[args.fuse], progress=_progress_printer())
     print(r.report)
     print(f"\n{r.case}: {r.tokens} tokens, {r.dtype} on {r.device}; peak tensor memory above the inputs and weights")
     print(f"  stock peak      (measured)  {fmt_bytes(r.stock_peak):>12}")
@@ -200,7 +204,7 @@ def _demo(args: argparse.Namespace) -> int:
         print(f"  streamed peak   (predicted) {fmt_bytes(r.predicted_peak):>12}   by the planner, before running")
     print(f"  stock time      (measured)  {r.stock_time_s:>10.2f} s")
     print(f"  streamed time   (measured)  {r.streamed_time_s:>10.2f} s   ({r.time_ratio:.2f}x stock; "
-          f"the first streamed call includes planning)")
+          f"the first streamed call includes planning{' and compiling' if args.fuse == 'on' else ''})")
     print(f"  max relative difference to stock: {r.max_rel_diff:.2e}")
     return 0
 
@@ -258,7 +262,8 @@ def _bench(args: argparse.Namespace) -> int:
     print(to_markdown([]), flush=True)
     for i, name in enumerate(args.cases, 1):
         progress(f"[case {i}/{len(args.cases)}] {name}: {BENCH_CASES[name]}")
-        for row in run_case(CASES[name](), args.tokens, args.modes, args.repeats, progress=progress, kv=args.kv):
+        for row in run_case(CASES[name](), args.tokens, args.modes, args.repeats, progress=progress, kv=args.kv,
+                            fuse=FUSE_CHOICES[args.fuse]):
             rows.append(row)
             print(f"{to_markdown([row]).splitlines()[-1]}   [{len(rows)}/{total}]", flush=True)
     os.makedirs(args.out, exist_ok=True)
@@ -315,6 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="force row streaming with this many tokens per chunk")
     demo.add_argument("--ffn-slice", type=_positive_int, default=None, metavar="N",
                       help="force sliced MLPs holding this many hidden features' worth at a time")
+    demo.add_argument("--fuse", choices=list(FUSE_CHOICES), default="auto", help=FUSE_HELP)
     demo.set_defaults(func=_demo, _parser=demo)
 
     plan = sub.add_parser(
@@ -355,6 +361,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "(default: stock,naive-chunked-ffn,streamplan-4096,streamplan-16384)")
     bench.add_argument("--kv", choices=KV_CHOICES, default="device",
                        help=kv_help + "; applies to the streamplan modes")
+    bench.add_argument("--fuse", choices=list(FUSE_CHOICES), default="auto",
+                       help=FUSE_HELP + "; applies to the streamplan modes")
     bench.add_argument("--repeats", type=_positive_int, default=3, metavar="N",
                        help="timed runs per row, the median reported (default: 3)")
     bench.add_argument("--out", default="streamplan-bench", metavar="DIR",

@@ -70,7 +70,7 @@ class DemoResult:
 def run_demo(case: str = "wan-block", tokens: int | None = None, device: str | None = None,
              dtype: torch.dtype = torch.float32, budget=None, chunk_tokens: int | None = None,
              ffn_slice: int | None = None, seed: int = 0,
-             progress: Callable[[str], None] | None = None) -> DemoResult:
+             progress: Callable[[str], None] | None = None, fuse: bool | None = None) -> DemoResult:
     """Build ``case``, run it stock and then streamed on the same input, and measure both (peak memory above the
     inputs, wall time) and their largest output difference. ``progress``, if given, is called with a line of text as
     each stage starts and ends (the command prints them; this function prints nothing)."""
@@ -98,7 +98,7 @@ def run_demo(case: str = "wan-block", tokens: int | None = None, device: str | N
         ref, stock_peak = measure_peak(model, *args, device=dev)
         stock_time = time.perf_counter() - started
         say(f"      done in {stock_time:.1f} s")
-        handle = apply(model, budget=budget, chunk_tokens=chunk_tokens, ffn_slice=ffn_slice)
+        handle = apply(model, budget=budget, chunk_tokens=chunk_tokens, ffn_slice=ffn_slice, fuse=fuse)
         try:
             how = f"budget {budget}" if chunk_tokens is None else f"{chunk_tokens}-token chunks"
             say(f"[3/3] streamed run: planned at the first call ({how}), metering peak memory ...")

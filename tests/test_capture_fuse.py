@@ -121,3 +121,23 @@ def test_fuse_must_be_a_bool_or_none():
     block, _, _ = _h3()
     with pytest.raises(ValueError, match="fuse must be True, False or None"):
         streamplan.apply(block, capture="prefer", fuse="yes")
+
+
+@torch.no_grad()
+def test_fused_h3_model_end_to_end():
+    from test_h3_model import _inputs, _model
+    model, kw = _model(), _inputs()
+    ref = model(**kw)
+    outs = {}
+    for fused in (False, True):
+        handle = streamplan.apply(model, chunk_tokens=48, fuse=fused)
+        model(**kw)
+        outs[fused] = model(**kw)
+        report = handle.report()
+        handle.remove()
+        assert (FUSED in report) == fused, report
+    for name in ("sample", "audio_sample"):
+        assert torch.equal(getattr(outs[True], name), getattr(outs[False], name))
+        assert rel_err(getattr(outs[True], name), getattr(ref, name)) <= 1e-5
+    again = model(**kw)
+    assert torch.equal(again.sample, ref.sample) and torch.equal(again.audio_sample, ref.audio_sample)
