@@ -24,13 +24,18 @@ def stock(x, cos, sin):   # diffusers' _apply_rotary_emb, as the model runs it
     return torch.cat((xr * cos + rot * sin, xp), dim=-1)
 
 
-def slots(x, cos, sin):   # joins built in place, every slot writing its strided slice (the engine today)
-    r, h = cos.shape[-1], cos.shape[-1] // 2
-    xr, xp = x[..., :r], x[..., r:]
+def _rotated_times_sin(xr, sin):   # cat((-x2, x1)) built in place, times sin over itself
+    h = xr.shape[-1] // 2
     rot = torch.empty_like(xr)
     torch.neg(xr[..., h:], out=rot[..., :h])
     rot[..., h:].copy_(xr[..., :h])
-    torch.mul(rot, sin, out=rot)
+    return torch.mul(rot, sin, out=rot)
+
+
+def slots(x, cos, sin):   # joins built in place, every slot writing its strided slice (the engine today)
+    r = cos.shape[-1]
+    xr, xp = x[..., :r], x[..., r:]
+    rot = _rotated_times_sin(xr, sin)
     out = torch.empty_like(x)
     torch.mul(xr, cos, out=out[..., :r])
     torch.add(out[..., :r], rot, out=out[..., :r])
@@ -39,12 +44,9 @@ def slots(x, cos, sin):   # joins built in place, every slot writing its strided
 
 
 def add_dense(x, cos, sin):   # the add (all operands dense) written over its dying operand, then copied in
-    r, h = cos.shape[-1], cos.shape[-1] // 2
+    r = cos.shape[-1]
     xr, xp = x[..., :r], x[..., r:]
-    rot = torch.empty_like(xr)
-    torch.neg(xr[..., h:], out=rot[..., :h])
-    rot[..., h:].copy_(xr[..., :h])
-    torch.mul(rot, sin, out=rot)
+    rot = _rotated_times_sin(xr, sin)
     a = xr * cos
     torch.add(a, rot, out=a)
     out = torch.empty_like(x)
@@ -54,12 +56,8 @@ def add_dense(x, cos, sin):   # the add (all operands dense) written over its dy
 
 
 def over_input(x, cos, sin):   # the joined value is x itself (it dies here): the passed channels never move
-    r, h = cos.shape[-1], cos.shape[-1] // 2
-    xr = x[..., :r]
-    rot = torch.empty_like(xr)
-    torch.neg(xr[..., h:], out=rot[..., :h])
-    rot[..., h:].copy_(xr[..., :h])
-    torch.mul(rot, sin, out=rot)
+    xr = x[..., :cos.shape[-1]]
+    rot = _rotated_times_sin(xr, sin)
     a = xr * cos
     torch.add(a, rot, out=a)
     xr.copy_(a)
@@ -67,12 +65,8 @@ def over_input(x, cos, sin):   # the joined value is x itself (it dies here): th
 
 
 def over_input_slot(x, cos, sin):   # as over_input, the add writing x's slice itself
-    r, h = cos.shape[-1], cos.shape[-1] // 2
-    xr = x[..., :r]
-    rot = torch.empty_like(xr)
-    torch.neg(xr[..., h:], out=rot[..., :h])
-    rot[..., h:].copy_(xr[..., :h])
-    torch.mul(rot, sin, out=rot)
+    xr = x[..., :cos.shape[-1]]
+    rot = _rotated_times_sin(xr, sin)
     torch.mul(xr, cos, out=xr)
     torch.add(xr, rot, out=xr)
     return x

@@ -20,7 +20,7 @@ import torch
 from torch import fx
 
 from .analyze import Analysis, Rows, _name, written_args
-from .pieces import _dynamic, is_view
+from .pieces import _dynamic, deaths, is_view
 
 log = logging.getLogger(__name__)
 
@@ -131,17 +131,8 @@ def _chain(members: list[fx.Node], after: list[fx.Node], keep: set, extra: dict,
     g.output(tuple(env[o] for o in outputs))
     gm = fx.GraphModule(torch.nn.Module(), g)
     dtypes = [str(getattr(m.meta.get("val"), "dtype", "")) for m in inputs]
-    last_use: dict[fx.Node, int] = {}
-    for i, n in enumerate(members):
-        for m in n.all_input_nodes:
-            if m in mset:
-                last_use[m] = i
-    dead: dict[int, list[fx.Node]] = {}
-    for m, i in last_use.items():
-        if m not in outputs:
-            dead.setdefault(i, []).append(m)
     return FusedChain(members, inputs, outputs, members[-1] if members[-1] in outputs else outputs[-1],
-                      gm.code + repr(dtypes), gm, dead, sum(_row_bytes(o, an) for o in outputs))
+                      gm.code + repr(dtypes), gm, deaths(members, outputs), sum(_row_bytes(o, an) for o in outputs))
 
 
 def _row_bytes(n: fx.Node, an: Analysis) -> int:

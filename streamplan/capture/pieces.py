@@ -112,6 +112,15 @@ def _run(seg: list[fx.Node], pos: dict, nodes: list[fx.Node], an: Analysis, keep
     if not outputs or any(not isinstance(n.meta.get("val"), torch.Tensor) for n in outputs):
         return None
     inputs = list(dict.fromkeys(m for n in members for m in n.all_input_nodes if m not in mset))
+    marker = next(n for n in reversed(members) if n not in post)
+    return RowRun(prelude, members, inputs, outputs, post, deaths(members, outputs), marker,
+                  _reuse(inputs, outputs, nodes[:pos[seg[0]]], nodes[last + 1:], keep, extra, an))
+
+
+def deaths(members: list[fx.Node], outputs: list[fx.Node]) -> dict[int, list[fx.Node]]:
+    """After which of ``members`` (run in order, alone) each value made among them is read for the last time;
+    ``outputs`` are kept."""
+    mset = set(members)
     last_use: dict[fx.Node, int] = {}
     for i, n in enumerate(members):
         for m in n.all_input_nodes:
@@ -121,9 +130,7 @@ def _run(seg: list[fx.Node], pos: dict, nodes: list[fx.Node], an: Analysis, keep
     for m, i in last_use.items():
         if m not in outputs:
             dead.setdefault(i, []).append(m)
-    marker = next(n for n in reversed(members) if n not in post)
-    return RowRun(prelude, members, inputs, outputs, post, dead, marker,
-                  _reuse(inputs, outputs, nodes[:pos[seg[0]]], nodes[last + 1:], keep, extra, an))
+    return dead
 
 
 def storage_node(n: fx.Node) -> fx.Node:
