@@ -30,8 +30,9 @@ EXACT_OPS = {"add", "sub", "rsub", "mul", "neg", "_to_copy", "to", "type_as", "c
              "expand_as", "alias", "slice", "select", "narrow", "split", "split_with_sizes", "chunk", "unbind",
              "unflatten", "flatten", "movedim", "contiguous"}
 CHECK_ROWS = 16   # the leading rows of a first chunk a chain is checked on
-# below this many bytes of a chain's outputs per chunk, fusing is not worth a compiled call's host time (~0.2 ms on the
-# H200 host, beside microseconds of kernels: the 8,192-row smoke at 2,048-row chunks ran LTX 3.5x slower fused)
+# below this many bytes of a chain's outputs per chunk its eager kernels take microseconds, and a compiled call's host
+# time (~0.18 ms a call on the H200's host, measured at 65,536 rows) would be what a host-bound chunk waits on: left
+# eager. An estimate, not a measured crossover (RESULTS.md, sixth session)
 MIN_BYTES = 64 << 20
 
 
