@@ -141,3 +141,14 @@ def test_fused_h3_model_end_to_end():
         assert rel_err(getattr(outs[True], name), getattr(ref, name)) <= 1e-5
     again = model(**kw)
     assert torch.equal(again.sample, ref.sample) and torch.equal(again.audio_sample, ref.audio_sample)
+
+
+@torch.no_grad()
+def test_fused_chains_with_kv_staged_on_the_host():
+    block, args, kwargs = _h3()
+    ref = block(*args)
+    eager, _, _ = _run(block, args, kwargs, fuse=False, kv="host")
+    out, _, report = _run(block, args, kwargs, fuse=True, kv="host")
+    assert "L4" in report and FUSED in report, report
+    assert torch.equal(out, eager)
+    assert rel_err(out, ref) <= 1e-5

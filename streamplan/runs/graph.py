@@ -300,9 +300,11 @@ def _run_graph(handle, entry, args: tuple, kwargs: dict) -> Any:
     if par is not None:
         run._retries = 0   # a chunk retried alone would leave the other ranks waiting in its exchanges
     if plan.kv != "device" and run.kv_store is None:   # L4/L5: K/V into a store, attended block by block
-        return kv_tiers.run_stored(handle, entry, sig, run, plan, device, consumer, donate, lambda: GraphRun(
+        out = kv_tiers.run_stored(handle, entry, sig, run, plan, device, consumer, donate, lambda: GraphRun(
             cap, an, found.phases, module, args, kwargs, rows, attend, ffn_slice=run.ffn_slice, regions=regions,
             pieces=o.row_pieces, fuse=fuse_on, fuse_rows=run.fuse_rows))
+        _note_chains(handle, entry, run)
+        return out
     if plan.tier == Tier.L3 or plan.q == "whole":   # the attention output whole, read by rows in phase Q
         run.build_grouped(plan.chunk, plan.head_groups, whole_q=plan.q == "whole")
     else:
