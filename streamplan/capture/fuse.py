@@ -11,6 +11,8 @@ says so). Divisions and transcendental functions are left out: their compiled fo
 model prices the chains as eager runs them (never less than fused), so a plan holds either way."""
 from __future__ import annotations
 
+import functools
+import importlib.util
 import logging
 import operator
 from dataclasses import dataclass, field
@@ -68,13 +70,12 @@ _COMPILED: dict[tuple[str, str], Compiled] = {}
 
 def available(device: torch.device) -> bool:
     """Inductor can fuse here: CUDA with Triton (``fuse=None`` fuses only there; ``fuse=True`` anywhere)."""
-    if device.type != "cuda":
-        return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return device.type == "cuda" and _has_triton()
+
+
+@functools.cache
+def _has_triton() -> bool:   # asked once: a failed import is not remembered, and blocks ask on every call
+    return importlib.util.find_spec("triton") is not None
 
 
 def _member(n: fx.Node, an: Analysis, attention: set) -> bool:
