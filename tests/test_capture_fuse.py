@@ -152,3 +152,25 @@ def test_fused_chains_with_kv_staged_on_the_host():
     assert "L4" in report and FUSED in report, report
     assert torch.equal(out, eager)
     assert rel_err(out, ref) <= 1e-5
+
+
+@pytest.mark.parametrize("case", ["flux_double", "hunyuan_video_double"])
+@torch.no_grad()
+def test_fused_chains_beside_static_rows(case):
+    """Text rows joined to the image rows: the first chunk computes them, later chunks their dynamic rows alone; a
+    chain holds dynamic rows only, so it is one computation in both."""
+    from streamplan.catalogue.diffusers_cases import CASES
+    block = CASES[case].build()
+    args, kwargs = CASES[case].inputs(400, torch.device("cpu"), torch.float32)
+    ref = block(*args, **kwargs)
+    outs = {}
+    for fused in (False, True):
+        handle = streamplan.apply(block, capture="prefer", chunk_tokens=64, fuse=fused)
+        block(*args, **kwargs)
+        outs[fused] = block(*args, **kwargs)
+        report = handle.report()
+        handle.remove()
+        assert (FUSED in report) == fused, report
+    for o, e, r in zip(outs[True], outs[False], ref):
+        assert torch.equal(o, e)
+        assert rel_err(o, r) <= 1e-5

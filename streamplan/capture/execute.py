@@ -390,8 +390,9 @@ class GraphRun:
     def _chains(self, run: list[fx.Node], keep: set, extra: dict) -> list[FusedChain]:
         """``find_chains`` once per capture (a call's ``GraphRun`` is new: building a chain's graph is not free)."""
         key = ("chains", tuple(run), frozenset(keep))
-        if key not in self.ph.done:
-            self.ph.done[key] = find_chains(run, self.an, keep, extra)
+        if key not in self.ph.done:   # (static rows: cuts and joins along the rows pass the dynamic rows through)
+            self.ph.done[key] = find_chains(run, self.an, keep, extra, frozenset(self.layout) if self.static_mode
+                                            else frozenset())
         return self.ph.done[key]
 
     # -- values written straight into their buffers (``into``) ----------------------------------------------------

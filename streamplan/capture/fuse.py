@@ -94,12 +94,15 @@ def _member(n: fx.Node, an: Analysis, attention: set) -> bool:
     return _dynamic(an.rows.get(n))
 
 
-def find_chains(nodes: list[fx.Node], an: Analysis, keep: set, extra: dict | None = None) -> list[FusedChain]:
+def find_chains(nodes: list[fx.Node], an: Analysis, keep: set, extra: dict | None = None,
+                exclude: frozenset = frozenset()) -> list[FusedChain]:
     """The chains among ``nodes`` (a phase as it is scheduled) worth a kernel: consecutive members with at least two
-    ops that are not views. None where the graph has static rows or writes into its inputs (as ``pieces``)."""
-    if an.input_writes or an.static_rows:
+    ops that are not views. Members have the chunk's rows alone (never static rows), so a chain is the same computation
+    on a first chunk and on the dynamic rows of the later ones; ``exclude``: nodes that pass rows through otherwise
+    there (a cut along the rows). None where the block writes into its inputs (as ``pieces``)."""
+    if an.input_writes:
         return []
-    attention = {a.node for a in an.attentions}
+    attention = {a.node for a in an.attentions} | set(exclude)
     chains, seg = [], []
     for i, n in enumerate(nodes + [None]):
         if n is not None and _member(n, an, attention):
@@ -164,6 +167,9 @@ def _local(chain: FusedChain, env: dict, an: Analysis, symbol, rows: int) -> lis
         v, r = env[m], an.rows.get(m)
         if isinstance(r, Rows) and isinstance(v, torch.Tensor):
             v = v.narrow(r.dim, 0, rows)
+        elif isinstance(r, list) and isinstance(v, (list, tuple)):   # a split's parts, each with its rows or none
+            v = type(v)(t.narrow(p.dim, 0, rows) if isinstance(p, Rows) and isinstance(t, torch.Tensor) else t
+                        for t, p in zip(v, r))
         elif isinstance(m.meta.get("val"), torch.SymInt) and symbol in m.meta["val"].node.expr.free_symbols:
             v = int(m.meta["val"].node.expr.subs(symbol, rows))
         out.append(v)
