@@ -101,7 +101,8 @@ def run_demo(case: str = "wan-block", tokens: int | None = None, device: str | N
         handle = apply(model, budget=budget, chunk_tokens=chunk_tokens, ffn_slice=ffn_slice, fuse=fuse)
         try:
             how = f"budget {budget}" if chunk_tokens is None else f"{chunk_tokens}-token chunks"
-            say(f"[3/3] streamed run: planned at the first call ({how}), metering peak memory ...")
+            compiles = ", its element-wise chains compiled" if fuse else ""
+            say(f"[3/3] streamed run: planned at the first call ({how}{compiles}), metering peak memory ...")
             started = time.perf_counter()
             out, streamed_peak = measure_peak(model, *args, device=dev)
             streamed_time = time.perf_counter() - started
