@@ -174,3 +174,15 @@ def test_fused_chains_beside_static_rows(case):
     for o, e, r in zip(outs[True], outs[False], ref):
         assert torch.equal(o, e)
         assert rel_err(o, r) <= 1e-5
+
+
+@torch.no_grad()
+def test_chains_run_eager_where_torch_compile_is_disabled(monkeypatch):
+    import torch._dynamo
+    monkeypatch.setattr(fuse, "_COMPILED", {})
+    monkeypatch.setattr(torch._dynamo.config, "disable", True)
+    block, args, kwargs = _h3()
+    eager, _, _ = _run(block, args, kwargs, fuse=False)
+    out, _, report = _run(block, args, kwargs, fuse=True)
+    assert torch.equal(out, eager)
+    assert FUSED not in report and "ran eager: torch.compile is disabled here" in report, report

@@ -71,7 +71,12 @@ _COMPILED: dict[tuple[str, str], Compiled] = {}
 
 def available(device: torch.device) -> bool:
     """Inductor can fuse here: CUDA with Triton (``fuse=None`` fuses only there; ``fuse=True`` anywhere)."""
-    return device.type == "cuda" and _has_triton()
+    return device.type == "cuda" and _has_triton() and not _dynamo_disabled()
+
+
+def _dynamo_disabled() -> bool:
+    import torch._dynamo
+    return bool(torch._dynamo.config.disable)
 
 
 @functools.cache
@@ -191,6 +196,9 @@ def _check(chain: FusedChain, c: Compiled, env: dict, an: Analysis, symbol, call
                  if isinstance(an.rows.get(m), Rows) and isinstance(env[m], torch.Tensor)), None)
     if rows is None:
         c.ok, c.why = False, "no input with rows to check it on"
+        return
+    if _dynamo_disabled():   # torch.compile would hand back the chain's own graph, run op by op
+        c.ok, c.why = False, "torch.compile is disabled here (TORCHDYNAMO_DISABLE)"
         return
     ins = _local(chain, env, an, symbol, min(rows, CHECK_ROWS))
     local = dict(zip(chain.inputs, ins))
