@@ -15,6 +15,7 @@ import functools
 import importlib.util
 import logging
 import operator
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -75,8 +76,15 @@ def available(device: torch.device) -> bool:
 
 
 def _dynamo_disabled() -> bool:
-    import torch._dynamo
-    return bool(torch._dynamo.config.disable)
+    """``TORCHDYNAMO_DISABLE=1`` or ``TORCH_COMPILE_DISABLE=1`` (dynamo's ``config.disable``): ``torch.compile``
+    returns what it was given."""
+    if os.environ.get("TORCHDYNAMO_DISABLE", "") == "1":
+        return True
+    try:
+        import torch._dynamo
+        return bool(getattr(torch._dynamo.config, "disable", False))
+    except Exception:   # noqa: BLE001  (a torch without the flag: it cannot be disabled that way)
+        return False
 
 
 @functools.cache
@@ -198,7 +206,7 @@ def _check(chain: FusedChain, c: Compiled, env: dict, an: Analysis, symbol, call
         c.ok, c.why = False, "no input with rows to check it on"
         return
     if _dynamo_disabled():   # torch.compile would hand back the chain's own graph, run op by op
-        c.ok, c.why = False, "torch.compile is disabled here (TORCHDYNAMO_DISABLE)"
+        c.ok, c.why = False, "torch.compile is disabled here (TORCHDYNAMO_DISABLE or TORCH_COMPILE_DISABLE)"
         return
     ins = _local(chain, env, an, symbol, min(rows, CHECK_ROWS))
     local = dict(zip(chain.inputs, ins))
