@@ -204,7 +204,7 @@ def _demo(args: argparse.Namespace) -> int:
         print(f"  streamed peak   (predicted) {fmt_bytes(r.predicted_peak):>12}   by the planner, before running")
     print(f"  stock time      (measured)  {r.stock_time_s:>10.2f} s")
     print(f"  streamed time   (measured)  {r.streamed_time_s:>10.2f} s   ({r.time_ratio:.2f}x stock; "
-          f"the first streamed call includes planning{' and compiling' if args.fuse == 'on' else ''})")
+          f"the first streamed call includes planning{' and compiling' if r.fusing else ''})")
     print(f"  max relative difference to stock: {r.max_rel_diff:.2e}")
     return 0
 

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from .api import apply
+from .capture.fuse import available
 from .meter import measure_peak
 from .verify import compare_outputs
 
@@ -61,6 +62,7 @@ class DemoResult:
     stock_time_s: float = 0.0      # wall time of the stock call (while metering)
     streamed_time_s: float = 0.0   # wall time of the first streamed call (planning included, while metering)
     predicted_peak: int | None = None   # the planner's prediction for the streamed call (the largest plan's), bytes
+    fusing: bool = False        # element-wise chains compiled where found (``apply``'s fuse, here)
 
     @property
     def time_ratio(self) -> float:
@@ -99,9 +101,10 @@ def run_demo(case: str = "wan-block", tokens: int | None = None, device: str | N
         stock_time = time.perf_counter() - started
         say(f"      done in {stock_time:.1f} s")
         handle = apply(model, budget=budget, chunk_tokens=chunk_tokens, ffn_slice=ffn_slice, fuse=fuse)
+        fusing = bool(fuse) or (fuse is None and available(dev))
         try:
             how = f"budget {budget}" if chunk_tokens is None else f"{chunk_tokens}-token chunks"
-            compiles = ", its element-wise chains compiled" if fuse else ""
+            compiles = ", its element-wise chains compiled" if fusing else ""
             say(f"[3/3] streamed run: planned at the first call ({how}{compiles}), metering peak memory ...")
             started = time.perf_counter()
             out, streamed_peak = measure_peak(model, *args, device=dev)
@@ -113,4 +116,4 @@ def run_demo(case: str = "wan-block", tokens: int | None = None, device: str | N
             handle.remove()
     diff = max(d["rel"] for d in compare_outputs(out, ref).values())
     return DemoResult(case, n, str(dev), dtype_name, stock_peak, streamed_peak, diff, report,
-                      stock_time, streamed_time, max(predicted) if predicted else None)
+                      stock_time, streamed_time, max(predicted) if predicted else None, fusing)

@@ -96,6 +96,19 @@ _CREATE = {"new_zeros", "new_ones", "new_full", "new_empty", "zeros", "ones", "f
 _SDPA = {"scaled_dot_product_attention", "eager_attention"}   # the second: capture/eager_attention.py
 
 
+def numel_besides(val, dim: int | None) -> int:
+    """Elements of ``val`` per index of dimension ``dim`` (all of them for None); 0 where a size is symbolic."""
+    n = 1
+    for i, size in enumerate(val.shape):
+        if i == dim:
+            continue
+        e = size.node.expr if isinstance(size, torch.SymInt) else sympy.Integer(size)
+        if not e.is_Integer:
+            return 0
+        n *= int(e)
+    return n
+
+
 def pointwise(target) -> bool:
     """An elementwise op (torch's own tag): each output element from the inputs' elements at its place."""
     return torch.Tag.pointwise in getattr(target, "tags", ())

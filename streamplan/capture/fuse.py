@@ -3,7 +3,8 @@ dtype conversion) or data movement (views, ``cat``, a gather), compiled by Induc
 intermediate to the dtype eager gives it (``emulate_precision_casts``). Why: eager PyTorch runs an op over a strided
 slice or with a broadcast operand per element (a rotary's ``x[..., :96] * cos``: 3-5x slower per byte than a dense
 op), and each op is one more pass over memory; one kernel reads the run's inputs once and writes what leaves it once
-(H3's rotary at 16,384 rows: 1.15 ms as joins built in place, 0.17 fused, bit for bit; ``benchmarks/gpu_rotary_forms``).
+(a partial rotary, 96 of 128 channels of 56 heads at 16,384 rows: 1.15 ms as joins built in place, 0.17 fused, bit for
+bit; ``benchmarks/gpu_rotary_forms``).
 
 Exactness is checked, not assumed: before a compiled chain is used, it and its eager ops run on the first chunk's
 leading rows and must agree bit for bit; a chain that differs, or does not compile, runs eager (``handle.report()``
@@ -23,7 +24,7 @@ from typing import Any, Callable
 import torch
 from torch import fx
 
-from .analyze import Analysis, Rows, _name, written_args
+from .analyze import Analysis, Rows, _name, numel_besides, written_args
 from .pieces import _dynamic, deaths, is_view
 
 log = logging.getLogger(__name__)
@@ -151,16 +152,9 @@ def _chain(members: list[fx.Node], after: list[fx.Node], keep: set, extra: dict,
     gm = fx.GraphModule(torch.nn.Module(), g)
     dtypes = [str(getattr(m.meta.get("val"), "dtype", "")) for m in inputs]
     return FusedChain(members, inputs, outputs, members[-1] if members[-1] in outputs else outputs[-1],
-                      gm.code + repr(dtypes), gm, deaths(members, outputs), sum(_row_bytes(o, an) for o in outputs))
-
-
-def _row_bytes(n: fx.Node, an: Analysis) -> int:
-    val, r = n.meta["val"], an.rows[n]
-    total = val.element_size()
-    for i, size in enumerate(val.shape):
-        if i != r.dim:
-            total *= int(size) if not isinstance(size, torch.SymInt) else 1
-    return total
+                      gm.code + repr(dtypes), gm, deaths(members, outputs),
+                      sum(numel_besides(o.meta["val"], an.rows[o].dim) * o.meta["val"].element_size()
+                          for o in outputs))
 
 
 def _compiled(chain: FusedChain, device: torch.device) -> Compiled:
@@ -168,7 +162,7 @@ def _compiled(chain: FusedChain, device: torch.device) -> Compiled:
     c = _COMPILED.get(key)
     if c is None:
         # sizes static at first, then those that changed (the rows) symbolic: the features stay static, so the kernel
-        # knows its rows' alignment (all dimensions symbolic ran H3's modulation 2x slower)
+        # knows its rows' alignment (all dimensions symbolic ran a gathered modulation chain 2x slower on the H200)
         c = _COMPILED[key] = Compiled(torch.compile(chain.graph, dynamic=None, fullgraph=True,
                                                     options={"emulate_precision_casts": True}))
     return c

@@ -6,27 +6,14 @@ from __future__ import annotations
 import operator
 from dataclasses import dataclass
 
-import sympy
 import torch
 from torch import fx
 
-from .analyze import Analysis, Rows, _name
+from .analyze import Analysis, Rows, _name, numel_besides
 from .analyze import VIEW_OPS
 from .execute import Phases, _last_uses, in_place
 from .opaque_layers import workspace_bytes as opaque_workspace
 from .pieces import RowRun, find_runs, schedule
-
-
-def _numel(val, dim: int | None) -> int:
-    n = 1
-    for i, size in enumerate(val.shape):
-        if i == dim:
-            continue
-        e = size.node.expr if isinstance(size, torch.SymInt) else sympy.Integer(size)
-        if not e.is_Integer:
-            return 0
-        n *= int(e)
-    return n
 
 
 @dataclass
@@ -187,10 +174,10 @@ def graph_memory(an: Analysis, ph: Phases, rows: int, donated_outputs: set[int],
                 continue
             elem = v.element_size()
             if isinstance(r, Rows):
-                row = _numel(v, r.dim) * elem
+                row = numel_besides(v, r.dim) * elem
                 pr, st = pr + row, st + row * (r.pre + r.post)
             else:
-                st += _numel(v, None) * elem
+                st += numel_besides(v, None) * elem
         per_row[n], static[n] = pr, st
         name = _name(n.target)
         same_dtype = all(isinstance(m.meta.get("val"), torch.Tensor) and isinstance(val, torch.Tensor)
@@ -202,11 +189,11 @@ def graph_memory(an: Analysis, ph: Phases, rows: int, donated_outputs: set[int],
         for t in (att.k, att.v):
             v = t.meta["val"]
             r = att.kv_rows
-            kv += _numel(v, r.dim) * v.element_size() * (rows + r.pre + r.post)
+            kv += numel_besides(v, r.dim) * v.element_size() * (rows + r.pre + r.post)
     out = 0
     for i, o in enumerate(an.outputs):
         r = an.rows.get(o) if isinstance(o, fx.Node) else None
         if isinstance(r, Rows) and i not in donated_outputs:
             v = o.meta["val"]
-            out += _numel(v, r.dim) * v.element_size() * (rows + r.pre + r.post)
+            out += numel_besides(v, r.dim) * v.element_size() * (rows + r.pre + r.post)
     return GraphMemory(rows, per_row, static, allocates, ph, kv, out, {a.node for a in an.attentions}, an, pieces)

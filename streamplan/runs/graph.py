@@ -71,7 +71,8 @@ def _run_graph(handle, entry, args: tuple, kwargs: dict) -> Any:
     from ..capture.opaque_layers import opaque_layers
     from ..capture.execute import GraphRun
     from ..capture.mlp import row_dim
-    from ..capture.memory import _numel as numel_besides, graph_memory
+    from ..capture.analyze import numel_besides
+    from ..capture.memory import graph_memory
 
     module = entry.module
     stock = functools.partial(entry.stock, *args, **kwargs)
