@@ -36,8 +36,8 @@ EXACT_OPS = {"add", "sub", "rsub", "mul", "neg", "_to_copy", "to", "type_as", "c
              "unflatten", "flatten", "movedim", "contiguous"}
 CHECK_ROWS = 16   # the leading rows of a first chunk a chain is checked on
 # below this many bytes of a chain's outputs per chunk its eager kernels take microseconds, and a compiled call's host
-# time (~0.18 ms a call on the H200's host, measured at 65,536 rows) would be what a host-bound chunk waits on: left
-# eager. An estimate, not a measured crossover (RESULTS.md, sixth session)
+# time (~0.18 ms a call on the H200's host: benchmarks/results/gpu_chain_host_time_2026-12-01.log) would be what a
+# host-bound chunk waits on: left eager. An estimate, not a measured crossover (RESULTS.md, sixth session)
 MIN_BYTES = 64 << 20
 
 
