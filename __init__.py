@@ -1,5 +1,5 @@
 """ComfyUI custom-node entry: ComfyUI imports this file when the repository is cloned into ComfyUI/custom_nodes/.
-The node pack lives in ``streamplan/comfy/nodes.py``; this file only makes the clone's ``streamplan`` importable."""
+The node pack lives in ``streamplan/integrations/comfy/nodes.py``; this file only makes the clone's ``streamplan`` importable."""
 import os
 import sys
 
@@ -7,6 +7,6 @@ _here = os.path.dirname(os.path.abspath(__file__))
 if _here not in sys.path:
     sys.path.insert(0, _here)
 
-from streamplan.comfy.nodes import comfy_entrypoint  # noqa: E402
+from streamplan.integrations.comfy.nodes import comfy_entrypoint  # noqa: E402
 
 __all__ = ["comfy_entrypoint"]

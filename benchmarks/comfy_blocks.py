@@ -16,9 +16,9 @@ from typing import Any, Callable
 import torch
 
 import streamplan
-from streamplan.comfy import block_keys
-from streamplan.comfy.patch import StreamedBlock
-from streamplan.executors.donation import donated
+from streamplan.integrations.comfy import block_keys
+from streamplan.integrations.comfy.patch import StreamedBlock
+from streamplan.execute.donation import donated
 
 
 class BlockProbe:
@@ -50,7 +50,7 @@ class BlockProbe:
 
 class _Metered(StreamedBlock):
     """A streamplan block replacement measured by ``probe`` (a subclass: the model forward donates to it and
-    ``streamplan.comfy.report`` reads it as the replacement it wraps)."""
+    ``streamplan.integrations.comfy.report`` reads it as the replacement it wraps)."""
 
     def __init__(self, inner: StreamedBlock, probe: BlockProbe):
         super().__init__(inner.state, inner.key, inner.list_name)
@@ -88,7 +88,7 @@ def probed(patcher, device: torch.device):
 def plans_of(patched) -> list[dict]:
     """The plans streamplan's block streamers made in ``patched`` (tier, chunk, predicted peak above the live inputs,
     the budget the planner had)."""
-    from streamplan.comfy.patch import _states
+    from streamplan.integrations.comfy.patch import _states
     out = []
     for st in _states(patched):
         for key, b in st.blocks.items():

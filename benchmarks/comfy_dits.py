@@ -107,7 +107,7 @@ def build(comfy, name: str, dev, dtype, smoke: bool, n: int, text: int, latent_g
 
 def rope_bytes(patcher, x, cond, sample_call) -> int:
     """Bytes of the rope table the first block is handed (measured with a pre-hook on a stock call)."""
-    from streamplan.comfy import block_keys
+    from streamplan.integrations.comfy import block_keys
     seen = {}
 
     def hook(_module, args, kwargs):

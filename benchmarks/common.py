@@ -10,7 +10,7 @@ from typing import Any, Callable
 import torch
 
 from streamplan import measure_peak
-from streamplan.bench import cuda_time, header as device_info  # noqa: F401  (shared with the suite)
+from streamplan.tools.bench import cuda_time, header as device_info  # noqa: F401  (shared with the suite)
 from streamplan.verify import compare_outputs
 
 
@@ -31,7 +31,10 @@ def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def write_results(name: str, payload: dict) -> str:
-    out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
+    """Write ``<name>.json`` under $OUT when set, else benchmarks/results/latest/: a new run replaces the current
+    figure of its benchmark and case (archive the previous file by hand first: benchmarks/RESULTS.md, "How results
+    are kept")."""
+    out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results", "latest")
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, f"{name}.json")
     with open(path, "w") as f:
@@ -50,10 +53,10 @@ def wall_time(fn: Callable[[], Any], repeats: int = 2) -> float:
     return statistics.median(times)
 
 
-STAGES = [("streamplan.recognize.transformers_decoders", "_rope"),
-          ("streamplan.recognize.transformers_decoders", "_masks"),
-          ("streamplan.recognize.transformers_decoders", "_norm_in_place"),
-          ("streamplan.runs.graph", "_run_onloaded")]   # a captured block's whole streamed call
+STAGES = [("streamplan.integrations.transformers.decoders", "_rope"),
+          ("streamplan.integrations.transformers.decoders", "_masks"),
+          ("streamplan.integrations.transformers.decoders", "_norm_in_place"),
+          ("streamplan.execute.graph_call", "_run_onloaded")]   # a captured block's whole streamed call
 
 
 class stage_peaks:

@@ -17,7 +17,7 @@ import torch
 
 import streamplan
 from common import write_results
-from streamplan.catalogue import table
+from streamplan.tools.catalogue import table
 
 
 def _outputs(module, args, kwargs, **options):

@@ -14,7 +14,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import streamplan
 from common import cuda_peak, cuda_time, device_info, rel_diff, write_results
-from streamplan.executors.donation import donate
+from streamplan.execute.donation import donate
 
 
 def _first(out):

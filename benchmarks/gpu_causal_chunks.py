@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 
 from common import cuda_time, device_info, rel_diff, write_results
-from streamplan.consumers import lse_merge
-from streamplan.consumers import sdpa as S
+from streamplan.attention import lse_merge
+from streamplan.attention import sdpa as S
 
 H, HKV, D = 32, 8, 128
 

@@ -1,13 +1,15 @@
-"""H200: streamplan.comfy.patch on a real ComfyUI 0.33.0 (.vendor/comfyui) WanModel, 1 layer at Wan2.1-14B width, bf16.
+"""H200: streamplan.integrations.comfy.patch on a real ComfyUI 0.33.0 (.vendor/comfyui) WanModel, 1 layer at Wan2.1-14B
+width, bf16.
 
 Whole ``BaseModel.apply_model`` calls as ComfyUI's samplers make them: stock (the plain ModelPatcher) against ``patch``
 (a) at fixed 16384-token chunks, (b) with the budget held to 1.15x the block's floor (residual + K + V), (c) as (a) with
 patch's ``DIFFUSION_MODEL`` wrapper taken out (the blocks stream under the stock model forward, as before the wrapper:
 the model's fp32 patch embedding / projection and head over all rows, block inputs not donated). Per row: peak
 KB/token of the whole call above what was allocated before it (inputs, weights), the same against the floor, median
-time of 2 after a warm-up, relative difference to stock, ``streamplan.comfy.report``. Budget (b): inside ComfyUI an
-explicit budget is the activation room above what a block call holds when it is entered
-(``streamplan/comfy/memory.py``), so (b) passes 1.15 x floor; the wrapper's own row loops (patch embedding, head)
+time of 2 after a warm-up, relative difference to stock, ``streamplan.integrations.comfy.report``. Budget (b): inside
+ComfyUI an explicit budget is the activation room above what a block call holds when it is entered
+(``streamplan/integrations/comfy/memory.py``), so (b) passes 1.15 x floor; the wrapper's own row loops (patch
+embedding, head)
 take chunks a quarter of that room holds.
 
     python benchmarks/gpu_comfy.py --tokens 217088
@@ -38,7 +40,8 @@ gpu_comfy_h3_<rows>.json.
     python benchmarks/gpu_comfy.py --model h3 --tokens 217088   # 512 text + 2000 audio + 106x44x46 video = 217056
     python benchmarks/gpu_comfy.py --model h3 --smoke
 
-``--weights``: where ComfyUI holds the weights (``streamplan/comfy/weights.py`` takes each once per block call).
+``--weights``: where ComfyUI holds the weights (``streamplan/integrations/comfy/weights.py`` takes each once per block
+call).
 ``device`` (default): on the GPU. ``lowvram``: built on the CPU, loaded by ``ModelPatcher.patch_model`` with 1 byte of
 lowvram room, as ComfyUI loads a model that does not fit: every comfy.ops layer keeps its weights on the CPU and casts
 them to the GPU per call. ``dynamic``: DynamicVRAM, ComfyUI 0.33.0's default on NVIDIA, set up as its main.py does
@@ -206,7 +209,7 @@ def held_as(comfy, base, dev, weights: str, lora: float):
         comfy.model_management.load_models_gpu([patcher])
     elif lora:
         patcher.patch_model(dev)   # the patches merged into the weights on the device, as a full load does
-    from streamplan.comfy import block_keys
+    from streamplan.integrations.comfy import block_keys
     layers = [m for _, _, b in block_keys(base.diffusion_model) for m in b.modules()
               if hasattr(m, "comfy_cast_weights")]
     patched = sum(bool(getattr(m, "weight_function", None) or getattr(m, "weight_lowvram_function", None))
@@ -299,7 +302,7 @@ def block_input_bytes(patcher, x, cond) -> int:
         for v in [*args, *kwargs.values()]:
             if isinstance(v, torch.Tensor):
                 seen[v.untyped_storage().data_ptr()] = v.untyped_storage().nbytes()
-    from streamplan.comfy import block_keys
+    from streamplan.integrations.comfy import block_keys
     first = block_keys(patcher.model.diffusion_model)[0][2]
     handle = first.register_forward_pre_hook(hook, with_kwargs=True)
     sample_call(patcher, x, cond)
@@ -336,7 +339,7 @@ def main() -> int:
     print(info, flush=True)
     comfy = import_comfy(cpu=not cuda, dynamic=a.weights == "dynamic")
     model_dev = dev if a.weights == "device" else torch.device("cpu")
-    import streamplan.comfy as sc
+    import streamplan.integrations.comfy as sc
     if cuda:
         peak_of, time_of = cuda_peak, (lambda fn: cuda_time(fn, repeats=2))
     else:   # smoke on CPU: the profiler's peak, wall time
@@ -395,9 +398,10 @@ def main() -> int:
     base = {"model": model, "tokens": tokens, "latent": latent, "text_tokens": text, "floor_KB_per_token": kb(floor)}
     payload = {**info, "attention": comfy.ldm.modules.attention.optimized_attention.__name__, **extra,
                "block_input_bytes": inputs, "block_inputs": inputs_named, "budget_bytes": budget,
-               "budget_note": "streamplan.comfy budget = activation room above what the block call holds at entry "
-               "(its inputs); passed 1.15 x floor", "peak_note": "whole apply_model (patch embedding, text/time "
-               "embeddings, head included), above what was allocated before the call (inputs, weights)",
+               "budget_note": "streamplan.integrations.comfy budget = activation room above what the block "
+               "call holds at entry (its inputs); passed 1.15 x floor",
+               "peak_note": "whole apply_model (patch embedding, text/time embeddings, head included), above what was "
+               "allocated before the call (inputs, weights)",
                "rows": []}
 
     def emit(row):

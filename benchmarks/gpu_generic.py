@@ -29,7 +29,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import streamplan
 from common import cuda_peak, cuda_time, device_info, write_results
-from streamplan.executors.donation import donate
+from streamplan.execute.donation import donate
 from streamplan.verify import compare_outputs
 
 BF16 = torch.bfloat16
@@ -229,7 +229,8 @@ def run_block(case: str, n: int, chunks: list[int], held: bool, hold: float = 1.
 def _engine(flags: set[str]):
     """Engine switches one variant runs under: "f" the MLP split by features (not rows), "nj" no joins built in
     place."""
-    from streamplan.capture import execute, mlp
+    from streamplan.execute import graph_run as execute
+    from streamplan.graph import sliced_mlp as mlp
     saved = mlp.SPLIT, execute.in_place
     mlp.SPLIT = "features" if "f" in flags else "rows"
     if "nj" in flags:   # (what runs in place is kept per capture, which the variants share: filtered per call)

@@ -258,8 +258,8 @@ def self_check_store(n: int, device: str, dry: bool) -> list[dict]:
 
 
 def _check_store(n, device, H, D, dt, k, v, g, chunk, block, groups) -> dict:
-    from streamplan.consumers import SDPA
-    from streamplan.executors.kv_store import attend_blocks, make_store, write_rows
+    from streamplan.attention import SDPA
+    from streamplan.execute.kv_stores import attend_blocks, make_store, write_rows
     st = make_store("host", torch.device(device), block, groups)
     for a in range(0, n, chunk):
         b = min(a + chunk, n)

@@ -135,7 +135,7 @@ class AttentionCalls:
     a refusal, or SDPA called with a mask (its slower kernels), shows here."""
 
     def __enter__(self) -> collections.Counter:
-        from streamplan.consumers import sdpa
+        from streamplan.attention import sdpa
         self.module, self.fused, self.functional = sdpa, sdpa._fused_with_lse, sdpa.F
         counts = self.counts = collections.Counter()
         real_fused, real_f = self.fused, self.functional

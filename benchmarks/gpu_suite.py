@@ -1,4 +1,4 @@
-"""One GPU run of the suite: stock, peers and streamplan per family and token count (see streamplan/bench.py).
+"""One GPU run of the suite: stock, peers and streamplan per family and token count (see streamplan/tools/bench.py).
 
     python gpu_suite.py --cases wan-14b-block,flux-single-block --tokens 32768,131072 --tag blocks
 
@@ -11,7 +11,7 @@ import json
 import os
 import sys
 
-from streamplan.bench import CASES, header, run_case, to_markdown
+from streamplan.tools.bench import CASES, header, run_case, to_markdown
 
 DEFAULT_MODES = "stock,naive-chunked-ffn,forward-chunking,streamplan-4096,streamplan-16384,streamplan-24GiB"
 

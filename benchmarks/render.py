@@ -1,4 +1,4 @@
-"""Turn results/suite_*.json into the tables of RESULTS.md (printed) and results/suite.png."""
+"""Turn results/latest/suite_*.json into the tables of RESULTS.md (printed) and results/latest/suite.png."""
 from __future__ import annotations
 
 import glob
@@ -6,14 +6,14 @@ import json
 import os
 import sys
 
-from streamplan.bench import Row, plot, to_markdown
+from streamplan.tools.bench import Row, plot, to_markdown
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def main() -> int:
     rows, heads = [], set()
-    for path in sorted(glob.glob(os.path.join(HERE, "results", "suite_*.json"))):
+    for path in sorted(glob.glob(os.path.join(HERE, "results", "latest", "suite_*.json"))):
         if path.endswith("suite_smoke.json"):
             continue
         data = json.load(open(path))
@@ -24,7 +24,7 @@ def main() -> int:
     rows.sort(key=lambda r: (order.index(r["family"]) if r["family"] in order else 99, r["tokens"]))
     print("Runs:", "; ".join(f"{d}, torch {t}, {day}" for d, t, day in sorted(heads)))
     print(to_markdown([Row(**r) for r in rows]))
-    plot(rows, os.path.join(HERE, "results", "suite.png"))
+    plot(rows, os.path.join(HERE, "results", "latest", "suite.png"))
     return 0
 
 

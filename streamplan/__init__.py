@@ -14,15 +14,13 @@ __version__ = "0.1.0"
 
 # public name -> the submodule that defines it
 _EXPORTS = {
-    "apply": "api", "StreamHandle": "api", "BlockStreamer": "api", "verify": "verify", "measure_peak": "meter",
-    "parse_budget": "budget",
-    "BudgetError": "planner", "register_consumer": "consumers", "unregister_consumer": "consumers",
-    "ConsumerCaps": "consumers", "AttentionConsumer": "consumers",
+    "apply": "api", "StreamHandle": "api", "BlockStreamer": "api", "StreamOptions": "options", "verify": "verify",
+    "measure_peak": "meter", "parse_budget": "plan.budget", "BudgetError": "plan.planner",
+    "register_consumer": "attention", "unregister_consumer": "attention", "ConsumerCaps": "attention",
+    "AttentionConsumer": "attention",
 }
 
-__all__ = ["apply", "verify", "StreamHandle", "BlockStreamer", "measure_peak", "parse_budget", "BudgetError",
-           "register_consumer",
-           "unregister_consumer", "ConsumerCaps", "AttentionConsumer"]
+__all__ = list(_EXPORTS)
 
 
 def __getattr__(name: str):
@@ -31,7 +29,7 @@ def __getattr__(name: str):
         globals()[name] = value
         return value
     if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
-        return importlib.import_module(f"{__name__}.{name}")   # streamplan.consumers, streamplan.api, ...
+        return importlib.import_module(f"{__name__}.{name}")   # streamplan.attention, streamplan.api, ...
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

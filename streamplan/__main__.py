@@ -1,6 +1,6 @@
 """``python -m streamplan``: the ``streamplan`` command."""
 import sys
 
-from .cli import main
+from .tools.cli import main
 
 sys.exit(main())

@@ -1,5 +1,6 @@
 """``apply`` and the reversible ``StreamHandle`` (in the manner of accelerate's hooks): installation, planning
-per call signature, removal. How each spec type runs lives in ``streamplan.runs``; the report in ``report``."""
+per call signature, removal. How each spec type runs lives in ``streamplan.execute.dispatch``; the report in
+``report``."""
 from __future__ import annotations
 
 import functools
@@ -11,19 +12,19 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from . import hooks, report as _report
-from .budget import DEFAULT_RESERVE, auto_budget, fmt_bytes
-from .callstate import BYPASS, ROOT, bypass, live_bytes, outermost
-from .consumers import consumer_for
-from .executors.chunks import drain_retries
-from .ir import ROW_MASK_MARK, AttentionSpec, GraphSpec, MLPSpec, ModelSpec, Skip, row_masks_whole
+from .execute import hook_chains as hooks
+from . import report as _report
+from .plan.budget import DEFAULT_RESERVE, auto_budget, fmt_bytes
+from .execute.call_state import BYPASS, ROOT, bypass, live_bytes, outermost
+from .attention import consumer_for
+from .execute.chunk_loop import drain_retries
+from .specs import ROW_MASK_MARK, STREAMED_MARK, AttentionSpec, GraphSpec, MLPSpec, ModelSpec, Skip, row_masks_whole
 from .options import StreamOptions, make_options
-from .planner import BudgetError, Plan, Tier
-from .recognize import CAPTURE_MODES, recognize
-from .recognize.checks import STREAMED_MARK
-from .runs import run_spec
-from .stock_watch import StockWatch, activation_bytes, watch_candidates
-from .verify import compare_outputs, private_copy
+from .plan.planner import BudgetError, Plan, Tier
+from .integrations.recognizers import CAPTURE_MODES, recognize
+from .execute.dispatch import run_spec
+from .execute.stock_watch import StockWatch, activation_bytes, watch_candidates
+from .execute.compare import compare_outputs, private_copy
 
 __all__ = ["apply", "bypass", "BlockStreamer", "StreamHandle", "StreamOptions"]
 

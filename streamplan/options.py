@@ -4,7 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .budget import DEFAULT_RESERVE, parse_budget
+from .execute.kv_tiers import check_kv
+from .plan.budget import DEFAULT_RESERVE, parse_budget
 
 
 @dataclass
@@ -45,7 +46,6 @@ def positive_int(value: Any, arg: str) -> int | None:
 
 def make_options(budget, chunk_tokens, ffn_slice, head_groups, reserve, self_check, kv="device",
                  row_pieces=None, q_span=None, fuse=None) -> StreamOptions:
-    from .kv_tiers import check_kv
     kv = check_kv(kv)
     chunk_tokens = positive_int(chunk_tokens, "chunk_tokens")
     ffn_slice = positive_int(ffn_slice, "ffn_slice")

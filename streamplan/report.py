@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 
-from .budget import fmt_bytes
-from .ir import GraphSpec
-from .planner import Tier
-from .stock_watch import StockWatch, matters
+from .plan.budget import fmt_bytes
+from .specs import GraphSpec
+from .plan.planner import Tier
+from .execute.stock_watch import StockWatch, matters
 
 STOCK_WHY = "runs stock (streamplan streams no structure here)"
 

@@ -1,72 +1,16 @@
 """Stock against streamed on the same input: the differences per output, with the caller's state untouched."""
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import torch
 from torch import nn
 
-from .ir import state_tensors
+from .api import apply, bypass
+from .execute.compare import compare_outputs, private_copy
+from .specs import STREAMED_MARK
 
-
-def _tensors(out: Any, prefix: str = "output") -> dict[str, torch.Tensor]:
-    if isinstance(out, torch.Tensor):
-        return {prefix: out}
-    found: dict[str, torch.Tensor] = {}
-    if isinstance(out, dict):  # includes transformers' ModelOutput
-        for k, v in out.items():
-            found.update(_tensors(v, f"{prefix}.{k}"))
-    elif isinstance(out, (tuple, list)):
-        for i, v in enumerate(out):
-            found.update(_tensors(v, f"{prefix}[{i}]"))
-    elif hasattr(out, "to_tuple"):
-        found.update(_tensors(out.to_tuple(), prefix))
-    return found
-
-
-def private_copy(value: Any) -> Any:
-    """A copy of a call's inputs that a reference run may change freely: tensors cloned, registered state objects
-    (``callstate.state_tensors``: transformers' caches) deep-copied, containers rebuilt; other objects shared."""
-    if isinstance(value, torch.Tensor):
-        return value.clone()
-    if isinstance(value, tuple) and hasattr(value, "_fields"):   # a namedtuple
-        return type(value)(*(private_copy(v) for v in value))
-    if isinstance(value, (tuple, list)):
-        return type(value)(private_copy(v) for v in value)
-    if isinstance(value, dict):
-        return {k: private_copy(v) for k, v in value.items()}
-    if state_tensors(value) is not None:
-        return copy.deepcopy(value)
-    return value
-
-
-def compare_outputs(streamed: Any, stock: Any) -> dict[str, dict[str, float]]:
-    """Per output tensor: max absolute difference and that relative to stock's largest finite magnitude.
-
-    NaN-aware: a NaN where stock has a NaN counts as equal (as do equal infinities); NaNs in one output only are
-    counted in ``nan_mismatch`` and make ``rel`` infinite, so a check cannot pass over them."""
-    a, b = _tensors(streamed), _tensors(stock)
-    result = {}
-    for name, ref in b.items():
-        out = a.get(name)
-        if out is None or out.shape != ref.shape:
-            result[name] = {"max_abs": float("inf"), "rel": float("inf"), "nan_mismatch": 0}
-            continue
-        if not ref.numel():
-            result[name] = {"max_abs": 0.0, "rel": 0.0, "nan_mismatch": 0}
-            continue
-        o, r = out.float(), ref.float()
-        o_nan, r_nan = o.isnan(), r.isnan()
-        mismatch = int((o_nan != r_nan).sum().item())
-        same = (o == r) | (o_nan & r_nan)
-        diff = torch.where(same | o_nan | r_nan, torch.zeros_like(o), (o - r).abs())
-        max_abs = diff.max().item()
-        finite = r[r.isfinite()]
-        scale = finite.abs().max().item() if finite.numel() else 0.0
-        rel = max_abs / scale if scale else max_abs
-        result[name] = {"max_abs": max_abs, "rel": float("inf") if mismatch else rel, "nan_mismatch": mismatch}
-    return result
+__all__ = ["verify", "compare_outputs"]
 
 
 def verify(model: nn.Module, *args: Any, **kwargs: Any) -> dict[str, dict[str, float]]:
@@ -76,9 +20,6 @@ def verify(model: nn.Module, *args: Any, **kwargs: Any) -> dict[str, dict[str, f
     If streamplan is not applied to ``model``, it is applied for this call (fixed default chunks, so that inputs
     longer than a chunk do stream) and removed after.
     """
-    from .api import apply, bypass
-    from .recognize.checks import STREAMED_MARK
-
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     streamed_already = any(getattr(m.__dict__.get("forward"), STREAMED_MARK, False) for m in model.modules())

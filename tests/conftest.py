@@ -52,7 +52,7 @@ class RecordingConsumer:
         if self.max_rows is not None and q.shape[-2] > self.max_rows:
             raise torch.OutOfMemoryError("simulated: chunk too large")
         self.calls.append((q.shape[-2], q_offset, k.shape[-2], causal))
-        return streamplan.consumers.SDPA.attend(q, k, v, q_offset=q_offset, causal=causal, mask=mask, scale=scale)
+        return streamplan.attention.SDPA.attend(q, k, v, q_offset=q_offset, causal=causal, mask=mask, scale=scale)
 
 
 # the tiny decoder config the transformers LLM tests share (test_llm_models, test_row_masks)

@@ -102,7 +102,7 @@ def _mismatch(world: int, rank: int) -> dict:
     """Ranks asked for different chunks: the plan check raises on every rank instead of hanging."""
     import streamplan
     from diffusers import ContextParallelConfig
-    from streamplan.parallel import PlanMismatch
+    from streamplan.execute.sequence_parallel import PlanMismatch
     torch.manual_seed(0)
     model, kw, _ = _wan()
     model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=world))

@@ -14,8 +14,8 @@ from diffusers.models.transformers.transformer_wan import WanAttention, WanAttnP
 
 import streamplan
 from conftest import rel_err
-from streamplan.consumers import SDPA
-from streamplan.executors.chunks import spans
+from streamplan.attention import SDPA
+from streamplan.execute.chunk_loop import spans
 
 DIM, HEADS, HEAD_DIM = 64, 4, 16
 CROSS_DIM, ENC_TOKENS, WAN_TEXT = 32, 7, 13

@@ -66,7 +66,7 @@ def test_a_causal_chunk_with_grouped_heads_stays_within_the_declared_workspace()
     n, c, heads, kv_heads, d = 1024, 128, 32, 8, 128
     k, v = (torch.randn(1, n, kv_heads, d).transpose(1, 2) for _ in range(2))
     q = torch.randn(1, c, heads, d).transpose(1, 2)
-    sdpa = streamplan.consumers.SDPA
+    sdpa = streamplan.attention.SDPA
     out, peak = streamplan.measure_peak(lambda: sdpa.attend(q, k, v, q_offset=n - c, causal=True, mask=None,
                                                             scale=None))
     rep = heads // kv_heads
@@ -89,7 +89,7 @@ def test_the_consumer_declares_what_a_chunk_allocates(heads, kv_heads, causal, d
     flash kernel's per-thread tiles do not scale with the rows: a per-row figure cannot say them)."""
     n, c, d = 1200, 400, 32
     k, v = (torch.randn(1, n, kv_heads, d, dtype=dtype).transpose(1, 2) for _ in range(2))
-    sdpa = streamplan.consumers.SDPA
+    sdpa = streamplan.attention.SDPA
     elem = k.element_size()
     declared = sdpa.workspace_bytes(rows=c, keys=n, heads=heads, kv_heads=kv_heads, head_dim=d, elem=elem,
                                     causal=causal, masked=False, device_type="cpu")

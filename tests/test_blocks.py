@@ -17,7 +17,7 @@ def _max_rel(out, ref):
 
 
 def _graphs(handle):
-    return {n: e for n, e in handle.installed.items() if isinstance(e.spec, streamplan.ir.GraphSpec)}
+    return {n: e for n, e in handle.installed.items() if isinstance(e.spec, streamplan.specs.GraphSpec)}
 
 
 def _quiet(handle, allow=()):
@@ -30,7 +30,7 @@ def _check(module, args, chunk, **kw):
     before = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
     ref = module(*args)
     handle = streamplan.apply(module, chunk_tokens=chunk, **kw)
-    assert isinstance(handle.installed[""].spec, streamplan.ir.GraphSpec), handle.report()   # parts: its fallback
+    assert isinstance(handle.installed[""].spec, streamplan.specs.GraphSpec), handle.report()   # parts: its fallback
     out = module(*args)
     entry = handle.installed[""]
     assert [n for n in entry.runtime_notes if not n.startswith("captured in")] == [], entry.runtime_notes
@@ -115,11 +115,11 @@ def test_llama_decoder_layers_and_causal_lm(impl):
         ref = model(ids, **kw).logits
         handle = streamplan.apply(model, chunk_tokens=16)
         assert len(_graphs(handle)) == 3, handle.report()
-        assert isinstance(handle.installed["model.norm"].spec, streamplan.ir.RowLocalSpec)
+        assert isinstance(handle.installed["model.norm"].spec, streamplan.specs.RowLocalSpec)
         out = model(ids, **kw).logits
         keep = mask.bool() if kw else torch.ones_like(mask, dtype=torch.bool)
         assert rel_err(out[keep], ref[keep]) <= 1e-5
-        # a padding mask reaches the layers described (streamplan.ir.RowMask: SDPA's mask function, or eager's) and
+        # a padding mask reaches the layers described (streamplan.specs.RowMask: SDPA's mask function, or eager's) and
         # they stream from their graphs; eager attention (matmul + softmax) is found in the graph as one attention
         allow = ("its attention mask built",) if kw or impl == "eager" else ()   # eager: a causal mask always
         assert _quiet(handle, allow), handle.report()
@@ -143,7 +143,7 @@ def test_whole_wan_model(batch):
     x0 = x.clone()
     ref = model(x, t, enc).sample
     handle = streamplan.apply(model, chunk_tokens=16)
-    assert isinstance(handle.installed[""].spec, streamplan.ir.ModelSpec)
+    assert isinstance(handle.installed[""].spec, streamplan.specs.ModelSpec)
     assert len(_graphs(handle)) == 3, handle.report()
     out = model(x, t, enc).sample
     assert rel_err(out, ref) <= 1e-5 and torch.equal(x, x0)
@@ -179,7 +179,7 @@ def test_whole_flux_model_streams_its_blocks():
     handle = streamplan.apply(model, chunk_tokens=16)
     blocks = list(_graphs(handle).values())
     assert len(blocks) == 4, handle.report()
-    assert isinstance(handle.installed["norm_out"].spec, streamplan.ir.RowLocalSpec)  # the output head's norm
+    assert isinstance(handle.installed["norm_out"].spec, streamplan.specs.RowLocalSpec)  # the output head's norm
     out = model(**args).sample
     assert rel_err(out, ref) <= 1e-5
     assert all(e.plans for e in blocks) and _quiet(handle), handle.report()
@@ -196,7 +196,7 @@ def test_an_i2v_block_streams_from_its_graph_and_keeps_its_parts():
     ref = block(*args)
     handle = streamplan.apply(block, chunk_tokens=16)
     assert set(handle.installed) == {"", "ffn"}
-    assert isinstance(handle.installed[""].spec, streamplan.ir.GraphSpec)
+    assert isinstance(handle.installed[""].spec, streamplan.specs.GraphSpec)
     assert rel_err(block(*args), ref) <= 1e-5
     (plan,) = handle.plans[""]
     assert plan.tier == "L1" and plan.chunk == 16, handle.report()
@@ -246,7 +246,7 @@ def test_streamed_wan_block_peaks_near_its_floor():
 
 @torch.no_grad()
 def test_a_donated_block_input_is_updated_in_place_without_a_copy():
-    from streamplan.executors.donation import donate
+    from streamplan.execute.donation import donate
     block = WanTransformerBlock(256, 1024, 4).eval()
     x = torch.randn(1, 4096, 256)
     enc, temb = torch.randn(1, 16, 256), torch.randn(1, 6, 256)
@@ -301,7 +301,7 @@ def test_generate_streams_the_prefill_and_gives_the_same_tokens():
 
 
 def test_a_model_forward_streamplan_does_not_follow_stays_stock(monkeypatch):
-    from streamplan.recognize import diffusers_models
+    from streamplan.integrations.diffusers import models as diffusers_models
     monkeypatch.setitem(diffusers_models.KNOWN_FORWARDS, "WanTransformer3DModel", {"0" * 16: "another version"})
     model = _wan_model()
     handle = streamplan.apply(model, chunk_tokens=16)

@@ -134,7 +134,7 @@ def test_a_guard_on_the_row_count_is_kept_only_where_sympy_proves_it():
     import sympy
     from torch.utils._sympy.functions import Max, Min
 
-    from streamplan.capture.export import provable
+    from streamplan.graph.export import provable
     rows = sympy.Symbol("s0", integer=True, positive=True)
     assert provable(sympy.Eq(Min(16 * rows, 32 * rows), 16 * rows))
     assert provable(sympy.Eq(Max(rows, 2 * rows), 2 * rows))

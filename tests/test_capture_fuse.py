@@ -8,8 +8,9 @@ import torch
 
 import streamplan
 from conftest import rel_err
-from streamplan.capture import execute, fuse
-from streamplan.executors.donation import donate
+from streamplan.execute import graph_run as execute
+from streamplan.graph import fused_chains as fuse
+from streamplan.execute.donation import donate
 from test_capture_into import _h3 as _h3_block
 from test_capture_tiers import _llama
 
@@ -159,7 +160,7 @@ def test_fused_chains_with_kv_staged_on_the_host():
 def test_fused_chains_beside_static_rows(case):
     """Text rows joined to the image rows: the first chunk computes them, later chunks their dynamic rows alone; a
     chain holds dynamic rows only, so it is one computation in both."""
-    from streamplan.catalogue.diffusers_cases import CASES
+    from streamplan.tools.catalogue.diffusers_cases import CASES
     block = CASES[case].build()
     args, kwargs = CASES[case].inputs(400, torch.device("cpu"), torch.float32)
     ref = block(*args, **kwargs)

@@ -8,7 +8,7 @@ from torch import nn
 
 import streamplan
 from conftest import OpCounter, rel_err
-from streamplan.capture import execute
+from streamplan.execute import graph_run as execute
 from test_capture_into import _h3 as _h3_block
 from test_capture_tiers import _llama
 
@@ -108,7 +108,7 @@ def _applied(cls):
 
 def _in_place(block, x) -> list[tuple[dict, dict]]:
     """What each phase of the captured block computes in place, phase KV's first (K's join is theirs)."""
-    from streamplan.capture import streamable
+    from streamplan.graph import streamable
     found, _ = streamable(block, (x,), {}, x.shape[1])
     return [execute.in_place(nodes, found.analysis, found.phases, set())
             for nodes in [*found.phases.kv, found.phases.q]]
@@ -152,7 +152,7 @@ def test_a_part_read_elsewhere_is_copied_in():
 def test_the_memory_model_prices_what_runs_in_place(donated):
     """The planner reads the same in-place decisions (``execute.in_place``): its predicted peak is the measured one to
     within 5%, input donated (the model forward's way) or not (phase KV runs before the output buffer exists)."""
-    from streamplan.executors.donation import donate
+    from streamplan.execute.donation import donate
     block, args, _ = _h3()
     handle = streamplan.apply(block, capture="prefer", chunk_tokens=400)
     x = args[0].clone()

@@ -6,8 +6,8 @@ from torch import nn
 
 import streamplan
 from conftest import OpCounter, rel_err
-from streamplan.capture import execute
-from streamplan.executors.donation import donate
+from streamplan.execute import graph_run as execute
+from streamplan.execute.donation import donate
 
 N = 1200
 

@@ -6,7 +6,7 @@ import torch
 
 import streamplan
 from conftest import rel_err
-from streamplan.capture import pieces
+from streamplan.graph import row_pieces as pieces
 
 N = 1200
 
@@ -58,7 +58,7 @@ def test_row_local_runs_in_pieces_are_exact_and_smaller(make, gain):
 def test_no_runs_where_the_graph_has_static_rows():
     """Text rows joined to the image rows are computed once per phase: their runs are left whole."""
     from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock
-    from streamplan.capture import streamable
+    from streamplan.graph import streamable
     block = FluxSingleTransformerBlock(64, 4, 16).eval()
     args = (torch.randn(1, 300, 64), torch.randn(1, 20, 64), torch.randn(1, 64))
     kwargs = {"image_rotary_emb": (torch.randn(320, 16), torch.randn(320, 16))}

@@ -6,8 +6,8 @@ import torch
 
 import streamplan
 from conftest import rel_err
-from streamplan.capture import mlp
-from streamplan.planner import Plan, Tier, plan_graph
+from streamplan.graph import sliced_mlp as mlp
+from streamplan.plan.planner import Plan, Tier, plan_graph
 
 N = 1200
 

@@ -8,9 +8,11 @@ import pytest
 import torch
 
 import streamplan
-import streamplan.demo
-from streamplan import cli
-from streamplan.cli import main
+import streamplan.tools.bench
+import streamplan.tools.demo
+import streamplan.tools.families
+from streamplan.tools import cli
+from streamplan.tools.cli import main
 
 
 def _one_line_error(err: str, *words: str) -> None:
@@ -48,7 +50,7 @@ def test_demo_with_a_budget(capsys):
 
 def test_run_demo_reports_progress_and_times_and_prints_nothing(capfd):
     seen = []
-    r = streamplan.demo.run_demo("wan-ffn", tokens=2048, progress=seen.append)
+    r = streamplan.tools.demo.run_demo("wan-ffn", tokens=2048, progress=seen.append)
     out, err = capfd.readouterr()
     assert out == "" and err == ""          # library code reports through the callback (and logging) only
     assert [m[:5] for m in seen if m.startswith("[")] == ["[1/3]", "[2/3]", "[3/3]"]
@@ -60,7 +62,7 @@ def test_run_demo_reports_progress_and_times_and_prints_nothing(capfd):
 @pytest.mark.parametrize("tokens", [0, -5])
 def test_run_demo_rejects_tokens_below_one(tokens):
     with pytest.raises(ValueError, match="tokens"):
-        streamplan.demo.run_demo("wan-ffn", tokens=tokens)
+        streamplan.tools.demo.run_demo("wan-ffn", tokens=tokens)
 
 
 def test_plan_prints_a_plan_without_running_anything(capsys):
@@ -107,7 +109,7 @@ def test_bench_needs_a_gpu_and_says_so(capsys):
 def no_demo_run(monkeypatch):
     """run_demo replaced: a test fails if the command gets as far as building the model."""
     calls = []
-    monkeypatch.setattr(streamplan.demo, "run_demo", lambda *a, **k: calls.append((a, k)) or pytest.fail("ran"))
+    monkeypatch.setattr(streamplan.tools.demo, "run_demo", lambda *a, **k: calls.append((a, k)) or pytest.fail("ran"))
     return calls
 
 
@@ -150,7 +152,8 @@ def test_demo_on_cuda_without_cuda_says_so(capsys, no_demo_run):
 
 def test_a_budget_is_checked_before_the_model_is_built(monkeypatch, capsys):
     built = []
-    monkeypatch.setattr(streamplan.demo.CASES["wan-block"], "build", lambda: built.append(1) or pytest.fail("built"))
+    monkeypatch.setattr(streamplan.tools.demo.CASES["wan-block"], "build",
+                        lambda: built.append(1) or pytest.fail("built"))
     start = time.monotonic()
     assert main(["demo", "--budget", "12 parsecs"]) == 2
     assert "budget" in capsys.readouterr().err and not built
@@ -180,10 +183,10 @@ def test_command_help_lists_the_choices(capsys):
     assert "{wan-block,wan-ffn}" in out and "WanTransformerBlock" in out
     assert main(["plan", "--help"]) == 0
     out = capsys.readouterr().out
-    assert "{" + ",".join(streamplan.families.FAMILIES) + "}" in out
+    assert "{" + ",".join(streamplan.tools.families.FAMILIES) + "}" in out
     assert main(["bench", "--help"]) == 0
     out = capsys.readouterr().out
-    assert all(name in out for name in streamplan.bench.CASES)
+    assert all(name in out for name in streamplan.tools.bench.CASES)
 
 
 def test_every_option_has_help():
@@ -210,13 +213,13 @@ def test_verbose_before_or_after_the_command():
 
 
 def test_the_cli_catalogues_match_what_the_commands_build():
-    import streamplan.bench
-    import streamplan.families
+    import streamplan.tools.bench
+    import streamplan.tools.families
 
-    assert {k: c.description for k, c in streamplan.demo.CASES.items()} == cli.DEMO_CASES
-    assert {k: c.default_tokens for k, c in streamplan.demo.CASES.items()} == cli.DEMO_DEFAULT_TOKENS
-    assert {k: f.description for k, f in streamplan.families.FAMILIES.items()} == cli.PLAN_FAMILIES
-    assert {k: make().description for k, make in streamplan.bench.CASES.items()} == cli.BENCH_CASES
+    assert {k: c.description for k, c in streamplan.tools.demo.CASES.items()} == cli.DEMO_CASES
+    assert {k: c.default_tokens for k, c in streamplan.tools.demo.CASES.items()} == cli.DEMO_DEFAULT_TOKENS
+    assert {k: f.description for k, f in streamplan.tools.families.FAMILIES.items()} == cli.PLAN_FAMILIES
+    assert {k: make().description for k, make in streamplan.tools.bench.CASES.items()} == cli.BENCH_CASES
 
 
 # --- no torch for --help / --version ---------------------------------------------------------------------------------
@@ -224,7 +227,7 @@ def test_the_cli_catalogues_match_what_the_commands_build():
 _NO_TORCH = """
 import sys, time
 start = time.perf_counter()
-from streamplan.cli import main
+from streamplan.tools.cli import main
 rc = main({argv!r})
 print("RESULT", rc, "torch" in sys.modules, time.perf_counter() - start, file=sys.stderr)
 """
@@ -254,11 +257,11 @@ def test_python_m_streamplan_help_is_quick_and_torch_free():
 
 
 def test_the_lazy_package_keeps_its_public_names():
-    code = ("import streamplan, streamplan.demo\n"            # importing the verify submodule first
+    code = ("import streamplan, streamplan.tools.demo\n"            # importing the verify submodule first
             "from streamplan import apply\n"
             "assert callable(streamplan.verify) and streamplan.verify.__name__ == 'verify'\n"
             "assert all(getattr(streamplan, n) is not None for n in streamplan.__all__)\n"
-            "assert streamplan.consumers.SDPA is not None and streamplan.apply is apply\n"
+            "assert streamplan.attention.SDPA is not None and streamplan.apply is apply\n"
             "print('ok')\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.stdout.strip() == "ok", done.stderr

@@ -1,7 +1,8 @@
-"""streamplan.comfy against a real ComfyUI (0.33.0, see tests/comfy_support.py): tiny random-weight Wan, Flux,
+"""streamplan.integrations.comfy against a real ComfyUI (0.33.0, see tests/comfy_support.py): tiny random-weight Wan,
+Flux,
 HunyuanVideo, LTX-Video and MiniMax-H3 diffusion models inside real ``BaseModel``s and ``ModelPatcher``s, run the way
 ComfyUI's sampling runs them (``BaseModel.apply_model`` with the patcher's ``transformer_options``), stock against
-``streamplan.comfy.patch``."""
+``streamplan.integrations.comfy.patch``."""
 from __future__ import annotations
 
 import copy
@@ -18,15 +19,15 @@ CPU = torch.device("cpu")
 
 
 def _analyze_module():
-    import streamplan.capture.analyze  # noqa: F401 -- the package attribute ``analyze`` is the function
-    return sys.modules["streamplan.capture.analyze"]
+    import streamplan.graph.analyze  # noqa: F401 -- the package attribute ``analyze`` is the function
+    return sys.modules["streamplan.graph.analyze"]
 
 
 @pytest.fixture
 def fresh_captures(monkeypatch):
     """Captures (and their analyses) are cached per block class for the process: each test here starts empty."""
-    import streamplan.capture  # noqa: F401 -- sys.modules holds it after this
-    monkeypatch.setattr(sys.modules["streamplan.capture"], "_CACHE", {})
+    import streamplan.graph  # noqa: F401 -- sys.modules holds it after this
+    monkeypatch.setattr(sys.modules["streamplan.graph"], "_CACHE", {})
 
 
 def _random_(model: torch.nn.Module) -> None:
@@ -141,7 +142,7 @@ def _forwards_installed(model: torch.nn.Module) -> list[str]:
 def _stream_and_compare(base, x, cond):
     """Stock, then ``patch(...)`` with 64-row chunks: the output within fp32 rel 1e-5, the peak down, the base patcher
     and the shared model as they were. Returns (patched, its report, the patched model's block keys)."""
-    import streamplan.comfy as sc
+    import streamplan.integrations.comfy as sc
     before = copy.copy(base.model_options["transformer_options"])
     stock, stock_peak = streamplan.measure_peak(sample_call, base, x, cond)
     patched = sc.patch(base, budget=None, chunk_tokens=64, min_tokens=0)
@@ -154,7 +155,7 @@ def _stream_and_compare(base, x, cond):
 
 
 def test_patch_streams_every_wan_block(fresh_captures):
-    import streamplan.comfy as sc
+    import streamplan.integrations.comfy as sc
     base, x, cond = wan_patcher()
     before = copy.copy(base.model_options["transformer_options"])
     stock, stock_peak = streamplan.measure_peak(sample_call, base, x, cond)
@@ -206,7 +207,7 @@ def test_patch_streams_every_hunyuan_video_block(fresh_captures):
     Q chunk) under the streamed model forward, which gives it as the [1, 1, 1, keys] view ComfyUI's attention makes
     of it. Under the stock forward (the wrapper taken out) the [1, 1, keys] mask is reshaped inside the block: each
     block stays stock, naming it."""
-    import streamplan.comfy as sc
+    import streamplan.integrations.comfy as sc
     patched, text, keys = _stream_and_compare(*hunyuan_video_patcher())
     assert keys == [("double_block", 0), ("double_block", 1), ("single_block", 0), ("single_block", 1)]
     sections = _block_lines(text)
@@ -254,7 +255,7 @@ def test_h3_blocks_stream(fresh_captures):
     """MiniMax-H3's DiTBlock (2-D packed rows, modulation per segment of rows at Python bounds, comfy_kitchen's fused
     in-place q/k RMSNorm + split-half rope, the residual updated in place) streams from its captured graph: 64-row
     chunks that cut across the text/audio/video segments, bit-identical to ComfyUI's own forward, peak down."""
-    import streamplan.comfy as sc
+    import streamplan.integrations.comfy as sc
     base, x, cond = h3_patcher()
     before = copy.copy(base.model_options["transformer_options"])
     stock, stock_peak = streamplan.measure_peak(sample_call, _h3_run(base), x, cond)
@@ -275,7 +276,7 @@ def test_h3_blocks_stream(fresh_captures):
 
 def test_h3_segments_as_rows():
     """The per-segment bounds become one table row per packed row, or the reason they cannot."""
-    from streamplan.recognize.comfy_h3 import segment_rows
+    from streamplan.integrations.comfy.h3 import segment_rows
     rows = segment_rows([(0, 2, 1), (2, 5, 3)], 5, CPU)
     assert rows.tolist() == [[1, 1, 3, 3, 3]]
     assert "cover 4 rows of 5" in segment_rows([(0, 4, 0)], 5, CPU)
@@ -290,7 +291,7 @@ def test_h3_unknown_forward_stays_stock(fresh_captures, monkeypatch):
     comfyui()
     import comfy.ldm.minimax.model as h3
 
-    import streamplan.comfy as sc
+    import streamplan.integrations.comfy as sc
     base, x, cond = h3_patcher()
     stock_gate = h3._mod_gate
 
@@ -324,7 +325,7 @@ def test_chunks_attend_through_comfy_optimized_attention(fresh_captures, monkeyp
     comfyui()
     import comfy.ldm.modules.attention as attention
 
-    import streamplan.comfy as sc
+    import streamplan.integrations.comfy as sc
     calls: list = []
     monkeypatch.setattr(attention, "optimized_attention", _attention_spy(calls))   # the blocks' own imports: stock
     base, x, cond = wan_patcher()
@@ -350,7 +351,7 @@ def test_h3_registered_attention_function_serves_chunks(fresh_captures, monkeypa
     comfyui()
     import comfy.ldm.modules.attention as attention
 
-    import streamplan.comfy as sc
+    import streamplan.integrations.comfy as sc
     calls: list = []
     spy = _attention_spy(calls)
     monkeypatch.setitem(attention.REGISTERED_ATTENTION_FUNCTIONS, "streamplan_spy", spy)
@@ -405,7 +406,7 @@ class _StreamedConsumer:
 
 
 def test_h3_streamed_contract_consumer(fresh_captures):
-    import streamplan.comfy as sc
+    import streamplan.integrations.comfy as sc
     consumer = _StreamedConsumer()
     base, x, cond = h3_patcher()
     stock = sample_call(_h3_run(base, optimized_attention_override=consumer), x, cond)
@@ -417,7 +418,7 @@ def test_h3_streamed_contract_consumer(fresh_captures):
 
 
 def test_min_tokens_keeps_short_calls_stock():
-    import streamplan.comfy as sc
+    import streamplan.integrations.comfy as sc
     base, x, cond = wan_patcher()
     stock = sample_call(base, x, cond)
     patched = sc.patch(base, budget=None, chunk_tokens=64)      # min_tokens 4096 > 768
@@ -428,7 +429,7 @@ def test_min_tokens_keeps_short_calls_stock():
 
 
 def test_foreign_block_replacement_is_left_in_place(fresh_captures):
-    import streamplan.comfy as sc
+    import streamplan.integrations.comfy as sc
     base, x, cond = wan_patcher()
     calls = []
 
@@ -452,7 +453,7 @@ def test_foreign_block_replacement_is_left_in_place(fresh_captures):
 def test_fail_closed_cases(fresh_captures):
     """An attention override, a block-level patch and an unknown transformer_options key keep the block stock,
     exactly, with the reason in the report."""
-    import streamplan.comfy as sc
+    import streamplan.integrations.comfy as sc
     base, x, cond = wan_patcher(layers=1)
     stock = sample_call(base, x, cond)
     patched = sc.patch(base, budget=None, chunk_tokens=64, min_tokens=0)
@@ -474,7 +475,7 @@ def test_fail_closed_cases(fresh_captures):
 
 
 def test_patch_refuses_bad_arguments():
-    import streamplan.comfy as sc
+    import streamplan.integrations.comfy as sc
     base, _, _ = wan_patcher(layers=1)
     with pytest.raises(ValueError, match="min_tokens"):
         sc.patch(base, min_tokens=-1)
@@ -486,13 +487,13 @@ def test_patch_refuses_bad_arguments():
 
 
 def test_stream_blocks_node_function(fresh_captures):
-    from streamplan.comfy.nodes import stream_blocks
+    from streamplan.integrations.comfy.nodes import stream_blocks
     base, x, cond = wan_patcher()
     stock = sample_call(base, x, cond)
     patched, text = stream_blocks(base, "none", 64, 0, "", False)
     assert patched is not base and "double_block.0: not called yet" in text
     assert rel_err(sample_call(patched, x, cond), stock) <= 1e-5
-    from streamplan.comfy import report
+    from streamplan.integrations.comfy import report
     assert "double_block.1: 1 call(s) through the streamer" in report(patched)
     patched, text = stream_blocks(base, "auto", 0, 4096, "1GiB", True)
     assert "budget 'auto'" in text and "reserve '1GiB'" in text and "self_check True" in text
@@ -502,7 +503,7 @@ def test_stream_blocks_node_function(fresh_captures):
 
 def test_stream_report_node_function(fresh_captures):
     """"Stream Report" after a run: the samples pass through, the report says what each block did."""
-    from streamplan.comfy.nodes import stream_blocks, stream_report
+    from streamplan.integrations.comfy.nodes import stream_blocks, stream_report
     base, x, cond = h3_patcher()
     patched, _ = stream_blocks(base, "none", 64, 0, "", False)
     latent = {"samples": x}
@@ -511,14 +512,15 @@ def test_stream_report_node_function(fresh_captures):
     sample_call(_h3_run(patched), x, cond)
     samples, text = stream_report(patched, latent)
     assert text.count("1 call(s) through the streamer; attention chunks to ComfyUI optimized_attention") == 2, text
-    assert stream_report(base, latent)[1].startswith("streamplan.comfy: this model has no streamplan block")
+    assert stream_report(base, latent)[1].startswith(
+        "streamplan.integrations.comfy: this model has no streamplan block")
 
 
 def test_node_schema_and_execute(fresh_captures):
     io = comfy_api_io()
     import asyncio
 
-    from streamplan.comfy import nodes
+    from streamplan.integrations.comfy import nodes
     node, report_node = nodes.node_classes()
     schema = node.GET_SCHEMA()
     assert schema.node_id == nodes.NODE_ID
@@ -562,7 +564,7 @@ def test_example_workflows_name_real_nodes():
     from pathlib import Path
 
     from comfy_support import source_dir
-    from streamplan.comfy import nodes
+    from streamplan.integrations.comfy import nodes
     src = source_dir()
     if isinstance(src, str):
         pytest.skip(src)
@@ -617,7 +619,7 @@ def test_model_forward_streams_to_the_blocks_floor(fresh_captures, family):
     Its measured peak is near the blocks' floor (residual + K + V + the rope table the blocks read, fp32):
     Wan 1.19x, H3 1.23x measured at 256-row chunks (stock 2.53x and 3.06x; the blocks streamed under the stock
     forward, the wrapper taken out, 1.47x and 1.55x)."""
-    import streamplan.comfy as sc
+    import streamplan.integrations.comfy as sc
     base, x, cond, rows = _wan_long() if family == "wan" else _h3_long()
     run = (lambda p: p) if family == "wan" else _h3_run
     before = copy.copy(base.model_options["transformer_options"])
@@ -656,7 +658,7 @@ def test_model_forward_fail_closed(fresh_captures, monkeypatch):
     import comfy.ldm.wan.model as wan
     import comfy.patcher_extension as ext
 
-    import streamplan.comfy as sc
+    import streamplan.integrations.comfy as sc
     base, x, cond = wan_patcher(layers=1)
     stock = sample_call(base, x, cond)
     patched = sc.patch(base, budget=None, chunk_tokens=64, min_tokens=0)
@@ -705,16 +707,17 @@ def test_model_forward_fail_closed(fresh_captures, monkeypatch):
     assert "1 call(s) stock: FinalLayer.forward is not the code streamplan follows (ComfyUI 0.33.0's)" in text, text
     assert text.count("1 call(s) through the streamer") == 2, text   # the blocks still stream
 
-    from streamplan.comfy.forwards import _H3
+    from streamplan.integrations.comfy.forwards import _H3
     assert "minimax_payload has refs" in _H3.problem(base.model.diffusion_model, {
         "x": [torch.zeros(1, 4, 1, 2, 2), torch.zeros(1, 4, 2, 3)], "minimax_payload": {"refs": [{"kind": "image"}]}})
 
 
 def test_weight_patches_per_call_stream(fresh_captures):
     """A patch ComfyUI applies at call time (a ``weight_function`` on a comfy.ops layer, as LoRA under lowvram) is
-    taken with the layer's weight once per block call (streamplan/comfy/weights.py), never traced into the graph every
+    taken with the layer's weight once per block call (streamplan/integrations/comfy/weights.py), never traced into
+    the graph every
     block of the class shares: both blocks stream, exactly (tests/test_comfy_weights.py: lowvram loads and LoRA)."""
-    import streamplan.comfy as sc
+    import streamplan.integrations.comfy as sc
     base, x, cond = wan_patcher()
     plain = sample_call(base, x, cond)
     block = base.model.diffusion_model.blocks[1]
@@ -731,11 +734,12 @@ def test_weight_patches_per_call_stream(fresh_captures):
 
 def test_cast_weights_taken_once_per_block_call(fresh_captures):
     """comfy.ops layers that cast their weights at every call (manual casting: bf16 storage, fp32 compute): the cast
-    is taken through comfy.ops' own cast path once per block call (streamplan/comfy/weights.py), as many casts at 12
+    is taken through comfy.ops' own cast path once per block call (streamplan/integrations/comfy/weights.py), as many
+    casts at 12
     chunks as at one, and the output matches stock."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    import streamplan.comfy as sc
+    import streamplan.integrations.comfy as sc
     base, x, cond = wan_patcher(layers=1)
     block = base.model.diffusion_model.blocks[0]
     for m in block.modules():
@@ -773,8 +777,8 @@ def test_budgets_as_comfyui_sees_memory(fresh_captures, monkeypatch):
     comfyui()
     import comfy.model_management as mm
 
-    from streamplan.comfy.memory import room_for, streamer_budget
-    from streamplan.comfy.patch import Options as PatchOptions
+    from streamplan.integrations.comfy.memory import room_for, streamer_budget
+    from streamplan.integrations.comfy.patch import Options as PatchOptions
     monkeypatch.setattr(mm, "get_free_memory", lambda dev=None, torch_free_too=False: 10 * 2**30)
     monkeypatch.setattr(mm, "extra_reserved_memory", lambda: 2**30)
     assert room_for(PatchOptions(budget="auto", reserve="1GiB"), CPU) == 8 * 2**30
@@ -783,7 +787,7 @@ def test_budgets_as_comfyui_sees_memory(fresh_captures, monkeypatch):
     x = torch.zeros(10, 4)
     assert streamer_budget(PatchOptions(budget=1000), (x, x[2:]), {"t": torch.zeros(3)}, CPU) == 1000 + 160 + 12
 
-    import streamplan.comfy as sc
+    import streamplan.integrations.comfy as sc
     base, x, cond = wan_patcher()
     stock = sample_call(base, x, cond)
     room = 768 * 64 * 4 * 4        # K + V and as much again for a chunk: below the stock block's transients
@@ -797,7 +801,7 @@ def test_budgets_as_comfyui_sees_memory(fresh_captures, monkeypatch):
 def test_each_sampling_run_plans_again(fresh_captures):
     """Calls at the first sigma of a schedule (after a call at another sigma) start a new run: the blocks plan
     again there, with what is free then; cond and uncond calls at one sigma stay in one run."""
-    import streamplan.comfy as sc
+    import streamplan.integrations.comfy as sc
     base, x, cond = wan_patcher(layers=1)
     patched = sc.patch(base, budget=None, chunk_tokens=64, min_tokens=0)
     schedule = torch.tensor([0.9, 0.5, 0.0])
@@ -816,7 +820,7 @@ def test_each_sampling_run_plans_again(fresh_captures):
 def test_grid_spans_cover_rows_in_order():
     """The model forward's own row chunks over a patched video grid: whole frames where a frame fits, else bands of
     grid rows of one frame; contiguous, in row order, within the chunk."""
-    from streamplan.comfy.forwards import grid_spans
+    from streamplan.integrations.comfy.forwards import grid_spans
     for grid, chunk in (((3, 4, 5), 40), ((3, 4, 5), 7), ((2, 3, 3), 100), ((1, 6, 4), 8)):
         at = 0
         for (t0, t1), (h0, h1), (a, b) in grid_spans(grid, chunk):
@@ -829,7 +833,7 @@ def test_grid_spans_cover_rows_in_order():
 def test_h3_model_forward_text_tags(fresh_captures):
     """H3's presentation text tags (vision pads carry the video modality): the text rows' modulation runs per run of
     equal tags in the streamed forward as in the stock one."""
-    import streamplan.comfy as sc
+    import streamplan.integrations.comfy as sc
     base, x, cond = h3_patcher()
     payload = dict(cond["minimax_payload"])
     payload["text_token_tags"] = torch.tensor([[1, 1, 0, 0, 1, 2, 1]])
@@ -843,9 +847,9 @@ def test_h3_model_forward_text_tags(fresh_captures):
 def test_quantized_layouts_take_row_chunks_only(fresh_captures, monkeypatch):
     """A block holding a quantized layout (comfy.quant_ops.QuantizedTensor weights) is not planned under the budget
     (the planner may slice features): it streams at the fixed chunk, said in the report."""
-    import streamplan.comfy as sc
-    from streamplan.comfy.weights import quantized_layers
-    patch_module = sys.modules["streamplan.comfy.patch"]   # the package's ``patch`` is the function
+    import streamplan.integrations.comfy as sc
+    from streamplan.integrations.comfy.weights import quantized_layers
+    patch_module = sys.modules["streamplan.integrations.comfy.patch"]   # the package's ``patch`` is the function
 
     class QuantizedTensor:   # what the check reads: the weight's class name
         pass
@@ -872,7 +876,7 @@ def test_quantized_layouts_take_row_chunks_only(fresh_captures, monkeypatch):
 def test_wan_i2v_model_forward(fresh_captures):
     """Wan image-to-video (CLIP image features through img_emb joined to the text, the I2V cross-attention's
     context_img_len): the streamed model forward and blocks, within fp32 rel 1e-5."""
-    import streamplan.comfy as sc
+    import streamplan.integrations.comfy as sc
     comfy = comfyui()
     unet = {"image_model": "wan2.1", "model_type": "i2v", "dim": 64, "ffn_dim": 128, "num_heads": 4,
             "num_layers": 2, "in_dim": 4, "out_dim": 4, "text_dim": 32, "freq_dim": 32, "eps": 1e-6,
@@ -896,7 +900,7 @@ def test_blocks_stream_under_comfyui_selected_attention(fresh_captures):
     comfyui()
     import comfy.ldm.modules.attention as attention
 
-    from streamplan.recognize.comfy_attention import _bound_to
+    from streamplan.integrations.comfy.capture_attention import _bound_to
     calls: list = []
 
     def selected(q, k, v, heads, **kwargs):

@@ -1,4 +1,5 @@
-"""Budgets inside ComfyUI when the card is full (streamplan/comfy/memory.py), against a real ComfyUI 0.33.0: under
+"""Budgets inside ComfyUI when the card is full (streamplan/integrations/comfy/memory.py), against a real ComfyUI
+0.33.0: under
 DynamicVRAM (comfy-aimdo) ComfyUI fills the card with weights it evicts on demand, so the free memory "auto" reads can
 hold no plan where stock would still run (by evicting). "auto" then streams at the smallest peak the planner reaches,
 reported; an explicit byte budget still refuses before any work runs."""
@@ -27,7 +28,7 @@ def _free(monkeypatch, free: int) -> None:
 
 def _least(patcher, x, cond) -> int:
     """The smallest peak the planner reaches for the first block, from the refusal of a 64 KiB explicit budget."""
-    import streamplan.comfy as sc
+    import streamplan.integrations.comfy as sc
     with pytest.raises(streamplan.BudgetError, match="below the smallest peak streamplan can reach") as err:
         sample_call(sc.patch(patcher, budget=2**16, min_tokens=0), x, cond)
     m = re.search(r"smallest peak streamplan can reach \(([\d.]+) (KiB|MiB|GiB)", str(err.value))
@@ -40,7 +41,7 @@ def test_auto_with_no_free_memory_streams_at_the_smallest_peak(monkeypatch, fami
     at the smallest peak the planner reaches (the explicit budget's refusal names the same figure), exactly, with a
     lower measured peak than the default chunk's, and the report says so; with room, "auto" plans as before."""
     comfyui()
-    import streamplan.comfy as sc
+    import streamplan.integrations.comfy as sc
     base, x, cond, rows = _wan_long() if family == "wan" else _h3_long()
     run = (lambda p: p) if family == "wan" else _h3_run
     stock = sample_call(run(base), x, cond)
@@ -70,7 +71,7 @@ def test_explicit_budget_still_refuses(monkeypatch):
     """An explicit budget is a ceiling: below the smallest peak it raises BudgetError before any work, naming that
     peak, whatever ComfyUI reports free; the layers are as ComfyUI left them."""
     comfyui()
-    import streamplan.comfy as sc
+    import streamplan.integrations.comfy as sc
     base, x, cond, _ = _wan_long()
     _free(monkeypatch, 2**40)
     least = _least(base, x, cond)
@@ -83,7 +84,7 @@ def test_stream_blocks_node_says_what_it_does():
     """The "Stream Blocks" node tells the user what happens under lowvram, DynamicVRAM and LoRA (weights taken once
     per block call) and what "auto" and a size mean."""
     comfyui()
-    from streamplan.comfy import nodes
+    from streamplan.integrations.comfy import nodes
     for words in ("lowvram", "DynamicVRAM", "LoRA", "once per block call", "min_tokens", "runs stock"):
         assert words in nodes.DESCRIPTION, words
     for words in ('"auto"', "--reserve-vram", "not counted as free", "smallest peak", "instead of failing",
@@ -93,7 +94,7 @@ def test_stream_blocks_node_says_what_it_does():
 
 def test_stream_blocks_schema_carries_the_texts():
     comfyui()
-    from streamplan.comfy import nodes
+    from streamplan.integrations.comfy import nodes
     try:
         from comfy_api.latest import io  # noqa: F401
     except Exception as exc:  # noqa: BLE001 -- the vendored tree lacks ComfyUI's server-side modules

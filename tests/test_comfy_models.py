@@ -1,5 +1,6 @@
-"""streamplan.comfy's streamed model forwards of ComfyUI 0.33.0's Flux, HunyuanVideo and LTX-Video
-(``streamplan/comfy/forwards_joint.py``, ``forwards_ltxv.py``): tiny random-weight models in real ``BaseModel``s and
+"""streamplan.integrations.comfy's streamed model forwards of ComfyUI 0.33.0's Flux, HunyuanVideo and LTX-Video
+(``streamplan/integrations/comfy/forwards_joint.py``, ``forwards_ltxv.py``): tiny random-weight models in real
+``BaseModel``s and
 ``ModelPatcher``s, whole ``apply_model`` calls as ComfyUI samples them, stock against ``patch``."""
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ def test_model_forward_streams_to_the_blocks_floor(fresh_captures, family):
     on row chunks), within fp32 rel 1e-5 of stock, its peak near the blocks' floor (residual + K + V of every row, and
     the rope table the blocks read). Measured at 256-row chunks: Flux 1.21x, HunyuanVideo 1.20x, LTX-Video 1.10x of
     that floor (stock 3.70x, 3.63x, 2.84x; the blocks streamed under the stock forward 1.87x, 1.80x, 1.54x)."""
-    import streamplan.comfy as sc
+    import streamplan.integrations.comfy as sc
     base, x, cond, blocks = _long(family)
     before = copy.copy(base.model_options["transformer_options"])
     seen = _first_block_inputs(base, x, cond, blocks)
@@ -91,7 +92,7 @@ def test_chunks_attend_through_comfy_optimized_attention(fresh_captures, monkeyp
     comfyui()
     import comfy.ldm.modules.attention as attention
 
-    import streamplan.comfy as sc
+    import streamplan.integrations.comfy as sc
     calls: list = []
     patcher, x, cond = {"flux": flux_patcher, "hunyuan_video": hunyuan_video_patcher, "ltxv": ltxv_patcher}[family]()
     stock = sample_call(patcher, x, cond)
@@ -115,7 +116,7 @@ def test_chunks_attend_through_comfy_optimized_attention(fresh_captures, monkeyp
 def test_flux_foreign_replacements_and_controlnet(fresh_captures):
     """Inside the joint buffer: a foreign block replacement that returns new tensors (its output copied back into
     the rows) and ControlNet's additions to the image rows after double and single blocks, exact against stock."""
-    import streamplan.comfy as sc
+    import streamplan.integrations.comfy as sc
     base, x, cond = flux_patcher()
     calls = []
 
@@ -147,7 +148,7 @@ def test_flux_foreign_replacements_and_controlnet(fresh_captures):
 def test_cond_and_uncond_in_one_batch(fresh_captures, family):
     """A batch of 2 (ComfyUI runs cond and uncond together under CFG): exact against stock, every block streamed
     (the joint models' image rows reach the double blocks contiguous and join their text rows in place after)."""
-    import streamplan.comfy as sc
+    import streamplan.integrations.comfy as sc
     patcher, x, cond = {"flux": flux_patcher, "hunyuan_video": hunyuan_video_patcher, "ltxv": ltxv_patcher,
                         "chroma": lambda: _generic("chroma")}[family]()
     g = torch.Generator().manual_seed(4)
@@ -176,7 +177,7 @@ def test_flux_variants(fresh_captures, variant):
     axes, no pooled vector) and Ovis (YaK MLP, a norm on the text, 2 text id axes): exact against stock, every block
     streamed."""
     comfy = comfyui()
-    import streamplan.comfy as sc
+    import streamplan.integrations.comfy as sc
     from test_comfy import _config, _random_
     unet = {"image_model": "flux", "in_channels": 4, "out_channels": 4, "vec_in_dim": None, "context_in_dim": 32,
             "hidden_size": 64, "mlp_ratio": 2.0, "num_heads": 4, "depth": 1, "depth_single_blocks": 1,
@@ -204,7 +205,7 @@ def test_hunyuan_video_15_inputs(fresh_captures):
     vision rows joined to the text, and meanflow's second timestep (the next sigma of the run), exact against stock,
     every block streamed."""
     comfy = comfyui()
-    import streamplan.comfy as sc
+    import streamplan.integrations.comfy as sc
     from test_comfy import _config, _conds, _random_
     unet = {"image_model": "hunyuan_video", "in_channels": 4, "out_channels": 4, "vec_in_dim": 16,
             "context_in_dim": 32, "hidden_size": 64, "mlp_ratio": 2.0, "num_heads": 4, "depth": 1,
@@ -239,7 +240,7 @@ def test_model_forwards_fail_closed(fresh_captures, monkeypatch):
     import comfy.ldm.lightricks.model as ltx
     import comfy.ldm.modules.diffusionmodules.mmdit as mmdit
 
-    import streamplan.comfy as sc
+    import streamplan.integrations.comfy as sc
     base, x, cond = flux_patcher()
     g_ref = torch.randn(1, 4, 16, 16)
     stock_ref = sample_call(base, x, {**cond, "ref_latents": [g_ref]})
@@ -286,8 +287,8 @@ def test_model_forwards_fail_closed(fresh_captures, monkeypatch):
     assert rel_err(sample_call(run, x, cond), stock) <= 1e-5
     assert "OwnForwardLTXV is a subclass of LTXVModel with its own forward" in sc.report(run)
 
-    from streamplan.comfy.forwards_joint import HunyuanVideo
-    from streamplan.comfy.forwards_ltxv import LTXV
+    from streamplan.integrations.comfy.forwards_joint import HunyuanVideo
+    from streamplan.integrations.comfy.forwards_ltxv import LTXV
     hv = hunyuan_video_patcher()[0].model.diffusion_model
     video = torch.zeros(1, 4, 1, 4, 4)
     assert "keyframe_idxs are given" in LTXV.problem(None, {"x": video, "keyframe_idxs": torch.zeros(1, 3, 2, 2)})
@@ -324,7 +325,7 @@ def test_generic_path_for_other_dits(fresh_captures):
     their modulation handed in as ``ChromaModulationOut`` records, ``recognize/comfy_flux.py``) under Chroma's
     streamed forward (``forwards_joint.Chroma``: per-block modulation, a block in ``skip_mmdit`` skipped as stock
     skips it), exact against stock, peak down."""
-    import streamplan.comfy as sc
+    import streamplan.integrations.comfy as sc
     for family, blocks, rows in (("qwen_image", 2, [576, 576]), ("chroma", 4, [576, 576, 583, 583]),
                                  ("chroma_skip", 3, [576, 583, 583])):
         patcher, x, cond = _generic(family.split("_skip")[0])

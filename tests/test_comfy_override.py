@@ -1,5 +1,6 @@
 """An opaque ComfyUI ``optimized_attention_override`` (one that did not opt in to the streamed contract) under
-``streamplan.comfy.patch``: the block's attention is made once per block call with the whole Q, as stock makes it,
+``streamplan.integrations.comfy.patch``: the block's attention is made once per block call with the whole Q, as stock
+makes it,
 and the rest of the block streams; blocks that cannot take that call stay stock, saying why. The override here is the
 user's code, registered the way ComfyUI nodes register one (``transformer_options["optimized_attention_override"]``)."""
 from __future__ import annotations
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 import streamplan
-from streamplan.planner import Tier
+from streamplan.plan.planner import Tier
 from conftest import rel_err
 from test_comfy import (_block_lines, _h3_run, flux_patcher, fresh_captures, h3_patcher,  # noqa: F401
                         sample_call, wan_patcher)
@@ -36,9 +37,9 @@ def test_h3_opaque_override_gets_one_full_q_call(monkeypatch):
     the call stock makes (same tensors' shapes, arguments, transformer_options); output within fp32 1e-5 of stock with
     the same override, measured peak below stock's, each block call's measured peak within its plan's prediction
     (whole Q + K + V + attention output + one chunk), the report naming the override."""
-    import streamplan.comfy as sc
+    import streamplan.integrations.comfy as sc
     block_peaks: list = []
-    streamed_call = sys.modules["streamplan.comfy.patch"]._StreamedCall
+    streamed_call = sys.modules["streamplan.integrations.comfy.patch"]._StreamedCall
     through = streamed_call.__call__
 
     def measured(self, *args, **kwargs):
@@ -81,7 +82,7 @@ def test_planner_prices_the_whole_q():
     """A consumer that needs every query row in one call: the plan holds the whole Q and attention output beside K, V
     and one chunk's transient, never splits the call into head groups or K/V blocks, and a budget that held chunked Q
     takes a smaller chunk or none."""
-    from streamplan.planner import BudgetError, KVOption, Tier, plan_graph
+    from streamplan.plan.planner import BudgetError, KVOption, Tier, plan_graph
     rows, fixed, whole = 8192, 1000, 4000
 
     def transient(c: int, sl: int) -> int:
@@ -107,7 +108,7 @@ def test_planner_prices_the_whole_q():
 
 def test_opaque_override_on_the_streamed_contract_path_unchanged():
     """The chunked paths are not touched: no override, Q chunks to ComfyUI's attention (no whole-Q plan)."""
-    import streamplan.comfy as sc
+    import streamplan.integrations.comfy as sc
     base, x, cond = h3_patcher()
     stock = sample_call(_h3_run(base), x, cond)
     run = _h3_run(sc.patch(base, budget=None, chunk_tokens=64, min_tokens=0))
@@ -120,7 +121,7 @@ def test_wan_opaque_override_stays_stock():
     """A Wan block's stock forward calls the attention twice (self and text cross-attention): one full-Q call would
     hide the cross-attention from the override (a node's guidance on text attention, say). The block stays stock,
     exactly, the override called as stock calls it, the reason reported."""
-    import streamplan.comfy as sc
+    import streamplan.integrations.comfy as sc
     calls: list = []
     override = _override(calls)
     base, x, cond = wan_patcher(layers=1)
@@ -143,7 +144,7 @@ def test_flux_single_blocks_give_an_opaque_override_the_whole_q():
     makes that call once with the whole Q, as stock makes it, the rest streaming; the double blocks (text rows joined
     to the image rows inside the block) stay stock, saying why. Output within 1e-5 of stock with the same override,
     the override called exactly as stock calls it."""
-    import streamplan.comfy as sc
+    import streamplan.integrations.comfy as sc
     calls: list = []
     override = _override(calls)
     base, x, cond = flux_patcher()
@@ -185,8 +186,8 @@ def test_a_consumer_that_needs_the_whole_q_outside_comfyui(name):
     """The executor's path is not ComfyUI's alone: a registered consumer without bounded Q gets one call with every
     query row on a block with one global attention (diffusers' Wan block: exact, the rest streamed); a block whose
     text rows are joined to its own (diffusers' Flux double block) stays stock, saying why."""
-    from streamplan.catalogue.diffusers_cases import CASES
-    from streamplan.consumers import graph_consumer_scope
+    from streamplan.tools.catalogue.diffusers_cases import CASES
+    from streamplan.attention import graph_consumer_scope
     pytest.importorskip("diffusers")
     torch.manual_seed(0)
     module = CASES[name].build()

@@ -1,6 +1,8 @@
-"""Weights as ComfyUI holds them (streamplan/comfy/weights.py), against a real ComfyUI 0.33.0 (tests/comfy_support.py):
+"""Weights as ComfyUI holds them (streamplan/integrations/comfy/weights.py), against a real ComfyUI 0.33.0
+(tests/comfy_support.py):
 a model loaded by ComfyUI's own ``ModelPatcher.patch_model`` in lowvram mode (every comfy.ops layer casting its weights
-per call, LoRA patches applied per call as ``LowVramPatch`` weight functions), stock against ``streamplan.comfy.patch``.
+per call, LoRA patches applied per call as ``LowVramPatch`` weight functions), stock against
+``streamplan.integrations.comfy.patch``.
 On a CPU machine the load and offload devices are both the CPU; how often each weight is taken is counted through
 ComfyUI's own hook point for per-call weight functions (``ModelPatcher.add_weight_wrapper``).
 
@@ -54,7 +56,7 @@ def _layer(model, key: str):
 def _stream_lowvram(base, x, cond, counts, keys, run=lambda p: p):
     """Stock, then streamed in 64-row chunks: the same output, the peak down, each counted weight taken once per block
     call in both, every block streamed, and the shared layers as they were after the call."""
-    import streamplan.comfy as sc
+    import streamplan.integrations.comfy as sc
     dm = base.model.diffusion_model
     before = {k: (_layer(base.model, k).weight, list(_layer(base.model, k).weight_function),
                   _layer(base.model, k).comfy_cast_weights) for k in keys}
@@ -94,7 +96,7 @@ def test_wan_lowvram_lora_blocks_stream():
             m.seed_key = n
     patched, out, text = _stream_lowvram(base, x, cond, counts, list(lora) + counted)
     # one capture serves both blocks: the patch and ComfyUI's per-layer bookkeeping are not in the graph
-    import streamplan.capture as capture
+    import streamplan.graph as capture
     keys = [k for k, v in capture._CACHE.items() if type(v).__name__ == "Streamable"]
     assert len(keys) == 1, keys
     assert q.seed_key == "diffusion_model.blocks.1.self_attn.q"
@@ -155,7 +157,7 @@ def test_unknown_cast_ops_keep_the_block_stock():
     with its own ``forward_comfy_cast_weights``) with a patch applied per call: that block runs stock, exactly, and
     says why; the other block streams. Without the patch (its weights on the device) its cast is traced as before."""
     comfy = comfyui()
-    import streamplan.comfy as sc
+    import streamplan.integrations.comfy as sc
 
     class NodeLinear(comfy.ops.manual_cast.Linear):
         def forward_comfy_cast_weights(self, input):
@@ -187,15 +189,15 @@ def test_explicit_budget_pays_for_cast_weights():
     """An explicit budget is the activation room above what the call holds at entry, less the cast weights it takes;
     "auto" reads free memory after they were taken."""
     comfyui()
-    from streamplan.comfy.memory import room_for, streamer_budget
-    from streamplan.comfy.patch import Options as PatchOptions
+    from streamplan.integrations.comfy.memory import room_for, streamer_budget
+    from streamplan.integrations.comfy.patch import Options as PatchOptions
     assert room_for(PatchOptions(budget=1000), CPU, taken=300) == 700
     assert room_for(PatchOptions(budget=1000), CPU, taken=3000) == 0
     x = torch.zeros(10, 4)
     assert streamer_budget(PatchOptions(budget=1000), (x,), {}, CPU, taken=100) == 900 + 160
 
     # a budget the block fits in with ComfyUI's own weights no longer fits once every weight is a patched copy
-    import streamplan.comfy as sc
+    import streamplan.integrations.comfy as sc
     room = 768 * 64 * 4 * 7 // 2   # K + V and 3/4 as much again for a chunk (768 rows, 64 wide, fp32)
     for lora in (False, True):
         base, x, cond = wan_patcher(layers=1)
@@ -217,7 +219,7 @@ def test_explicit_budget_pays_for_cast_weights():
 def test_taken_weights_are_released_after_the_call(budget):
     """The weights a call took are let go at its end (the peak of a second call is no higher than the first's), and
     the model's layers are left exactly as ComfyUI set them."""
-    import streamplan.comfy as sc
+    import streamplan.integrations.comfy as sc
     comfyui()
     base, x, cond = wan_patcher(layers=2)
     _lowvram(base, {"diffusion_model.blocks.0.ffn.0.weight": 0.1}, [])
@@ -242,7 +244,7 @@ def test_row_loops_cast_each_weight_once_per_call(family):
     of their weights cast once per model call, not once per chunk (12 chunks for Wan's 768 rows, 3 for
     HunyuanVideo's 192), equal to ComfyUI's own forward, the layers as ComfyUI left them after the call. A weight in
     a format weights.py does not take keeps its layer's own call (cast once per chunk), the output the same."""
-    import streamplan.comfy as sc
+    import streamplan.integrations.comfy as sc
     comfyui()
     base, x, cond = {"wan": wan_patcher, "hunyuan_video": hunyuan_video_patcher}[family]()
     d = "diffusion_model."

@@ -9,7 +9,9 @@ from diffusers.hooks import (FasterCacheConfig, HookRegistry, ModelHook,
 import streamplan
 import compose_setups as setups
 from conftest import rel_err
-from streamplan.recognize.checks import STREAMED_MARK
+import streamplan.execute.hook_chains
+import streamplan.plan.weight_formats
+from streamplan.specs import STREAMED_MARK
 
 BLOCKS = {"blocks.0", "blocks.1", "blocks.2"}
 
@@ -34,7 +36,7 @@ def _hook_orders(model):
 
 
 def _streamed(handle):
-    return {n for n, e in handle.installed.items() if isinstance(e.spec, streamplan.ir.GraphSpec)
+    return {n for n, e in handle.installed.items() if isinstance(e.spec, streamplan.specs.GraphSpec)
             and any(p.tier == "L1" for p in e.plans.values())}
 
 
@@ -92,7 +94,7 @@ def test_first_block_cache_skips_streamed_blocks():
         def counted(*a, _run=run, _n=n, **kw):
             calls[_n] += 1
             return _run(*a, **kw)
-        assert streamplan.hooks.uninstall(entry.module, run, counted)
+        assert streamplan.execute.hook_chains.uninstall(entry.module, run, counted)
     setups.steps(model)
     assert calls == {"blocks.0": 2, "blocks.1": 1, "blocks.2": 1}
 
@@ -389,7 +391,7 @@ def test_float8_weight_only_streams_exact():
     torch.manual_seed(0)
     model = setups.wan_model()
     quantize_(model, Float8WeightOnlyConfig())
-    caps = streamplan.weights.linear_caps(model.blocks[0].attn1.to_q)
+    caps = streamplan.plan.weight_formats.linear_caps(model.blocks[0].attn1.to_q)
     assert (caps.name, caps.out_slice, caps.in_slice, caps.opaque) == ("torchao float8 weight-only", True, False, False)
     ref, ref_peak = streamplan.measure_peak(setups.steps, model)
     handle = streamplan.apply(model, chunk_tokens=256)
@@ -414,7 +416,8 @@ def test_quantized_mlp_takes_the_slices_its_format_declares(config):
     w = ff.net[0].proj.weight
     assert torch.equal(torch.nn.functional.linear(torch.ones(2, 64), w[32:64]),
                        torch.nn.functional.linear(torch.ones(2, 64), w)[:, 32:64])   # the row slice is exact
-    assert streamplan.weights.can_slice_out(ff.net[0].proj) and not streamplan.weights.can_slice_in(ff.net[2])
+    formats = streamplan.plan.weight_formats
+    assert formats.can_slice_out(ff.net[0].proj) and not formats.can_slice_in(ff.net[2])
     x = torch.randn(1, 1024, 64)
     ref = ff(x)
     handle = streamplan.apply(ff, chunk_tokens=256, ffn_slice=64)
@@ -434,7 +437,7 @@ def test_bitsandbytes_blocks_stream_in_row_chunks(bits):
     torch.manual_seed(0)
     pytest.importorskip("bitsandbytes")
     model = setups.bnb_blocks(setups.wan_model(), bits)
-    caps = streamplan.weights.linear_caps(model.blocks[0].ffn.net[2])
+    caps = streamplan.plan.weight_formats.linear_caps(model.blocks[0].ffn.net[2])
     assert caps.name.startswith(f"bitsandbytes {bits}-bit") and not (caps.out_slice or caps.in_slice) and caps.opaque
     ref, ref_peak = streamplan.measure_peak(setups.steps, model)
     handle = streamplan.apply(model, chunk_tokens=256, ffn_slice=64)
@@ -443,13 +446,13 @@ def test_bitsandbytes_blocks_stream_in_row_chunks(bits):
     report = handle.report()
     assert _streamed(handle) == BLOCKS, report
     assert all(p.tier == "L1" and p.chunk == 256 for e in handle.installed.values() for p in e.plans.values()
-               if isinstance(e.spec, streamplan.ir.GraphSpec)), report
+               if isinstance(e.spec, streamplan.specs.GraphSpec)), report
     assert all(rel_err(o, r) <= 1e-5 for o, r in zip(out, ref)), report
     assert peak < 0.75 * ref_peak, (peak, ref_peak)
     assert f"run whole on each chunk's rows as opaque ops (Linear{bits}bit" in report, report
     # the memory model charges each opaque call its weight in the input's dtype (4-bit dequantises it per call)
-    from streamplan.capture import _CACHE
-    from streamplan.capture.opaque_layers import workspace_bytes
+    from streamplan.graph import _CACHE
+    from streamplan.graph.opaque_layers import workspace_bytes
     ops = [n for v in _CACHE.values() if not isinstance(v, str) for n in v.captured.graph.nodes
            if n.target is torch.ops.streamplan.opaque_linear.default]
     assert len(ops) >= 10 and all(workspace_bytes(n) == n.args[0].meta["val"].shape[-1] * n.args[2] * 4 for n in ops)

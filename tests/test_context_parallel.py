@@ -115,14 +115,14 @@ def _fake_block(ring=1, ulysses=2, anything=False):
                                                          (1, 2, True, "ulysses_anything")])
 def test_ring_unified_and_uneven_modes_keep_attention_stock_saying_why(ring, ulysses, anything, word):
     pytest.importorskip("diffusers")
-    from streamplan.consumers.ulysses import parallel_of
-    import streamplan.recognize.diffusers_parallel  # noqa: F401  (registers the probe)
+    from streamplan.attention.ulysses import parallel_of
+    import streamplan.integrations.diffusers.parallel  # noqa: F401  (registers the probe)
     par = parallel_of(_fake_block(ring, ulysses, anything))
     assert par is not None and par.problem and word in par.problem and "stock" in par.problem
 
 
 def test_heads_that_do_not_divide_keep_attention_stock_saying_why():
-    from streamplan.consumers.ulysses import SequenceParallel, heads_problem
+    from streamplan.attention.ulysses import SequenceParallel, heads_problem
     par = SequenceParallel("ulysses", 2, 0, None)
     assert heads_problem(par, 4, 4) is None
     assert "do not divide" in heads_problem(par, 3, 3)

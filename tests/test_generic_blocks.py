@@ -1,5 +1,5 @@
 """The generic (captured-graph) path on diffusers' own blocks: tiny random-weight instances with realistic inputs
-(``streamplan.catalogue.diffusers_cases``), streamed with ``capture="prefer"`` against the block's own forward."""
+(``streamplan.tools.catalogue.diffusers_cases``), streamed with ``capture="prefer"`` against the block's own forward."""
 import pytest
 import torch
 from torch.utils import _pytree as pytree
@@ -7,8 +7,8 @@ from torch.utils import _pytree as pytree
 pytest.importorskip("diffusers")
 
 import streamplan  # noqa: E402
-from streamplan.catalogue.diffusers_cases import CASES  # noqa: E402
-from streamplan.ir import GraphSpec  # noqa: E402
+from streamplan.tools.catalogue.diffusers_cases import CASES  # noqa: E402
+from streamplan.specs import GraphSpec  # noqa: E402
 
 N = 400          # rows: 7 chunks of 64
 CHUNK = 64
@@ -48,8 +48,8 @@ def _setup(name):
 def _floor(module, args, kwargs, outputs) -> int:
     """Bytes that must exist at once when streaming: every output over all rows, and every global attention's K and
     V over all rows (read off the captured graph)."""
-    from streamplan.capture import streamable
-    from streamplan.capture.memory import graph_memory
+    from streamplan.graph import streamable
+    from streamplan.graph.memory import graph_memory
     found, _ = streamable(module, args, kwargs, N)
     mem = graph_memory(found.analysis, found.phases, N, set())
     return mem.kv_bytes + sum(t.numel() * t.element_size() for t in outputs)

@@ -1,5 +1,6 @@
 """The generic (captured-graph) path on transformers' own decoder layers: tiny random-weight layers with the inputs
-their own model hands them for a prefill without cache (``streamplan.catalogue.transformers_cases``), streamed with
+their own model hands them for a prefill without cache (``streamplan.tools.catalogue.transformers_cases``), streamed
+with
 ``capture="prefer"`` against the layer's own forward; a whole tiny LlamaModel through it; the coverage catalogue."""
 import subprocess
 import sys
@@ -11,8 +12,8 @@ from torch.utils import _pytree as pytree
 pytest.importorskip("transformers")
 
 import streamplan  # noqa: E402
-from streamplan.catalogue.transformers_cases import CASES, WINDOW  # noqa: E402
-from streamplan.ir import GraphSpec  # noqa: E402
+from streamplan.tools.catalogue.transformers_cases import CASES, WINDOW  # noqa: E402
+from streamplan.specs import GraphSpec  # noqa: E402
 
 N = 200          # tokens: chunks of 64, 64, 64, 8; longer than the sliding-window cases' window
 CHUNK = 64
@@ -144,7 +145,7 @@ def test_whole_llama_model_every_layer_captured():
 
 
 def test_catalogue_only_prints_a_row_per_class():
-    proc = subprocess.run([sys.executable, "-m", "streamplan.catalogue", "--only", "LlamaDecoderLayer,GPT2Block,"
+    proc = subprocess.run([sys.executable, "-m", "streamplan.tools.catalogue", "--only", "LlamaDecoderLayer,GPT2Block,"
                            "MistralDecoderLayer,Llama4VisionEncoderLayer"], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = proc.stdout.splitlines()
@@ -156,6 +157,6 @@ def test_catalogue_only_prints_a_row_per_class():
     assert "stays stock" not in " ".join(rows["MistralDecoderLayer"])   # its sliding-window case streams too
     assert "no test case yet" in " ".join(rows["Llama4VisionEncoderLayer"])
     assert proc.stderr.count("\n") >= 4                                # progress: a line per class
-    md = subprocess.run([sys.executable, "-m", "streamplan.catalogue", "--only", "GPT2Block", "--markdown"],
+    md = subprocess.run([sys.executable, "-m", "streamplan.tools.catalogue", "--only", "GPT2Block", "--markdown"],
                         capture_output=True, text=True, timeout=600)
     assert md.returncode == 0 and "| transformers | `GPT2Block`" in md.stdout, md.stdout + md.stderr[-2000:]

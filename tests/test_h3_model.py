@@ -75,7 +75,7 @@ def test_h3_model_peak_is_near_the_floor_at_longer_sequences():
 
 
 def test_h3_model_forward_of_another_version_stays_stock(monkeypatch):
-    from streamplan.recognize import diffusers_models
+    from streamplan.integrations.diffusers import models as diffusers_models
     monkeypatch.setitem(diffusers_models.KNOWN_FORWARDS, "MiniMaxH3Transformer3DModel", {"0000": "other"})
     model, kw = _model(layers=1), _inputs()
     with torch.no_grad():

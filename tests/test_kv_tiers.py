@@ -8,9 +8,9 @@ from torch.utils import _pytree as pytree
 
 import streamplan
 from conftest import rel_err
-from streamplan.consumers import SDPA
-from streamplan.executors.kv_store import attend_blocks, make_store, write_rows
-from streamplan.planner import Costs, KVOption, Tier, plan_graph
+from streamplan.attention import SDPA
+from streamplan.execute.kv_stores import attend_blocks, make_store, write_rows
+from streamplan.plan.planner import Costs, KVOption, Tier, plan_graph
 
 CPU = torch.device("cpu")
 
@@ -145,7 +145,7 @@ def test_every_store_serves_head_groups(kind):
 
 
 def test_int8_rotation_is_what_keeps_an_outlier_channel_cheap():
-    from streamplan.executors import kv_store
+    from streamplan.execute import kv_stores as kv_store
     n = 256
     k = torch.randn(1, 2, n, 64)
     k[..., 5] *= 50
@@ -251,7 +251,7 @@ def test_the_planner_buys_q_spans_when_copies_back_cost_more_than_chunks():
 
 
 def test_wave_waste_prices_a_pass_over_few_heads():
-    from streamplan.planner import Waves, wave_waste
+    from streamplan.plan.planner import Waves, wave_waste
     h200 = Waves(132, 40)   # Wan2.1-14B's 40 heads on the H200's 132 multiprocessors
     assert wave_waste(h200, 16896, 20) == 0.0             # 2 heads x 132 tiles: two whole waves
     assert 0.6 < wave_waste(h200, 19968, 40) < 0.75       # 1 head x 156 tiles: 1.18 waves of work take 2
@@ -261,20 +261,20 @@ def test_wave_waste_prices_a_pass_over_few_heads():
 def test_plan_cli_stages_wan_kv_in_q_spans_below_half_the_floor(capsys):
     # Wan2.1-14B at 217,088 tokens, bf16, budget 0.5x the floor (30 KB/token) above its ~2.2 GB input: each pass back
     # over 4.4 GB of K/V is ~82 ms at 54 GB/s; the chunks' MLP keeps them short, so spans of chunks make the passes
-    from streamplan.cli import main
+    from streamplan.tools.cli import main
     assert main(["plan", "--family", "wan-14b-block", "--tokens", "217088", "--dtype", "bf16", "--budget",
                  "5560000000", "--json"]) == 0
     import json
     (plan,) = json.loads(capsys.readouterr().out)["streamed"][""]["plans"]
     assert plan["tier"] == "L4" and plan["q_span"] > plan["chunk"], plan
     assert -(-217088 // plan["q_span"]) <= 16 < -(-217088 // plan["chunk"]), plan
-    from streamplan.planner import Waves, wave_waste   # each pass's calls fill whole waves of the H200
+    from streamplan.plan.planner import Waves, wave_waste  # each pass's calls fill whole waves of the H200
     assert wave_waste(Waves(132, 40), plan["q_span"], plan["head_groups"]) < 0.05, plan
     assert plan["live_bytes"] + plan["predicted_peak"] <= 5_560_000_000
 
 
 def test_l4_cost_counts_merge_passes_and_block_steps():
-    from streamplan.planner import l4_extra_seconds
+    from streamplan.plan.planner import l4_extra_seconds
     opt = KVOption("host", Tier.L4, 0, 8, 16, host_bytes=6 * 2**30, merge_io_row=18 * 7168)
     costs = Costs(attention_s=2.4)
     # at 217,088 rows: 512-row blocks cost seconds of merging (the H200's 3.1x plan), 64k-row blocks little
@@ -286,7 +286,7 @@ def test_l4_cost_counts_merge_passes_and_block_steps():
 def test_l4_cost_prices_every_pass_back_even_under_a_long_attention():
     # the H200 (2026-12-01): a plan's time over the device tier's was its copies out plus about 0.3 of its copies
     # back, also where the attention outlasted the copies; so halving the passes is worth ~0.3 of their time
-    from streamplan.planner import HOST_BANDWIDTH, UNHIDDEN_SHARE, l4_extra_seconds
+    from streamplan.plan.planner import HOST_BANDWIDTH, UNHIDDEN_SHARE, l4_extra_seconds
     opt = KVOption("host", Tier.L4, 0, 8, 16, host_bytes=4_446_781_440)   # Wan2.1-14B's K/V at 217,088 rows
     costs = Costs(attention_s=100.0)
     many, few = (l4_extra_seconds(opt, 217088, span, costs, 217088, 20) for span in (16896, 33792))
@@ -329,11 +329,11 @@ N, CHUNK = 1024, 64
 
 def _case(name, n=N):
     if name == "llama":
-        from streamplan.catalogue.transformers_cases import CASES as T
+        from streamplan.tools.catalogue.transformers_cases import CASES as T
         case = T["llama"]
     else:
         pytest.importorskip("diffusers")
-        from streamplan.catalogue.diffusers_cases import CASES as D
+        from streamplan.tools.catalogue.diffusers_cases import CASES as D
         case = D[name]
     torch.manual_seed(0)
     module = case.build()
@@ -347,8 +347,8 @@ def _leaves(out):
 
 def _floor(module, args, kwargs, outputs, n=N) -> int:
     """The device tier's floor: every output over all rows and every global attention's K and V."""
-    from streamplan.capture import streamable
-    from streamplan.capture.memory import graph_memory
+    from streamplan.graph import streamable
+    from streamplan.graph.memory import graph_memory
     found, _ = streamable(module, args, kwargs, n)
     mem = graph_memory(found.analysis, found.phases, n, set())
     return mem.kv_bytes + sum(t.numel() * t.element_size() for t in outputs)
@@ -484,8 +484,8 @@ def test_l4_runs_the_mlp_slices_it_planned():
 
 
 def test_kv_device_offers_l4_where_host_and_device_are_apart():
-    from streamplan import kv_tiers
-    from streamplan.capture import streamable
+    from streamplan.execute import kv_tiers
+    from streamplan.graph import streamable
     module, args, kwargs = _case("wan", 256)
     found, _ = streamable(module, args, kwargs, 256)
     assert kv_tiers.options_for(found, 256, CPU, "device", SDPA) == ((), None)
@@ -552,7 +552,7 @@ def test_kv_is_validated():
 @torch.no_grad()
 def test_a_consumer_without_kv_blocks_keeps_the_device_tier_and_says_why():
     from conftest import RecordingConsumer
-    from streamplan.consumers import graph_consumer_scope
+    from streamplan.attention import graph_consumer_scope
     module, args, kwargs = _case("wan")
     ref = _leaves(module(*args, **kwargs))
     handle = streamplan.apply(module, chunk_tokens=CHUNK, capture="prefer", kv="host")
@@ -568,7 +568,7 @@ def test_a_consumer_without_kv_blocks_keeps_the_device_tier_and_says_why():
 
 
 def test_plan_cli_takes_kv_and_reports_the_store(capsys):
-    from streamplan.cli import main
+    from streamplan.tools.cli import main
     assert main(["plan", "--family", "wan-14b-block", "--tokens", "32768", "--chunk-tokens", "2048",
                  "--kv", "host", "--json"]) == 0
     import json
@@ -583,7 +583,7 @@ def test_plan_cli_takes_kv_and_reports_the_store(capsys):
 def test_plan_cli_below_the_floor_weighs_l4_by_default(capsys):
     # H3 at 217,088 tokens in bf16 (floor 8.56 GB) under 9 GB, inputs included (~2.4 GB): about 0.77x the floor,
     # which L3 (8 head groups: 8 projection reruns) and L4 both reach; on meta (the H200's rates) L4 is estimated faster
-    from streamplan.cli import main
+    from streamplan.tools.cli import main
     assert main(["plan", "--family", "h3-block", "--tokens", "217088", "--dtype", "bf16", "--budget", "9000000000",
                  "--json"]) == 0
     import json
@@ -626,7 +626,7 @@ def test_span_plans_never_exceed_their_budget():
     K/V-store search returns is within its budget, its span a multiple of its chunk above it, and its traffic what
     its passes make."""
     import random
-    from streamplan.planner import Waves
+    from streamplan.plan.planner import Waves
     rng = random.Random(0)
     spanned = 0
     for _ in range(200):

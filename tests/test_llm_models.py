@@ -1,4 +1,5 @@
-"""Whole transformers decoder models (``streamplan.recognize.transformers_decoders``): tiny random-weight causal LMs of
+"""Whole transformers decoder models (``streamplan.integrations.transformers.decoders``): tiny random-weight causal LMs
+of
 each family, streamed against the real model's own forward (logits and cache contents), batch 2, padding, caches,
 ``logits_to_keep``, the measured peak against the floor, the version fingerprint, and ``remove()``."""
 import copy
@@ -11,7 +12,7 @@ transformers = pytest.importorskip("transformers")
 
 import streamplan  # noqa: E402
 from conftest import TINY_DECODER, rel_err  # noqa: E402
-from streamplan.recognize import transformers_decoders as decoders  # noqa: E402
+from streamplan.integrations.transformers import decoders  # noqa: E402
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, VOCAB = (TINY_DECODER[k] for k in ("hidden_size", "num_attention_heads",
                                                              "num_key_value_heads", "head_dim", "vocab_size"))
@@ -458,9 +459,9 @@ def test_llama3_8b_width_layer_plans_large_sliced_chunks_at_1_15x_the_floor():
     streamed model: residual donated, 131,072 tokens, bf16, the model's budget 1.15x the floor), on meta tensors:
     row chunks alone fit 1,280 rows (the MLP's [chunk, 14336] hidden, gate, up and product); slicing the hidden
     (L2) fits more than twice that, above the GEMM utilisation floor."""
-    from streamplan.executors.donation import donate
-    from streamplan.families import FAMILIES, on_meta
-    from streamplan.planner import UTILISATION_FLOOR
+    from streamplan.execute.donation import donate
+    from streamplan.tools.families import FAMILIES, on_meta
+    from streamplan.plan.planner import UTILISATION_FLOOR
     n = 131072
     floor = (4096 + 2 * 8 * 128) * 2
     layer, inputs = on_meta(FAMILIES["llama3-8b-layer"], n, torch.bfloat16)

@@ -13,11 +13,11 @@ import torch
 import torch.nn.functional as F
 
 from conftest import rel_err
-from streamplan.consumers import lse_merge
+from streamplan.attention import lse_merge
 
 CHILD = textwrap.dedent("""
     import torch
-    from streamplan.consumers import lse_merge
+    from streamplan.attention import lse_merge
     run = lse_merge.build_kernel()
     g = torch.Generator().manual_seed(0)
     worst = {}
@@ -54,7 +54,7 @@ def test_fused_merge_kernel_matches_the_pytorch_merge():
 def test_causal_chunks_merged_match_whole_attention(kv_heads):
     """Chunks of causal query rows, each its past keys and its diagonal block merged (GQA heads as they are), against
     one causal call over all rows."""
-    from streamplan.consumers.sdpa import _causal_by_parts
+    from streamplan.attention.sdpa import _causal_by_parts
     torch.manual_seed(0)
     q = torch.randn(1, 4, 96, 32)
     k, v = torch.randn(1, kv_heads, 96, 32), torch.randn(1, kv_heads, 96, 32)

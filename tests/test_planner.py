@@ -7,6 +7,7 @@ from transformers import AttentionInterface, LlamaConfig, LlamaModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import streamplan
+import streamplan.plan.planner
 from conftest import RecordingConsumer, rel_err
 
 MiB = 2**20
@@ -107,7 +108,7 @@ def test_plans_are_data_deterministic_and_serialisable(llama_case):
     data = json.loads(dumps[0])
     block = data["streamed"]["layers.0"]["plans"][0]
     assert {"tier", "chunk", "predicted_peak", "stock_peak", "live_bytes"} <= set(block)
-    assert isinstance(plans["layers.0"][0], streamplan.planner.Plan)
+    assert isinstance(plans["layers.0"][0], streamplan.plan.planner.Plan)
 
 
 @torch.no_grad()
@@ -214,7 +215,7 @@ def test_the_default_is_the_auto_budget_and_costs_nothing_when_stock_fits():
 
 
 def test_planner_chosen_chunks_fill_whole_gpu_waves():
-    from streamplan.planner import Waves
+    from streamplan.plan.planner import Waves
     wan, flux, h3 = Waves(132, 40), Waves(132, 24), Waves(132, 56)   # H200: 132 multiprocessors
     assert (wan.quantum, flux.quantum, h3.quantum) == (4224, 1408, 4224)
     assert wan.round(9472, 65536) == 8448
@@ -234,7 +235,7 @@ def test_a_narrower_mlp_slice_must_buy_rows_that_survive_wave_rounding():
     rounded to whole attention waves (56 heads on 132 multiprocessors: 4,224-row quanta), so the wider slice (4 GEMM
     passes, not 7) is the plan; a slice that buys a whole extra quantum is still taken; half the MLP at a time (2
     passes) where it fits as many rows."""
-    from streamplan.planner import Waves, plan_graph
+    from streamplan.plan.planner import Waves, plan_graph
     per_row = {0: 100, 7168: 60, 4096: 40, 2048: 33, 1024: 31.5}
     h200 = Waves(132, 56)
     kw = dict(budget=520_000, min_chunk=2048, waves=h200, ffn=14336)

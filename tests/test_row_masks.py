@@ -145,7 +145,7 @@ def test_soft_capped_eager_attention_streams_with_row_masks(left, right, key_blo
     rows included (a row that sees no key attends every key evenly, as eager's additive minimum makes it). With key
     blocks of 48 (past that, the soft-capped path merges blocks by their log-sum-exps) the same."""
     if key_block:
-        from streamplan.consumers import sdpa
+        from streamplan.attention import sdpa
         monkeypatch.setattr(sdpa, "SOFTCAP_KEYS", key_block)
     torch.manual_seed(0)
     cfg = transformers.AutoConfig.for_model("gemma2", **COMMON, sliding_window=WINDOW, attn_logit_softcapping=5.0)
@@ -231,7 +231,7 @@ def test_soft_capped_layers_held_to_a_budget_stay_within_it(monkeypatch):
     shrink with the planner's chunk (``sdpa.softcap_scores``; their fixed size made the smallest reachable peak many
     times the floor), rows that see no key take V's mean without a whole fp32 copy of V, and the measured peak stays
     in the budget."""
-    from streamplan.consumers import sdpa
+    from streamplan.attention import sdpa
     monkeypatch.setattr(sdpa, "SOFTCAP_MIN_SCORES", 1 << 12)   # the tiny model's chunks: pieces of their own size
     torch.manual_seed(0)
     n = 4096

@@ -9,11 +9,10 @@ import torch
 from torch import nn
 from torch.nn.modules import module as _module_globals
 
-from .. import hooks as hook_chains
-from ..ir import Activation
-from ..weights import linear_caps
-
-STREAMED_MARK = "__streamplan_streamed__"
+from ..execute import hook_chains
+from ..execute.hook_chains import torch_hooks
+from ..specs import STREAMED_MARK, Activation
+from ..plan.weight_formats import linear_caps
 
 
 def same_code(f: Callable, g: Callable) -> bool:
@@ -24,24 +23,6 @@ def same_code(f: Callable, g: Callable) -> bool:
     if cf is None or cg is None:
         return False
     return cf.co_code == cg.co_code and cf.co_names == cg.co_names and cf.co_consts == cg.co_consts
-
-
-def _hooks(m: nn.Module) -> list[str]:
-    found = []
-    for attr in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks"):
-        if getattr(m, attr, None):
-            found.append(attr.strip("_").replace("_", " "))
-    return found
-
-
-def hooks_added_inside(module: nn.Module) -> str | None:
-    """PyTorch hooks on a block or its parts at call time (transformers adds output-capturing hooks when hidden states
-    are asked for): a capture would fire them on fake tensors, and a streamed graph would skip them."""
-    for name, m in module.named_modules():
-        found = _hooks(m)
-        if found:
-            return f"{name or 'the block'} has {', '.join(found)} at call time"
-    return None
 
 
 def global_hook_problem() -> str | None:
@@ -55,7 +36,8 @@ def stock_problem(module: nn.Module, expected_forward: Callable | None = None, *
                   onloads: bool = False, per_chunk: bool = False) -> str | None:
     """Why ``module`` cannot be streamed safely as a known structure, or None. ``subtree=False`` checks the module
     alone (a model whose forward streamplan replaces; its children are judged on their own). Known hooks on the
-    module itself are fine (streamplan runs inside them, ``streamplan.hooks``), but only weight hooks where the caller
+    module itself are fine (streamplan runs inside them, ``streamplan.execute.hook_chains``), but only weight hooks
+    where the caller
     calls the module once per row chunk (``per_chunk``: a cache hook would count each chunk as a step); on modules
     inside it only when their weights are in place when read (``onloads``: the caller runs their weight hooks around
     its run, as a captured graph does, or calls those modules through their own forwards); a path that reads them
@@ -87,7 +69,7 @@ def stock_problem(module: nn.Module, expected_forward: Callable | None = None, *
             if libraries:   # hooks whose chain is not what forward runs now (patched over, or half removed)
                 return f"forward of {where} is patched over {' and '.join(libraries)} hooks"
             return f"forward of {where} is patched"
-        hooks = _hooks(m)
+        hooks = torch_hooks(m)
         if hooks:
             return f"{where} has {', '.join(hooks)} streamplan does not know"
     return None
@@ -124,7 +106,7 @@ def _elementwise_classes() -> tuple[type, ...]:
 def elementwise(act: object) -> Activation | None:
     """The activation as a callable if it is known to act on each element alone, else None."""
     if isinstance(act, nn.Module):
-        if type(act) in _elementwise_classes() and "forward" not in act.__dict__ and not _hooks(act):
+        if type(act) in _elementwise_classes() and "forward" not in act.__dict__ and not torch_hooks(act):
             return act
         return None
     if isinstance(act, (types.FunctionType, types.BuiltinFunctionType)) and act in (

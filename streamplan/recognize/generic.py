@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..ir import GraphSpec, Skip, register_opaque_layer
-from ..weights import linear_caps
+from ..specs import GraphSpec, Skip
+from ..registries import register_opaque_layer
+from ..plan.weight_formats import linear_caps
 from .checks import stock_problem
 
 
@@ -36,7 +37,8 @@ def _linear(m: nn.Module) -> bool:
 
 
 def recognize_generic(name: str, module: nn.Module) -> GraphSpec | Skip:
-    # the graph run onloads hooked leaves (streamplan.hooks); weight formats say whether a capture traces them
+    # the graph run onloads hooked leaves (streamplan.execute.hook_chains); weight formats say whether a capture traces
+    # them
     problem = stock_problem(module, onloads=True)
     if problem:
         return Skip(name, type(module).__name__, problem)

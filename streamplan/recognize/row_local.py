@@ -5,7 +5,7 @@ import sys
 
 from torch import nn
 
-from ..ir import RowLocalSpec, Skip
+from ..specs import RowLocalSpec, Skip
 from .checks import same_code, stock_problem
 
 

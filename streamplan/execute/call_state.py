@@ -1,0 +1,95 @@
+"""Per-thread facts about the call in progress: the outermost streamed call's baseline (what a byte budget is measured
+from) and the bypass that makes every streamed module run stock (``verify``, ``self_check``, a capture)."""
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import torch
+from torch import nn
+
+from ..registries import state_tensors
+
+
+class _Root(threading.local):
+    depth = 0
+    base = 0      # CUDA bytes allocated when the outermost streamed or tracked call began
+    inputs = 0    # bytes of that call's inputs
+
+
+ROOT = _Root()
+
+
+@contextlib.contextmanager
+def outermost(args: tuple, kwargs: dict):
+    if ROOT.depth == 0:
+        ROOT.inputs = live_bytes(args, kwargs)
+        ROOT.base = torch.cuda.memory_allocated() if torch.cuda.is_available() and torch.cuda.is_initialized() else 0
+    ROOT.depth += 1
+    try:
+        yield
+    finally:
+        ROOT.depth -= 1
+
+
+class _Bypass(threading.local):
+    active = False
+
+
+BYPASS = _Bypass()
+
+
+@contextlib.contextmanager
+def bypass():
+    """Within this context every streamed module runs its stock forward (``verify`` and ``self_check`` use it)."""
+    previous, BYPASS.active = BYPASS.active, True
+    try:
+        yield
+    finally:
+        BYPASS.active = previous
+
+
+def needs_grad(module: nn.Module, x: torch.Tensor) -> bool:
+    if not torch.is_grad_enabled():
+        return False
+    return x.requires_grad or any(p.requires_grad for p in module.parameters())
+
+
+def shapes(args: tuple, kwargs: dict) -> tuple:
+    """The shape signature plans are cached by (tensors only, nested one level for tuples)."""
+    def sig(v):
+        if isinstance(v, torch.Tensor):
+            return tuple(v.shape)
+        if isinstance(v, (tuple, list)):
+            return tuple(sig(x) for x in v)
+        return None
+    return tuple(sig(a) for a in args) + tuple((k, sig(v)) for k, v in sorted(kwargs.items()))
+
+
+def live_bytes(args: tuple, kwargs: dict) -> int:
+    """Bytes of the distinct tensors a call receives (its caller keeps them alive while it runs), a cache's
+    tensors included."""
+    seen: dict[int, int] = {}
+
+    def visit(v, depth=0):
+        if isinstance(v, torch.Tensor):
+            if v.device.type == "meta":   # no storage to share: each tensor counts for its own size
+                seen[id(v)] = v.numel() * v.element_size()
+                return
+            try:
+                seen[v.untyped_storage().data_ptr()] = v.untyped_storage().nbytes()
+            except (RuntimeError, NotImplementedError):  # other storage-less tensors
+                seen[id(v)] = v.numel() * v.element_size()
+        elif depth < 2 and isinstance(v, (tuple, list)):
+            for x in v:
+                visit(x, depth + 1)
+        elif depth < 2 and isinstance(v, dict):
+            for x in v.values():
+                visit(x, depth + 1)
+        else:
+            for t in state_tensors(v) or ():   # a cache
+                visit(t, 2)
+
+    for v in list(args) + list(kwargs.values()):
+        visit(v)
+    return sum(seen.values())

@@ -1,0 +1,457 @@
+"""Running a captured block in row chunks: values that do not depend on the rows once, then for each global
+attention its K and V chunk by chunk into whole buffers (phase KV), then the whole graph chunk by chunk with each
+global attention's Q chunk attended against those buffers, the outputs written chunk by chunk into their own
+buffers (phase Q). Freed as soon as their last user has run, as the stock graph would."""
+from __future__ import annotations
+
+import operator
+from typing import Any, Callable
+
+import torch
+from torch import fx
+from torch.utils import _pytree as pytree
+
+from .chunk_loop import MAX_SPLITS, attempt, spans
+from .kv_stores import write_rows
+from ..graph.analyze import Analysis, GlobalAttention, Rows
+from ..graph.export import Captured
+from ..graph.fused_chains import MIN_BYTES, FusedChain, find_chains, run_chain
+from ..graph.direct_writes import Into, Made, call_into, found
+from ..graph.joins_in_place import Join, run_join
+from ..graph.sliced_mlp import MLPRegion, row_dim, run_region
+from ..graph.row_pieces import RowRun, find_runs, run_pieces, schedule
+from ..graph.in_place import run_over
+from ..graph.phases import Phases, ancestors, in_place, last_uses, rowed_outputs
+
+_LAYOUT = {"cat", "concat", "slice", "narrow", "split", "split_with_sizes", "chunk", "tensor_split"}
+
+
+def _write_rows(dst: torch.Tensor, src: torch.Tensor, r: Rows, total: int, a: int, b: int, first: bool) -> None:
+    """Chunk rows [a:b) into a whole buffer of ``total`` dynamic rows: with its static rows around them on the first
+    chunk, the dynamic rows alone after it."""
+    d = r.dim
+    to, rows = dst.narrow(d, r.pre + a, b - a), src.narrow(d, r.pre if first else 0, b - a)
+    if not _same_elements(to, rows):   # a donated input the block updated in place is its own output already
+        if rows.untyped_storage().data_ptr() == to.untyped_storage().data_ptr():
+            rows = rows.clone()   # in the buffer, laid out otherwise: a copy would read what it has overwritten
+        to.copy_(rows)
+    if first and r.pre:
+        dst.narrow(d, 0, r.pre).copy_(src.narrow(d, 0, r.pre))
+    if first and r.post:
+        dst.narrow(d, r.pre + total, r.post).copy_(src.narrow(d, r.pre + (b - a), r.post))
+
+
+def _same_elements(x: torch.Tensor, y: torch.Tensor) -> bool:
+    return x.data_ptr() == y.data_ptr() and x.shape == y.shape and all(
+        n == 1 or a == b for n, a, b in zip(x.shape, x.stride(), y.stride()))
+
+
+def _attend_kwargs(att: GlobalAttention, env: dict) -> dict:
+    """The attend callable's keywords beyond Q, K and V for this chunk, each only where the attention has it: its
+    mask (a key mask whole, a mask over rows x rows as the chunk's query rows, which ``GraphRun._inputs`` took) and
+    its soft-capping (hand-written attention, ``eager_attention``)."""
+    extra = {"softcap": att.softcap} if att.softcap else {}
+    return extra if att.mask is None else {"mask": env[att.mask], **extra}
+
+
+def _whole(like: torch.Tensor, r: Rows, total: int) -> torch.Tensor:
+    """A whole-rows buffer laid out as the chunk is (K as a permuted [B, N, H, D] stays so): the attention kernel
+    reads the layout stock would give it, and each chunk's write is a straight copy, not a transpose."""
+    shape = list(like.shape)
+    shape[r.dim] = r.pre + total + r.post
+    order = sorted(range(like.dim()), key=lambda d: (-like.stride(d), d))   # outermost dimension first
+    buf = like.new_empty([shape[d] for d in order])
+    return buf.permute([order.index(d) for d in range(like.dim())])
+
+
+class GraphRun:
+    """One call of a captured block: its inputs bound, its constants computed, ready to run in chunks."""
+
+    def __init__(self, cap: Captured, an: Analysis, ph: Phases, module: torch.nn.Module, args: tuple, kwargs: dict,
+                 rows: int, attend: Callable[..., torch.Tensor], ffn_slice: int = 0,
+                 regions: list[MLPRegion] | None = None, kv_store: Callable[[GlobalAttention], Any] | None = None,
+                 attend_store: Callable[..., torch.Tensor] | None = None, pieces: int = 1,
+                 fuse: torch.device | None = None, fuse_rows: int = 0):
+        self.cap, self.an, self.ph, self.rows, self.attend = cap, an, ph, rows, attend
+        self.pieces = pieces   # row-local runs in this many pieces of a chunk's rows (1: every node on the chunk)
+        self.fuse = fuse if pieces == 1 else None   # element-wise chains compiled for this device (``fuse``)
+        self.fuse_rows = fuse_rows   # set: only chains whose outputs at this many rows are worth a compiled call
+        self.chains: dict[FusedChain, None] = {}   # the chains this call ran (its report)
+        # L4/L5: each global attention's K/V go into a store (``executors.kv_store``) made by ``kv_store`` and are
+        # attended block by block through ``attend_store(q, store, q_offset=, causal=, scale=)``
+        self.kv_store, self.attend_store = kv_store, attend_store
+        self.stores: dict[fx.Node, Any] = {}
+        self.ffn_slice = ffn_slice
+        # a chunk that runs out of memory is retried in halves, unless the block writes into its inputs (a half-done
+        # chunk would leave them changed) or its capture holds only from more rows than a half might have
+        self._retries = 0 if an.input_writes or cap.min_rows > 2 else MAX_SPLITS
+        self.regions = list(regions or []) if ffn_slice else []
+        self._region_at = {r.exit: r for r in self.regions}
+        self._attention_at = {att.node: att for att in an.attentions}
+        self._schedules: dict[tuple, tuple[list[fx.Node], dict]] = {}
+        self._into: dict[fx.Node, Into] = {}   # a K/V/output value whose producer writes into its buffer (``into``)
+        self._made: dict[fx.Node, Made | None] = {}   # what a watched producer made on a first chunk
+        flat = pytree.tree_leaves((args, kwargs), is_leaf=lambda x: x is None)
+        self.base: dict[fx.Node, Any] = {}
+        placeholders = [n for n in cap.graph.nodes if n.op == "placeholder"]
+        for node, (kind, ref) in zip(placeholders, cap.inputs):
+            if kind == "user":
+                self.base[node] = flat[ref]
+            elif kind == "param":
+                self.base[node] = module.get_parameter(ref)
+            elif kind == "buffer":
+                self.base[node] = module.get_buffer(ref)
+            else:
+                self.base[node] = cap.program.constants[ref]
+        self.kv: dict[fx.Node, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.attn_out: dict[fx.Node, torch.Tensor] = {}
+        self._base = 0   # the first row of what ``attn_out`` holds
+        self.consts: dict[fx.Node, Any] = {}
+        self._static_rows_once(cap)
+        env = dict(self.base)
+        for node in ph.const:
+            env[node] = self._call(node, env)
+        self.consts = {n: env[n] for n in ph.const}
+
+    # -- static rows once ------------------------------------------------------------------------------------
+    def _static_rows_once(self, cap: Captured) -> None:
+        """Where static rows (text joined to image rows) exist, only the first chunk of a phase computes them; later
+        chunks run the dynamic rows alone: values without dynamic rows come from the first chunk (they are the same
+        in every chunk), joins and cuts along the rows pass the dynamic rows through, and sizes that count rows
+        count the chunk's own."""
+        an = self.an
+        self.static_mode = an.static_rows
+        self.cache: dict[fx.Node, Any] = {}
+        if not self.static_mode:
+            return
+        nodes = [n for n in cap.graph.nodes if n.op == "call_function" and n not in an.ignored]
+        self.static_only = {n for n in nodes if an.rows.get(n) is None and n not in an.const
+                            and not isinstance(n.meta.get("val"), (torch.SymInt, int, float, bool))}
+        outputs = {o for o in an.outputs if isinstance(o, fx.Node)}
+        self.wanted = {n for n in self.static_only if n in outputs or any(u not in self.static_only for u in n.users)}
+        self.layout = set()
+        for n in nodes:
+            name = getattr(getattr(n.target, "_overloadpacket", None), "__name__", "")
+            if name not in _LAYOUT or n in self.static_only:
+                continue
+            src = n.args[0][0] if name in ("cat", "concat") else n.args[0]
+            dim = n.args[1] if len(n.args) > 1 and name in ("cat", "concat") else (
+                n.args[2] if name in ("split", "split_with_sizes", "chunk", "tensor_split") and len(n.args) > 2
+                else n.args[1] if name in ("slice", "narrow") and len(n.args) > 1 else n.kwargs.get("dim", 0))
+            ins = [t for t in (n.args[0] if name in ("cat", "concat") else [n.args[0]])
+                   if isinstance(an.rows.get(t), Rows)]
+            if not ins or not isinstance(src, fx.Node):
+                continue
+            r = an.rows[ins[0]]
+            if isinstance(dim, int) and (dim + ins[0].meta["val"].dim() if dim < 0 else dim) == r.dim:
+                self.layout.add(n)
+
+    def _dynamic(self, node: fx.Node, env: dict, rows: int) -> Any:
+        """A node's value on a chunk of dynamic rows alone (``rows`` of them)."""
+        if node in self.static_only:
+            return self.cache.get(node)
+        val = node.meta.get("val")
+        if isinstance(val, torch.SymInt) and self.cap.row_symbol in val.node.expr.free_symbols:
+            return rows
+        if node in self.layout:
+            if node.args and isinstance(node.args[0], (list, tuple)):    # cat along the rows: the dynamic part
+                return env[next(t for t in node.args[0] if isinstance(self.an.rows.get(t), Rows))]
+            out = self.an.rows.get(node)
+            if isinstance(out, list):                                     # split along the rows
+                return [env[node.args[0]] if isinstance(r, Rows) else None for r in out]
+            return env[node.args[0]]                                      # slice keeping the dynamic rows
+        return self._call(node, env)
+
+    # -- one node ---------------------------------------------------------------------------------------------
+    @staticmethod
+    def _call(node: fx.Node, env: dict) -> Any:
+        args = fx.node.map_arg(node.args, lambda n: env[n])
+        kwargs = fx.node.map_arg(node.kwargs, lambda n: env[n])
+        if node.target is operator.getitem:
+            return args[0][args[1]]
+        return node.target(*args, **kwargs)
+
+    def _inputs(self, a: int, b: int, dynamic: bool = False) -> dict:
+        env = dict(self.consts)
+        for node, value in self.base.items():
+            r = self.an.rows.get(node)
+            if node in self.an.whole_inputs:   # a mask over the keys: every chunk attends all of them
+                env[node] = value
+            elif isinstance(r, Rows) and (r.pre or r.post) and dynamic:
+                env[node] = value.narrow(r.dim, r.pre + a, b - a)
+            elif isinstance(r, Rows) and (r.pre or r.post):   # an input with static rows joined: keep them whole
+                parts = [value.narrow(r.dim, 0, r.pre)] if r.pre else []
+                parts.append(value.narrow(r.dim, r.pre + a, b - a))
+                if r.post:
+                    parts.append(value.narrow(r.dim, r.pre + self.rows, r.post))
+                env[node] = torch.cat(parts, r.dim)
+            else:
+                env[node] = value.narrow(r.dim, a, b - a) if isinstance(r, Rows) else value
+        return env
+
+    def _attention(self, att: GlobalAttention, env: dict, a: int) -> torch.Tensor:
+        if att.node in self.attn_out:   # built ahead (L3's head groups, a whole Q, a Q span): its rows from ``_base``
+            o = self.attn_out[att.node]
+            return o.narrow(att.q_rows.dim, a - self._base, self._span[1] - a)
+        store = self.stores.get(att.node)
+        if store is not None:
+            return self.attend_store(env[att.q], store, q_offset=a, causal=att.causal, scale=att.scale)
+        k, v = self.kv[att.node]
+        q = env[att.q]
+        return self.attend(q, k, v, q_offset=a, causal=att.causal, scale=att.scale, **_attend_kwargs(att, env))
+
+    def _run(self, nodes: list[fx.Node], env: dict, a: int, keep: set[fx.Node], rows: int | None = None,
+             into: dict[fx.Node, torch.Tensor] | None = None, watch: set[fx.Node] = frozenset()) -> dict:
+        """Run ``nodes`` on one chunk; ``rows`` set: the chunk's dynamic rows alone (static rows done once);
+        ``into``: producers that write into the given tensors (their ``out=``); ``watch``: producers whose value's
+        layout ``_made`` records."""
+        nodes, frees, pieces, joins, reuse, chains = self._schedule(nodes, keep)
+        regions, globals_ = self._region_at, self._attention_at
+        built: dict[fx.Node, torch.Tensor] = {}   # this chunk's joins built in place so far
+        for i, node in enumerate(nodes):
+            att = globals_.get(node)
+            if node in pieces:
+                run_pieces(pieces[node], env, self.an, self.cap.row_symbol, self._call, self.pieces)
+            elif node in chains:
+                run_chain(chains[node], env, self.an, self.cap.row_symbol, self._call, self.fuse)
+            elif node in regions:
+                env[node] = run_region(regions[node], env, self.ffn_slice, row_dim(regions[node], self.an))
+            elif att is not None:
+                env[node] = self._attention(att, env, a)
+            elif rows is not None:
+                env[node] = self._dynamic(node, env, rows)
+            elif node in joins and (joined := run_join(joins[node], node, env, built, into)) is not None:
+                env[node] = joined
+                del joined   # the name would hold the joined buffer to the chunk's end
+            elif into and node in into:
+                env[node] = call_into(node, env, into[node])
+            elif node in reuse:
+                env[node] = run_over(node, reuse[node], env, self._call)
+            else:
+                env[node] = self._call(node, env)
+                if self.static_mode and node in self.wanted:
+                    self.cache[node] = env[node]
+            if node in watch:
+                self._made[node] = Made.of(env[node])
+            for m in frees.get(i, ()):
+                if m not in keep and m not in self.consts and m not in self.base:
+                    env.pop(m, None)
+        return env
+
+    def _schedule(self, nodes: list[fx.Node], keep: set[fx.Node]) -> tuple[list[fx.Node], dict[int, list[fx.Node]],
+                                                                         dict[fx.Node, RowRun], dict[fx.Node, Join],
+                                                                         dict[fx.Node, fx.Node],
+                                                                         dict[fx.Node, FusedChain]]:
+        """A phase's nodes as this call runs them (a feature-sliced MLP runs at its exit: its inner nodes are skipped,
+        their inputs used there; a run of row-local nodes runs in row pieces at its last node, ``pieces``; a chain of
+        element-wise ops as one compiled kernel at its last node, ``chains``; what runs in place, ``in_place``, where
+        no chain runs it) and when each value is freed: worked out once per call, not per chunk."""
+        key = (tuple(nodes), frozenset(keep))
+        found = self._schedules.get(key)
+        if found is None:
+            inside = {n for r in self.regions for n in r.nodes}
+            run = [n for n in nodes if n not in inside] if inside else nodes
+            extra = {r.exit: [r.x, *(m for n in r.nodes for m in n.all_input_nodes)] for r in self.regions}
+            runs = find_runs(run, self.an, keep, extra) if self.pieces > 1 else []
+            joins, reuse = in_place(run, self.an, self.ph, keep) if self.pieces == 1 else ({}, {})
+            chains = [c for c in (self._chains(run, keep, extra) if self.fuse is not None else [])
+                      if not self.fuse_rows or c.row_bytes * self.fuse_rows >= MIN_BYTES]
+            if chains:   # a chain's values are its kernel's: nothing of it written in place by eager rules
+                inside = {n for c in chains for n in c.nodes}
+                joins = {n: j for n, j in joins.items()
+                         if not inside & {j.node, *j.inputs, *j.slots, *j.feeds}}
+                reuse = {n: m for n, m in reuse.items() if n not in inside and m not in inside}
+            run = schedule(run, [*runs, *chains])
+            frees = last_uses(run, extra={**extra, **{r.marker: r.inputs for r in [*runs, *chains]}})
+            found = self._schedules[key] = (run, frees, {r.marker: r for r in runs}, joins, reuse,
+                                            {c.marker: c for c in chains})
+            self.chains.update(dict.fromkeys(chains))
+        return found
+
+    def _chains(self, run: list[fx.Node], keep: set, extra: dict) -> list[FusedChain]:
+        """``find_chains`` once per capture (a call's ``GraphRun`` is new: building a chain's graph is not free)."""
+        key = ("chains", tuple(run), frozenset(keep))
+        if key not in self.ph.done:   # (static rows: cuts and joins along the rows pass the dynamic rows through)
+            self.ph.done[key] = find_chains(run, self.an, keep, extra, frozenset(self.layout) if self.static_mode
+                                            else frozenset())
+        return self.ph.done[key]
+
+    # -- values written straight into their buffers (``into``) ----------------------------------------------------
+    def _producer(self, value: fx.Node, donated: bool = False) -> fx.Node | None:
+        """``value``'s producer where it may write into the value's buffer (a donated input: only from the end)."""
+        if self.static_mode or (donated and value not in self.ph.last):
+            return None
+        return self.ph.producers.get(value)
+
+    def _watch(self, values, donated: bool = False) -> set[fx.Node]:
+        """The producers whose value's layout a first chunk records, so ``_found`` can see it."""
+        return {p for v in values if v not in self._into and (p := self._producer(v, donated)) is not None}
+
+    def _found(self, value: fx.Node, env: dict, buf: torch.Tensor, r: Rows) -> None:
+        p = self.ph.producers.get(value)
+        if p is not None and value not in self._into and p in self._made and isinstance(env.get(value), torch.Tensor):
+            got = found(p, self.an, self._made.pop(p), env[value], buf, r.dim, self.rows)
+            if got is not None:
+                self._into[value] = got
+
+    def _dests(self, values, a: int, b: int) -> dict[fx.Node, torch.Tensor]:
+        return {i.node: i.dest(a, b) for v in values if (i := self._into.get(v)) is not None}
+
+    # -- the phases ---------------------------------------------------------------------------------------------
+    def build_kv(self, chunk: int) -> None:
+        for att, nodes in zip(self.an.attentions, self.ph.kv):
+            bufs: list[torch.Tensor] = []
+            store = self.kv_store(att) if self.kv_store is not None else None
+
+            def work(a: int, b: int, att=att, nodes=nodes, bufs=bufs, store=store) -> None:
+                dyn = self.static_mode and a > 0
+                values = (att.k, att.v) if store is None else ()
+                watch = self._watch(values) if not bufs else set()
+                env = self._run(nodes, self._inputs(a, b, dyn), a, {att.k, att.v}, b - a if dyn else None,
+                                self._dests(values, a, b), watch)
+                kc, vc = env[att.k], env[att.v]
+                if store is not None:
+                    r = att.kv_rows
+                    write_rows(store, kc, vc, r.pre, r.post, self.rows, a, b, a == 0)
+                    return
+                if not bufs:
+                    bufs += [_whole(kc, att.kv_rows, self.rows), _whole(vc, att.kv_rows, self.rows)]
+                    self._found(att.k, env, bufs[0], att.kv_rows)
+                    self._found(att.v, env, bufs[1], att.kv_rows)
+                _write_rows(bufs[0], kc, att.kv_rows, self.rows, a, b, a == 0)
+                _write_rows(bufs[1], vc, att.kv_rows, self.rows, a, b, a == 0)
+
+            for a, b in spans(self.rows, chunk, self.cap.min_rows):
+                attempt(work, a, b, self._retries)
+            if store is not None:
+                store.finish()
+                self.stores[att.node] = store
+                continue
+            self.kv[att.node] = (bufs[0], bufs[1])
+
+    def build_grouped(self, chunk: int, groups: int, whole_q: bool = False) -> None:
+        """L3: the attention's K and V built and attended for ``groups`` groups of heads in turn, each group's output
+        written into one whole attention output; phase Q then reads its rows. K and V of one group exist at a time
+        (the projections before them run once per group). ``whole_q`` (one group): Q built chunk by chunk into one
+        whole buffer and attended in one call, for a consumer that needs every query row at once."""
+        if whole_q and groups != 1:
+            raise ValueError(f"a whole-Q attention is one call: {groups} head groups would make {groups}")
+        att, kv_nodes = self.an.attentions[0], self.ph.kv[0]
+        q_nodes = self._q_nodes(att)
+        out = None
+        for g in range(groups):
+            bufs: list[torch.Tensor] = []
+            for a, b in spans(self.rows, chunk, self.cap.min_rows):
+                env = self._run(kv_nodes, self._inputs(a, b), a, {att.k, att.v})
+                kc, vc = env[att.k], env[att.v]
+                hk = kc.shape[1] // groups
+                kc, vc = kc[:, g * hk:(g + 1) * hk], vc[:, g * hk:(g + 1) * hk]
+                if not bufs:
+                    bufs += [_whole(kc, att.kv_rows, self.rows), _whole(vc, att.kv_rows, self.rows)]
+                _write_rows(bufs[0], kc, att.kv_rows, self.rows, a, b, True)
+                _write_rows(bufs[1], vc, att.kv_rows, self.rows, a, b, True)
+                del env, kc, vc
+            if whole_q:
+                out = self._attend_whole(att, q_nodes, chunk, bufs[0], bufs[1])
+            else:
+                for a, b in spans(self.rows, chunk, self.cap.min_rows):
+                    q = self._run(q_nodes, self._inputs(a, b), a, {att.q})[att.q]
+                    h = q.shape[1] // groups
+                    o = self.attend(q[:, g * h:(g + 1) * h], bufs[0], bufs[1], q_offset=a, causal=att.causal,
+                                    scale=att.scale, **_attend_kwargs(att, self._inputs(a, b)))
+                    if out is None:
+                        shape = list(o.shape)
+                        shape[1], shape[2] = q.shape[1], self.rows
+                        out = o.new_empty(shape)
+                    out[:, g * h:(g + 1) * h, a:b] = o
+                    del q, o
+            del bufs
+        self.attn_out[att.node] = out
+
+    def _attend_whole(self, att: GlobalAttention, q_nodes: list[fx.Node], chunk: int, k: torch.Tensor,
+                      v: torch.Tensor) -> torch.Tensor:
+        """Q chunk by chunk into one whole buffer, then the attention over every row in one call."""
+        q_all = self._q_rows(att, q_nodes, 0, self.rows, chunk)
+        mask = _attend_kwargs(att, self._inputs(0, self.rows) if att.mask is not None else {})
+        return self.attend(q_all, k, v, q_offset=0, causal=att.causal, scale=att.scale, **mask)
+
+    def _q_rows(self, att: GlobalAttention, q_nodes: list[fx.Node], s0: int, s1: int, chunk: int) -> torch.Tensor:
+        """The attention's Q over rows [s0, s1), built chunk by chunk into one buffer."""
+        q_all = None
+        for a, b in spans(s1 - s0, chunk, self.cap.min_rows):
+            q = self._run(q_nodes, self._inputs(s0 + a, s0 + b), s0 + a, {att.q})[att.q]
+            if q_all is None:
+                q_all = _whole(q, att.q_rows, s1 - s0)
+            _write_rows(q_all, q, att.q_rows, s1 - s0, a, b, True)
+            del q
+        return q_all
+
+    def _q_nodes(self, att: GlobalAttention) -> list[fx.Node]:
+        return [n for n in self.ph.q if n in ancestors([att.q], self._stop(), self.ph.writes, {})]
+
+    def _stop(self) -> set[fx.Node]:
+        return set(self.an.const) | {n for n in self.cap.graph.nodes if n.op == "placeholder"}
+
+    def run_q(self, chunk: int, donate: dict[int, torch.Tensor], span: int = 0) -> Any:
+        """Phase Q; ``donate`` maps an output index to a tensor of the same shape that may be overwritten. ``span``
+        (a store's K/V, one global attention): the queries of ``span`` rows at a time are built and attended in one
+        pass over the store, then the span's chunks run over rows of that output (fewer passes, fewer copies back)."""
+        outs: list[Any] = [None] * len(self.an.outputs)
+        keep = {o for o in self.an.outputs if isinstance(o, fx.Node)}
+        span = span if span > chunk and self.stores and len(self.an.attentions) == 1 else 0
+
+        nodes = self.ph.q
+        if self.attn_out or span:   # the attention reads its rows of an output built ahead: Q is not computed again
+            att = self.an.attentions[0]
+            need = ancestors([o for o in self.an.outputs if isinstance(o, fx.Node)], self._stop(), self.ph.writes,
+                              {att.node: []})
+            nodes = [n for n in nodes if n in need]
+
+        rowed = rowed_outputs(self.an)
+
+        def work(a: int, b: int) -> None:
+            dyn = self.static_mode and a > 0
+            self._span = (a, b)
+            first = outs[self.an.outputs.index(rowed[0])] is None if rowed else False
+            watch = set().union(*(self._watch([o], i in donate)
+                                  for i, o in enumerate(self.an.outputs) if o in rowed)) if first else set()
+            env = self._run(nodes, self._inputs(a, b, dyn), a, keep, b - a if dyn else None,
+                            self._dests(rowed, a, b), watch)
+            for i, o in enumerate(self.an.outputs):
+                if not isinstance(o, fx.Node):
+                    outs[i] = o
+                    continue
+                val = env[o] if o in env else self.consts.get(o, self.base.get(o))
+                if val is None and o in self.cache:
+                    val = self.cache[o]
+                r = self.an.rows.get(o)
+                if isinstance(r, Rows):
+                    if outs[i] is None:
+                        outs[i] = donate.get(i) if i in donate else _whole(val, r, self.rows)
+                        self._found(o, env, outs[i], r)
+                    _write_rows(outs[i], val, r, self.rows, a, b, a == 0)
+                else:
+                    outs[i] = val
+
+        if not span:
+            for a, b in spans(self.rows, chunk, self.cap.min_rows):
+                attempt(work, a, b, self._retries)
+        else:
+            att = self.an.attentions[0]
+            q_nodes, store = self._q_nodes(att), self.stores[att.node]
+            for s0, s1 in spans(self.rows, span, self.cap.min_rows):
+                q = self._q_rows(att, q_nodes, s0, s1, chunk)
+                self.attn_out[att.node] = self.attend_store(q, store, q_offset=s0, causal=att.causal, scale=att.scale)
+                del q
+                self._base = s0
+                for a, b in spans(s1 - s0, chunk, self.cap.min_rows):
+                    attempt(work, s0 + a, s0 + b, self._retries)
+                del self.attn_out[att.node]
+            self._base = 0
+        self.kv.clear()
+        self._into.clear()   # they hold the K/V and output buffers: not past the call
+        self.attn_out.clear()
+        for store in self.stores.values():
+            store.release()
+        self.stores.clear()
+        return pytree.tree_unflatten(outs, self.cap.out_spec)

@@ -1,0 +1,237 @@
+"""streamplan among other libraries' forward hooks, library-agnostic.
+
+A hooking library (diffusers' ``HookRegistry``, accelerate's ``add_hook_to_module``) replaces ``module.forward`` with a
+chain: each hook's ``pre_forward``, then the next hook in, down to the module's own forward, then each
+``post_forward`` on the way out (a hook with ``new_forward``, such as a cache, calls the next link itself, or not).
+streamplan puts its streamed forward in place of that innermost link, where the stock forward ran: an offload hook
+onloads the weights before it, a cache hook decides whether it runs at all. Hooks registered later wrap outside it, as
+they would wrap the stock forward; ``uninstall`` finds the link wherever the chain holds it by then.
+
+Hooks on the leaves inside a captured block (leaf-level group offloading, layerwise casting, sequential CPU offload)
+act when each leaf is called; the captured graph reads the leaves' weights directly, so ``onloaded`` runs those hooks'
+``pre_forward`` for every leaf before the capture and the graph run and their ``post_forward`` after: the block's
+weights are on the execution device (and in the compute dtype) for the whole streamed call.
+
+This file knows no library. Each library's file in ``streamplan.integrations.recognizers`` (``diffusers_hooks``,
+``accelerate_hooks``) registers how its chain is laid out (a ``Chain``: ``register_chain``) and what each of its hook
+classes does (a ``HookKind``: ``register_hook_kind``). A hook class nobody registered keeps the module stock, named;
+so does a registered one whose kind says why (``HookKind.stock``)."""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator, Protocol
+
+from torch import nn
+
+from ..specs import STREAMED_MARK
+
+
+@dataclass(frozen=True)
+class HookKind:
+    """What a hook class does to a module's call, as far as streamplan needs to know."""
+    around: bool = False        # may wrap a streamed module's own forward (moves weights or inputs, decides if it runs)
+    weights: bool = False       # on a leaf inside a captured block: only puts the leaf's weights in place (device,
+    #                             dtype), no effect on its inputs' values or its output: run around the graph
+    lets_go: bool = False       # keeps no reference to the module's inputs past its forward (an input may be donated)
+    keeps_output: bool = False  # keeps a reference to the module's output (whoever calls next must not overwrite it)
+    stock: str | None = None    # known, but a module with it stays stock: why
+
+
+class Chain(Protocol):
+    """How one library lays out its hook chain on a module."""
+    library: str        # "diffusers", "accelerate": the name in reports and the key of its hook kinds
+    module_prefix: str  # a hook class counts as the library's only when its __module__ starts with this
+
+    def present(self, module: nn.Module) -> bool:
+        """Whether the module carries this library's hooks at all."""
+
+    def hooks(self, module: nn.Module) -> list[tuple[str, Any]] | None:
+        """(label, hook) outermost first, as a call meets them, when this library's chain is what ``module.forward``
+        runs; None otherwise."""
+
+    def inner(self, module: nn.Module) -> tuple[Any, str]:
+        """(holder, attribute) of the innermost link: the reference that calls the module's own forward."""
+
+    def links(self, module: nn.Module) -> Iterable[tuple[Any, str]]:
+        """Every (holder, attribute) where a link of the chain may sit now (hooks added or removed move them)."""
+
+
+_CHAINS: list[Chain] = []
+_KINDS: dict[tuple[str, str], HookKind] = {}
+
+
+def register_chain(chain: Chain) -> None:
+    if all(c.library != chain.library for c in _CHAINS):
+        _CHAINS.append(chain)
+
+
+def register_hook_kind(library: str, class_name: str, kind: HookKind) -> None:
+    _KINDS[(library, class_name)] = kind
+
+
+def chain_of(module: nn.Module) -> tuple[Chain, list[tuple[str, Any]]] | None:
+    """The library chain ``module.forward`` runs and its hooks, outermost first, or None."""
+    for chain in _CHAINS:
+        found = chain.hooks(module)
+        if found is not None:
+            return chain, found
+    return None
+
+
+def libraries_on(module: nn.Module) -> list[str]:
+    """The libraries whose hooks the module carries."""
+    return [c.library for c in _CHAINS if c.present(module)]
+
+
+def kind_of(chain: Chain, hook: Any) -> HookKind | None:
+    cls = type(hook)
+    if not cls.__module__.startswith(chain.module_prefix):
+        return None
+    return _KINDS.get((chain.library, cls.__name__))
+
+
+def _an(word: str) -> str:
+    return f"{'an' if word[:1] in 'aeiou' else 'a'} {word}"
+
+
+def _label(chain: Chain, label: str, hook: Any) -> str:
+    name = type(hook).__name__
+    return f"{label}: {name}" if label and label != name else name
+
+
+def hook_names(module: nn.Module) -> list[str]:
+    """The module's hooks, outermost first, each with its library."""
+    found = chain_of(module)
+    if found is None:
+        return []
+    chain, hooks = found
+    return [f"{chain.library} {_label(chain, label, h)}" for label, h in hooks]
+
+
+def hook_problem(module: nn.Module, role: str = "around") -> str | None:
+    """Why the module's hooks are not ones streamplan can sit inside (``role="around"``: the module is streamed) or
+    run around a graph (``role="weights"``: a leaf inside a captured block), or None. None too when the module has no
+    hook chain: the caller judges its forward then."""
+    found = chain_of(module)
+    if found is None:
+        return None
+    chain, hooks = found
+    others = [lib for lib in libraries_on(module) if lib != chain.library]
+    if others:   # which chain holds the other is not for streamplan to guess
+        return f"forward is wrapped by both {chain.library} and {' and '.join(others)} hooks"
+    for label, hook in hooks:
+        kind = kind_of(chain, hook)
+        what = _label(chain, label, hook)
+        if kind is None:
+            return f"{_an(chain.library)} hook streamplan does not know ({what})"
+        if kind.stock:
+            return f"{chain.library} hook {what}: {kind.stock}"
+        if not getattr(kind, role):
+            if role == "weights":   # a cache or guidance hook on a part: it decides whether the part runs, per call
+                return (f"{chain.library} hook {what} decides per call whether this part runs or what it returns, "
+                        "which a graph of the whole block (or a caller calling it per row chunk) cannot follow")
+            return f"{chain.library} hook {what} is known only on parts, not around a streamed forward"
+    return None
+
+
+def install(module: nn.Module, wrapper: Callable[..., Any]) -> Callable[..., Any] | None:
+    """Put ``wrapper`` where the module's own forward runs inside its hooks; returns the forward it replaced (the stock
+    one, for stock fallbacks), or None when the module has no hook chain (the caller patches ``forward``)."""
+    found = chain_of(module)
+    if found is None:
+        return None
+    holder, attr = found[0].inner(module)
+    previous = getattr(holder, attr)
+    setattr(holder, attr, wrapper)
+    return previous
+
+
+def uninstall(module: nn.Module, wrapper: Callable[..., Any], previous: Callable[..., Any]) -> bool:
+    """Take ``wrapper`` out of the module's hook chain, wherever hooks added or removed since have moved it, and put
+    ``previous`` back; False when it is not in any chain."""
+    for chain in _CHAINS:
+        for holder, attr in chain.links(module):
+            if getattr(holder, attr, None) is wrapper:
+                setattr(holder, attr, previous)
+                return True
+    return False
+
+
+def leaf_hooks(module: nn.Module) -> list[tuple[nn.Module, list]]:
+    """The hooked modules inside ``module`` (not itself), each with its hooks outermost first."""
+    found = []
+    for name, m in module.named_modules():
+        if name and (c := chain_of(m)) is not None:
+            found.append((m, [h for _, h in c[1]]))
+    return found
+
+
+@contextlib.contextmanager
+def onloaded(module: nn.Module) -> Iterator[None]:
+    """The hooked leaves inside ``module`` with their weights put in place by their own hooks' ``pre_forward`` (as
+    their calls would), their chains set aside so a capture traces their class forwards; ``post_forward`` after
+    (offload, cast back for storage), innermost hook first, as a call ends."""
+    entered: list[tuple[nn.Module, list, Any]] = []
+    try:
+        for m, chain in leaf_hooks(module):
+            for hook in chain:
+                hook.pre_forward(m)
+            entered.append((m, chain, m.__dict__.pop("forward")))
+        yield
+    finally:
+        for m, chain, forward in reversed(entered):
+            m.forward = forward
+            for hook in reversed(chain):
+                hook.post_forward(m, None)
+
+
+def streamed_inside(module: nn.Module) -> bool:
+    """Whether the innermost link of the module's hook chain is already a streamplan forward."""
+    found = chain_of(module)
+    if found is None:
+        return False
+    holder, attr = found[0].inner(module)
+    return bool(getattr(getattr(holder, attr), STREAMED_MARK, False))
+
+
+def _first(module: nn.Module, keep: Callable[[HookKind | None], bool]) -> str | None:
+    found = chain_of(module)
+    if found is None:
+        return None
+    chain, hooks = found
+    for label, hook in hooks:
+        if keep(kind_of(chain, hook)):
+            return _label(chain, label, hook)
+    return None
+
+
+def holding_inputs(module: nn.Module) -> str | None:
+    """The first of the module's hooks not known to let go of its inputs (a cache hook subtracts the input from the
+    output after the forward), or None: a streamed module may overwrite its input only then."""
+    return _first(module, lambda k: k is None or not k.lets_go)
+
+
+def keeps_output(module: nn.Module) -> str | None:
+    """The first of the module's hooks that keeps a reference to its output (a cache storing it for later steps), or
+    None: a model forward may donate the module's output to the next block only then."""
+    return _first(module, lambda k: k is None or k.keeps_output)
+
+
+def torch_hooks(m: nn.Module) -> list[str]:
+    """The PyTorch hooks registered on ``m`` itself, by kind."""
+    found = []
+    for attr in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks"):
+        if getattr(m, attr, None):
+            found.append(attr.strip("_").replace("_", " "))
+    return found
+
+
+def hooks_added_inside(module: nn.Module) -> str | None:
+    """PyTorch hooks on a block or its parts at call time (transformers adds output-capturing hooks when hidden states
+    are asked for): a capture would fire them on fake tensors, and a streamed graph would skip them."""
+    for name, m in module.named_modules():
+        found = torch_hooks(m)
+        if found:
+            return f"{name or 'the block'} has {', '.join(found)} at call time"
+    return None

@@ -1,0 +1,237 @@
+"""Below the floor on the captured-graph path (issue 14): what ``apply(..., kv=...)`` asks for, which K/V stores a
+captured block can use, their memory model for the planner (``planner.KVOption``), and running a block with its K/V
+in a store (``executors.kv_store``), the error of an approximate store measured against the exact run on its first
+call.
+
+``kv="device"`` (the default) is exact: K/V stay whole on the device wherever the budget allows; below the floor the
+planner takes the faster of L3 (head groups) and, on CUDA, L4 (host-staged K/V, in head groups of its own) by
+estimated extra time. ``kv="host"`` forces L4. ``kv="int8"`` and ``kv="fp8"`` (L5) are approximate and used only when
+asked for. (The first H200 run's non-finite rows at 33,792-row chunks, traced by reading the code: block buffers
+allocated for each new Q chunk were filled on the copy stream with no wait on the compute stream, which could still be
+running the previous chunk's work in that memory. The staging buffers now live through phase Q and every cross-stream
+use waits on an event; ``benchmarks/gpu_kv.py``'s self-check runs that plan's geometry against the exact tier.)"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from .compare import compare_outputs
+from .kv_stores import APPROXIMATE, KV_KINDS, WRITE_ROWS, attend_blocks, make_store, store_kind
+from ..plan.planner import ATTENTION_RATE, Costs, KVOption, Tier
+
+log = logging.getLogger("streamplan")
+
+
+def check_kv(kv: Any) -> str:
+    """``kv`` validated: one of the store kinds, else a ValueError that names them."""
+    if not isinstance(kv, str) or kv.strip().lower() not in KV_KINDS:
+        raise ValueError(f"kv must be one of {', '.join(repr(k) for k in KV_KINDS)} (where K/V live between the "
+                         f"phases: 'device' exact, the default; 'host' exact, host-staged (L4); 'int8' or 'fp8' "
+                         f"compressed, approximate (L5)), got {kv!r}")
+    return kv.strip().lower()
+
+
+def kv_problem(found, consumer, adapted: Any = None) -> str | None:
+    """Why this captured block cannot keep its K/V in a store (L4/L5), or None."""
+    an = found.analysis
+    if not an.attentions:
+        return "no global attention (no whole K/V to stage)"
+    if not getattr(consumer.caps, "kv_blocks_lse", False) or not callable(getattr(consumer, "attend_lse", None)):
+        return (f"attention backend {consumer.name} does not attend K/V in blocks with a log-sum-exp "
+                f"(kv_blocks_lse): K/V stay whole on the device")
+    if adapted is not None:
+        return "the call's cache is filled from the whole K/V: they stay on the device"
+    for att in an.attentions:
+        if getattr(att, "mask", None) is not None:
+            return "a masked attention: its chunks attend K/V whole on the device"
+        if getattr(att, "softcap", 0.0):
+            return "a soft-capped attention: its chunks attend K/V whole on the device"
+        k = att.k.meta["val"]
+        if k.dim() != 4 or att.kv_rows.dim != 2 or att.causal and (att.kv_rows.pre or att.kv_rows.post):
+            return "a global attention's K/V are not [batch, heads, rows, head_dim] over the rows alone"
+    return None
+
+
+def _ints(shape) -> list[int] | None:
+    out = []
+    for s in shape:
+        if not isinstance(s, int):
+            try:
+                s = int(s)
+            except (TypeError, ValueError):
+                return None
+        out.append(s)
+    return out
+
+
+def kv_options(found, rows: int, device: torch.device, kinds: tuple[str, ...], spans: bool = False
+               ) -> tuple[KVOption, ...]:
+    """The memory model of each store kind in ``kinds`` for this block at ``rows`` rows; ``spans``: the block can
+    attend a span of several chunks' queries in one pass (one global attention whose output phase Q reads by rows)."""
+    an = found.analysis
+    opts = []
+    for kind in kinds:
+        sk = store_kind(kind)
+        resident = host = block_row = merge_row = merge_io = whole_row = q_row = out_row = 0
+        for att in an.attentions:
+            kv_ = att.k.meta["val"]
+            q = att.q.meta["val"]
+            dims = _ints((kv_.shape[0], kv_.shape[1], kv_.shape[-1], q.shape[1]))
+            if dims is None:
+                return ()
+            B, Hkv, D, H = dims
+            e = kv_.element_size()
+            total = rows + att.kv_rows.pre + att.kv_rows.post
+            elems = 2 * B * Hkv * D                      # K and V, one row
+            resident += int(total * elems * sk.resident(e, D))
+            if kind == "host" and device.type != "cpu":   # phase KV's two write buffers (executors.kv_store)
+                resident += 2 * WRITE_ROWS * elems * e
+            host += total * elems * e if sk.on_host else 0
+            if kind == "host":   # two block buffers in turn on CUDA; in a CPU run views of host rows, which the CPU
+                row = 2 * elems * e if device.type != "cpu" else elems * e   # kernel copies contiguous
+            else:                # the block expanded (K and V in the compute dtype) and its fp32 working copies
+                row = elems * e + 2 * (elems // 2) * 4
+            block_row = max(block_row, row)
+            # during the attention: the fp32 accumulator and a block's partial output (the result is the attention's
+            # own output); phase KV: a chunk's rows-first copy and, compressing, its fp32 working copies
+            merge = B * H * D * (4 + e) + 8 * B * H
+            if device.type == "cpu":   # PyTorch's CPU flash kernel keeps buffers of its own per call, measured at about
+                whole_row = max(whole_row, B * H * D * (8 + 2 * e))   # two fp32 outputs and two in the dtype per row
+                # of all heads, however few heads the call has (consumers.sdpa)
+            write = (0 if kind == "host" and device.type != "cpu" else elems * e) + (0 if sk.exact else 3 * elems * 4)
+            merge_row = max(merge_row, merge, write)
+            merge_io += B * H * D * (4 * 4 + e)   # per block: the accumulator read and written twice, the partial read
+            if spans:
+                q_row += B * H * D * q.element_size()
+                out_row += B * H * D * att.node.meta["val"].element_size()
+        tier = Tier.L4 if sk.exact else Tier.L5
+        opts.append(KVOption(kind, tier, resident, block_row, merge_row, host, head_groups(an), merge_io, whole_row,
+                             q_row, out_row))
+    return tuple(opts)
+
+
+MAX_HEAD_GROUPS = 64   # up to one K/V head a group: a group small enough to read all its rows back in one block
+
+
+def head_groups(an) -> tuple[int, ...]:
+    """Head-group counts a store may hold every global attention's K/V in: those dividing all K/V head counts."""
+    counts = [int(att.k.meta["val"].shape[1]) for att in an.attentions]
+    return tuple(g for g in range(1, MAX_HEAD_GROUPS + 1) if all(h % g == 0 for h in counts)) or (1,)
+
+
+def costs(found, rows: int, device: torch.device) -> Costs:
+    """Estimated attention time (FLOPs at the device's measured rate) for weighing L3 against L4."""
+    rate = ATTENTION_RATE.get(device.type)
+    if not rate:
+        return Costs(0.0, device.type)
+    flops = 0.0
+    for att in found.analysis.attentions:
+        q = _ints(att.q.meta["val"].shape[:2] + att.q.meta["val"].shape[-1:])
+        if q is None:
+            continue
+        B, H, D = q
+        keys = rows + att.kv_rows.pre + att.kv_rows.post
+        flops += 4.0 * B * H * D * rows * keys * (0.5 if att.causal else 1.0)
+    return Costs(flops / rate, device.type)
+
+
+def options_for(found, rows: int, device: torch.device, kv: str, consumer, adapted: Any = None, spans: bool = False
+                ) -> tuple[tuple[KVOption, ...], str | None]:
+    """The stores the planner may use for this call (the one asked for; none under "device"), and why
+    none can be used (None when they can)."""
+    why = kv_problem(found, consumer, adapted)
+    if why is not None:
+        return (), why
+    if kv == "device":   # L4 where the host is apart from the device and its cost is known: weighed against L3
+        return (kv_options(found, rows, device, ("host",), spans) if device.type in ("cuda", "meta") else ()), None
+    return kv_options(found, rows, device, (kv,), spans), None
+
+
+def store_factory(kind: str, device: torch.device, block_rows: int, groups: int = 1) -> Callable[[Any], Any]:
+    return lambda att: make_store(kind, device, block_rows, groups)
+
+
+def store_attend(consumer) -> Callable[..., torch.Tensor]:
+    def attend(q, store, *, q_offset, causal, scale):
+        return attend_blocks(consumer, q, store, q_offset=q_offset, causal=causal, scale=scale)
+    return attend
+
+
+@dataclass
+class KVError:
+    """An approximate store's output error against the exact run of the same call (the first call per shape)."""
+
+    kind: str
+    rel: float
+    max_abs: float
+
+    def describe(self) -> str:
+        return (f"kv={self.kind} (L5, approximate): output error against exact K/V on the first call: "
+                f"rel {self.rel:.2e}, max abs {self.max_abs:.2e}")
+
+
+def measure_error(kind: str, streamed: Any, exact: Any) -> KVError:
+    diffs = compare_outputs(streamed, exact)
+    rel = max((d["rel"] for d in diffs.values()), default=0.0)
+    max_abs = max((d["max_abs"] for d in diffs.values()), default=0.0)
+    return KVError(kind, rel, max_abs)
+
+
+def run_with_store(run, plan, device: torch.device, consumer, donate: dict, exact_run: Callable[[], Any] | None):
+    """Phase KV into the plan's store, phase Q against its blocks. ``exact_run`` (an approximate store's first call):
+    the same call with exact K/V first, into its own outputs (nothing donated), for the error; returns
+    ``(output, KVError | None)``."""
+    error = None
+    ref = exact_run() if exact_run is not None and plan.kv in APPROXIMATE else None
+    run.kv_store = store_factory(plan.kv, device, plan.kv_block, plan.head_groups)
+    run.attend_store = store_attend(consumer)
+    run.build_kv(plan.chunk)
+    out = run.run_q(plan.chunk, donate, span=plan.q_span)
+    if ref is not None:
+        error = measure_error(plan.kv, out, ref)
+        del ref
+    return out, error
+
+
+
+
+def plan_args(handle, entry, found, rows: int, device: torch.device, consumer, adapted: Any = None,
+              spans: bool = False) -> dict:
+    """``plan_graph``'s K/V arguments for this call: the stores it may use, the one asked for, the attention estimate.
+    A store asked for that this block cannot use is noted and the K/V stay on the device. ``spans``: the block's
+    queries may be attended a span of chunks at a time (``kv_options``)."""
+    kv = handle.options.kv
+    opts, why = options_for(found, rows, device, kv, consumer, adapted, spans)
+    if why is not None or not opts:
+        if kv != "device":
+            handle.note(entry, f"kv={kv} not used: {why or 'K/V shapes unknown'}")
+        return {}
+    return {"kv_options": opts, "kv_store": kv, "costs": costs(found, rows, device)}
+
+
+def run_stored(handle, entry, sig: tuple, run, plan, device: torch.device, consumer, donate: dict,
+               exact: Callable[[], Any]) -> Any:
+    """Run a planned L4/L5 call; an approximate store's first call per signature runs ``exact()`` (a GraphRun with
+    whole device K/V) first for the error, unless the block writes into its inputs (the exact run would change them)."""
+    measure = plan.kv in APPROXIMATE and sig not in entry.kv_errors and device.type != "meta"
+    if measure and run.an.input_writes:
+        handle.note(entry, f"kv={plan.kv}: error not measured (the block writes into its inputs)")
+        measure = False
+
+    def exact_run():
+        ref = exact()
+        ref.build_kv(plan.chunk)
+        return ref.run_q(plan.chunk, {})
+
+    out, error = run_with_store(run, plan, device, consumer, donate, exact_run if measure else None)
+    if error is not None:
+        entry.kv_errors[sig] = error
+        log.info("streamplan: %s: %s", entry.name, error.describe())
+    return out
+
+
+__all__ = ["check_kv", "kv_problem", "kv_options", "costs", "options_for", "plan_args", "run_stored", "run_with_store",
+           "KVError"]

@@ -1,0 +1,71 @@
+"""The generic way in: a block's forward captured to an ATen graph with the row count symbolic, analysed for its
+row-local ops and global attentions, and run in row chunks (see ``analyze`` and ``execute``)."""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from .analyze import Analysis, op_name, analyze
+from .eager_attention import fuse_eager_attention
+from .phases import Phases, phases
+from .export import Captured, capture, rows_of_call, rows_problem, signature
+from .opaque_layers import running  # noqa: F401  (declares the opaque layers' op and capture context)
+
+
+@dataclass(eq=False)
+class Streamable:
+    """A capture that can run in row chunks: the graph, its analysis, its phases."""
+
+    captured: Captured
+    analysis: Analysis
+    phases: Phases
+
+    @functools.cached_property
+    def mlp_regions(self) -> list:
+        """The graph's feature-sliceable MLPs (L2), found once per capture."""
+        from .sliced_mlp import find_regions
+        return find_regions(self.phases.q, self.analysis)
+
+    @property
+    def static_rows(self) -> int:
+        return max((a.kv_rows.pre + a.kv_rows.post for a in self.analysis.attentions), default=0)
+
+
+_CACHE: dict[tuple, Any] = {}
+
+
+def streamable(module: nn.Module, args: tuple, kwargs: dict, rows: int) -> tuple[Streamable | str, bool]:
+    """The capture for this call (cached per class and input signature), or why it cannot stream; and whether this
+    call captured (rather than reusing a capture)."""
+    key = signature(module, args, kwargs, rows)
+    # a capture that lifted a constant tensor (an unregistered tensor attribute) holds that instance's value: it is
+    # kept under the instance as well, and other instances capture on their own
+    for k in (key + (id(module),), key):
+        if k in _CACHE:
+            return _CACHE[k], False
+    cap = capture(module, args, kwargs, rows)
+    if isinstance(cap, str):
+        _CACHE[key] = cap
+        return cap, True
+    fuse_eager_attention(cap.graph)   # attention written by hand: one op the analysis knows
+    placeholders = [n for n in cap.graph.nodes if n.op == "placeholder"]
+    user = {n for n, (kind, _) in zip(placeholders, cap.inputs) if kind == "user"}
+    an = analyze(cap.graph, cap.row_symbol, user)
+    if isinstance(an, str):
+        found: Streamable | str = f"{an} (captured in {cap.seconds:.2f} s)"
+    else:
+        ph = phases(cap, an)
+        twice = an.input_writes & {n for kv in ph.kv for n in kv}
+        found = Streamable(cap, an, ph) if not twice else (
+            f"{op_name(next(iter(twice)).target)} writes into the block's input before its attention reads it "
+            f"(chunked, that write would run in both phases)")
+    if any(k == "constant" for k, _ in cap.inputs):
+        key = key + (id(module),)
+    _CACHE[key] = found
+    return found, True
+
+
+__all__ = ["Streamable", "streamable", "rows_of_call", "rows_problem", "Captured", "Analysis"]

@@ -1,0 +1,660 @@
+"""Row-space analysis of a captured graph: for every value, its row (token) dimension and where the dynamic rows sit
+among static ones; every op classified row-local, global (attention over the rows' K/V) or unknown.
+
+A value's rows are ``pre`` static rows, then the dynamic rows (the call's row count, chunked), then ``post`` static
+rows: text rows joined to image rows by ``cat`` are static, computed whole in every chunk. Anything outside the
+rules below (a reduction over rows, a gather along rows, positions built from the row count, random ops, a second
+row source) makes the whole block stay stock, with the op named.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Any
+
+import sympy
+import torch
+from torch import fx
+
+from ..registries import ROW_LOCAL_CUSTOM_OPS
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class Rows:
+    """Where a tensor's rows are: dimension ``dim``; ``pre`` static rows, the dynamic rows, ``post`` static rows."""
+
+    dim: int
+    pre: int = 0
+    post: int = 0
+
+
+@dataclass(eq=False)
+class GlobalAttention:
+    """An attention whose keys and values span the rows: K and V are built whole first, Q runs in chunks."""
+
+    node: fx.Node
+    q: fx.Node
+    k: fx.Node
+    v: fx.Node
+    causal: bool
+    scale: float | None
+    kv_rows: Rows
+    q_rows: Rows | None
+    mask: fx.Node | None = None      # an input mask over the rows' keys: [.., 1, Nk] whole per chunk, or [.., N, Nk]
+    mask_query_rows: bool = False    # its query rows are the rows (each Q chunk takes its own), keys whole
+    softcap: float = 0.0             # scores soft-capped as c * tanh(s / c) (hand-written attention; 0: none)
+
+
+@dataclass(eq=False)
+class Analysis:
+    rows: dict[fx.Node, Any]                 # Rows, a list of Rows|None for tuples, or None (no dynamic rows)
+    const: set[fx.Node]                      # values that do not depend on the rows: computed once per call
+    ignored: set[fx.Node]                    # the trace's own assertions: not run
+    attentions: list[GlobalAttention]
+    outputs: list[Any]                       # the output node's flat arguments
+    ops: int = 0
+    notes: list[str] = field(default_factory=list)
+    input_writes: set = field(default_factory=set)   # in-place writes into the block's own inputs (as stock does)
+    whole_inputs: set = field(default_factory=set)   # inputs with rows every chunk takes whole (a key mask)
+
+    @property
+    def static_rows(self) -> bool:
+        """Whether some value has static rows joined to the dynamic ones (text rows beside image rows): a phase
+        computes those once, not per chunk."""
+        return any(r.pre or r.post for v in self.rows.values() for r in (v if isinstance(v, list) else [v])
+                   if isinstance(r, Rows))
+
+
+class NotRowLocal(Exception):
+    """The graph has something streamplan cannot run in row chunks (the message says what)."""
+
+
+IGNORED_OPS = {aten._assert_tensor_metadata.default, aten._assert_scalar.default,
+            aten.sym_constrain_range_for_size.default}
+_PASS = {"view", "reshape", "_unsafe_view", "unflatten", "flatten", "permute", "transpose", "t", "unsqueeze", "squeeze",
+         "expand", "expand_as", "alias", "clone", "contiguous", "_to_copy", "to", "type_as", "detach",
+         "lift_fresh_copy",
+         "view_as_complex", "view_as_real", "movedim", "dropout", "native_dropout", "fill", "zeros_like", "ones_like",
+         "empty_like", "full_like", "masked_fill", "where", "real", "imag", "conj", "_conj", "resolve_conj",
+         "resolve_neg", "stack", "repeat_interleave", "copy"}
+# ops whose output shares its input's storage (a write into one reaches the other; the memory model counts no bytes)
+VIEW_OPS = {"view", "_unsafe_view", "permute", "transpose", "t", "unsqueeze", "squeeze", "expand", "expand_as", "alias",
+            "slice", "select", "narrow", "split", "split_with_sizes", "chunk", "unbind", "unflatten", "detach",
+            "movedim", "view_as_complex", "view_as_real", "flatten", "reshape", "contiguous", "dropout",
+            "lift_fresh_copy"}
+_RESHAPES = {"view", "reshape", "_unsafe_view", "unflatten", "flatten"}
+_DIMMED = {"slice", "narrow", "select", "split", "split_with_sizes", "chunk", "unbind", "cat", "concat", "index_select",
+           "tensor_split"}
+_REDUCE = {"mean", "sum", "amax", "amin", "var", "std", "var_mean", "std_mean", "logsumexp", "prod", "max", "min",
+           "argmax", "argmin", "any", "all", "linalg_vector_norm", "norm"}
+_SOFTMAX = {"softmax", "_softmax", "log_softmax", "_log_softmax", "cumsum", "cumprod"}
+_NORMS = {"layer_norm", "native_layer_norm", "rms_norm", "_fused_rms_norm"}
+MATMUL_OPS = {"linear", "matmul", "mm", "bmm", "addmm", "baddbmm"}
+_CREATE = {"new_zeros", "new_ones", "new_full", "new_empty", "zeros", "ones", "full", "empty"}
+SDPA_OPS = {"scaled_dot_product_attention", "eager_attention"}   # the second: capture/eager_attention.py
+
+
+def numel_besides(val, dim: int | None) -> int:
+    """Elements of ``val`` per index of dimension ``dim`` (all of them for None); 0 where a size is symbolic."""
+    n = 1
+    for i, size in enumerate(val.shape):
+        if i == dim:
+            continue
+        e = size.node.expr if isinstance(size, torch.SymInt) else sympy.Integer(size)
+        if not e.is_Integer:
+            return 0
+        n *= int(e)
+    return n
+
+
+def pointwise(target) -> bool:
+    """An elementwise op (torch's own tag): each output element from the inputs' elements at its place."""
+    return torch.Tag.pointwise in getattr(target, "tags", ())
+
+
+def op_name(target) -> str:
+    packet = getattr(target, "_overloadpacket", None)
+    return packet.__name__ if packet is not None else getattr(target, "__name__", str(target))
+
+
+def written_args(node: fx.Node) -> list[fx.Node]:
+    """The arguments an op writes into, by its schema (``Tensor(a!)``): an in-place op's first, or several (a fused
+    kernel that updates Q and K in place)."""
+    schema = getattr(node.target, "_schema", None)
+    out = []
+    for i, a in enumerate(schema.arguments if schema is not None else ()):
+        if a.alias_info is not None and a.alias_info.is_write:
+            v = node.args[i] if i < len(node.args) else node.kwargs.get(a.name)
+            if isinstance(v, fx.Node):
+                out.append(v)
+    return out
+
+
+def bind(node: fx.Node) -> dict[str, Any]:
+    """An ATen call's arguments by schema name, defaults filled."""
+    schema = node.target._schema
+    out: dict[str, Any] = {}
+    for i, a in enumerate(schema.arguments):
+        if i < len(node.args):
+            out[a.name] = node.args[i]
+        elif a.name in node.kwargs:
+            out[a.name] = node.kwargs[a.name]
+        elif a.has_default_value():
+            out[a.name] = a.default_value
+        else:
+            out[a.name] = None
+    return out
+
+
+class _Analyzer:
+    def __init__(self, graph: fx.Graph, symbol, user_inputs: set[fx.Node], post_inputs: frozenset = frozenset()):
+        self.s = symbol
+        self.graph = graph
+        self.user_inputs = user_inputs
+        self.post_inputs = post_inputs    # inputs with static rows whose static rows come after the dynamic ones
+        self.joined: set[fx.Node] = set()
+        self.rows: dict[fx.Node, Any] = {}
+        self.const: set[fx.Node] = set()
+        self.attentions: list[GlobalAttention] = []
+        self.ignored: set[fx.Node] = set()
+        self.input_writes: set[fx.Node] = set()
+        self.masks: dict[fx.Node, Rows] = {}   # inputs over rows x rows (attention masks): their key dimension
+
+    # -- symbolic helpers ---------------------------------------------------------------------------------------
+    def expr(self, size) -> sympy.Expr:
+        if isinstance(size, torch.SymInt):
+            return size.node.expr
+        if isinstance(size, fx.Node):
+            return self.expr(size.meta["val"])
+        return sympy.Integer(int(size))
+
+    def row_dims(self, val) -> list[tuple[int, int]]:
+        """(dim, static rows) of every dimension whose size holds the row count; a size that is not rows + a
+        constant is refused."""
+        found = []
+        for i, size in enumerate(val.shape):
+            e = self.expr(size)
+            if self.s in e.free_symbols:
+                c = sympy.expand(e - self.s)
+                if not c.is_Integer or int(c) < 0:
+                    raise NotRowLocal(f"a dimension of size {e} (not the row count plus a constant)")
+                found.append((i, int(c)))
+        return found
+
+    def out_rows(self, node: fx.Node, val, pre: int, post: int) -> Rows | None:
+        dims = self.row_dims(val)
+        if not dims:
+            return None
+        if len(dims) > 1:
+            raise NotRowLocal(f"{op_name(node.target)} gives a value with two row dimensions")
+        dim, c = dims[0]
+        if c != pre + post:
+            raise NotRowLocal(f"{op_name(node.target)}: static rows do not add up ({c} vs {pre}+{post})")
+        return Rows(dim, pre, post)
+
+    def in_rows(self, node: fx.Node) -> list[tuple[fx.Node, Rows]]:
+        found = []
+        for arg in node.all_input_nodes:
+            r = self.rows.get(arg)
+            if isinstance(r, Rows):
+                found.append((arg, r))
+            elif isinstance(r, list):
+                raise NotRowLocal(f"{op_name(node.target)} takes a tuple with rows")
+        return found
+
+    def norm_dim(self, dim: int, ndim: int) -> int:
+        return dim + ndim if dim < 0 else dim
+
+    # -- the walk -----------------------------------------------------------------------------------------------
+    def run(self) -> None:
+        for node in self.graph.nodes:
+            if node.op == "placeholder":
+                self.placeholder(node)
+            elif node.op == "call_function":
+                self.call(node)
+            elif node.op == "get_attr":
+                raise NotRowLocal(f"a higher-order op over a subgraph ({node.target}: an autocast region or control "
+                                  f"flow), which the generic path does not run")
+            elif node.op != "output":
+                raise NotRowLocal(f"graph node of kind {node.op}")
+
+    def placeholder(self, node: fx.Node) -> None:
+        val = node.meta.get("val")
+        if node not in self.user_inputs or not isinstance(val, torch.Tensor):
+            self.const.add(node)
+            self.rows[node] = None
+            return
+        dims = self.row_dims(val)
+        if len(dims) == 2 and [d for d, _ in dims] == [val.dim() - 2, val.dim() - 1] and not dims[0][1] \
+                and not dims[1][1]:   # [.., N, N]: an attention mask over rows x rows, its query rows chunked
+            self.rows[node] = Rows(val.dim() - 2)
+            self.masks[node] = Rows(val.dim() - 1)
+            return
+        if len(dims) > 1:
+            raise NotRowLocal(f"input {node.name} has {len(dims)} row dimensions (a mask over rows x rows?)")
+        if dims and dims[0][1]:   # rows joined to static ones (a table over text + image rows): side guessed
+            c = dims[0][1]
+            self.rows[node] = Rows(dims[0][0], 0, c) if node in self.post_inputs else Rows(dims[0][0], c, 0)
+            self.joined.add(node)
+            return
+        self.rows[node] = Rows(dims[0][0]) if dims else None
+        if not dims:
+            self.const.add(node)
+
+    def call(self, node: fx.Node) -> None:
+        target = node.target
+        if target in IGNORED_OPS:   # checks of the trace's own assumptions: not run
+            self.rows[node] = None
+            self.ignored.add(node)
+            return
+        masks = [a for a in node.all_input_nodes if a in self.masks]
+        if masks and op_name(target) == "sym_size":
+            # export may read the row count off a mask (OmniGen): off its key dimension, which a Q chunk keeps
+            # whole, it is read off the query dimension instead (the same symbol), so it counts the chunk's rows
+            m = node.args[0]
+            if self.norm_dim(node.args[1], m.meta["val"].dim()) == self.masks[m].dim:
+                node.args = (m, self.rows[m].dim)
+        elif masks and (op_name(target) not in SDPA_OPS or masks != [bind(node).get("attn_mask")]):
+            raise NotRowLocal(f"input {masks[0].name} over rows x rows used other than as an attention's mask")
+        if all(a in self.const for a in node.all_input_nodes) and not self.random(node):
+            self.const.add(node)
+        val = node.meta.get("val")
+        name = op_name(target)
+        if target is operator.getitem:
+            src = self.rows.get(node.args[0])
+            if isinstance(src, Rows):
+                raise NotRowLocal("getitem on a tensor with rows")
+            self.rows[node] = src[node.args[1]] if isinstance(src, list) else None
+            return
+        if not isinstance(target, torch._ops.OpOverload):
+            if self.in_rows(node):
+                raise NotRowLocal(f"call of {name} on values with rows")
+            self.rows[node] = None
+            return
+        if self.random(node):
+            raise NotRowLocal(f"random op {name}")
+        inputs = self.in_rows(node)
+        if ROW_LOCAL_CUSTOM_OPS.get((getattr(target, "namespace", None), name)) == "norm" and inputs:
+            x_node, x = inputs[0]
+            if x_node is not node.args[0] or x.dim == x_node.meta["val"].dim() - 1:
+                raise NotRowLocal(f"{name} over the rows")
+            pre, post = self.same_layout(name, inputs)
+            out = self.out_rows(node, val, pre, post)
+            for n, r in inputs:
+                if out is None or n.meta["val"].dim() - r.dim != val.dim() - out.dim:
+                    raise NotRowLocal(f"{name} broadcasts rows against another dimension")
+            self.rows[node] = out
+            return
+        if ROW_LOCAL_CUSTOM_OPS.get((getattr(target, "namespace", None), name)) == "rows" and inputs:
+            pre, post = self.same_layout(name, inputs)
+            vals = list(val) if isinstance(val, (tuple, list)) else [val]
+            outs = [self.out_rows(node, v, pre, post) if isinstance(v, torch.Tensor) else None for v in vals]
+            if any(o is None for o, v in zip(outs, vals) if isinstance(v, torch.Tensor)):
+                raise NotRowLocal(f"{name} drops the rows")
+            for w in written_args(node):   # an in-place kernel (comfy_kitchen's fused q/k norm + rope)
+                self.written(node, w, name)
+            self.rows[node] = outs if isinstance(val, (tuple, list)) else outs[0]
+            return
+        if name in SDPA_OPS:
+            self.rows[node] = self.attention(node, val)
+            return
+        if not inputs:
+            if isinstance(val, torch.Tensor) and self.row_dims(val):
+                if name not in _CREATE and name not in ("expand", "expand_as"):
+                    raise NotRowLocal(f"{name} builds per-row values from the row count (positions?)")
+                self.rows[node] = self.out_rows(node, val, 0, 0)
+            else:
+                self.rows[node] = None
+            return
+        args = bind(node)
+        if name.endswith("_") and node.target._schema.arguments and node.target._schema.arguments[0].alias_info \
+                and node.target._schema.arguments[0].alias_info.is_write:
+            self.rows[node] = self.in_place(node, name, inputs, val)
+            return
+        if isinstance(val, (tuple, list)):
+            self.rows[node] = self.multi(node, name, args, inputs, val)
+            return
+        if not isinstance(val, torch.Tensor):
+            if name == "sym_size":
+                self.rows[node] = None
+                return
+            raise NotRowLocal(f"{name} turns rows into a non-tensor")
+        self.rows[node] = self.single(node, name, args, inputs, val)
+
+    def in_place(self, node, name, inputs, val) -> Rows | None:
+        """An op writing into its first argument (``copy_`` into a slice of a fresh tensor, ``mul_``): row-local when
+        it writes rows into the same rows of a per-call value, never into a value shared by every chunk."""
+        tr = self.written(node, node.args[0], name)
+        pre, post = self.same_layout(name, inputs)
+        for n, r in inputs:
+            if n.meta["val"].dim() - r.dim != val.dim() - tr.dim:
+                raise NotRowLocal(f"{name} writes rows into other rows")
+        return Rows(tr.dim, pre, post)
+
+    def written(self, node: fx.Node, target: fx.Node, name: str) -> Rows:
+        """Where ``node`` writes into ``target`` in place: it must have rows and be a per-call value (a write into the
+        block's own input is recorded); its rows."""
+        tr = self.rows.get(target)
+        if not isinstance(tr, Rows):
+            raise NotRowLocal(f"{name} writes rows into a value without rows")
+        root = target
+        while root.op == "call_function" and root.all_input_nodes and (
+                op_name(root.target) in VIEW_OPS or root.target is operator.getitem):
+            root = root.all_input_nodes[0]
+        if root in self.const or target in self.const:
+            raise NotRowLocal(f"{name} writes into a value every chunk shares")
+        if root in self.user_inputs:   # the block updates its input in place, as stock does, row by row
+            if tr.pre or tr.post:
+                raise NotRowLocal(f"{name} writes into an input joined with static rows")
+            self.input_writes.add(node)
+        return tr
+
+    def random(self, node: fx.Node) -> bool:
+        target = node.target
+        if not isinstance(target, torch._ops.OpOverload):
+            return False
+        if op_name(target) in ("dropout", "native_dropout"):
+            a = bind(node)
+            return bool(a.get("train")) and float(a.get("p") or 0) > 0
+        if op_name(target) in SDPA_OPS:   # seeded only through its dropout, checked with the attention
+            return False
+        return torch.Tag.nondeterministic_seeded in target.tags
+
+    def same_layout(self, name: str, inputs) -> tuple[int, int]:
+        layouts = {(r.pre, r.post) for _, r in inputs}
+        if len(layouts) != 1:
+            raise NotRowLocal(f"{name} joins values whose static rows differ")
+        return layouts.pop()
+
+    def single(self, node, name, args, inputs, val) -> Rows | None:
+        x_node, x = inputs[0]
+        x_val = x_node.meta["val"]
+        dim = args.get("dim")
+        if name in _DIMMED and dim is not None and not isinstance(dim, (list, tuple)):
+            d = self.norm_dim(dim, x_val.dim() if name not in ("cat", "concat") else val.dim())
+            if name in ("cat", "concat") and any(isinstance(self.rows.get(t), Rows) and self.rows[t].dim == d
+                                                  for t in args["tensors"]):
+                return self.cat(node, args, d, val)
+            if name in ("cat", "concat"):
+                pre, post = self.same_layout(name, inputs)
+                return self.out_rows(node, val, pre, post)
+            if name == "index_select":
+                idx = self.rows.get(args["index"])
+                src = self.rows.get(args["self"])
+                if isinstance(src, Rows) and src.dim == d:
+                    raise NotRowLocal("index_select along the rows (a gather across rows)")
+                if isinstance(idx, Rows):
+                    if isinstance(src, Rows):
+                        raise NotRowLocal("index_select of rows by per-row indices")
+                    return self.out_rows(node, val, idx.pre, idx.post)
+                return self.out_rows(node, val, x.pre, x.post)
+            if d == x.dim:
+                return self.row_slice(node, name, args, x, x_val, val)
+        if name == "repeat_interleave":   # each row repeated along another dimension (rotary tables): row-local
+            rdim = args.get("dim")
+            if not isinstance(rdim, int) or self.norm_dim(rdim, x_val.dim()) == x.dim:
+                raise NotRowLocal("repeat_interleave along the rows (or of the flattened rows)")
+        if name in _DIMMED or name in _PASS or pointwise(node.target):
+            pre, post = self.same_layout(name, inputs)
+            out = self.out_rows(node, val, pre, post)
+            if out is None:
+                raise NotRowLocal(f"{name} drops the rows")
+            if name in _RESHAPES and self.prefix(x_val, x.dim) != self.prefix(val, out.dim):
+                raise NotRowLocal(f"{name} mixes the rows with the dimensions before them")
+            if pointwise(node.target):
+                for n, r in inputs:
+                    if n.meta["val"].dim() - r.dim != val.dim() - out.dim:
+                        raise NotRowLocal(f"{name} broadcasts rows against another dimension")
+            return out
+        if name == "repeat":   # tiling: row-local when the rows' dimension is repeated once (GQA's K/V heads)
+            reps = list(args["repeats"])
+            d = x.dim + len(reps) - x_val.dim()
+            if not isinstance(reps[d], int) or reps[d] != 1:
+                raise NotRowLocal("repeat along the rows")
+            out = self.out_rows(node, val, x.pre, x.post)
+            if out is None or out.dim != d:
+                raise NotRowLocal("repeat moves the rows")
+            return out
+        if name in MATMUL_OPS:
+            a = args.get("input", args.get("self"))
+            other = [args.get(k) for k in ("weight", "other", "mat2", "bias", "batch2")
+                     if isinstance(args.get(k), fx.Node)]
+            if name in ("addmm", "baddbmm"):
+                a = args.get("mat1", args.get("batch1"))
+            if any(isinstance(self.rows.get(o), Rows) for o in other):
+                raise NotRowLocal(f"{name} contracts over the rows (attention written by hand?)")
+            ar = self.rows.get(a)
+            if not isinstance(ar, Rows) or ar.dim == a.meta["val"].dim() - 1:
+                raise NotRowLocal(f"{name} over the row dimension")
+            return self.out_rows(node, val, ar.pre, ar.post)
+        if name in _NORMS:
+            shape = args.get("normalized_shape") or []
+            if x.dim >= x_val.dim() - len(shape):
+                raise NotRowLocal(f"{name} normalises over the rows")
+            return self.out_rows(node, val, x.pre, x.post)
+        if name in _SOFTMAX:
+            if self.norm_dim(args["dim"], x_val.dim()) == x.dim:
+                raise NotRowLocal(f"{name} along the rows")
+            return self.out_rows(node, val, x.pre, x.post)
+        if name in _REDUCE:
+            dims = args.get("dim")
+            if dims is None:
+                raise NotRowLocal(f"{name} over every dimension, the rows included")
+            dims = [dims] if isinstance(dims, int) else list(dims)
+            if x.dim in {self.norm_dim(d, x_val.dim()) for d in dims} or not dims:
+                raise NotRowLocal(f"{name} over the rows")
+            return self.out_rows(node, val, x.pre, x.post)
+        if name == "index":
+            return self.gather(args, val)
+        if name == "embedding":
+            idx = self.rows.get(args["indices"])
+            if isinstance(self.rows.get(args["weight"]), Rows) or not isinstance(idx, Rows):
+                raise NotRowLocal("embedding of rows")
+            return self.out_rows(node, val, idx.pre, idx.post)
+        if name in _CREATE:   # x.new_empty(shape), new_zeros, ...: a fresh tensor, nothing read from x's rows
+            return self.out_rows(node, val, 0, 0)
+        raise NotRowLocal(f"op {name} is not one streamplan knows to be row-local")
+
+    def gather(self, args, val) -> Rows | None:
+        """``table[idx]`` (``aten.index`` with one integer index tensor): rows of a table without rows picked per row
+        (MiniMax-H3's AdaLN rows by each row's segment, ``scale[mod_rows]``) is row-local, like ``embedding``."""
+        indices = list(args["indices"] or [])
+        if isinstance(self.rows.get(args["self"]), Rows):
+            raise NotRowLocal("index of a value with rows (a gather across rows)")
+        if any(isinstance(self.rows.get(i), Rows) for i in indices[1:]) or not indices or \
+                not isinstance(self.rows.get(indices[0]), Rows):
+            raise NotRowLocal("index with per-row indices other than into the first dimension")
+        if indices[0].meta["val"].dtype == torch.bool:
+            raise NotRowLocal("index by a boolean mask over the rows")
+        r = self.rows[indices[0]]
+        out = self.out_rows(node=indices[0], val=val, pre=r.pre, post=r.post)
+        if out is None or out.dim != r.dim:
+            raise NotRowLocal("index moves the rows")
+        return out
+
+    @staticmethod
+    def prefix(val, dim: int):
+        p = sympy.Integer(1)
+        for size in val.shape[:dim]:
+            p = p * (size.node.expr if isinstance(size, torch.SymInt) else sympy.Integer(size))
+        return sympy.expand(p)
+
+    def cat(self, node, args, d, val) -> Rows | None:
+        pre = post = 0
+        seen = None
+        for t in args["tensors"]:
+            r = self.rows.get(t)
+            if isinstance(r, Rows):
+                if seen is not None:
+                    raise NotRowLocal("cat joins two sources of dynamic rows")
+                if r.dim != d:
+                    raise NotRowLocal("cat joins rows along another dimension")
+                seen = r
+                pre += r.pre
+                continue
+            size = t.meta["val"].shape[d]
+            if isinstance(size, torch.SymInt):
+                raise NotRowLocal("cat with a symbolic non-row size")
+            if seen is None:
+                pre += int(size)
+            else:
+                post += int(size)
+        if seen is None:
+            return None
+        return self.out_rows(node, val, pre, post + seen.post)
+
+    def span_ok(self, x: Rows, start, length, val_rows: Rows | None, name: str) -> Rows | None:
+        """A slice [start, start + length) of a value with rows x: all static rows on one side, or the dynamic rows
+        kept whole."""
+        start = sympy.expand(start)
+        if val_rows is not None:
+            if not start.is_Integer or int(start) > x.pre:
+                raise NotRowLocal(f"{name} cuts into the dynamic rows")
+            pre = x.pre - int(start)
+            post = (val_rows.pre + val_rows.post) - pre
+            if post < 0 or post > x.post:
+                raise NotRowLocal(f"{name} cuts into the dynamic rows")
+            return Rows(val_rows.dim, pre, post)
+        end = sympy.expand(start + length)
+        if start.is_Integer and end.is_Integer and 0 <= int(start) and int(end) <= x.pre:
+            return None
+        off = sympy.expand(start - self.s)
+        if off.is_Integer and int(off) >= x.pre:
+            return None
+        raise NotRowLocal(f"{name} takes rows that include dynamic ones")
+
+    def row_slice(self, node, name, args, x, x_val, val) -> Rows | None:
+        size = self.expr(x_val.shape[x.dim])
+        if name in ("slice",):
+            if (args.get("step") or 1) != 1:
+                raise NotRowLocal("a strided slice of the rows")
+            start = self.expr(args.get("start") or 0)
+            if start.is_Integer and int(start) < 0:
+                start = size + start
+            out_size = self.expr(val.shape[x.dim])
+            return self.span_ok(x, start, out_size, self.out_rows_slice(node, val, x), name)
+        if name == "narrow":
+            start = self.expr(args["start"])
+            return self.span_ok(x, start, self.expr(args["length"]), self.out_rows_slice(node, val, x), name)
+        if name == "select":
+            index = self.expr(args["index"])
+            if index.is_Integer and int(index) < 0:
+                index = size + index
+            return self.span_ok(x, index, sympy.Integer(1), None, name)
+        raise NotRowLocal(f"{name} along the rows")
+
+    def out_rows_slice(self, node, val, x: Rows) -> Rows | None:
+        dims = self.row_dims(val)
+        if not dims:
+            return None
+        dim, c = dims[0]
+        return Rows(dim, c, 0)   # pre is fixed by span_ok from the start offset; here c = pre + post
+
+    def multi(self, node, name, args, inputs, val) -> list:
+        x_node, x = inputs[0]
+        x_val = x_node.meta["val"]
+        dim = args.get("dim")
+        d = self.norm_dim(dim, x_val.dim()) if isinstance(dim, int) else None
+        if name in ("split", "split_with_sizes", "chunk", "unbind", "tensor_split") and d == x.dim:
+            if name == "unbind":
+                raise NotRowLocal("unbind along the rows")
+            out, start = [], sympy.Integer(0)
+            for piece in val:
+                length = self.expr(piece.shape[x.dim])
+                out.append(self.span_ok(x, start, length, self.out_rows_slice(node, piece, x), name))
+                start = sympy.expand(start + length)
+            return out
+        if name in ("split", "split_with_sizes", "chunk", "unbind", "tensor_split") or name in _NORMS or \
+                name in ("max", "min", "var_mean", "std_mean", "native_dropout", "sort", "topk"):
+            if name in ("max", "min", "sort", "topk", "var_mean", "std_mean"):
+                dims = args.get("dim")
+                dims = [dims] if isinstance(dims, int) else list(dims or [])
+                if not dims or x.dim in {self.norm_dim(q, x_val.dim()) for q in dims}:
+                    raise NotRowLocal(f"{name} over the rows")
+            if name in _NORMS:
+                shape = args.get("normalized_shape") or []
+                if x.dim >= x_val.dim() - len(shape):
+                    raise NotRowLocal(f"{name} normalises over the rows")
+            out = []
+            for piece in val:
+                out.append(self.out_rows(node, piece, x.pre, x.post) if isinstance(piece, torch.Tensor) else None)
+            return out
+        raise NotRowLocal(f"op {name} (several outputs) is not one streamplan knows to be row-local")
+
+    def attention(self, node: fx.Node, val) -> Rows | None:
+        a = bind(node)
+        q, k, v = a["query"], a["key"], a["value"]
+        qr, kr, vr = self.rows.get(q), self.rows.get(k), self.rows.get(v)
+        mask = a.get("attn_mask")
+        if float(a.get("dropout_p") or 0) > 0:
+            raise NotRowLocal("attention dropout")
+        for t, r in ((q, qr), (k, kr), (v, vr)):
+            if isinstance(r, Rows) and r.dim != t.meta["val"].dim() - 2:
+                raise NotRowLocal("attention whose rows are not the sequence dimension of Q, K or V")
+        if not isinstance(kr, Rows) and not isinstance(vr, Rows):   # cross-attention to static keys: row-local
+            if a.get("is_causal") and isinstance(qr, Rows):
+                raise NotRowLocal("causal attention of rows against static keys")
+            if isinstance(mask, fx.Node) and isinstance(self.rows.get(mask), Rows):
+                mr = self.rows[mask]
+                if not isinstance(qr, Rows) or mr.dim != mask.meta["val"].dim() - 2 or (mr.pre, mr.post) != (
+                        qr.pre, qr.post):
+                    raise NotRowLocal("an attention mask whose rows are not the queries'")
+            return self.out_rows(node, val, qr.pre, qr.post) if isinstance(qr, Rows) else None
+        if not (isinstance(kr, Rows) and isinstance(vr, Rows)) or (kr.pre, kr.post) != (vr.pre, vr.post):
+            raise NotRowLocal("attention whose K and V rows differ")
+        by_query = False
+        if mask is not None:
+            by_query = self.global_mask(mask, qr, kr)
+        causal = bool(a.get("is_causal"))
+        if causal and (not isinstance(qr, Rows) or (qr.pre, qr.post, kr.pre, kr.post) != (0, 0, 0, 0)):
+            raise NotRowLocal("causal attention over rows joined with static rows")
+        self.attentions.append(GlobalAttention(node, q, k, v, causal, a.get("scale"), kr,
+                                               qr if isinstance(qr, Rows) else None, mask, by_query,
+                                               float(a.get("softcap") or 0.0)))
+        return self.out_rows(node, val, qr.pre, qr.post) if isinstance(qr, Rows) else None
+
+    def global_mask(self, mask, qr, kr) -> bool:
+        """A mask over the rows' keys the generic path takes (True: its query rows are the rows, chunked with Q): an
+        input of the block given straight to the attention, either [.., 1, Nk] over the keys alone (whole for every Q
+        chunk: HunyuanVideo's text mask over the joint rows) or [.., N, Nk] over rows x rows (no static rows)."""
+        if not isinstance(mask, fx.Node) or mask.op != "placeholder" or mask not in self.user_inputs:
+            raise NotRowLocal("an attention mask over the rows' keys built inside the block (the generic path takes "
+                              "one given to the block)")
+        val, mr = mask.meta["val"], self.rows.get(mask)
+        if mask in self.masks:
+            if not isinstance(qr, Rows) or (qr.pre, qr.post, kr.pre, kr.post) != (0, 0, 0, 0):
+                raise NotRowLocal("a mask over rows x rows with static rows joined")
+            return True
+        if not isinstance(mr, Rows) or mr.dim != val.dim() - 1 or val.dim() < 2 or val.shape[-2] != 1 or \
+                (mr.pre, mr.post) != (kr.pre, kr.post):
+            raise NotRowLocal("an attention mask over the rows' keys whose layout is not [.., 1, keys] as K's rows")
+        if any(op_name(u.target) not in SDPA_OPS or bind(u).get("attn_mask") is not mask for u in mask.users):
+            raise NotRowLocal(f"input {mask.name}, an attention mask over the rows' keys, used otherwise too")
+        self.masks[mask] = mr   # given whole to every Q chunk
+        return False
+
+
+def analyze(graph: fx.Graph, symbol, user_inputs: set[fx.Node]) -> Analysis | str:
+    """The analysis, or why this graph cannot run in row chunks."""
+    an = _Analyzer(graph, symbol, user_inputs)
+    try:
+        an.run()
+    except NotRowLocal as exc:
+        if not an.joined:
+            return str(exc)
+        # an input with static rows joined to the dynamic ones: its static rows first failed, so try them last
+        an = _Analyzer(graph, symbol, user_inputs, frozenset(an.joined))
+        try:
+            an.run()
+        except NotRowLocal:
+            return str(exc)
+    output = next(n for n in graph.nodes if n.op == "output")
+    outs = list(output.args[0]) if isinstance(output.args[0], (tuple, list)) else [output.args[0]]
+    for o in outs:
+        if isinstance(o, fx.Node) and isinstance(an.rows.get(o), list):
+            return "an output is a tuple with rows"
+    ops = sum(1 for n in graph.nodes if n.op == "call_function")
+    return Analysis(an.rows, an.const, an.ignored, an.attentions, outs, ops, input_writes=an.input_writes,
+                    whole_inputs={a.mask for a in an.attentions if a.mask is not None and not a.mask_query_rows})

@@ -1,0 +1,185 @@
+"""Attention written by hand, found in a captured graph and made one attention op the analysis knows.
+
+``softmax(f(q @ k^T)) @ v`` over the rows is what "eager" attention is (transformers' ``eager_attention_forward``,
+hand-written attention in custom blocks): as ops over rows x rows the analysis cannot chunk it (the first matmul
+contracts over the rows). Where the graph has exactly that shape:
+
+    matmul(q, transpose(k))  ->  scalar mul/div ...  ->  [div c -> tanh -> mul c]  ->  [+ mask]  ->  softmax(-1)
+    ->  [cast]  ->  [dropout, off]  ->  matmul(., v)
+
+(K and V possibly through transformers' ``repeat_kv``: unsqueeze -> expand -> reshape, taken back to their own heads),
+the chain becomes one ``streamplan::eager_attention(query, key, value, attn_mask, scale, softcap)``: the scores
+scaled, soft-capped as ``c * tanh(s / c)`` where the graph does that (Gemma 2's attention logit soft-capping), the mask
+added, softmax in fp32. Anything else in the chain, or a chain value used elsewhere, leaves the graph as it was (and
+the block stock, named by the analysis).
+"""
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+from .analyze import IGNORED_OPS, op_name
+
+
+@torch.library.custom_op("streamplan::eager_attention", mutates_args=())
+def eager_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
+                    scale: float, softcap: float) -> torch.Tensor:
+    """Whole attention as the matched chain computes it (reference and fallback; streamed chunks go through the
+    attention consumer): scores in fp32, soft-capped where ``softcap`` > 0, the mask added, softmax in fp32."""
+    B, H, n, D = query.shape
+    rep = H // key.shape[1]
+    k, v = key.repeat_interleave(rep, 1), value.repeat_interleave(rep, 1)
+    s = torch.matmul(query.float(), k.float().transpose(-1, -2)) * scale
+    if softcap > 0:
+        s = torch.tanh(s / softcap) * softcap
+    if attn_mask is not None:
+        s = s.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else s + attn_mask.float()
+    return torch.matmul(torch.softmax(s, dim=-1), v.float()).to(query.dtype)
+
+
+@eager_attention.register_fake
+def _(query, key, value, attn_mask, scale, softcap):
+    return torch.empty_like(query, memory_format=torch.contiguous_format)
+
+
+_SCALARS = {"mul", "div"}
+
+
+@dataclass
+class _Match:
+    q: fx.Node
+    k: fx.Node
+    v: fx.Node
+    mask: fx.Node | None
+    scale: float
+    softcap: float
+    chain: list[fx.Node]     # the nodes replaced (erased once the new op has their uses)
+    out: fx.Node             # the second matmul
+
+
+def _only_user(n: fx.Node) -> fx.Node | None:
+    users = [u for u in n.users if u.target not in IGNORED_OPS]
+    return users[0] if len(users) == 1 else None
+
+
+def _scalar(n: fx.Node) -> float | None:
+    """The scalar factor of ``mul``/``div`` by a number (None otherwise)."""
+    if len(n.args) != 2 or not isinstance(n.args[1], numbers.Number) or isinstance(n.args[1], bool):
+        return None
+    return float(n.args[1])
+
+
+def _unrepeat(n: fx.Node) -> fx.Node:
+    """transformers' ``repeat_kv`` (unsqueeze(2) -> expand -> reshape to more heads) taken back to its input."""
+    if op_name(n.target) not in ("reshape", "view", "_unsafe_view"):
+        return n
+    e = n.args[0]
+    if not isinstance(e, fx.Node) or op_name(e.target) != "expand":
+        return n
+    u = e.args[0]
+    if not isinstance(u, fx.Node) or op_name(u.target) != "unsqueeze" or u.args[1] != 2:
+        return n
+    src = u.args[0]
+    sv, nv = src.meta.get("val"), n.meta.get("val")
+    if sv is None or nv is None or sv.dim() != 4 or nv.dim() != 4 or nv.shape[1] % sv.shape[1]:
+        return n
+    return src
+
+
+def _match(sm: fx.Node) -> _Match | None:
+    val = sm.meta.get("val")
+    dim = sm.args[1] if len(sm.args) > 1 else sm.kwargs.get("dim")
+    if val is None or val.dim() != 4 or dim not in (-1, 3):
+        return None
+    chain = [sm]
+    x = sm.args[0]
+    mask = None
+    if op_name(x.target) == "add" and len(x.args) == 2 and all(isinstance(a, fx.Node) for a in x.args) \
+            and _only_user(x) is sm:
+        chain.append(x)
+        left, right = x.args
+        x, mask = (left, right) if op_name(right.target) not in _SCALARS | {"tanh", "matmul"} else (right, left)
+    ops = []
+    while isinstance(x, fx.Node) and op_name(x.target) in _SCALARS | {"tanh"}:
+        if _only_user(x) is not chain[-1] or (op_name(x.target) != "tanh" and _scalar(x) is None):
+            return None
+        chain.append(x)
+        ops.append(x)
+        x = x.args[0]
+    if not isinstance(x, fx.Node) or op_name(x.target) != "matmul" or _only_user(x) is not chain[-1]:
+        return None
+    chain.append(x)
+    q, kt = x.args
+    if op_name(kt.target) != "transpose" or sorted(d % 4 for d in kt.args[1:3]) != [2, 3] or _only_user(kt) is not x:
+        return None
+    chain.append(kt)
+    # the scalar ops from the matmul outward: factors, then an optional c * tanh(s / c)
+    ops.reverse()
+    scale, softcap = 1.0, 0.0
+    tanh = [i for i, o in enumerate(ops) if op_name(o.target) == "tanh"]
+    if len(tanh) > 1:
+        return None
+    if tanh:
+        i = tanh[0]
+        if i == 0 or i + 2 != len(ops) or op_name(ops[i - 1].target) != "div" or op_name(ops[i + 1].target) != "mul" \
+                or _scalar(ops[i - 1]) != _scalar(ops[i + 1]) or not _scalar(ops[i - 1]):
+            return None
+        softcap = _scalar(ops[i - 1])
+        ops = ops[:i - 1]
+    for o in ops:
+        f = _scalar(o)
+        if op_name(o.target) == "div" and not f:
+            return None
+        scale = scale * f if op_name(o.target) == "mul" else scale / f
+    # after the softmax: an optional cast, an optional dropout that is off, then the matmul with V
+    y = _only_user(sm)
+    while y is not None and op_name(y.target) in ("to", "_to_copy", "type_as", "dropout"):
+        if op_name(y.target) == "dropout" and (float(y.args[1]) > 0 and bool(y.args[2] if len(y.args) > 2 else True)):
+            return None
+        chain.append(y)
+        y = _only_user(y)
+    if y is None or op_name(y.target) != "matmul" or y.args[0] is not chain[-1]:
+        return None
+    k = _unrepeat(kt.args[0])
+    v = _unrepeat(y.args[1])
+    if k is not kt.args[0]:
+        chain.append(kt.args[0])
+    if v is not y.args[1]:
+        chain.append(y.args[1])
+    if mask is not None and (mask.meta.get("val") is None or mask.meta["val"].dim() != 4):
+        return None
+    return _Match(q, k, v, mask, scale, softcap, chain, y)
+
+
+def fuse_eager_attention(graph: fx.Graph) -> int:
+    """Replace every hand-written attention chain in ``graph`` by one ``streamplan::eager_attention``; returns how
+    many. Nodes of the chain that something else still uses stay (the graph stays correct either way)."""
+    found = 0
+    for sm in [n for n in graph.nodes if n.op == "call_function" and op_name(n.target) in ("softmax", "_softmax")]:
+        m = _match(sm)
+        if m is None:
+            continue
+        with graph.inserting_before(m.out):
+            new = graph.call_function(torch.ops.streamplan.eager_attention.default,
+                                      (m.q, m.k, m.v, m.mask, m.scale, m.softcap))
+        new.meta = dict(m.out.meta)
+        m.out.replace_all_uses_with(new)
+        for n in [m.out, *m.chain]:
+            for u in list(n.users):
+                if u.target in IGNORED_OPS and not u.users:
+                    graph.erase_node(u)
+        for n in sorted([m.out, *m.chain], key=_order(graph), reverse=True):
+            if not n.users:
+                graph.erase_node(n)
+        found += 1
+    if found:
+        graph.lint()
+    return found
+
+
+def _order(graph: fx.Graph):
+    index = {n: i for i, n in enumerate(graph.nodes)}
+    return lambda n: index[n]

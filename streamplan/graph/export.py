@@ -1,0 +1,325 @@
+"""Capture: a block's forward traced once to an ATen graph with its row count symbolic (``torch.export``), cached per
+class and input signature and reused for every block of that class with its own parameters."""
+from __future__ import annotations
+
+import gc
+import inspect
+import logging
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass, fields, is_dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from ..registries import ARGUMENT_RECORDS, CAPTURE_CONTEXTS, CAPTURE_STATE_ATTRS
+
+log = logging.getLogger("streamplan")
+
+MAX_ROWS = 1 << 26
+MIN_ROWS_RETRY = 256
+
+
+@dataclass(eq=False)
+class Captured:
+    """One exported forward: the graph, what each placeholder is, and how long the capture took."""
+
+    program: Any                      # torch.export.ExportedProgram
+    graph: torch.fx.Graph
+    inputs: list[tuple[str, str]]     # per placeholder, in order: (kind, target or user-input index)
+    in_spec: Any
+    out_spec: Any
+    row_symbol: Any                   # the sympy symbol of the row count
+    seconds: float
+    min_rows: int = 2                 # the fewest rows the capture is valid for: no chunk is smaller
+
+
+def rows_of_call(args: tuple, kwargs: dict) -> int | None:
+    """The row count of a block call: dim 1 of its first [batch, rows, features] tensor."""
+    for leaf in pytree.tree_leaves((args, kwargs)):
+        if isinstance(leaf, torch.Tensor) and leaf.dim() == 3:
+            return leaf.shape[1]
+    return None
+
+
+def rows_problem(args: tuple, kwargs: dict) -> str:
+    """Why a call has no rows to stream, in the report's words (``rows_of_call`` found fewer than two)."""
+    first = next((leaf for leaf in pytree.tree_leaves((args, kwargs))
+                  if isinstance(leaf, torch.Tensor) and leaf.dim() == 3), None)
+    if first is None:
+        return "no [batch, rows, features] input to take rows from"
+    if first.shape[0] > 1 >= first.shape[1]:
+        return (f"its first 3-D input is {tuple(first.shape)}: a sequence-first [rows, batch, features] layout "
+                "(rows are read from dim 1 of [batch, rows, features]) is not streamed")
+    return f"{first.shape[1]} row(s) in its first [batch, rows, features] input: nothing to stream"
+
+
+def joined_offsets(args: tuple, kwargs: dict, rows: int) -> set[int]:
+    """Static row counts that may be joined to the rows in an input (a rotary table may cover text + image rows:
+    ``[T + N, d]``): the sequence lengths (dim 1) of the call's other 3-D tensors."""
+    return {leaf.shape[1] for leaf in pytree.tree_leaves((args, kwargs))
+            if isinstance(leaf, torch.Tensor) and leaf.dim() == 3 and 0 < leaf.shape[1] != rows}
+
+
+def _size_key(s: int, rows: int, offsets: set[int]):
+    if s == rows:
+        return "N"
+    if s - rows in offsets:
+        return f"N+{s - rows}"
+    return s
+
+
+def _records(args: tuple, kwargs: dict) -> None:
+    """Register as pytree nodes the declared argument records (``ir.register_argument_record``) among the call's
+    leaves, so they flatten into their tensor fields (before the cache signature and the export see them)."""
+    for leaf in pytree.tree_leaves((args, kwargs)):
+        cls = type(leaf)
+        if f"{cls.__module__}:{cls.__qualname__}" in ARGUMENT_RECORDS and is_dataclass(cls) and \
+                cls not in pytree.SUPPORTED_NODES:
+            pytree.register_dataclass(cls)
+            _records(args, kwargs)   # a record inside a record
+            return
+
+
+def _is_record(x: object) -> bool:
+    cls = type(x)
+    return f"{cls.__module__}:{cls.__qualname__}" in ARGUMENT_RECORDS and cls in pytree.SUPPORTED_NODES
+
+
+def _dyn_leaf(x: object) -> bool:
+    return isinstance(x, torch.Tensor) or x is None or _is_record(x)
+
+
+def signature(module: nn.Module, args: tuple, kwargs: dict, rows: int) -> tuple:
+    """What a capture depends on: the class and forward, each leaf's shape with the row count abstracted, dtypes,
+    devices, the non-tensor leaves, and the call's structure."""
+    _records(args, kwargs)
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    offsets = joined_offsets(args, kwargs, rows)
+    sig = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            sig.append((tuple(_size_key(s, rows, offsets) for s in leaf.shape), leaf.dtype, leaf.device.type,
+                        leaf.requires_grad))
+        elif isinstance(leaf, (int, float, bool, str, type(None))):
+            sig.append(leaf)
+        else:
+            sig.append(type(leaf).__name__)
+    fwd = type(module).forward
+    return (type(module), getattr(fwd, "__code__", fwd), str(spec), tuple(sig), structure(module))
+
+
+_SIMPLE = (int, float, bool, str, type(None))
+
+
+
+
+def _plain(v: object) -> object:
+    """A simple value, or a tuple, list or str-keyed dict of simple values, as something hashable; else None."""
+    if isinstance(v, _SIMPLE):
+        return (v,)
+    if isinstance(v, (tuple, list)) and all(isinstance(x, _SIMPLE) for x in v):
+        return tuple(v)
+    if isinstance(v, dict) and all(isinstance(a, str) and isinstance(x, _SIMPLE) for a, x in v.items()):
+        return tuple(sorted(v.items()))
+    return None
+
+
+def structure(module: nn.Module) -> tuple:
+    """What else a capture depends on: every submodule's class and plain settings (eps, flags, activation names,
+    its attention processor's class), parameters' and buffers' names, shapes and dtypes. Two blocks of one class
+    built differently (SD3.5's dual attention, a norm without affine weights) must not share a capture."""
+    out = []
+    for name, m in module.named_modules():
+        plain = []
+        for k, v in sorted(vars(m).items()):
+            if k == "training":
+                continue
+            if k.startswith("_"):   # private state a library declares its forward reads (ir.register_capture_state)
+                if k in CAPTURE_STATE_ATTRS and _plain(v) is not None:
+                    plain.append((k, _plain(v)))
+                continue
+            if _plain(v) is not None:   # simple tables too (a LoRA layer's per-adapter scaling, baked into the graph)
+                plain.append((k, _plain(v)))
+            elif not isinstance(v, (torch.Tensor, nn.Module, dict, list)) and not callable(v):
+                plain.append((k, type(v).__qualname__))   # a processor or config object: its class
+            elif callable(v) and not isinstance(v, nn.Module):
+                plain.append((k, getattr(v, "__qualname__", type(v).__qualname__)))
+        out.append((name, type(m).__qualname__, tuple(plain)))
+    out.extend((n, tuple(t.shape), t.dtype) for n, t in module.named_parameters())
+    out.extend((n, tuple(t.shape), t.dtype) for n, t in module.named_buffers())
+    return tuple(out)
+
+
+def _export(export, module: nn.Module, args: tuple, kwargs: dict, dynamic: dict) -> tuple[Any, bool]:
+    """``torch.export`` at this call. Where export cannot prove a guard on the row count for every count
+    ("Constraints violated (rows)": torch 2.11 cannot prove ``min(16*rows, 32*rows) == 16*rows`` from
+    the reshape of an expanded K/V that eager grouped-query attention makes), the trace is taken once more with
+    the guards left in the graph as assertions, and kept only if sympy proves each of them for every positive count
+    (the executors do not run assertions). Also whether a trace failed on the way (``capture`` then collects the
+    reference cycles a failed trace leaves)."""
+    with torch.no_grad(), ExitStack() as contexts:
+        for context in CAPTURE_CONTEXTS:   # what a block's library swaps while it is traced (ir)
+            held = context(module)
+            if held is not None:
+                contexts.enter_context(held)
+        try:
+            return export(module, tuple(args), dict(kwargs), dynamic_shapes=dynamic, strict=False), False
+        except Exception as exc:  # noqa: BLE001 -- only the constraint failure is retried
+            if "Constraints violated" not in str(exc):
+                raise
+        # retried outside the handler: the failure's traceback is let go before the second trace
+        program = export(module, tuple(args), dict(kwargs), dynamic_shapes=dynamic, strict=False,
+                         prefer_deferred_runtime_asserts_over_guards=True)
+        unproven = _unproven_assertion(program.graph)
+        if unproven is not None:
+            raise RuntimeError(f"a guard on the row count that holds only for some counts: {unproven}")
+        return program, True
+
+
+def _reason(exc: Exception) -> str:
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return f"capture failed ({type(exc).__name__}: {text[:200]})"
+
+
+def _unproven_assertion(graph: torch.fx.Graph) -> str | None:
+    """The first runtime assertion over the row count that sympy cannot prove for every positive count, or None."""
+    for node in graph.nodes:
+        if node.target is not torch.ops.aten._assert_scalar.default:
+            continue
+        cond = node.args[0]
+        val = cond.meta.get("val") if isinstance(cond, torch.fx.Node) else cond
+        if isinstance(val, bool) and val:
+            continue
+        if not isinstance(val, torch.SymBool) or not provable(val.node.expr):
+            return str(val.node.expr if isinstance(val, torch.SymBool) else val)
+    return None
+
+
+def provable(expr) -> bool:
+    """Whether a sympy condition over row counts holds for every positive integer count."""
+    import sympy
+    for name, fn in (("Min", sympy.Min), ("Max", sympy.Max)):   # torch's own Min/Max do not simplify
+        expr = expr.replace(lambda e, n=name: isinstance(e, sympy.Basic) and type(e).__name__ == n,
+                            lambda e, f=fn: f(*e.args))
+    positive = {sym: sympy.Symbol(f"{sym}_p", integer=True, positive=True) for sym in expr.free_symbols}
+    return sympy.simplify(expr.subs(positive)) is sympy.true
+
+
+def capture(module: nn.Module, args: tuple, kwargs: dict, rows: int) -> Captured | str:
+    """Export ``module`` at this call with every dimension of size ``rows`` made one symbolic row count. Runs on
+    fake tensors: nothing the size of the call is allocated."""
+    from torch.export import Dim, export
+    from torch.export.graph_signature import InputKind
+
+    _records(args, kwargs)
+    odd = [type(leaf).__name__ for leaf in pytree.tree_leaves((args, kwargs))
+           if not isinstance(leaf, (torch.Tensor, int, float, bool, str, type(None)))]
+    if odd:   # a cache object, say: export takes tensors and plain values only
+        return f"an argument of type {odd[0]} the capture cannot take (a cache: calls with one run stock)"
+    offsets = joined_offsets(args, kwargs, rows)
+    dim = None
+
+    def dyn(leaf, joined: bool):
+        if _is_record(leaf):   # export takes a dataclass's dynamic shapes as the list of its fields'
+            return [pytree.tree_map(lambda x: dyn(x, joined), getattr(leaf, f.name), is_leaf=_dyn_leaf)
+                    for f in fields(leaf)]
+        if isinstance(leaf, torch.Tensor):
+            return {i: (dim if s == rows else dim + (s - rows)) for i, s in enumerate(leaf.shape)
+                    if s == rows or (joined and s - rows in offsets)} or None
+        return None
+
+    try:
+        bound = dict(inspect.signature(type(module).forward).bind(module, *args, **kwargs).arguments)
+        bound.pop(next(iter(bound)))   # self
+    except TypeError as exc:
+        return f"the call does not match its forward's signature ({exc})"
+    # keywords the forward takes only through its ``**kwargs`` (transformers' ``use_cache=False``, Cohere 2's
+    # ``position_ids``): torch.export lists them both alone and inside the ``**kwargs`` dict and then fails to match
+    # the dynamic shapes ("Must provide a tree_name"), so they are traced as named keyword parameters of the forward
+    fwd_sig = inspect.signature(type(module).forward)
+    var_kw = next((p.name for p in fwd_sig.parameters.values() if p.kind == inspect.Parameter.VAR_KEYWORD), None)
+    extra = bound.pop(var_kw) if var_kw in bound else {}
+    bound.update(extra)
+    start = time.perf_counter()
+    failed = False   # a trace failed inside torch.export: see the collection below
+    installed = module.__dict__.pop("forward", None)   # streamplan's own wrapper: trace the class forward
+    if extra:
+        cls_forward = type(module).forward
+
+        def named_forward(*a, **kw):
+            return cls_forward(module, *a, **kw)
+
+        named_forward.__signature__ = fwd_sig.replace(parameters=[
+            p for p in list(fwd_sig.parameters.values())[1:] if p.kind != inspect.Parameter.VAR_KEYWORD] + [
+            inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=None) for k in extra])
+        module.forward = named_forward
+    try:
+        # first with dimensions of size rows + (another input's sequence length) as the rows joined to static
+        # rows (Flux's rotary over text + image), then, if that fails, with the exact row count alone
+        tries = (True, False) if any(_size_key(s, rows, offsets) not in ("N", s) for leaf in pytree.tree_leaves(
+            (args, kwargs)) if isinstance(leaf, torch.Tensor) for s in leaf.shape) else (False,)
+        # a trace may assume more rows than two (a kernel's block size: "128/5 <= rows" seen with torch 2.11 on
+        # CUDA): then the capture is retried valid from MIN_ROWS_RETRY rows on, and chunks never go below that
+        lows = (2, MIN_ROWS_RETRY) if rows >= 2 * MIN_ROWS_RETRY else (2,)
+        attempts = [(joined, lo) for lo in lows for joined in tries]
+        # the first failure's reason, as text (an exception kept would keep its traceback's frames)
+        first_reason: str | None = None
+        for i, (joined, lo) in enumerate(attempts):
+            dim = Dim("rows", min=lo, max=MAX_ROWS)
+            dynamic = {k: pytree.tree_map(lambda x: dyn(x, joined), v, is_leaf=_dyn_leaf)
+                       for k, v in bound.items()}
+            try:
+                program, failed = _export(export, module, args, kwargs, dynamic)
+                failed = failed or first_reason is not None
+                min_rows = lo
+                break
+            except Exception as exc:  # noqa: BLE001 -- any capture failure keeps the module stock, with the reason
+                first_reason, failed = first_reason or _reason(exc), True
+                if i + 1 < len(attempts):
+                    continue
+                return first_reason
+    finally:
+        if extra:
+            del module.forward
+        if installed is not None:
+            module.forward = installed
+        # a trace that failed inside torch.export leaves reference cycles among its frames; through their callers
+        # they keep the streamed call that captured (its inputs, K/V and output buffers) alive until the cycle
+        # collector runs (on the H200 under torch 2.11 one layer's V, 0.5 GiB at 131k tokens, held into the next
+        # layer's budget): collected now, only where a trace failed (a full collection costs ~0.3 s)
+        if failed:
+            gc.collect()
+    seconds = time.perf_counter() - start
+    sig = program.graph_signature
+    if sig.buffers_to_mutate or getattr(sig, "user_inputs_to_mutate", None):
+        return "its forward writes in place to an input or buffer"
+    inputs, user = [], 0
+    for s in sig.input_specs:
+        if s.kind == InputKind.USER_INPUT:
+            inputs.append(("user", user))
+            user += 1
+        elif s.kind in (InputKind.PARAMETER, InputKind.BUFFER):
+            inputs.append(("param" if s.kind == InputKind.PARAMETER else "buffer", s.target))
+        elif s.kind == InputKind.CONSTANT_TENSOR:
+            inputs.append(("constant", s.target))
+        else:
+            return f"capture has an input of kind {s.kind.name} streamplan does not run"
+    symbol = None
+    for node in program.graph.nodes:
+        val = node.meta.get("val")
+        if node.op == "placeholder" and isinstance(val, torch.Tensor):
+            for size in val.shape:
+                if isinstance(size, torch.SymInt) and len(size.node.expr.free_symbols) == 1:
+                    symbol = next(iter(size.node.expr.free_symbols))   # rows + a constant: its symbol
+                    break
+        if symbol is not None:
+            break
+    if symbol is None or not getattr(symbol, "is_Symbol", False):
+        return "no input dimension became the symbolic row count"
+    log.info("streamplan: captured %s in %.2f s (%d graph nodes)", type(module).__name__, seconds,
+             len(program.graph.nodes))
+    return Captured(program, program.graph, inputs, program.call_spec.in_spec, program.call_spec.out_spec, symbol,
+                    seconds, min_rows=min_rows)

@@ -1,0 +1,137 @@
+"""The phases of a captured block, worked out once per capture: which nodes phase KV runs for each global attention
+(its K and V with the writes into their storage), which nodes phase Q runs, which op may write each K, V or output
+straight into its buffer, and what each phase computes in place (joins built by their parts, results over dying
+operands). The executor (``streamplan.execute.graph_run``) and the memory model (``memory``) both read it from here."""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+from torch import fx
+
+from .analyze import VIEW_OPS, Analysis, Rows, op_name, written_args
+from .direct_writes import producer
+from .export import Captured
+from .in_place import find_reuse
+from .joins_in_place import Join, find_joins
+from .row_pieces import is_view
+
+
+@dataclass(eq=False)
+class Phases:
+    """The node lists each phase runs (constants excluded) and what each keeps to the end; worked out once per
+    capture with what the runs may do besides running them (``producers``, ``last``, ``done``)."""
+
+    const: list[fx.Node]
+    kv: list[list[fx.Node]]          # per global attention, in graph order
+    q: list[fx.Node]
+    writes: dict = field(default_factory=dict)   # in-place writes each node depends on (``writes_before``)
+    producers: dict = field(default_factory=dict)  # K, V or output -> the op that may write it into its buffer
+    last: set = field(default_factory=set)       # outputs whose producer only views follow: may write a donated input
+    done: dict = field(default_factory=dict)     # ``in_place``'s and ``find_chains``' answers per phase and keep
+
+
+def writes_before(order: list[fx.Node], base: dict[fx.Node, fx.Node] | None = None) -> dict[fx.Node, set[fx.Node]]:
+    """For every node, the in-place writes before it into storage it reads (``copy_`` into slices of an
+    ``empty_like``): data flow the graph's edges do not show, but a phase that needs the value needs the writes.
+    ``base`` (filled when given) maps each view or write to the node whose storage it uses."""
+    base = {} if base is None else base
+    writes: dict[fx.Node, list[fx.Node]] = {}
+    extra: dict[fx.Node, set[fx.Node]] = {}
+    for n in order:
+        ins = n.all_input_nodes
+        name = op_name(n.target)
+        reads = {base.get(m, m) for m in ins}
+        extra[n] = {w for b in reads for w in writes.get(b, [])}
+        if ins and (name in VIEW_OPS or n.target is operator.getitem or name.endswith("_")):
+            base[n] = base.get(ins[0], ins[0])
+        if name.endswith("_") and ins:   # into every argument it writes (by its schema), else its first
+            for w in written_args(n) or ins[:1]:
+                writes.setdefault(base.get(w, w), []).append(n)
+    return extra
+
+
+def ancestors(roots: list[fx.Node], stop: set[fx.Node], extra: dict[fx.Node, set[fx.Node]],
+               replaced: dict[fx.Node, list[fx.Node]] | None = None) -> set[fx.Node]:
+    """What ``roots`` need; a node in ``replaced`` needs only the nodes given there (a global attention in phase Q
+    reads its Q chunk alone: K and V come from phase KV's buffers)."""
+    seen: set[fx.Node] = set()
+    todo = [r for r in roots if isinstance(r, fx.Node)]
+    replaced = replaced or {}
+    while todo:
+        n = todo.pop()
+        if n in seen or n in stop:
+            continue
+        seen.add(n)
+        if n in replaced:
+            todo.extend(replaced[n])
+            continue
+        todo.extend(n.all_input_nodes)
+        todo.extend(extra.get(n, ()))
+    return seen
+
+
+def phases(cap: Captured, an: Analysis) -> Phases:
+    order = [n for n in cap.graph.nodes if n.op == "call_function" and n not in an.ignored]
+    const = [n for n in order if n in an.const]
+    stop = set(an.const) | {n for n in cap.graph.nodes if n.op == "placeholder"}
+    base: dict[fx.Node, fx.Node] = {}
+    output = next(n for n in cap.graph.nodes if n.op == "output")
+    extra = writes_before(order + [output], base)
+    kv = []
+    for att in an.attentions:
+        # K and V as the attention reads them: with the writes into their storage between their creation and the
+        # attention (CogVideoX's rotary copied into the image rows of K after its norm)
+        kv_bases = {base.get(att.k, att.k), base.get(att.v, att.v)}
+        late = [w for w in extra.get(att.node, ()) if base.get(w) in kv_bases]
+        need = ancestors([att.k, att.v, *late], stop, extra)
+        # K's chain first, then what V alone needs: V's projection is not held through K's norm and rotary
+        first = ancestors([att.k], stop, extra) if not late else need
+        kv.append([n for n in order if n in first] + [n for n in order if n in need and n not in first])
+    q_only = {att.node: [att.q, *(w for w in extra.get(att.node, ()) if base.get(w) == base.get(att.q, att.q))]
+              for att in an.attentions}
+    need = ancestors([o for o in an.outputs if isinstance(o, fx.Node)] + list(extra.get(output, ())), stop, extra,
+                      q_only)
+    q = [n for n in order if n in need]
+    values = [v for att in an.attentions for v in (att.k, att.v)] + rowed_outputs(an)
+    producers = {v: p for v in values if (p := producer(v, an)) is not None}
+    # a donated output's producer overwrites the input's rows: nothing after it in phase Q may read them
+    last = {v for v, p in producers.items() if p in q and all(is_view(n) for n in q[q.index(p) + 1:])}
+    return Phases(const, kv, q, extra, producers, last)
+
+
+def in_place(nodes: list[fx.Node], an: Analysis, ph: Phases, keep: set) -> tuple[dict[fx.Node, Join],
+                                                                                dict[fx.Node, fx.Node]]:
+    """What a phase (``nodes`` as it runs, ``keep`` handed on) computes in place: joins built by their parts
+    (``joins``), and ops written over an operand that dies with them (``reuse``); the executor and the memory model
+    both take it from here, worked out once per capture."""
+    key = (tuple(nodes), frozenset(keep))
+    if key in ph.done:
+        return ph.done[key]
+    if an.static_rows:   # computed once per phase, not per chunk: nothing of theirs in place
+        found: tuple[dict, dict] = ({}, {})
+    else:
+        joins = find_joins(nodes, an)
+        # a join's parts are slices of its buffer; a join itself is a buffer of its own unless it writes into one
+        avoid = {a.node for a in an.attentions} | set(ph.producers.values()) | {n for n, j in joins.items()
+                                                                                if n is not j.node}
+        found = (joins, find_reuse(nodes, an, keep, avoid))
+    ph.done[key] = found
+    return found
+
+
+def rowed_outputs(an: Analysis) -> list[fx.Node]:
+    return [o for o in an.outputs if isinstance(o, fx.Node) and isinstance(an.rows.get(o), Rows)]
+
+
+def last_uses(nodes: list[fx.Node], extra: dict | None = None) -> dict[int, list[fx.Node]]:
+    """After which node each value is used for the last time; ``extra`` adds inputs a node reads off the graph's edges
+    (a feature-sliced MLP's exit reads its region's inputs)."""
+    last: dict[fx.Node, int] = {}
+    for i, n in enumerate(nodes):
+        for m in [*n.all_input_nodes, *(extra or {}).get(n, ())]:
+            last[m] = i
+    frees: dict[int, list[fx.Node]] = {}
+    for m, i in last.items():
+        frees.setdefault(i, []).append(m)
+    return frees

@@ -1,0 +1,616 @@
+"""Choosing a tier and chunk sizes per operation from its spec, its runtime shape and a budget."""
+from __future__ import annotations
+
+import functools
+from dataclasses import asdict, dataclass
+from typing import Callable
+from enum import Enum
+
+from .budget import fmt_bytes
+from ..specs import MLPSpec
+from .weight_formats import can_slice_in, can_slice_out, slice_align
+
+DEFAULT_CHUNK_TOKENS = 4096   # used when neither a budget nor a chunk is given
+ROW_ALIGN = 256               # budget-chosen chunks are multiples of this (GEMM-friendly)
+MIN_CHUNK_TOKENS = 256        # smallest row chunk the planner will choose on its own
+# Rows per chunk below which GEMMs lose throughput: on the H200 (2026-11-30, bf16, benchmarks/gpu_planner.py) the
+# Wan/Flux projections reach 85-93% of their best at 2048 rows and 90-100% at 4096. The planner climbs the tier
+# ladder before it goes below this; on CPU there is no such cliff worth a tier.
+UTILISATION_FLOOR = {"cuda": 2048, "meta": 2048}   # planning on meta tensors is planning for a GPU
+# Fused attention kernels run one block per (128 query rows, head): a chunk whose blocks fill whole waves of the
+# GPU's multiprocessors wastes no partial wave. On the H200 (132 SMs, 40 heads) 4224-row chunks ran 1-1.5% faster
+# than 4096-row ones at 131k tokens (benchmarks/results/suite_waves.json).
+ATTENTION_TILE_ROWS = 128
+
+
+@dataclass(frozen=True)
+class Waves:
+    """How one chunk's attention blocks (``batch_heads`` per ``tile`` query rows) fill the device's multiprocessors;
+    the default (nothing known) leaves chunks as the budget gives them."""
+
+    multiprocessors: int = 0
+    batch_heads: int = 0
+    tile: int = ATTENTION_TILE_ROWS
+
+    @property
+    def quantum(self) -> int:
+        """Smallest row count whose attention blocks fill whole waves."""
+        import math
+        if self.multiprocessors <= 0 or self.batch_heads <= 0:
+            return 1
+        return self.tile * self.multiprocessors // math.gcd(self.batch_heads, self.multiprocessors)
+
+    def round(self, chunk: int, rows: int) -> int:
+        """A planner-chosen chunk rounded down to whole waves when that keeps at least one quantum; below one
+        quantum, the tile count (down to ``BELOW_QUANTUM_KEEP`` of it) whose last wave is fullest: 21 tiles x 56 heads
+        fill 9 waves of 132 to 99%, 22 tiles fill 10 to 93% (the H3 block at 65,536 rows)."""
+        q = self.quantum
+        if q <= 1 or chunk >= rows:
+            return chunk
+        if chunk >= q:
+            return chunk // q * q
+        most = chunk // self.tile
+        if most < 2:
+            return chunk
+
+        def per_tile(t: int) -> float:   # waves per tile: the time of a row, up to a constant
+            return -(-t * self.batch_heads // self.multiprocessors) / t
+
+        least = max(1, int(most * BELOW_QUANTUM_KEEP + 0.999))
+        best = min(per_tile(t) for t in range(least, most + 1))
+        # the most tiles within 1% of the best: fewer rows per chunk cost per-chunk work the waves do not show
+        return max(t for t in range(least, most + 1) if per_tile(t) <= best * 1.01) * self.tile
+
+
+BELOW_QUANTUM_KEEP = 0.85
+# planning on meta tensors is planning for the H200 (its rates above): its multiprocessors
+META_MULTIPROCESSORS = 132
+
+
+def wave_waste(waves: Waves, rows: int, groups: int = 1) -> float:
+    """Time lost to the last partial wave of one attention call over ``rows`` query rows and a ``groups``-th of the
+    heads, as a share of its work (0: nothing known, or whole waves)."""
+    heads = waves.batch_heads // max(1, groups)
+    if waves.multiprocessors <= 0 or heads <= 0 or rows <= 0:
+        return 0.0
+    tiles = -(-rows // waves.tile) * heads
+    return -(-tiles // waves.multiprocessors) * waves.multiprocessors / tiles - 1.0
+
+
+MIN_FFN_SLICE = 256
+# Stock is kept only with this much room to spare: its estimate misses allocator fragmentation and libraries'
+# temporaries, and being wrong there is an out-of-memory, not a slower run (H200, Wan2.1-14B block at 217,088 rows
+# under group offloading and a 24 GiB cap: stock estimated 18.6 GiB, ran out with 2.9 GiB reserved unallocated;
+# benchmarks/results/gpu_compose_wan14b_40l_first.json).
+STOCK_MARGIN = 0.15
+
+
+def stock_fits(stock: int, budget: int) -> bool:
+    return stock * (1 + STOCK_MARGIN) <= budget
+
+
+class Tier(str, Enum):
+    """The tier ladder (DESIGN.md section 3); a str, so plans compare, print and serialise as "L1"."""
+
+    L0 = "L0"   # stock: the module's own forward
+    L1 = "L1"   # row-streamed
+    L2 = "L2"   # + feature-sliced MLP
+    L3 = "L3"   # + head-grouped K/V
+    L4 = "L4"   # host-staged K/V: exact, read back in blocks merged by log-sum-exp
+    L5 = "L5"   # approximate K/V stores (int8, fp8): opt-in only
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+class BudgetError(ValueError):
+    """Nothing the planner can build fits the budget; raised before any work runs."""
+
+
+# tiers whose plan's ``ffn_slice`` slices the MLP (L1's is the whole MLP; L4/L5 plans may slice it to fit their chunk)
+SLICED_TIERS = (Tier.L2, Tier.L3, Tier.L4, Tier.L5)
+
+
+@dataclass
+class Plan:
+    """One operation's schedule for one input signature: data, printable, serialisable."""
+
+    tier: Tier           # L0 stock, L1 row-streamed, L2 + feature-sliced MLP, L3 + head-grouped K/V
+    rows: int
+    chunk: int           # rows per chunk (== rows for L0)
+    ffn_slice: int       # MLP hidden features per slice (== ffn unless L2; 0 for attention)
+    predicted_peak: int  # bytes above the inputs, outputs included
+    stock_peak: int
+    note: str = ""       # what a model-level plan does (its blocks carry their own plans)
+    head_groups: int = 1  # L3: K/V built and attended for kv_heads / head_groups heads at a time
+    live_bytes: int = 0  # the call's inputs, alive throughout (a whole model's peak adds them)
+    budget: int | None = None  # what this operation was allowed (the budget less the live inputs)
+    kv: str = "device"   # where K/V live between the phases: device, host (L4), int8 or fp8 (L5)
+    kv_block: int = 0    # L4/L5: K/V rows read back per block in phase Q
+    host_traffic: int = 0  # L4: bytes moved between host and device per call (K/V out once, back once per Q pass)
+    q: str = "chunks"    # "whole": Q built chunk by chunk into one buffer, attended in one call (a consumer that
+                         # needs every query row at once), the rest of the block streamed over the attention's output
+    q_span: int = 0      # L4/L5: query rows attended per pass over the store (several chunks' Q built into one buffer,
+                         # the rest of the block run over rows of its output); 0: each chunk's Q alone
+
+    @property
+    def predicted_total(self) -> int:
+        return self.live_bytes + self.predicted_peak
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "tier": str(self.tier)}
+
+    def describe(self) -> str:
+        if self.note:
+            return f"{self.tier} {self.note}"
+        if self.tier == Tier.L0:
+            return f"L0 stock  rows={self.rows}  peak~{fmt_bytes(self.predicted_peak)}"
+        sl = f"  ffn_slice={self.ffn_slice}" if self.ffn_slice and self.tier in SLICED_TIERS else ""
+        hg = f"  head_groups={self.head_groups}" if self.head_groups > 1 else ""
+        kv = "  q=whole (one attention call)" if self.q == "whole" else ""
+        if self.kv != "device":
+            kv += f"  kv={self.kv} block={self.kv_block}"
+            kv += f" q_span={self.q_span}" if self.q_span > self.chunk else ""
+            kv += f" host traffic~{fmt_bytes(self.host_traffic)}" if self.host_traffic else ""
+            kv += " (approximate)" if self.tier == Tier.L5 else ""
+        return (f"{self.tier} rows={self.rows} chunk={self.chunk}{sl}{hg}{kv}  peak~{fmt_bytes(self.predicted_peak)}"
+                f" (stock {fmt_bytes(self.stock_peak)})")
+
+
+def mlp_row_elems(spec: MLPSpec, width: int) -> int:
+    """Elements per row alive at the worst moment when ``width`` hidden features are built at once."""
+    if spec.layout == "plain":            # proj, act(proj)
+        build = 2 * width
+    elif spec.layout == "gated-fused":    # [up|gate], act(gate), up*act
+        build = 4 * width
+    else:                                 # act(gate) while up and the product exist
+        build = 3 * width
+    return max(build, width + spec.dim_out)
+
+
+def mlp_peak(spec: MLPSpec, rows: int, elem: int, tier: Tier, chunk: int, ffn_slice: int) -> int:
+    if tier == Tier.L0:
+        return rows * mlp_row_elems(spec, spec.ffn) * elem
+    out = rows * spec.dim_out * elem
+    if tier == Tier.L1:   # the stock forward on one chunk, its result copied into the output
+        return out + min(chunk, rows) * mlp_row_elems(spec, spec.ffn) * elem
+    return out + min(chunk, rows) * (mlp_row_elems(spec, ffn_slice) - spec.dim_out) * elem
+
+
+def can_feature_slice(spec: MLPSpec) -> bool:
+    return can_slice_out(spec.in_proj, *( [spec.gate_proj] if spec.gate_proj is not None else [])) and \
+        can_slice_in(spec.out_proj)
+
+
+def plan_mlp(spec: MLPSpec, rows: int, elem: int, *, chunk_tokens: int | None = None,
+             ffn_slice: int | None = None, budget: int | None = None) -> Plan:
+    stock = mlp_peak(spec, rows, elem, Tier.L0, rows, spec.ffn)
+
+    def make(tier: Tier, chunk: int, sl: int) -> Plan:
+        chunk = min(chunk, rows)
+        return Plan(tier, rows, chunk, sl, mlp_peak(spec, rows, elem, tier, chunk, sl), stock)
+
+    if ffn_slice is not None and can_feature_slice(spec):
+        sl = _align_slice(min(ffn_slice, spec.ffn), spec)
+        return make(Tier.L2, chunk_tokens or rows, sl)
+    if chunk_tokens is not None or budget is None:
+        return _fixed(rows, chunk_tokens, lambda tier, c: make(tier, c, spec.ffn))
+    if stock_fits(stock, budget):
+        return make(Tier.L0, rows, spec.ffn)
+    chunk = _largest_chunk(lambda c: mlp_peak(spec, rows, elem, Tier.L1, c, spec.ffn), rows, budget)
+    if chunk is not None:
+        return make(Tier.L1, chunk, spec.ffn)
+    if can_feature_slice(spec):
+        for sl in _slice_candidates(spec):
+            chunk = _largest_chunk(lambda c: mlp_peak(spec, rows, elem, Tier.L2, c, sl), rows, budget)
+            if chunk is not None:
+                return make(Tier.L2, chunk, sl)
+    floor = mlp_peak(spec, rows, elem, Tier.L2 if can_feature_slice(spec) else Tier.L1, MIN_CHUNK_TOKENS,
+                     MIN_FFN_SLICE if can_feature_slice(spec) else spec.ffn)
+    raise BudgetError(f"{spec.label}: budget {fmt_bytes(budget)} is below the smallest peak streamplan can reach "
+                      f"for {rows} rows ({fmt_bytes(floor)}, dominated by the {rows}x{spec.dim_out} output)")
+
+
+def _fixed(rows: int, chunk_tokens: int | None, make, align: int = 1) -> Plan:
+    """A forced chunk, or with no budget the default one: stream only inputs longer than it."""
+    chunk = chunk_tokens or DEFAULT_CHUNK_TOKENS
+    chunk = max(align, chunk // align * align)
+    return make(Tier.L1, chunk) if rows > chunk else make(Tier.L0, rows)
+
+
+def _largest_chunk(peak_of, rows: int, budget: int, floor: int = MIN_CHUNK_TOKENS) -> int | None:
+    if peak_of(rows) <= budget:
+        return rows
+    lo, hi = min(floor, rows), rows
+    if peak_of(lo) > budget:
+        return None
+    while hi - lo > ROW_ALIGN:
+        mid = (lo + hi) // 2 // ROW_ALIGN * ROW_ALIGN
+        if mid <= lo:
+            break
+        lo, hi = (mid, hi) if peak_of(mid) <= budget else (lo, mid)
+    return lo
+
+
+def _align_slice(sl: int, spec: MLPSpec) -> int:
+    align = slice_align(*spec.projections())
+    return max(align, sl // align * align)
+
+
+def _slice_candidates(spec: MLPSpec) -> list[int]:
+    out, sl = [], spec.ffn // 2
+    while sl >= MIN_FFN_SLICE:
+        out.append(_align_slice(sl, spec))
+        sl //= 2
+    return out
+
+
+@dataclass(frozen=True)
+class AttentionDims:
+    batch: int
+    rows: int        # query rows (all segments)
+    kv_rows: int     # key rows (== rows for self-attention)
+    heads: int
+    kv_heads: int
+    head_dim: int
+    dim_out: int
+    elem: int
+    mask_row_bytes: int = 0  # bytes of mask built per query row of a chunk (causal or prepared masks)
+
+
+def attention_peak(d: AttentionDims, tier: Tier, chunk: int, groups: int = 1) -> int:
+    e, B, c = d.elem, d.batch, min(chunk, d.rows) if tier != Tier.L0 else d.rows
+    q_row, kv_row = d.heads * d.head_dim, d.kv_heads * d.head_dim
+    kv = 2 * B * d.kv_rows * kv_row * e // groups
+    if groups > 1:
+        kv += B * d.rows * q_row * e
+    mask = c * d.mask_row_bytes
+    if tier == Tier.L0:  # q, k, v, the attention output and its reshaped copy, then the projection
+        return kv + B * d.rows * (q_row * 3 + d.dim_out) * e + mask
+    out = B * d.rows * d.dim_out * e
+    phase_kv = B * c * kv_row * 4 * e                               # k, v of a chunk and their norm/rotary copies
+    phase_q = B * c * (q_row * 3 + d.dim_out) * e + mask            # q (+rotary), o, o reshaped, y
+    return kv + out + max(phase_kv, phase_q)
+
+
+def plan_attention(d: AttentionDims, *, chunk_tokens: int | None = None, budget: int | None = None,
+                   q_align: int = 1, head_groups: int | None = None, can_group: bool = True,
+                   min_chunk: int = MIN_CHUNK_TOKENS) -> Plan:
+    stock = attention_peak(d, Tier.L0, d.rows)
+
+    def make(tier: Tier, chunk: int, groups: int = 1) -> Plan:
+        chunk = min(chunk, d.rows)
+        return Plan(tier, d.rows, chunk, 0, attention_peak(d, tier, chunk, groups), stock, head_groups=groups)
+
+    if head_groups is not None and head_groups > 1 and can_group and d.kv_heads % head_groups == 0:
+        return make(Tier.L3, chunk_tokens or DEFAULT_CHUNK_TOKENS, head_groups)
+
+    if chunk_tokens is not None or budget is None:
+        return _fixed(d.rows, chunk_tokens, make, q_align)
+    if stock_fits(stock, budget):
+        return make(Tier.L0, d.rows)
+    chunk = None
+    for floor in dict.fromkeys((max(min_chunk, MIN_CHUNK_TOKENS), MIN_CHUNK_TOKENS)):
+        chunk = _largest_chunk(lambda c: attention_peak(d, Tier.L1, c), d.rows, budget, floor)
+        if chunk is not None:
+            break
+        for groups in (head_group_options(d) if can_group else []):
+            chunk = _largest_chunk(lambda c: attention_peak(d, Tier.L3, c, groups), d.rows, budget, floor)
+            if chunk is not None:
+                return make(Tier.L3, max(q_align, chunk // q_align * q_align), groups)
+    if chunk is None:
+        floor = attention_peak(d, Tier.L1, MIN_CHUNK_TOKENS)
+        raise BudgetError(f"attention over {d.rows} rows: budget {fmt_bytes(budget)} is below the smallest peak "
+                          f"streamplan can reach ({fmt_bytes(floor)}, dominated by the global K and V: "
+                          f"{fmt_bytes(2 * d.batch * d.kv_rows * d.kv_heads * d.head_dim * d.elem)})")
+    return make(Tier.L1, max(q_align, chunk // q_align * q_align))
+
+
+def head_group_options(d: AttentionDims) -> list[int]:
+    """Numbers of head groups L3 may use: divisors of the K/V heads, above one."""
+    return [g for g in range(2, d.kv_heads + 1) if d.kv_heads % g == 0]
+
+
+def plan_rows(rows: int, row_bytes: int, transient_per_elem: int, *, chunk_tokens: int | None = None,
+              budget: int | None = None) -> Plan:
+    """A row-local module: stock holds ``transient_per_elem`` copies of its input; streamed, the output plus that
+    many copies of one chunk."""
+    stock = rows * row_bytes * transient_per_elem
+
+    def make(tier: Tier, chunk: int) -> Plan:
+        chunk = min(chunk, rows)
+        peak = stock if tier == Tier.L0 else rows * row_bytes + chunk * row_bytes * transient_per_elem
+        return Plan(tier, rows, chunk, 0, peak, stock)
+
+    if chunk_tokens is not None or budget is None:
+        return _fixed(rows, chunk_tokens, make)
+    if stock_fits(stock, budget):
+        return make(Tier.L0, rows)
+    chunk = _largest_chunk(lambda c: rows * row_bytes + c * row_bytes * transient_per_elem, rows, budget)
+    if chunk is None:
+        raise BudgetError(f"row-local module over {rows} rows: budget {fmt_bytes(budget)} is below its output "
+                          f"({fmt_bytes(rows * row_bytes)}) plus one chunk")
+    return make(Tier.L1, chunk)
+
+
+# L4/L5: K/V read back in blocks of these many rows (of one head group; the largest that fits beside the Q chunk);
+# the first, past any sequence, is one block of every row: a head group's keys in one call, nothing to merge (each
+# query row's output is its kernel's own, as on the device)
+KV_BLOCKS = (1 << 40, 65536, 32768, 16384, 8192, 4096, 2048, 1024, 512, 256)
+DEFAULT_KV_BLOCK = 8192
+# Below the floor the planner weighs L3 against L4 by estimated extra time (seconds, from the shapes):
+HOST_BANDWIDTH = 54e9        # bytes/s each way, pinned, measured on the H200 (2026-11-30)
+ATTENTION_RATE = {"cuda": 5.5e14, "meta": 5.5e14}   # FLOP/s of bf16 attention on the H200 (cuDNN 570-620 TFLOP/s)
+# the log-sum-exp merge is elementwise over the fp32 accumulator once per block: device memory bandwidth it reaches
+# (H200: 4.8 TB/s peak), and the fixed cost of one block's attention call and merge (launches, a short block's tail)
+MERGE_BANDWIDTH = {"cuda": 3.0e12, "meta": 3.0e12}
+BLOCK_STEP_S = 5e-5
+# copies back hide under the attention up to this share of its time (they share the memory bandwidth with it; an
+# estimate: the first H200 run's 16,384-row plan, copies 64% of the attention's time, cost 0.56 s over the device
+# tier with its merge passes and copies out on the compute stream)
+HIDDEN_UNDER_ATTENTION = 0.75
+# ... yet this share of them shows whatever the attention's length: fit on the H200 (2026-12-01, the eight host-staged
+# plans of results/gpu_kv_217088_qspans.json at 217,088 rows, 31-125 GB of traffic): each plan's time over the device
+# tier's was its copies out plus 0.2-0.35 of its copies back, also where the attention outlasted them
+UNHIDDEN_SHARE = 0.3
+# what one more row chunk costs beside the copies (its ~100 kernels' launches and tails, GEMMs on fewer rows): an
+# estimate from the H200 profile of MiniMax-H3 at 65,536 rows (results/gpu_profile_h3_65536.json: ~8 ms of host gaps and
+# ~8 ms of narrower GEMMs over 28 chunks of two phases); it keeps Q spans from buying small chunks
+CHUNK_STEP_S = 5e-4
+# what one more MLP slice of a chunk costs (three narrower GEMMs, the output read and written again by the accumulating
+# GEMM): an estimate (~0.1 ms at 8-16k rows of 5k width on the H200); it keeps Q spans from buying 256-feature slices
+SLICE_STEP_S = 1e-4
+# Q spans tried: this many chunks' queries attended per pass over a store
+SPAN_FACTORS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+# L3 measured on the H200 (MiniMax-H3 block, 217,088 rows, 8 head groups: 1.73x stock's time, attention ~94% of it):
+# each extra head group costs about a tenth of the attention's time (projections rerun, smaller attention calls)
+L3_GROUP_COST = 0.1
+
+
+@dataclass(frozen=True)
+class KVOption:
+    """A K/V store the planner may put a captured block's K/V in instead of whole device buffers (L4, L5): its
+    memory model (bytes kept on the device, bytes per block row while a block is attended, bytes per query row of the
+    log-sum-exp merge) and what it holds on the host. Block and merge bytes are for all heads: a store held in ``g``
+    head groups (``groups``: the counts it allows) needs a ``g``-th of them at a time."""
+
+    kind: str             # "host", "int8", "fp8" (executors.kv_store)
+    tier: Tier            # L4 exact, L5 approximate
+    resident: int         # K/V bytes the store keeps on the device
+    block_row: int        # device bytes per K/V block row (double buffers, expanded copies)
+    merge_row: int        # bytes per query row of the merge (fp32 accumulator, a block's partial output)
+    host_bytes: int = 0   # K/V bytes held in host memory
+    groups: tuple[int, ...] = (1,)
+    merge_io_row: int = 0  # bytes the merge reads and writes per query row and block (its time)
+    whole_row: int = 0    # bytes per query row during the attention that head groups do not divide
+    # Q spans (``Plan.q_span``): bytes per query row of the attention's Q and of its output, both whole over a span;
+    # 0: the block cannot attend a span of several chunks at once (``runs.graph.whole_output_problem``)
+    q_row: int = 0
+    out_row: int = 0
+
+
+@dataclass(frozen=True)
+class Costs:
+    """What the planner knows of a block's time when it weighs L3 against L4 (seconds; 0: unknown)."""
+
+    attention_s: float = 0.0   # all global attentions over all rows
+    device: str = "cuda"
+
+
+def host_traffic(option: KVOption, rows: int, chunk: int) -> int:
+    """K/V out to the host once in phase KV and back once per pass over Q (an upper bound for causal attention,
+    whose early chunks read fewer blocks); ``chunk``: the query rows of one pass (a chunk, or a plan's Q span)."""
+    if not option.host_bytes:
+        return 0
+    return option.host_bytes * (1 + -(-rows // max(1, chunk)))
+
+
+def l4_extra_seconds(option: KVOption, rows: int, chunk: int, costs: Costs, block: int = DEFAULT_KV_BLOCK,
+                     groups: int = 1) -> float:
+    """Copies out (a side stream, counted whole), what of the copies back attention does not hide, the merge's passes
+    over the accumulator (one per block: longer blocks, fewer passes) and a fixed cost per block and head group.
+    ``chunk``: the query rows of one pass over the store (a chunk, or a plan's Q span)."""
+    out = option.host_bytes / HOST_BANDWIDTH
+    back = host_traffic(option, rows, chunk) / HOST_BANDWIDTH - out
+    passes, blocks = -(-rows // max(1, chunk)), -(-rows // max(1, block))
+    rate = MERGE_BANDWIDTH.get(costs.device, 0.0)
+    merge = passes * blocks * min(chunk, rows) * option.merge_io_row / rate if rate else 0.0
+    unhidden = max(back - HIDDEN_UNDER_ATTENTION * costs.attention_s, UNHIDDEN_SHARE * back)
+    return out + unhidden + merge + passes * blocks * groups * BLOCK_STEP_S
+
+
+SLICES = (4096, 2048, 1024)  # MLP hidden features per slice the planner tries after half the MLP (GEMMs stay wide)
+NARROWER_GAIN = 1.1          # a narrower slice is taken when it buys 10% more rows per chunk
+L2_GAIN = 1.5                # L2 is taken over L1 when it buys 1.5x the rows per chunk
+
+
+def plan_graph(rows: int, fixed: int, transient, stock: int, *, chunk_tokens: int | None = None,
+               budget: int | None = None, min_chunk: int = MIN_CHUNK_TOKENS, waves: Waves = Waves(),
+               ffn: int = 0, ffn_slice: int | None = None, kv: int = 0, attn_out: int = 0,
+               groups: tuple[int, ...] = (), head_groups: int | None = None, kv_options: tuple[KVOption, ...] = (),
+               kv_store: str = "device", costs: Costs = Costs(),
+               transient_kv: Callable[[int, int, int], int] | None = None, whole_q: int = 0,
+               q_span: int | None = None) -> Plan:
+    """A captured block: whole buffers (``fixed``: K and V, the outputs) plus ``transient(chunk, ffn_slice)``, one
+    chunk's values at their worst moment, both read off the graph. ``ffn``: the widest feature-sliceable MLP (0: none),
+    for L2. L3 (``groups``: the head-group counts the graph allows): K and V of one group of heads at a time
+    (``kv`` of ``fixed`` divided by the groups) and the attention output whole (``attn_out``).
+    L4/L5 (``kv_options``): K/V in a store (no whole K/V on the device: what the store keeps there, its block
+    buffers and the merge); ``kv_store`` other than "device" forces that store; "device" lets the planner stage K/V to
+    the host (L4, exact) below the floor, weighed against L3 by estimated time (``costs``); an approximate store (L5)
+    is used only when asked for. ``transient_kv(chunk, slice, extra)``: the transient with ``extra`` bytes per row alive
+    during the attention alone (default: alive throughout). ``whole_q`` (bytes, 0: chunked Q): the consumer needs
+    every query row in one call: the whole Q and the whole attention output are held beside K, V and one chunk's
+    transient (which ``transient`` prices with the whole call's workspace), on L1/L2 plans alone (head groups and K/V
+    stores would split that call). ``q_span``: a forced store at a fixed chunk attends this many query rows per pass
+    (where its option allows spans: ``KVOption.q_row``)."""
+    if whole_q:
+        if kv_store != "device":
+            raise ValueError(f"kv={kv_store!r}: the attention needs the whole Q in one call, against K/V on the device")
+        fixed, groups, head_groups, kv_options = fixed + whole_q, (), None, ()
+
+    # a graph walk per (chunk, slice[, bytes alive at the attention]): the searches below ask for the same ones often
+    transient = functools.lru_cache(maxsize=None)(transient)
+
+    def peak(chunk: int, sl: int = 0, g: int = 1) -> int:
+        grouped = (kv - kv // g - attn_out) if g > 1 else 0
+        return fixed - grouped + transient(chunk, sl)
+
+    @functools.lru_cache(maxsize=None)
+    def at_attention(c: int, sl: int, extra: int) -> int:
+        """One chunk's worst moment with ``extra`` bytes per row alive during its attention (a store's merge)."""
+        return transient_kv(c, sl, extra) if transient_kv is not None else transient(c, sl) + c * extra
+
+    def peak_kv(opt: KVOption, chunk: int, sl: int, blk: int, g: int = 1, span: int = 0) -> int:
+        c = min(chunk, rows)
+        base = fixed - kv + opt.resident + min(blk, rows) * opt.block_row // g
+        if span <= c:
+            return base + at_attention(c, sl, opt.merge_row // g + opt.whole_row)
+        # a span: its Q whole, then attended (the merge over the span's rows; with head groups, the output apart),
+        # then its chunks run beside the span's output (or its Q, while being built)
+        s = min(span, rows)
+        attending = s * (opt.q_row + opt.merge_row // g + opt.whole_row + (opt.out_row if g > 1 else 0))
+        return base + max(attending, s * max(opt.q_row, opt.out_row) + transient(c, sl))
+
+    def make(tier: Tier, chunk: int, sl: int = 0, g: int = 1, opt: KVOption | None = None, blk: int = 0,
+             span: int = 0) -> Plan:
+        if tier == Tier.L0:
+            return Plan(Tier.L0, rows, rows, 0, stock, stock)
+        if chunk_tokens is None:
+            chunk = waves.round(chunk, rows)
+        chunk = min(chunk, rows)
+        if opt is not None:   # a forced chunk reads K/V in blocks of its pass's rows (at most the default block
+            span = min(span, rows) if span > chunk else 0   # per group)
+            blk = min(blk or min(DEFAULT_KV_BLOCK * g, max(span or chunk, MIN_CHUNK_TOKENS)), rows)
+            return Plan(opt.tier, rows, chunk, sl, peak_kv(opt, chunk, sl, blk, g, span), stock, kv=opt.kind,
+                        kv_block=blk, host_traffic=host_traffic(opt, rows, span or chunk), head_groups=g,
+                        q_span=span)
+        return Plan(tier, rows, chunk, sl, peak(chunk, sl, g), stock, head_groups=g,
+                    q="whole" if whole_q else "chunks")
+
+    def staged_seconds(opt: KVOption, q_rows: int, blk: int, g: int) -> float:
+        """A store's extra time (``l4_extra_seconds``) with the waves its passes leave part empty: each pass's calls
+        over ``q_rows`` query rows and a ``g``-th of the heads fill fewer waves than stock's one call."""
+        waste = max(0.0, wave_waste(waves, q_rows, g) - wave_waste(waves, rows))
+        return l4_extra_seconds(opt, rows, q_rows, costs, blk, g) + waste * costs.attention_s
+
+    def fit_kv(opt: KVOption, floor: int) -> Plan | None:
+        """The fastest (Q chunk, Q span, K/V block, head groups, MLP slice) this store reaches under the budget, by
+        the estimated extra time where the device's rates are known (passes over the store, and a cost per chunk),
+        else the largest Q chunk, then the largest span, then the largest block."""
+        best = None
+        for g in opt.groups:
+            for sl in (0, 4096, 2048, 1024, 256) if ffn else (0,):
+                if sl and sl >= ffn:
+                    continue
+                for blk in sorted({min(b, rows) for b in KV_BLOCKS}, reverse=True):
+                    for m in SPAN_FACTORS if opt.q_row else (1,):
+                        chunk = _largest_chunk(lambda c: peak_kv(opt, c, sl, blk, g, m * c), rows, budget, floor)
+                        if chunk is None:
+                            continue
+                        c = waves.round(chunk, rows)
+                        span = min(m * c, rows)
+                        if m > 1 and (span <= c or peak_kv(opt, c, sl, blk, g, span) > budget):
+                            continue
+                        passes = span if m > 1 else c
+                        eps = 0.0 if not sl else 1e-9   # an unsliced MLP on ties
+                        if costs.attention_s:
+                            chunks = -(-rows // c)
+                            # a pass's calls over fewer heads and rows than stock's one call fill fewer waves
+                            key = (staged_seconds(opt, passes, blk, g) + chunks * CHUNK_STEP_S
+                                   + (chunks * -(-ffn // sl) * SLICE_STEP_S if sl else 0.0) + eps,
+                                   -passes, -c, -blk, g, sl)
+                        else:   # rates unknown: the largest chunk, then the largest span it allows
+                            key = (eps, -c, -passes, -blk, g, sl)
+                        if best is None or key < best[0]:
+                            best = (key, chunk, sl, blk, g, span if m > 1 else 0)
+        return None if best is None else make(opt.tier, best[1], best[2], best[4], opt=opt, blk=best[3],
+                                              span=best[5])
+
+    forced = next((o for o in kv_options if o.kind == kv_store), None) if kv_store != "device" else None
+    if kv_store != "device":
+        if forced is None:
+            raise ValueError(f"kv={kv_store!r}: no such K/V store for this block")
+        sl = min(ffn_slice, ffn) if ffn_slice is not None and ffn else 0
+        if chunk_tokens is not None or budget is None:
+            g = head_groups if head_groups in forced.groups else 1
+            return make(forced.tier, chunk_tokens or DEFAULT_CHUNK_TOKENS, sl, g, opt=forced,
+                        span=(q_span or 0) if forced.q_row else 0)
+        for floor in dict.fromkeys((max(min_chunk, MIN_CHUNK_TOKENS), MIN_CHUNK_TOKENS)):
+            plan = fit_kv(forced, floor)
+            if plan is not None:
+                return plan
+        least = peak_kv(forced, min(rows, MIN_CHUNK_TOKENS), 256 if ffn > 256 else 0, KV_BLOCKS[-1])
+        raise BudgetError(f"captured block over {rows} rows with kv={kv_store!r}: {fmt_bytes(budget)} left for it is "
+                          f"below the smallest peak that store reaches ({fmt_bytes(least)})")
+    exact_kv = [o for o in kv_options if o.tier == Tier.L4]
+
+    if head_groups is not None and head_groups > 1 and head_groups in groups:
+        return make(Tier.L3, chunk_tokens or DEFAULT_CHUNK_TOKENS, min(ffn_slice or 0, ffn), head_groups)
+    if ffn_slice is not None and ffn:
+        return make(Tier.L2, chunk_tokens or DEFAULT_CHUNK_TOKENS, min(ffn_slice, ffn))
+    if chunk_tokens is not None or budget is None:
+        return _fixed(rows, chunk_tokens, make)
+    if stock_fits(stock, budget):
+        return make(Tier.L0, rows)
+    def sliced(floor: int) -> tuple[int, int] | None:
+        """(chunk, slice) of the widest MLP slice among half the MLP and ``SLICES`` whose chunk a narrower one does not
+        beat by more than ``NARROWER_GAIN``: narrower slices are more, smaller GEMMs (row pieces), but larger chunks
+        are fewer passes of everything (on the H200, 2026-12-01, the H3 block at 65,536 rows: 2 pieces 0.5-1% faster
+        than 4 or 8 in two runs, within the runs' spread in a third).
+        Chunks compare as they will run, rounded to whole attention waves: a narrower slice whose extra rows the
+        rounding takes back buys nothing (H3 at 65,536 rows: 12,672 rows either way, 7 slices or 4)."""
+        best = None
+        for sl in sorted({-(-ffn // 2), *(s for s in SLICES if s < ffn)}, reverse=True):
+            c = _largest_chunk(lambda c: fixed + transient(c, sl), rows, budget, floor)
+            if c is not None and (best is None or waves.round(c, rows) > waves.round(best[0], rows) * NARROWER_GAIN):
+                best = (c, sl)
+        return best
+
+    for floor in dict.fromkeys((max(min_chunk, MIN_CHUNK_TOKENS), MIN_CHUNK_TOKENS)):
+        chunk = _largest_chunk(lambda c: fixed + transient(c, 0), rows, budget, floor)
+        if (chunk is None or chunk < rows) and ffn > SLICES[0]:
+            # row chunks cost time (per-chunk work, text rows recomputed, attention calls); slicing the MLP (in row
+            # pieces: exact, GEMMs as wide) buys larger ones: taken where it buys L2_GAIN more rows
+            wider = sliced(floor)
+            if wider is not None and (chunk is None or waves.round(wider[0], rows)
+                                      >= L2_GAIN * waves.round(chunk, rows)):
+                return make(Tier.L2, *wider)
+        if chunk is not None:
+            return make(Tier.L1, chunk)
+        for sl in (4096, 2048, 1024, 512, 256) if ffn else ():
+            if sl >= ffn:
+                continue
+            chunk = _largest_chunk(lambda c: fixed + transient(c, sl), rows, budget, floor)
+            if chunk is not None:
+                return make(Tier.L2, chunk, sl)
+        grouped = None
+        for g in groups:
+            for sl in (0, 4096, 1024, 256) if ffn else (0,):
+                if sl >= ffn and sl:
+                    continue
+                chunk = _largest_chunk(lambda c: peak(c, sl, g), rows, budget, floor)
+                if chunk is not None:
+                    grouped = make(Tier.L3, chunk, sl, g)
+                    break
+            if grouped is not None:
+                break
+        staged = [p for p in (fit_kv(o, floor) for o in exact_kv) if p is not None]
+        if grouped is not None or staged:
+            # the faster legal tier by estimated extra time: L3 reruns projections per group, L4 copies K/V
+            def extra(p: Plan) -> float:
+                if p.tier == Tier.L3:
+                    return (p.head_groups - 1) * L3_GROUP_COST * costs.attention_s
+                opt = next(o for o in exact_kv if o.kind == p.kv)
+                return staged_seconds(opt, p.q_span or p.chunk, p.kv_block, p.head_groups)
+            return min([p for p in [grouped, *staged] if p is not None], key=extra)
+    least = min([fixed + transient(min(rows, MIN_CHUNK_TOKENS), 256 if ffn > 256 else 0)]
+                + [peak(min(rows, MIN_CHUNK_TOKENS), 256 if ffn > 256 else 0, g) for g in groups]
+                + [peak_kv(o, min(rows, MIN_CHUNK_TOKENS), 256 if ffn > 256 else 0, KV_BLOCKS[-1]) for o in exact_kv])
+    held = ", the whole Q and attention output" if whole_q else ""
+    raise BudgetError(f"captured block over {rows} rows: {fmt_bytes(budget)} left for it is below the smallest peak "
+                      f"streamplan can reach ({fmt_bytes(least)}: global K, V{held} and the outputs "
+                      f"{fmt_bytes(fixed)}, and one {MIN_CHUNK_TOKENS}-row chunk)")

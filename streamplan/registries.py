@@ -1,0 +1,124 @@
+"""Extension points: what a host library's integration declares so the generic path can take its blocks (row-local
+custom ops, capture-time settings and contexts, opaque layers, argument records, attention backends, call adapters,
+state objects). Each registry is filled at import by the library's file under ``streamplan.integrations``."""
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from typing import Any, Callable, Literal
+
+import torch
+from torch import nn
+
+from .specs import AdaptedCall
+
+# Custom ops (by namespace and name) a library's recognizer declares row-local, for the captured-graph analysis:
+# "rows": every output row is its inputs' own rows (rotary with a per-row table, norms over a head's features);
+# "norm": a norm over the last dimension with elementwise modulation (rows must not be that dimension).
+ROW_LOCAL_CUSTOM_OPS: dict[tuple[str, str], Literal["rows", "norm"]] = {}
+
+
+def register_row_local_op(namespace: str, name: str, kind: Literal["rows", "norm"]) -> None:
+    if kind not in ("rows", "norm"):
+        raise ValueError(f"kind must be 'rows' or 'norm', got {kind!r}")
+    ROW_LOCAL_CUSTOM_OPS[(namespace, name)] = kind
+
+
+# Private attributes a module's forward reads as settings (peft: an adapter switched off, the active adapter's name),
+# declared by the library's recognizer file: a capture depends on their values (``capture.export.structure``).
+CAPTURE_STATE_ATTRS: set[str] = set()
+
+
+def register_capture_state(*names: str) -> None:
+    CAPTURE_STATE_ATTRS.update(names)
+
+
+# What a library changes while a block of its is captured, and only then: ``(block) -> context manager | None``
+# (ComfyUI: its selected attention function, Sage say, does not trace; the capture traces its PyTorch one, while the
+# streamed chunks still go to the selected one through the consumer).
+CAPTURE_CONTEXTS: list[Callable[[nn.Module], "AbstractContextManager | None"]] = []
+
+
+def register_capture_context(context: Callable[[nn.Module], "AbstractContextManager | None"]) -> None:
+    if context not in CAPTURE_CONTEXTS:
+        CAPTURE_CONTEXTS.append(context)
+
+
+# Layers a capture takes as one opaque row-local op (``capture.opaque_layers``), run by the layer's own forward on
+# each chunk of rows: ``(module) -> bool``, declared by whoever knows the layer's format (``recognize``, from
+# ``weights.LinearCaps.opaque``: bitsandbytes' linears).
+OPAQUE_LAYERS: list[Callable[[nn.Module], bool]] = []
+
+
+def register_opaque_layer(matches: Callable[[nn.Module], bool]) -> None:
+    if matches not in OPAQUE_LAYERS:
+        OPAQUE_LAYERS.append(matches)
+
+
+# Argument records: dataclasses of tensors a block takes as arguments (ComfyUI Flux's ``ModulationOut``), declared by
+# the library's recognizer file as "module:QualName". The capture flattens them into their fields (registering them
+# as pytree nodes when first met); any other object argument keeps its block stock.
+ARGUMENT_RECORDS: set[str] = set()
+
+
+def register_argument_record(path: str) -> None:
+    if ":" not in path:
+        raise ValueError(f"an argument record is named 'module:QualName', got {path!r}")
+    ARGUMENT_RECORDS.add(path)
+
+
+# Who decides a captured block's attention kernel: a library whose modules dispatch attention through a backend of
+# their own (diffusers' attention backends) registers a probe ``(block) -> backend name | None``; a block whose
+# backend has no streamplan consumer runs stock, named, as a hand-written attention does.
+BACKEND_PROBES: list[Callable[[nn.Module], "str | None"]] = []
+
+
+def register_backend_probe(probe: Callable[[nn.Module], "str | None"]) -> None:
+    if probe not in BACKEND_PROBES:
+        BACKEND_PROBES.append(probe)
+
+
+def block_backend(block: nn.Module) -> str | None:
+    """The attention backend a block's own library dispatches to, where one says (None: plain PyTorch SDPA)."""
+    for probe in BACKEND_PROBES:
+        found = probe(block)
+        if found is not None:
+            return found
+    return None
+
+
+# A library whose blocks take an object a capture cannot (transformers' caches) registers an adapter
+# ``(block, args, kwargs) -> AdaptedCall | reason | None`` (None: not this library's call).
+CALL_ADAPTERS: list[Callable[[nn.Module, tuple, dict], "AdaptedCall | str | None"]] = []
+
+
+def register_call_adapter(adapter: Callable[[nn.Module, tuple, dict], "AdaptedCall | str | None"]) -> None:
+    if adapter not in CALL_ADAPTERS:
+        CALL_ADAPTERS.append(adapter)
+
+
+def adapt_call(block: nn.Module, args: tuple, kwargs: dict) -> "AdaptedCall | str | None":
+    for adapter in CALL_ADAPTERS:
+        found = adapter(block, args, kwargs)
+        if found is not None:
+            return found
+    return None
+
+
+# A library whose calls pass objects that hold tensors (transformers' caches) registers how to list them:
+# ``(value) -> list of tensors | None`` (None: not its object). Those objects count toward a call's live inputs and are
+# copied whole for a reference run (``verify.private_copy``).
+STATE_TENSORS: list[Callable[[Any], "list[torch.Tensor] | None"]] = []
+
+
+def register_state_tensors(lister: Callable[[Any], "list[torch.Tensor] | None"]) -> None:
+    if lister not in STATE_TENSORS:
+        STATE_TENSORS.append(lister)
+
+
+def state_tensors(value: Any) -> "list[torch.Tensor] | None":
+    """The tensors a registered state object (a cache) holds, or None when ``value`` is not one."""
+    for lister in STATE_TENSORS:
+        found = lister(value)
+        if found is not None:
+            return found
+    return None

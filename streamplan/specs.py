@@ -1,0 +1,232 @@
+"""Specs: plain descriptions of a structure in row-local pieces, produced by recognizers."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+Activation = Callable[[torch.Tensor], torch.Tensor]
+MLPLayout = Literal["plain", "gated-fused", "gated-separate"]
+
+
+@dataclass(eq=False)
+class MLPSpec:
+    """``out_proj(hidden(x))`` where every hidden feature depends only on its own projection rows.
+
+    plain:          hidden = act(in_proj(x))
+    gated-fused:    in_proj gives [up | gate] (or [gate | up]); hidden = up * act(gate)
+    gated-separate: hidden = act(gate_proj(x)) * in_proj(x)
+    ``act`` is elementwise, so it may be applied to any slice of features.
+    """
+
+    module: nn.Module
+    label: str
+    layout: MLPLayout
+    in_proj: nn.Linear
+    out_proj: nn.Linear
+    act: Activation
+    ffn: int
+    gate_proj: nn.Linear | None = None
+    gate_first: bool = False  # gated-fused only: the gate is the first half
+
+    @property
+    def dim_in(self) -> int:
+        return self.in_proj.in_features
+
+    @property
+    def dim_out(self) -> int:
+        return self.out_proj.out_features
+
+    @property
+    def proj_width(self) -> int:
+        """Features produced by the input projection(s) before the activation, per row."""
+        return self.ffn if self.layout == "plain" else 2 * self.ffn
+
+    def hidden(self, x: torch.Tensor, a: int, b: int) -> torch.Tensor:
+        """Activated hidden features [a:b) for rows x; never builds the other features."""
+        w, bias = self.in_proj.weight, self.in_proj.bias
+        if self.layout == "plain":
+            return self.act(F.linear(x, w[a:b], None if bias is None else bias[a:b]))
+        if self.layout == "gated-separate":
+            g = self.gate_proj
+            gate = F.linear(x, g.weight[a:b], None if g.bias is None else g.bias[a:b])
+            up = F.linear(x, w[a:b], None if bias is None else bias[a:b])
+            return self.act(gate) * up
+        off_gate, off_up = (0, self.ffn) if self.gate_first else (self.ffn, 0)
+        up = F.linear(x, w[off_up + a:off_up + b], None if bias is None else bias[off_up + a:off_up + b])
+        gate = F.linear(x, w[off_gate + a:off_gate + b], None if bias is None else bias[off_gate + a:off_gate + b])
+        return up * self.act(gate)
+
+    def projections(self) -> list[nn.Module]:
+        return [m for m in (self.in_proj, self.gate_proj, self.out_proj) if m is not None]
+
+
+@dataclass
+class Skip:
+    """A module left stock, and why (shown by ``handle.report()``)."""
+
+    name: str
+    cls: str
+    reason: str
+
+
+@dataclass(eq=False)
+class Segment:
+    """A run of rows of the attention's (joint) sequence with its own row-local pieces.
+
+    ``source`` is the segment's input sequence [B, rows, dim]. q(h, a, b) -> [B, b-a, H, D] and
+    kv(h, a, b) -> two [B, b-a, Hkv, D] take the input rows h = source[:, a:b] (or, inside a streamed block, the
+    block's prefix of those rows); out(o, a, b) maps attention output rows [B, b-a, H, D] to output rows
+    [B, b-a, dout]. Rows a, b are local to the segment.
+    """
+
+    source: torch.Tensor
+    q: Callable[[torch.Tensor, int, int], torch.Tensor]
+    kv: Callable[[torch.Tensor, int, int], tuple[torch.Tensor, torch.Tensor]] | None
+    out: Callable[[torch.Tensor, int, int], torch.Tensor]
+
+    @property
+    def rows(self) -> int:
+        return self.source.shape[1]
+
+
+@dataclass(eq=False)
+class AttentionCall:
+    """One call of a recognised attention module, taken apart into row-local pieces."""
+
+    batch: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    segments: list[Segment]
+    finish: Callable[[list[torch.Tensor]], object]  # per-segment outputs -> the module's return value
+    dtype: torch.dtype
+    causal: bool = False
+    scale: float | None = None
+    mask: torch.Tensor | None = None                # [B|1, H|1, Nq|1, Nk], rows = joint query rows
+    mask_rows: Callable[[int, int], torch.Tensor] | None = None  # builds the mask of joint rows [a:b) on demand
+    kv_whole: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None  # cross-attention: [B, S, Hkv, D]
+    cache_update: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    @property
+    def rows(self) -> int:
+        return sum(s.rows for s in self.segments)
+
+
+Binder = Callable[[tuple, dict], "AttentionCall | str"]
+
+
+@dataclass(eq=False)
+class AttentionSpec:
+    """An attention module streamplan can run as phase KV then phase Q (DESIGN.md section 1).
+
+    ``bind(args, kwargs)`` takes one call apart (or returns why this call must run stock); ``backend`` names
+    the attention implementation the module uses, which selects the consumer.
+    """
+
+    module: nn.Module
+    label: str
+    heads: int
+    kv_heads: int
+    head_dim: int
+    dim_out: int
+    bind: Binder
+    backend: Callable[[], str]
+
+
+@dataclass(eq=False)
+class ModelSpec:
+    """A whole model whose forward streamplan runs itself (with the model's own submodules): blocks may update
+    the hidden states in place, and the output head runs in row chunks. Its blocks are recognised on their own."""
+
+    module: nn.Module
+    label: str
+    run: Callable[[tuple, dict, Callable[[], int]], object]   # (args, kwargs, chunk for its own row loops) -> output
+    can_stream: Callable[[tuple, dict], "str | None"]  # why this call must run the stock forward, or None
+
+
+@dataclass(eq=False)
+class RowLocalSpec:
+    """A module whose output rows depend only on the same input rows (a norm, a modulated norm): run on chunks of
+    the sequence dimension, each written into one output. Keeps fp32 promotions per chunk."""
+
+    module: nn.Module
+    label: str
+    transient_per_elem: int   # elements alive per input element in the stock forward (fp32 counted double)
+
+
+@dataclass(eq=False)
+class GraphSpec:
+    """A block no hand-written recognizer knows, streamed from its own captured graph (captured at its first call
+    per input signature; ``streamplan.graph`` says what it can run and why not)."""
+
+    module: nn.Module
+    label: str
+
+
+@dataclass(eq=False)
+class AdaptedCall:
+    """A call as a captured graph can take it: an object the graph cannot hold (a KV cache) taken out, and what the
+    stock call would have done with it done afterwards from the graph's own K and V ([B, Hkv, N, D])."""
+
+    args: tuple
+    kwargs: dict
+    kv_heads: int                                               # the K/V heads ``fill`` expects
+    fill: Callable[[torch.Tensor, torch.Tensor], None]
+
+
+@dataclass(eq=False)
+class RowMask:
+    """An attention mask over a call's own rows (query rows x key rows), described instead of built: a model forward
+    passes one in place of the ``[B, 1, N, N]`` tensor its library would build (a padded batch, a sliding window),
+    to a layer whose forward takes row masks (``takes_row_masks``). A streamed layer builds each Q chunk's rows
+    alone; a stock call gets ``whole()``, the tensor the library builds.
+
+    ``span(a, b)``: the keys [lo, hi) outside which every query row of [a, b) is masked; ``part(a, b, lo, hi)``:
+    query rows [a, b) against keys [lo, hi) as a bool ``[B, 1, b - a, hi - lo]`` (True: attend), from the library's
+    own mask function; ``window``: the sliding window (None: every earlier key)."""
+
+    batch: int
+    rows: int
+    keys: int
+    part: Callable[[int, int, int, int], torch.Tensor]
+    span: Callable[[int, int], tuple[int, int]]
+    whole: Callable[[], "torch.Tensor | None"]
+    window: int | None = None
+    # where the mask is padding and causality alone (no window): per batch element the keys [start, end) that are
+    # not padding; query row i then sees keys start..min(i, end - 1), and a row before start none
+    spans: tuple[tuple[int, int], ...] | None = None
+    # eager attention's additive masks: a row that sees no key adds the same minimum to every score, so it attends
+    # every key of the call evenly (not only those of its chunk's span)
+    blind_rows_see_all: bool = False
+
+    def chunk_bytes(self, chunk: int, elem: int, row_bytes: int = 0) -> int:
+        """Bytes of one chunk's mask rows at their worst: the bool rows and the kernel's additive copy of them; with
+        ``spans``, no mask rows but each batch element's attention output (``row_bytes`` per row) copied in."""
+        c = min(chunk, self.rows)
+        if self.spans is not None:
+            return c * row_bytes
+        keys = min(self.keys, c + self.window - 1) if self.window else self.keys
+        return self.batch * c * keys * (1 + elem)
+
+
+# set on a streamplan forward that takes RowMask arguments (a block streamed from its captured graph)
+# set on every forward streamplan installs (streamed or watched): how checks and hook chains tell its own links
+STREAMED_MARK = "__streamplan_streamed__"
+ROW_MASK_MARK = "_streamplan_takes_row_masks"
+
+
+def takes_row_masks(module: nn.Module) -> bool:
+    """Whether ``module``'s installed forward takes ``RowMask`` arguments (and builds them whole for a stock call)."""
+    return bool(getattr(module.__dict__.get("forward"), ROW_MASK_MARK, False))
+
+
+def row_masks_whole(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The call with every ``RowMask`` argument built whole, as a stock forward takes it."""
+    if not any(isinstance(v, RowMask) for v in (*args, *kwargs.values())):
+        return args, kwargs
+    return (tuple(v.whole() if isinstance(v, RowMask) else v for v in args),
+            {k: (v.whole() if isinstance(v, RowMask) else v) for k, v in kwargs.items()})
