@@ -22,6 +22,7 @@ from .specs import ROW_MASK_MARK, STREAMED_MARK, AttentionSpec, GraphSpec, MLPSp
 from .options import StreamOptions, make_options
 from .plan.planner import BudgetError, Plan, Tier
 from .integrations.recognizers import CAPTURE_MODES, recognize
+from .execute.context import CallContext
 from .execute.dispatch import run_spec
 from .execute.stock_watch import StockWatch, activation_bytes, watch_candidates
 from .execute.compare import compare_outputs, private_copy
@@ -169,12 +170,17 @@ class StreamHandle:
                 ref_args, ref_kwargs = row_masks_whole(ref_args, ref_kwargs)
                 ref = entry.stock(*ref_args, **ref_kwargs)
             del ref_args, ref_kwargs
-        out = run_spec(self, entry, args, kwargs)
+        out = run_spec(self._context(entry), args, kwargs)
         for a, b in drain_retries():
             self.note(entry, f"out of memory on rows [{a}:{b}): retried in halves")
         if checking and any(p.tier != Tier.L0 for p in entry.plans.values()):
             self._self_check(entry, out, ref)
         return out
+
+    def _context(self, entry: Installed) -> CallContext:
+        """What a handler gets: this entry, the options, the entry's notes as a sink, planning under the budget."""
+        return CallContext(entry, self.options, functools.partial(self.note, entry),
+                           functools.partial(self.plan_for, entry), lambda: list(self.installed.values()))
 
     def _self_check(self, entry: Installed, out: Any, ref: Any) -> None:
         """Once per handle: the first streamed call is also run stock, and the difference is logged and kept."""

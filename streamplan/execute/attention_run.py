@@ -62,9 +62,9 @@ def attend_rows(call: AttentionCall, consumer, k, v, seg, h: torch.Tensor, start
 
 
 def head_grouped_outputs(call: AttentionCall, consumer, chunk: int, groups: int) -> list[torch.Tensor]:
-    """Tier L3: the attention output of every row, [B, rows, H, D] per segment, built one group of heads at a time,
-    so only that group's K and V exist. Each chunk's projections are computed whole and sliced by heads (norms that
-    span heads stay exact), once per group."""
+    """Tier L3: the attention output of every row, [B, rows, H, D] per segment, built one group of heads at a time, so
+    only that group's K and V exist. Each chunk's projections are computed whole and cut to the group's heads (norms
+    that span heads stay exact), once per group."""
     H, Hkv, D = call.heads, call.kv_heads, call.head_dim
     per_kv = Hkv // groups
     rep = H // Hkv

@@ -28,7 +28,7 @@ def _tensors(out: Any, prefix: str = "output") -> dict[str, torch.Tensor]:
 
 def private_copy(value: Any) -> Any:
     """A copy of a call's inputs that a reference run may change freely: tensors cloned, registered state objects
-    (``callstate.state_tensors``: transformers' caches) deep-copied, containers rebuilt; other objects shared."""
+    (``registries.state_tensors``: transformers' caches) deep-copied, containers rebuilt; other objects shared."""
     if isinstance(value, torch.Tensor):
         return value.clone()
     if isinstance(value, tuple) and hasattr(value, "_fields"):   # a namedtuple

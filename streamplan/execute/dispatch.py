@@ -1,9 +1,11 @@
 """How each kind of spec runs on a call: one table keyed by spec type (as torchao dispatches ``quantize_`` configs).
-A handler receives the handle (options, planning, notes) and the installed entry; a new spec type gets a row here."""
+A handler receives the call's context (``context.CallContext``: the installed entry, options, a notes sink, the planner)
+and the call's arguments; a new spec type gets a row here."""
 from __future__ import annotations
 
 from typing import Any, Callable
 
+from .context import CallContext
 from ..specs import AttentionSpec, GraphSpec, MLPSpec, ModelSpec, RowLocalSpec
 from .graph_call import run_graph
 from .model_call import run_model
@@ -18,5 +20,5 @@ HANDLERS: dict[type, Callable[..., Any]] = {
 }
 
 
-def run_spec(handle, entry, args: tuple, kwargs: dict) -> Any:
-    return HANDLERS[type(entry.spec)](handle, entry, args, kwargs)
+def run_spec(ctx: CallContext, args: tuple, kwargs: dict) -> Any:
+    return HANDLERS[type(ctx.entry.spec)](ctx, args, kwargs)

@@ -77,7 +77,7 @@ class GraphRun:
         self.fuse = fuse if pieces == 1 else None   # element-wise chains compiled for this device (``fuse``)
         self.fuse_rows = fuse_rows   # set: only chains whose outputs at this many rows are worth a compiled call
         self.chains: dict[FusedChain, None] = {}   # the chains this call ran (its report)
-        # L4/L5: each global attention's K/V go into a store (``executors.kv_store``) made by ``kv_store`` and are
+        # L4/L5: each global attention's K/V go into a store (``execute.kv_stores``) made by ``kv_store`` and are
         # attended block by block through ``attend_store(q, store, q_offset=, causal=, scale=)``
         self.kv_store, self.attend_store = kv_store, attend_store
         self.stores: dict[fx.Node, Any] = {}
@@ -89,7 +89,7 @@ class GraphRun:
         self._region_at = {r.exit: r for r in self.regions}
         self._attention_at = {att.node: att for att in an.attentions}
         self._schedules: dict[tuple, tuple[list[fx.Node], dict]] = {}
-        self._into: dict[fx.Node, Into] = {}   # a K/V/output value whose producer writes into its buffer (``into``)
+        self._into: dict[fx.Node, Into] = {}   # a K/V/output value whose producer writes into its buffer: direct_writes
         self._made: dict[fx.Node, Made | None] = {}   # what a watched producer made on a first chunk
         flat = pytree.tree_leaves((args, kwargs), is_leaf=lambda x: x is None)
         self.base: dict[fx.Node, Any] = {}
@@ -154,7 +154,7 @@ class GraphRun:
         if isinstance(val, torch.SymInt) and self.cap.row_symbol in val.node.expr.free_symbols:
             return rows
         if node in self.layout:
-            if node.args and isinstance(node.args[0], (list, tuple)):    # cat along the rows: the dynamic part
+            if node.args and isinstance(node.args[0], (list, tuple)):    # cat along the rows: its dynamic input
                 return env[next(t for t in node.args[0] if isinstance(self.an.rows.get(t), Rows))]
             out = self.an.rows.get(node)
             if isinstance(out, list):                                     # split along the rows
@@ -276,7 +276,7 @@ class GraphRun:
                                             else frozenset())
         return self.ph.done[key]
 
-    # -- values written straight into their buffers (``into``) ----------------------------------------------------
+    # -- values written straight into their buffers (``direct_writes``) -------------------------------------------
     def _producer(self, value: fx.Node, donated: bool = False) -> fx.Node | None:
         """``value``'s producer where it may write into the value's buffer (a donated input: only from the end)."""
         if self.static_mode or (donated and value not in self.ph.last):
@@ -298,6 +298,11 @@ class GraphRun:
         return {i.node: i.dest(a, b) for v in values if (i := self._into.get(v)) is not None}
 
     # -- the phases ---------------------------------------------------------------------------------------------
+    def no_retries(self) -> None:
+        """Never retry a chunk alone in halves (under sequence parallelism the other ranks would wait in its
+        exchanges)."""
+        self._retries = 0
+
     def build_kv(self, chunk: int) -> None:
         for att, nodes in zip(self.an.attentions, self.ph.kv):
             bufs: list[torch.Tensor] = []

@@ -12,10 +12,10 @@ act when each leaf is called; the captured graph reads the leaves' weights direc
 ``pre_forward`` for every leaf before the capture and the graph run and their ``post_forward`` after: the block's
 weights are on the execution device (and in the compute dtype) for the whole streamed call.
 
-This file knows no library. Each library's file in ``streamplan.integrations.recognizers`` (``diffusers_hooks``,
-``accelerate_hooks``) registers how its chain is laid out (a ``Chain``: ``register_chain``) and what each of its hook
-classes does (a ``HookKind``: ``register_hook_kind``). A hook class nobody registered keeps the module stock, named;
-so does a registered one whose kind says why (``HookKind.stock``)."""
+This file knows no library. Each library's file under ``streamplan.integrations`` (``diffusers.hooks``, ``accelerate``)
+registers how its chain is laid out (a ``Chain``: ``register_chain``) and what each of its hook classes does (a
+``HookKind``: ``register_hook_kind``). A hook class nobody registered keeps the module stock, named; so does a
+registered one whose kind says why (``HookKind.stock``)."""
 from __future__ import annotations
 
 import contextlib

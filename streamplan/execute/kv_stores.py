@@ -5,7 +5,8 @@ A store is written chunk by chunk in phase KV (``write(start, k, v)``: rows [sta
 dimension of ``[B, Hkv, rows, D]``) and read back in phase Q, one block of rows at a time, on the compute device
 (``blocks(stop)``). Kinds, by registry (``register_kv_store``):
 
-- ``device``: the whole K and V as they are today (exact; ``whole()`` hands them to the consumer in one call);
+- ``device``: the whole K and V on the device, as stock keeps them (exact; ``whole()`` hands them to the consumer in
+  one call);
 - ``host``: in pinned host memory on CUDA (plain CPU memory from a separate arena in CPU runs), written out in pieces
   through two small device buffers on a side stream in phase KV and copied back in phase Q to two persistent device
   block buffers in turn on another, so the next block's copy runs under this block's attention (exact). Every
@@ -22,7 +23,7 @@ alone, and blocks can be that many times longer for the same memory.
 
 ``attend_blocks`` attends a Q chunk against a store's blocks through a consumer's ``attend_lse`` and merges the
 blocks' partial outputs by their log-sum-exps in fp32 (one cast to the output's dtype at the end): causal chunks
-(the diagonal block split at the chunk's first row and attended top-left causal), non-causal, GQA, masks sliced per
+(the diagonal block split at the chunk's first row and attended top-left causal), non-causal, GQA, masks cut per
 block; a row that no key of a block may see (log-sum-exp -inf) takes nothing from that block, NaN or not.
 """
 from __future__ import annotations
@@ -116,7 +117,7 @@ class KVStore:
 
 
 class DeviceStore(KVStore):
-    """Today's buffers: the whole K and V on the device."""
+    """The default: the whole K and V on the device."""
 
     kind = "device"
 
@@ -442,7 +443,7 @@ register_kv_store("fp8", StoreKind(Fp8Store, False, lambda e, d: 1.0 + 8.0 / (d 
 def write_rows(store: KVStore, k: torch.Tensor, v: torch.Tensor, pre: int, post: int, total: int, a: int, b: int,
                first: bool) -> None:
     """A phase-KV chunk (dynamic rows [a, b), with the static rows around them on the first chunk) into the store,
-    as ``capture.execute._write_rows`` does into a whole buffer."""
+    as ``graph_run._write_rows`` does into a whole buffer."""
     if first and store.rows == 0:
         store.allocate(k, pre + total + post)
     off = pre if first else 0

@@ -1,15 +1,13 @@
-"""Below the floor on the captured-graph path (issue 14): what ``apply(..., kv=...)`` asks for, which K/V stores a
-captured block can use, their memory model for the planner (``planner.KVOption``), and running a block with its K/V
-in a store (``executors.kv_store``), the error of an approximate store measured against the exact run on its first
-call.
+"""Below the floor on the captured-graph path: what ``apply(..., kv=...)`` asks for, which K/V stores a captured block
+can use, their memory model for the planner (``planner.KVOption``), and running a block with its K/V in a store
+(``execute.kv_stores``), the error of an approximate store measured against the exact run on its first call.
 
 ``kv="device"`` (the default) is exact: K/V stay whole on the device wherever the budget allows; below the floor the
-planner takes the faster of L3 (head groups) and, on CUDA, L4 (host-staged K/V, in head groups of its own) by
-estimated extra time. ``kv="host"`` forces L4. ``kv="int8"`` and ``kv="fp8"`` (L5) are approximate and used only when
-asked for. (The first H200 run's non-finite rows at 33,792-row chunks, traced by reading the code: block buffers
-allocated for each new Q chunk were filled on the copy stream with no wait on the compute stream, which could still be
-running the previous chunk's work in that memory. The staging buffers now live through phase Q and every cross-stream
-use waits on an event; ``benchmarks/gpu_kv.py``'s self-check runs that plan's geometry against the exact tier.)"""
+planner takes the faster of L3 (head groups) and, on CUDA, L4 (host-staged K/V, in head groups of its own) by estimated
+extra time. ``kv="host"`` forces L4. ``kv="int8"`` and ``kv="fp8"`` (L5) are approximate and used only when asked for.
+(Host staging keeps its device block buffers through phase Q and makes every cross-stream use wait on an event: a buffer
+allocated for a new Q chunk and filled on the copy stream without a wait could overwrite memory the compute stream is
+still using for the previous chunk.)"""
 from __future__ import annotations
 
 import logging
@@ -19,6 +17,7 @@ from typing import Any, Callable
 import torch
 
 from .compare import compare_outputs
+from .context import CallContext
 from .kv_stores import APPROXIMATE, KV_KINDS, WRITE_ROWS, attend_blocks, make_store, store_kind
 from ..plan.planner import ATTENTION_RATE, Costs, KVOption, Tier
 
@@ -87,7 +86,7 @@ def kv_options(found, rows: int, device: torch.device, kinds: tuple[str, ...], s
             total = rows + att.kv_rows.pre + att.kv_rows.post
             elems = 2 * B * Hkv * D                      # K and V, one row
             resident += int(total * elems * sk.resident(e, D))
-            if kind == "host" and device.type != "cpu":   # phase KV's two write buffers (executors.kv_store)
+            if kind == "host" and device.type != "cpu":   # phase KV's two write buffers (execute.kv_stores)
                 resident += 2 * WRITE_ROWS * elems * e
             host += total * elems * e if sk.on_host else 0
             if kind == "host":   # two block buffers in turn on CUDA; in a CPU run views of host rows, which the CPU
@@ -98,9 +97,9 @@ def kv_options(found, rows: int, device: torch.device, kinds: tuple[str, ...], s
             # during the attention: the fp32 accumulator and a block's partial output (the result is the attention's
             # own output); phase KV: a chunk's rows-first copy and, compressing, its fp32 working copies
             merge = B * H * D * (4 + e) + 8 * B * H
-            if device.type == "cpu":   # PyTorch's CPU flash kernel keeps buffers of its own per call, measured at about
+            if device.type == "cpu":   # PyTorch's CPU flash kernel keeps buffers of its own per call, counted as
                 whole_row = max(whole_row, B * H * D * (8 + 2 * e))   # two fp32 outputs and two in the dtype per row
-                # of all heads, however few heads the call has (consumers.sdpa)
+                # of all heads, however few heads the call has (attention.sdpa)
             write = (0 if kind == "host" and device.type != "cpu" else elems * e) + (0 if sk.exact else 3 * elems * 4)
             merge_row = max(merge_row, merge, write)
             merge_io += B * H * D * (4 * 4 + e)   # per block: the accumulator read and written twice, the partial read
@@ -123,7 +122,7 @@ def head_groups(an) -> tuple[int, ...]:
 
 
 def costs(found, rows: int, device: torch.device) -> Costs:
-    """Estimated attention time (FLOPs at the device's measured rate) for weighing L3 against L4."""
+    """Estimated attention time (FLOPs at the device's ``ATTENTION_RATE``) for weighing L3 against L4."""
     rate = ATTENTION_RATE.get(device.type)
     if not rate:
         return Costs(0.0, device.type)
@@ -196,29 +195,28 @@ def run_with_store(run, plan, device: torch.device, consumer, donate: dict, exac
     return out, error
 
 
-
-
-def plan_args(handle, entry, found, rows: int, device: torch.device, consumer, adapted: Any = None,
+def plan_args(ctx: CallContext, found, rows: int, device: torch.device, consumer, adapted: Any = None,
               spans: bool = False) -> dict:
     """``plan_graph``'s K/V arguments for this call: the stores it may use, the one asked for, the attention estimate.
     A store asked for that this block cannot use is noted and the K/V stay on the device. ``spans``: the block's
     queries may be attended a span of chunks at a time (``kv_options``)."""
-    kv = handle.options.kv
+    kv = ctx.options.kv
     opts, why = options_for(found, rows, device, kv, consumer, adapted, spans)
     if why is not None or not opts:
         if kv != "device":
-            handle.note(entry, f"kv={kv} not used: {why or 'K/V shapes unknown'}")
+            ctx.note(f"kv={kv} not used: {why or 'K/V shapes unknown'}")
         return {}
     return {"kv_options": opts, "kv_store": kv, "costs": costs(found, rows, device)}
 
 
-def run_stored(handle, entry, sig: tuple, run, plan, device: torch.device, consumer, donate: dict,
+def run_stored(ctx: CallContext, sig: tuple, run, plan, device: torch.device, consumer, donate: dict,
                exact: Callable[[], Any]) -> Any:
     """Run a planned L4/L5 call; an approximate store's first call per signature runs ``exact()`` (a GraphRun with
     whole device K/V) first for the error, unless the block writes into its inputs (the exact run would change them)."""
+    entry = ctx.entry
     measure = plan.kv in APPROXIMATE and sig not in entry.kv_errors and device.type != "meta"
     if measure and run.an.input_writes:
-        handle.note(entry, f"kv={plan.kv}: error not measured (the block writes into its inputs)")
+        ctx.note(f"kv={plan.kv}: error not measured (the block writes into its inputs)")
         measure = False
 
     def exact_run():

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from .context import CallContext
 from .call_state import needs_grad, shapes
 from ..attention import consumer_for, unsupported
 from .attention_run import run_attention
@@ -56,13 +57,14 @@ def workspace_bytes(consumer, call, elem: int, rows: int, keys: int) -> int:
                    **kw)
 
 
-def run_row_local(handle, entry, args: tuple, kwargs: dict) -> Any:
+def run_row_local(ctx: CallContext, args: tuple, kwargs: dict) -> Any:
+    entry = ctx.entry
     x = args[0] if args else None
     if not isinstance(x, torch.Tensor) or x.dim() < 3 or needs_grad(entry.module, x):
         return entry.stock(*args, **kwargs)
-    o = handle.options
+    o = ctx.options
     row_bytes = x.numel() // x.shape[1] * x.element_size()
-    plan = handle.plan_for(entry, (shapes(args, kwargs), x.dtype, x.device.type), lambda budget: plan_rows(
+    plan = ctx.plan((shapes(args, kwargs), x.dtype, x.device.type), lambda budget: plan_rows(
         x.shape[1], row_bytes, entry.spec.transient_per_elem, chunk_tokens=o.chunk_tokens, budget=budget),
         args, kwargs, x.device)
     if plan.tier == Tier.L0:
@@ -70,16 +72,17 @@ def run_row_local(handle, entry, args: tuple, kwargs: dict) -> Any:
     return run_seq_chunked(entry.stock, x, plan.chunk, args[1:], kwargs)
 
 
-def run_mlp_spec(handle, entry, args: tuple, kwargs: dict) -> Any:
+def run_mlp_spec(ctx: CallContext, args: tuple, kwargs: dict) -> Any:
+    entry = ctx.entry
     if len(args) != 1 or kwargs or not isinstance(args[0], torch.Tensor) or args[0].dim() < 2:
         return entry.stock(*args, **kwargs)
     x = args[0]
     if needs_grad(entry.module, x):
-        handle.note(entry, "autograd is recording: ran stock (streamed executors are for inference)")
+        ctx.note("autograd is recording: ran stock (streamed executors are for inference)")
         return entry.stock(x)
-    o = handle.options
+    o = ctx.options
     rows = x.numel() // x.shape[-1]
-    plan = handle.plan_for(entry, (tuple(x.shape), x.dtype, x.device.type), lambda budget: plan_mlp(
+    plan = ctx.plan((tuple(x.shape), x.dtype, x.device.type), lambda budget: plan_mlp(
         entry.spec, rows, x.element_size(), chunk_tokens=o.chunk_tokens, ffn_slice=o.ffn_slice, budget=budget),
         args, kwargs, x.device)
     if plan.tier == Tier.L0:
@@ -87,38 +90,40 @@ def run_mlp_spec(handle, entry, args: tuple, kwargs: dict) -> Any:
     return run_mlp(entry.spec, plan, entry.stock, x)
 
 
-def _bind(handle, entry, attn: AttentionSpec, args: tuple, kwargs: dict):
+def _bind(ctx: CallContext, attn: AttentionSpec, args: tuple, kwargs: dict):
     """(consumer, the call taken apart) when this call can stream, else None after noting why it runs stock."""
+    entry = ctx.entry
     consumer = consumer_for(attn.backend())
     if consumer is None:
-        handle.note(entry, f"attention backend {attn.backend()!r} has no streamplan consumer: ran stock")
+        ctx.note(f"attention backend {attn.backend()!r} has no streamplan consumer: ran stock")
         return None
     tensors = [t for t in list(args) + list(kwargs.values()) if isinstance(t, torch.Tensor)]
     if tensors and needs_grad(entry.module, tensors[0]):
-        handle.note(entry, "autograd is recording: ran stock (streamed executors are for inference)")
+        ctx.note("autograd is recording: ran stock (streamed executors are for inference)")
         return None
     call = entry.spec.bind(args, kwargs)
     if isinstance(call, str):
-        handle.note(entry, f"ran stock: {call}")
+        ctx.note(f"ran stock: {call}")
         return None
     why = unsupported(consumer, heads=call.heads, kv_heads=call.kv_heads, head_dim=call.head_dim,
                       causal=call.causal, mask=call.mask, dtype=call.dtype)
     if why:
-        handle.note(entry, f"ran stock: {why}")
+        ctx.note(f"ran stock: {why}")
         return None
     return consumer, call
 
 
-def run_attention_spec(handle, entry, args: tuple, kwargs: dict) -> Any:
+def run_attention_spec(ctx: CallContext, args: tuple, kwargs: dict) -> Any:
+    entry = ctx.entry
     spec: AttentionSpec = entry.spec
-    bound = _bind(handle, entry, spec, args, kwargs)
+    bound = _bind(ctx, spec, args, kwargs)
     if bound is None:
         return entry.stock(*args, **kwargs)
     consumer, call = bound
-    o = handle.options
+    o = ctx.options
     device = call.segments[0].source.device
     sig = (shapes(args, kwargs), call.dtype, device.type)
-    plan = handle.plan_for(entry, sig, lambda budget: plan_attention(
+    plan = ctx.plan(sig, lambda budget: plan_attention(
         attention_dims(spec, call, consumer), chunk_tokens=o.chunk_tokens, budget=budget,
         q_align=consumer.caps.q_align,
         head_groups=o.head_groups, can_group=call.cache_update is None and call.kv_whole is None,

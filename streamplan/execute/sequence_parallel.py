@@ -1,6 +1,6 @@
-"""A captured block under sequence parallelism (issue 15): what the graph handler asks before it captures, plans and
-runs a block whose attention spans ranks (``consumers.ulysses`` has the exchanges, a library's probe says what the
-block runs under: ``recognize.diffusers_parallel``).
+"""A captured block under sequence parallelism: what the graph handler asks before it captures, plans and runs a block
+whose attention spans ranks (``attention.ulysses`` has the exchanges, a library's probe says what the block runs under:
+``integrations.diffusers.parallel``).
 
 Every rank must run the same collectives in the same order, so every decision that changes them is the same on all
 ranks: the budget a plan fits is the smallest any rank has (``agreed_budget``), the plan itself is compared across
