@@ -39,7 +39,7 @@ def __dir__() -> list[str]:
 
 class _Package(types.ModuleType):
     """Importing the submodule ``streamplan.verify`` sets the package attribute ``verify`` to that module; the public
-    name ``streamplan.verify`` is the function (as it was when this package imported everything eagerly)."""
+    name ``streamplan.verify`` stays the function, whichever of the two was imported first."""
 
     def __setattr__(self, name: str, value) -> None:
         if name in _EXPORTS and isinstance(value, types.ModuleType):

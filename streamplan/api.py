@@ -3,7 +3,9 @@ per call signature, removal. How each spec type runs lives in ``streamplan.execu
 ``report``."""
 from __future__ import annotations
 
+import dataclasses
 import functools
+import inspect
 import logging
 import weakref
 from dataclasses import dataclass, field
@@ -19,9 +21,9 @@ from .execute.call_state import BYPASS, ROOT, bypass, live_bytes, outermost
 from .attention import consumer_for
 from .execute.chunk_loop import drain_retries
 from .specs import ROW_MASK_MARK, STREAMED_MARK, AttentionSpec, GraphSpec, MLPSpec, ModelSpec, Skip, row_masks_whole
-from .options import StreamOptions, make_options
+from .options import StreamOptions
 from .plan.planner import BudgetError, Plan, Tier
-from .integrations.recognizers import CAPTURE_MODES, recognize
+from .integrations.recognizers import recognize
 from .execute.context import CallContext
 from .execute.dispatch import run_spec
 from .execute.stock_watch import StockWatch, activation_bytes, watch_candidates
@@ -273,6 +275,13 @@ class StreamHandle:
         return f"<StreamHandle {len(self.installed)} streamed, {len(self.skipped)} left stock>"
 
 
+def _keywords_besides_options(arguments: dict) -> list[str]:
+    """The ``apply`` keywords given a value other than their default, beside ``options``."""
+    params = inspect.signature(apply).parameters
+    return [name for name, p in params.items() if name not in ("module", "options")
+            and arguments[name] is not p.default and arguments[name] != p.default]
+
+
 def _supersede(root: nn.Module) -> list["StreamHandle"]:
     """A second ``apply`` over modules an earlier handle streams takes them over with its own options: the earlier
     handle is removed first (and its ``remove()`` later removes the newer one too). Applying to a part of a model
@@ -331,7 +340,7 @@ class BlockStreamer:
         if not isinstance(module, nn.Module):
             raise ValueError(f"module must be a torch.nn.Module, got {type(module).__name__}")
         from .recognize.generic import recognize_generic
-        options = make_options(budget, chunk_tokens, None, None, reserve, self_check)
+        options = StreamOptions(budget, chunk_tokens, reserve=reserve, self_check=self_check)
         spec = recognize_generic(name, module)
         self.handle = StreamHandle(module, options, [spec] if isinstance(spec, Skip) else [])
         self.entry = None
@@ -352,41 +361,28 @@ class BlockStreamer:
 def apply(module: nn.Module, budget: int | str | None = "auto", chunk_tokens: int | None = None, *,
           ffn_slice: int | None = None, head_groups: int | None = None, reserve: int | str = DEFAULT_RESERVE,
           self_check: bool = False, capture: str = "fallback", kv: str = "device",
-          row_pieces: int | None = None, q_span: int | None = None, fuse: bool | None = None) -> StreamHandle:
+          row_pieces: int | None = None, q_span: int | None = None, fuse: bool | None = None,
+          options: StreamOptions | None = None) -> StreamHandle:
     """Stream every recognised structure inside ``module`` in place; returns a handle to report and undo.
 
-    ``budget`` (bytes, ``"12GiB"``, or ``"auto"``: the device's free memory when an operation is first planned) lets
-    the planner pick tiers and chunks, keeping stock wherever stock fits; ``budget=None`` streams every input longer
-    than a fixed default chunk instead. ``chunk_tokens`` forces row streaming at that chunk; ``ffn_slice`` forces
-    sliced MLPs holding that many hidden features' worth at a time (a captured block's MLP on as many row pieces of
-    the chunk, exact; a hand-written one a slice of its features at a time);
-    ``head_groups`` forces head-grouped K/V (L3) with the K/V heads split into that many groups.
-    ``reserve`` is kept free under ``budget="auto"``. ``self_check`` runs the first streamed call stock as well and
-    logs (and reports) the difference. ``capture`` picks the way in for blocks: "fallback" (default) streams every
-    block from its captured graph unless a part recognizer knows the block itself (an MLP in a list of experts),
-    "prefer" captures every block, "off" captures nothing (hand-written parts and model forwards only).
-    ``kv`` says where a captured block's K and V live between its phases: "device" (default, exact: whole on the
-    device wherever the budget allows; below the floor the planner takes the faster by estimate of head groups, L3,
-    and, on CUDA, host-staged K/V, L4), "host" (forces L4: pinned host memory, read back block by block, in head
-    groups, merged by log-sum-exp in fp32; ``head_groups`` then sets its groups), "int8" or
-    "fp8" (L5: compressed on the device, approximate; the first call per input shape also runs exact K/V and the
-    report gives the error). ``row_pieces`` (opt-in) runs a captured block's row-local chains (norms, rotary,
-    modulation) in that many pieces of each chunk's rows: a lower peak per row, so larger chunks under a budget, at the
-    cost of more, smaller kernels (on the H200 4 pieces ran the H3 block at 65,536 rows slower, not yet tuned).
-    ``q_span`` (with K/V in a store and ``chunk_tokens``): the query rows of that many rows are built and attended in
-    one pass over the store before their chunks run, so K/V are read back once per span, not once per chunk (under a
-    budget the planner picks the span itself). ``fuse``: a captured block's chains of element-wise ops (a rotary,
-    an AdaLN modulation, a gated residual) each compiled by Inductor into one kernel that rounds as eager does, checked
-    bit for bit against its eager ops on the first chunk before it is used (a chain that differs runs eager, reported);
-    None (default) where the device is CUDA with Triton, True anywhere Inductor runs, False never. The first call per
-    chain compiles it (seconds, once per process; identical chains of a model's blocks share one).
+    The keywords are ``StreamOptions``' fields (its docstring says what each does); ``options`` passes them as one
+    object instead, and then no other keyword may be given. Nothing is installed until every argument is checked,
+    and a failure while installing puts back every forward already replaced.
     """
     if not isinstance(module, nn.Module):
         raise ValueError(f"module must be a torch.nn.Module, got {type(module).__name__}")
-    options = make_options(budget, chunk_tokens, ffn_slice, head_groups, reserve, self_check, kv, row_pieces, q_span,
-                           fuse)
-    if capture not in CAPTURE_MODES:
-        raise ValueError(f"capture must be one of {', '.join(CAPTURE_MODES)}; got {capture!r}")
+    if options is None:
+        options = StreamOptions(budget, chunk_tokens, ffn_slice, head_groups, reserve, self_check, capture, kv,
+                                row_pieces, q_span, fuse)
+    else:
+        given = _keywords_besides_options(locals())
+        if given:
+            raise ValueError(f"give apply either options=StreamOptions(...) or keywords, not both (also given: "
+                             f"{', '.join(given)})")
+        if not isinstance(options, StreamOptions):
+            raise ValueError(f"options must be a streamplan.StreamOptions, got {type(options).__name__}")
+        options = dataclasses.replace(options)   # checked again: its fields may have been set since it was made
+    capture = options.capture
     superseded = _supersede(module)
     specs, skipped = recognize(module, capture)
     for name, spec in list(specs.items()):

@@ -111,7 +111,7 @@ def _allocations(prof, device_type: str) -> list[tuple[int, int, int]]:
 def _window_peak(allocations: list[tuple[int, int, int]]) -> int:
     """The most bytes allocated inside the window and alive at once. A block freed in the window that was allocated
     before it (garbage of an earlier call collected now) does not offset what the call allocates: the profiler knows
-    its size when an earlier profiled window allocated it, and counting it read a first call 57% short."""
+    its size when an earlier profiled window allocated it, and counting it would read a first call far short."""
     mine: dict[int, int] = {}
     live = peak = 0
     for _, ptr, size in allocations:

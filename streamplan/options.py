@@ -1,33 +1,95 @@
-"""What a user asks ``apply`` for, validated once: budget, chunking and tier overrides."""
+"""What a user asks ``apply`` for, as one object validated once: every keyword of ``apply`` is a field here."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
 from .execute.kv_tiers import check_kv
+from .integrations.recognizers import CAPTURE_MODES
 from .plan.budget import DEFAULT_RESERVE, parse_budget
 
 
 @dataclass
 class StreamOptions:
-    budget: int | str | None = None   # bytes, or "auto" (free device memory at planning time less ``reserve``)
-    reserve: int = DEFAULT_RESERVE
+    """How ``streamplan.apply`` streams a model (in the manner of torchao's ``quantize_`` configs): pass one as
+    ``apply(model, options=...)``, or give its fields to ``apply`` as keywords. Fields are checked and normalised when
+    the object is made (a size string becomes bytes); a bad value raises ``ValueError`` naming the field.
+
+    Args:
+        budget: the activation memory the planner may use: bytes (an int), a size string (``"12GiB"``, ``"900MB"``,
+            ``"1e9"``), or ``"auto"`` (default: the device's free memory less ``reserve``, read when an operation is
+            first planned). The planner keeps stock wherever stock fits and picks tiers and chunk sizes elsewhere;
+            a budget nothing fits raises ``BudgetError``. ``None``: no budget, every input longer than a fixed
+            default chunk streams.
+        chunk_tokens: rows per chunk, forced (phase KV and phase Q run that many rows a step).
+        ffn_slice: hidden features of an MLP held at a time, forced (tier L2): a captured block's MLP runs on as many
+            row pieces of the chunk as that takes, exact; a hand-written MLP a slice of its features at a time.
+        head_groups: groups the K/V heads are split into, forced (tier L3: the attention output built a head group
+            at a time).
+        reserve: bytes (or a size string) ``budget="auto"`` leaves free.
+        self_check: run the first streamed call stock as well, and log and report the difference.
+        capture: the way in for blocks: ``"fallback"`` (default: every block from its captured graph unless a part
+            recognizer knows the block itself), ``"prefer"`` (capture every block), ``"off"`` (hand-written parts
+            and model forwards only).
+        kv: where a captured block's K and V live between its phases: ``"device"`` (default, exact; below the floor
+            the planner may still stage them on the host, L4), ``"host"`` (forces L4: pinned host memory, attended
+            block by block, exact up to a log-sum-exp merge in fp32), ``"int8"`` or ``"fp8"`` (L5: compressed on
+            the device, approximate, opt-in; the first call per input shape also runs exact K/V and the report
+            gives the error).
+        row_pieces: a captured block's row-local chains (norms, rotary, modulation) run in this many row pieces of
+            each chunk: a lower peak per row, more and smaller kernels (1: whole chunks).
+        q_span: with K/V in a store and ``chunk_tokens``: query rows built and attended in one pass over the store
+            (a span of chunks), so the store is read once per span (under a budget the planner picks the span).
+        fuse: a captured block's chains of element-wise ops compiled by Inductor into one kernel each that rounds
+            as eager does, checked bit for bit on a first chunk (a chain that differs runs eager, reported).
+            ``None`` (default): where the device is CUDA with Triton; ``True``: wherever Inductor runs; ``False``:
+            never.
+        smallest_when_short: the budget is a target, not a ceiling: where no plan fits it, plan at the smallest
+            peak the planner reaches (noted in the report) instead of raising (ComfyUI's ``"auto"``, whose weights
+            fill the card and are evicted on demand).
+
+    Example:
+        >>> options = streamplan.StreamOptions(budget="12GiB", kv="host")
+        >>> handle = streamplan.apply(pipe.transformer, options=options)
+        >>> # the same as streamplan.apply(pipe.transformer, budget="12GiB", kv="host")
+    """
+
+    budget: int | str | None = "auto"
     chunk_tokens: int | None = None
     ffn_slice: int | None = None
-    self_check: bool = False
     head_groups: int | None = None
-    kv: str = "device"   # where K/V live between the phases: device (exact), host (L4), int8 / fp8 (L5, approximate)
-    # the budget is a target, not a ceiling: where nothing fits it, plan at the smallest reachable peak (reported)
-    # instead of raising (ComfyUI's "auto": its DynamicVRAM weights fill the card and are evicted on demand)
-    smallest_when_short: bool = False
-    # row-local chains of a captured block (norms, rotary, modulation) run in this many pieces of each chunk's rows:
-    # a lower peak per row, more and smaller kernels (1: whole; see ``capture.pieces``)
-    row_pieces: int = 1
-    # K/V in a store (kv="host", "int8", "fp8") at a fixed chunk: query rows attended per pass over the store
+    reserve: int | str = DEFAULT_RESERVE
+    self_check: bool = False
+    capture: str = "fallback"
+    kv: str = "device"
+    row_pieces: int | None = 1
     q_span: int | None = None
-    # a captured block's element-wise chains compiled into exact kernels (``capture.fuse``): None where the device
-    # is CUDA with Triton, True anywhere Inductor runs, False never
     fuse: bool | None = None
+    smallest_when_short: bool = False
+
+    def __post_init__(self) -> None:
+        self.kv = check_kv(self.kv)
+        self.chunk_tokens = positive_int(self.chunk_tokens, "chunk_tokens")
+        self.ffn_slice = positive_int(self.ffn_slice, "ffn_slice")
+        self.head_groups = positive_int(self.head_groups, "head_groups")
+        self.reserve = parse_budget(self.reserve, None, arg="reserve", allow_zero=True)
+        if isinstance(self.budget, str) and self.budget.strip().lower() == "auto":
+            self.budget = "auto"   # resolved when each operation is planned, from what is free then
+        else:
+            self.budget = parse_budget(self.budget, None)
+        self.row_pieces = positive_int(self.row_pieces, "row_pieces") or 1
+        self.q_span = positive_int(self.q_span, "q_span")
+        if self.q_span is not None and self.kv == "device":
+            raise ValueError(f"q_span={self.q_span} sets the query rows of a pass over a K/V store: it needs "
+                             f"kv='host', 'int8' or 'fp8' (with kv='device' the planner picks any span itself when "
+                             f"it stages K/V)")
+        if self.fuse is not None and not isinstance(self.fuse, bool):
+            raise ValueError(f"fuse must be True, False or None (None: fuse where the device is CUDA with Triton), "
+                             f"got {self.fuse!r}")
+        if self.capture not in CAPTURE_MODES:
+            raise ValueError(f"capture must be one of {', '.join(CAPTURE_MODES)}; got {self.capture!r}")
+        self.self_check = bool(self.self_check)
+        self.smallest_when_short = bool(self.smallest_when_short)
 
 
 _INT_MEANING = {"chunk_tokens": "rows per chunk", "ffn_slice": "MLP hidden features per slice",
@@ -42,26 +104,3 @@ def positive_int(value: Any, arg: str) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{arg} must be a positive int ({_INT_MEANING[arg]}) or None, got {value!r}")
     return value
-
-
-def make_options(budget, chunk_tokens, ffn_slice, head_groups, reserve, self_check, kv="device",
-                 row_pieces=None, q_span=None, fuse=None) -> StreamOptions:
-    kv = check_kv(kv)
-    chunk_tokens = positive_int(chunk_tokens, "chunk_tokens")
-    ffn_slice = positive_int(ffn_slice, "ffn_slice")
-    head_groups = positive_int(head_groups, "head_groups")
-    reserve = parse_budget(reserve, None, arg="reserve", allow_zero=True)
-    if isinstance(budget, str) and budget.strip().lower() == "auto":
-        parsed: int | str | None = "auto"   # resolved when each operation is planned, from what is free then
-    else:
-        parsed = parse_budget(budget, None)
-    pieces = positive_int(row_pieces, "row_pieces") or 1
-    q_span = positive_int(q_span, "q_span")
-    if q_span is not None and kv == "device":
-        raise ValueError(f"q_span={q_span} sets the query rows of a pass over a K/V store: it needs kv='host', 'int8' "
-                         f"or 'fp8' (with kv='device' the planner picks any span itself when it stages K/V)")
-    if fuse is not None and not isinstance(fuse, bool):
-        raise ValueError(f"fuse must be True, False or None (None: fuse where the device is CUDA with Triton), "
-                         f"got {fuse!r}")
-    return StreamOptions(parsed, reserve, chunk_tokens, ffn_slice, bool(self_check), head_groups, kv,
-                         row_pieces=pieces, q_span=q_span, fuse=fuse)

@@ -24,7 +24,7 @@ def register_row_local_op(namespace: str, name: str, kind: Literal["rows", "norm
 
 
 # Private attributes a module's forward reads as settings (peft: an adapter switched off, the active adapter's name),
-# declared by the library's recognizer file: a capture depends on their values (``capture.export.structure``).
+# declared by the library's recognizer file: a capture depends on their values (``graph.export.structure``).
 CAPTURE_STATE_ATTRS: set[str] = set()
 
 
@@ -43,9 +43,9 @@ def register_capture_context(context: Callable[[nn.Module], "AbstractContextMana
         CAPTURE_CONTEXTS.append(context)
 
 
-# Layers a capture takes as one opaque row-local op (``capture.opaque_layers``), run by the layer's own forward on
-# each chunk of rows: ``(module) -> bool``, declared by whoever knows the layer's format (``recognize``, from
-# ``weights.LinearCaps.opaque``: bitsandbytes' linears).
+# Layers a capture takes as one opaque row-local op (``graph.opaque_layers``), run by the layer's own forward on each
+# chunk of rows: ``(module) -> bool``, declared by whoever knows the layer's format (``recognize.generic``, from
+# ``plan.weight_formats.LinearCaps.opaque``: bitsandbytes' linears).
 OPAQUE_LAYERS: list[Callable[[nn.Module], bool]] = []
 
 
@@ -106,7 +106,7 @@ def adapt_call(block: nn.Module, args: tuple, kwargs: dict) -> "AdaptedCall | st
 
 # A library whose calls pass objects that hold tensors (transformers' caches) registers how to list them:
 # ``(value) -> list of tensors | None`` (None: not its object). Those objects count toward a call's live inputs and are
-# copied whole for a reference run (``verify.private_copy``).
+# copied whole for a reference run (``execute.compare.private_copy``).
 STATE_TENSORS: list[Callable[[Any], "list[torch.Tensor] | None"]] = []
 
 

@@ -1,4 +1,4 @@
-"""Specs: plain descriptions of a structure in row-local pieces, produced by recognizers."""
+"""Specs: plain descriptions of a structure as row-local functions, produced by recognizers."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -75,7 +75,7 @@ class Skip:
 
 @dataclass(eq=False)
 class Segment:
-    """A run of rows of the attention's (joint) sequence with its own row-local pieces.
+    """A run of rows of the attention's (joint) sequence with its own row-local functions.
 
     ``source`` is the segment's input sequence [B, rows, dim]. q(h, a, b) -> [B, b-a, H, D] and
     kv(h, a, b) -> two [B, b-a, Hkv, D] take the input rows h = source[:, a:b] (or, inside a streamed block, the
@@ -95,7 +95,7 @@ class Segment:
 
 @dataclass(eq=False)
 class AttentionCall:
-    """One call of a recognised attention module, taken apart into row-local pieces."""
+    """One call of a recognised attention module, taken apart into row-local functions."""
 
     batch: int
     heads: int
@@ -121,7 +121,7 @@ Binder = Callable[[tuple, dict], "AttentionCall | str"]
 
 @dataclass(eq=False)
 class AttentionSpec:
-    """An attention module streamplan can run as phase KV then phase Q (DESIGN.md section 1).
+    """An attention module streamplan can run as phase KV then phase Q (docs/design.md, "Why a block can stream").
 
     ``bind(args, kwargs)`` takes one call apart (or returns why this call must run stock); ``backend`` names
     the attention implementation the module uses, which selects the consumer.
@@ -200,7 +200,7 @@ class RowMask:
     # not padding; query row i then sees keys start..min(i, end - 1), and a row before start none
     spans: tuple[tuple[int, int], ...] | None = None
     # eager attention's additive masks: a row that sees no key adds the same minimum to every score, so it attends
-    # every key of the call evenly (not only those of its chunk's span)
+    # every key of the call evenly (not only the keys ``span`` gives its chunk)
     blind_rows_see_all: bool = False
 
     def chunk_bytes(self, chunk: int, elem: int, row_bytes: int = 0) -> int:

@@ -20,7 +20,7 @@ class ConsumerCaps:
     bounded_q: bool = True                 # accepts a chunk of Q rows against global K/V
     q_offset: bool = True                  # handles causal masks for a chunk that starts at row q_offset
     gqa: bool = True                       # K/V with fewer heads than Q
-    masks: frozenset[str] = frozenset({"bool", "additive"})  # mask forms, given sliced to the chunk's rows
+    masks: frozenset[str] = frozenset({"bool", "additive"})  # mask forms, given cut to the chunk's rows
     kv_blocks_lse: bool = False            # can attend K/V in blocks and return log-sum-exp
     dtypes: frozenset[torch.dtype] = frozenset({torch.float32, torch.float16, torch.bfloat16})
     max_head_dim: int | None = None

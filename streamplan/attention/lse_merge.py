@@ -3,12 +3,12 @@
 (``LseAccumulator``).
 
 ``o2 <- o1 * exp(lse1 - lse) + o2 * exp(lse2 - lse)``, ``lse = logaddexp(lse1, lse2)``, in fp32, rounded once. In
-PyTorch that is a broadcast multiply and an ``addcmul`` per head group: broadcasting keeps them off PyTorch's
-vectorised kernels, and the merge measured 2-4% of a causal layer's attention time on the H200
-(``benchmarks/results/gpu_causal_chunks_131072.json``). On CUDA, where Triton is importable, one kernel does it reading
-each element once and writing it once (6 bytes an element in bf16, against 14). Everywhere else, and for layouts the
-kernel does not take, the PyTorch path runs. Both compute the same formula in fp32; they can differ by fp32 rounding
-before the one cast (a bf16 step at a rare tie), which is below any kernel-to-kernel difference of the attention itself.
+PyTorch that is a broadcast multiply and an ``addcmul`` per head group: broadcasting keeps them off PyTorch's vectorised
+kernels, which makes the merge a visible share of a causal layer's attention time. On CUDA, where Triton is importable,
+one kernel does it reading each element once and writing it once (6 bytes an element in bf16, against 14). Everywhere
+else, and for layouts the kernel does not take, the PyTorch path runs. Both compute the same formula in fp32; they can
+differ by fp32 rounding before the one cast (a bf16 step at a rare tie), which is below any kernel-to-kernel difference
+of the attention itself.
 """
 from __future__ import annotations
 

@@ -1,10 +1,9 @@
 """PyTorch ``scaled_dot_product_attention`` as the baseline consumer: bounded Q, offset causal, GQA, masks.
 
-A causal chunk of query rows [a, a+c) sees keys [0, a) whole and keys [a, a+c) causally. Where PyTorch's fused
-kernels return their log-sum-exp (flash, efficient and cuDNN on CUDA, flash on CPU), the two parts run as two fused
-calls, each on the kernel PyTorch's own call would pick for it (``torch._fused_sdp_choice``), and are merged exactly by
-their log-sum-exps; no [c, keys] mask is built.
-Elsewhere a lower-right causal mask is used.
+A causal chunk of query rows [a, a+c) sees keys [0, a) whole and keys [a, a+c) causally. Where PyTorch's fused kernels
+return their log-sum-exp (flash, efficient and cuDNN on CUDA, flash on CPU), the two key ranges run as two fused calls,
+each on the kernel PyTorch's own call would pick for it (``torch._fused_sdp_choice``), and are merged exactly by their
+log-sum-exps; no [c, keys] mask is built. Elsewhere a lower-right causal mask is used.
 """
 from __future__ import annotations
 
@@ -106,9 +105,9 @@ def _grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
 
 
 def _gqa_fused(q, k, v, causal: bool, scale, fallback):
-    """``_fused_with_lse`` with fewer K/V heads than Q heads given as they are where PyTorch has ``enable_gqa``
-    (cuDNN and flash on CUDA, flash on CPU: measured bit-identical to repeating them), else on ``fallback(q, k, v)``'s
-    layout of the same call."""
+    """``_fused_with_lse`` with fewer K/V heads than Q heads given as they are where PyTorch has ``enable_gqa`` (cuDNN
+    and flash on CUDA, flash on CPU: bit-identical to repeating them), else on ``fallback(q, k, v)``'s layout of the
+    same call."""
     if q.shape[1] == k.shape[1]:
         return _fused_with_lse(q, k, v, causal, scale)
     got = _fused_with_lse(q, k, v, causal, scale) if _HAS_GQA else None
@@ -155,7 +154,7 @@ def _efficient_with_lse(q, k, v, causal: bool, scale):
 
 
 _KERNELS = {_FLASH: _flash_with_lse, _EFFICIENT: _efficient_with_lse, _CUDNN: _cudnn_with_lse}
-_GQA_KERNELS = {_FLASH, _CUDNN}   # take fewer K/V heads than Q heads (H200: cuDNN bit-identical to repeated heads)
+_GQA_KERNELS = {_FLASH, _CUDNN}   # take fewer K/V heads than Q heads (bit-identical to repeating the heads)
 
 
 MATH_SCORES = 1 << 26   # fp32 scores the math path holds at once (256 MiB): query rows are taken in pieces under it
@@ -273,9 +272,9 @@ class SDPAConsumer:
     def workspace_row_bytes(self, *, heads: int, head_dim: int, elem: int, causal: bool, masked: bool,
                             device_type: str | None = None) -> int:
         """Per query row: an unmasked causal chunk after the first holds the past keys' partial output beside the
-        diagonal block's (which becomes the output) and the fp32 copies of one head group's merge. On CPU (or where
-        the device is not said) PyTorch's flash kernel keeps buffers of its own besides: measured, about two
-        fp32 outputs and two in the chunk's dtype per row."""
+        diagonal block's (which becomes the output) and the fp32 copies of one head group's merge. On CPU (or where the
+        device is not said) PyTorch's flash kernel keeps buffers of its own besides, counted as two fp32 outputs and two
+        in the chunk's dtype per row."""
         if not causal or masked:
             return 0
         if device_type in ("cuda", "meta"):   # CUDA's fused kernels allocate their output and log-sum-exp alone
@@ -285,11 +284,11 @@ class SDPAConsumer:
     def workspace_bytes(self, *, rows: int, keys: int, heads: int, kv_heads: int, head_dim: int, elem: int,
                         causal: bool, masked: bool, device_type: str | None = None, softcap: float = 0.0) -> int:
         """Bytes ``attend`` allocates besides its output for one chunk of ``rows`` query rows against up to ``keys``
-        keys, at its worst moment (the planner charges them while the chunk's attention runs). A causal chunk after
-        the first: the diagonal block's output (with GQA on torch < 2.5 its repeated K/V heads), then the past keys'
-        output (and there the grouped Q copy), then the merge's fp32 weights and head-group copies (the fused merge on
-        CUDA needs none). Each fused call adds its log-sum-exp and, on CPU, the flash kernel's
-        per-thread tiles, which scale with the thread count, not the rows."""
+        keys, at its worst moment (the planner charges them while the chunk's attention runs). A causal chunk after the
+        first: the diagonal block's output (with GQA on torch < 2.5 its repeated K/V heads), then the past keys' output
+        (and there the grouped Q copy), then the merge's fp32 weights and head-group copies (the fused merge on CUDA
+        needs none). Each fused call adds its log-sum-exp and, on CPU, the flash kernel's per-thread tiles, which scale
+        with the thread count, not the rows."""
         if softcap:   # one piece of scores in the inputs' dtype beside its fp32 softmax and the fp32 copy softmax
             # makes of a bf16/fp16 input (or, merging key blocks, the fp32 exponentials then their cast back); a
             # boolean mask's negation for the piece's rows and keys; the merge's accumulator and a block's output

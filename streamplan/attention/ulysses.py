@@ -66,7 +66,7 @@ def heads_problem(par: SequenceParallel, heads: int, kv_heads: int) -> str | Non
 
 
 def _exchange(send: torch.Tensor, group: Any) -> torch.Tensor:
-    """All-to-all over the leading dimension (one slice per rank): slice j goes to rank j, slice i of the result
+    """All-to-all over the leading dimension (one index per rank): ``send[j]`` goes to rank j, and the result's ``[i]``
     came from rank i."""
     import torch.distributed as dist
     recv = torch.empty_like(send)

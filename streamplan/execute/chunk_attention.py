@@ -12,7 +12,7 @@ from ..specs import RowMask
 
 class ChunkAttention:
     """``attend(q, k, v, *, q_offset, causal, scale, mask, softcap)`` for the graph run: the consumer's own call, or
-    with a row mask the chunk's rows of it (a window's span of keys, or padding and causality as unmasked calls)."""
+    with a row mask the chunk's rows of it (a window's range of keys, or padding and causality as unmasked calls)."""
 
     def __init__(self, consumer, row_mask: RowMask | None):
         self.consumer, self.row_mask = consumer, row_mask

@@ -1,5 +1,6 @@
 """The generic way in: a block's forward captured to an ATen graph with the row count symbolic, analysed for its
-row-local ops and global attentions, and run in row chunks (see ``analyze`` and ``execute``)."""
+row-local ops and global attentions, and run in row chunks (see ``analyze``, ``phases`` and
+``streamplan.execute.graph_run``)."""
 from __future__ import annotations
 
 import functools

@@ -93,7 +93,7 @@ _SOFTMAX = {"softmax", "_softmax", "log_softmax", "_log_softmax", "cumsum", "cum
 _NORMS = {"layer_norm", "native_layer_norm", "rms_norm", "_fused_rms_norm"}
 MATMUL_OPS = {"linear", "matmul", "mm", "bmm", "addmm", "baddbmm"}
 _CREATE = {"new_zeros", "new_ones", "new_full", "new_empty", "zeros", "ones", "full", "empty"}
-SDPA_OPS = {"scaled_dot_product_attention", "eager_attention"}   # the second: capture/eager_attention.py
+SDPA_OPS = {"scaled_dot_product_attention", "eager_attention"}   # the second: graph/eager_attention.py
 
 
 def numel_besides(val, dim: int | None) -> int:

@@ -1,8 +1,8 @@
-"""A chunk's K, V or output written by the op that makes it straight into the whole buffer it goes to (the op's
-``out=`` overload), instead of into a chunk tensor of its own that is then copied there: one pass over those rows
-less, and no chunk-sized tensor for them. Found on a phase's first chunk, from what that chunk's values turned out to
-be (the producer contiguous, the value a view over all of it laid out as the buffer's rows are); anything else keeps
-the copy. The written value is then the buffer's rows already, and ``execute._write_rows`` sees it and copies
+"""A chunk's K, V or output written by the op that makes it straight into the whole buffer it goes to (the op's ``out=``
+overload), instead of into a chunk tensor of its own that is then copied there: one pass over those rows less, and no
+chunk-sized tensor for them. Found on a phase's first chunk, from what that chunk's values turned out to be (the
+producer contiguous, the value a view over all of it laid out as the buffer's rows are); anything else keeps the copy.
+The written value is then the buffer's rows already, and ``execute.graph_run._write_rows`` sees it and copies
 nothing."""
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
-"""Exact fused chains: a run of a chunk's element-wise ops, each one IEEE-rounded operation (add, sub, mul, neg, a
-dtype conversion) or data movement (views, ``cat``, a gather), compiled by Inductor into one kernel that rounds every
+"""Exact fused chains: a run of a chunk's element-wise ops, each one IEEE-rounded operation (add, sub, mul, neg, a dtype
+conversion) or data movement (views, ``cat``, a gather), compiled by Inductor into one kernel that rounds every
 intermediate to the dtype eager gives it (``emulate_precision_casts``). Why: eager PyTorch runs an op over a strided
-slice or with a broadcast operand per element (a rotary's ``x[..., :96] * cos``: 3-5x slower per byte than a dense
-op), and each op is one more pass over memory; one kernel reads the run's inputs once and writes what leaves it once
-(a partial rotary, 96 of 128 channels of 56 heads at 16,384 rows: 1.15 ms as joins built in place, 0.17 fused, bit for
-bit; ``benchmarks/gpu_rotary_forms``).
+view or with a broadcast operand element by element (a rotary's ``x[..., :96] * cos``), much slower per byte than a
+dense op, and each op is one more pass over memory; one kernel reads the run's inputs once and writes what leaves it
+once, bit for bit as eager computes it (a partial rotary, the common case, is much faster fused than as joins built in
+place).
 
 Exactness is checked, not assumed: before a compiled chain is used, it and its eager ops run on the first chunk's
 leading rows and must agree bit for bit; a chain that differs, or does not compile, runs eager (``handle.report()``
@@ -35,9 +35,8 @@ EXACT_OPS = {"add", "sub", "rsub", "mul", "neg", "_to_copy", "to", "type_as", "c
              "expand_as", "alias", "slice", "select", "narrow", "split", "split_with_sizes", "chunk", "unbind",
              "unflatten", "flatten", "movedim", "contiguous"}
 CHECK_ROWS = 16   # the leading rows of a first chunk a chain is checked on
-# below this many bytes of a chain's outputs per chunk its eager kernels take microseconds, and a compiled call's host
-# time (~0.18 ms a call on the H200's host: benchmarks/results/gpu_chain_host_time_2026-12-01.log) would be what a
-# host-bound chunk waits on: left eager. An estimate, not a measured crossover (RESULTS.md, sixth session)
+# below this many bytes of a chain's outputs per chunk its eager kernels take microseconds, and a compiled call's fixed
+# host time per call would be what a host-bound chunk waits on: left eager. An estimate, not a measured crossover
 MIN_BYTES = 64 << 20
 
 
@@ -60,7 +59,7 @@ class FusedChain:
     graph: fx.GraphModule
     dead: dict[int, list[fx.Node]]   # run eager: after which node a value is no longer needed (outputs excepted)
     row_bytes: int            # bytes per row of its outputs
-    prelude: list[fx.Node] = field(default_factory=list)   # (``pieces.schedule`` reads these: none here)
+    prelude: list[fx.Node] = field(default_factory=list)   # (``row_pieces.schedule`` reads these: none here)
     post: list[fx.Node] = field(default_factory=list)
 
     @property
@@ -114,7 +113,7 @@ def find_chains(nodes: list[fx.Node], an: Analysis, keep: set, extra: dict | Non
     """The chains among ``nodes`` (a phase as it is scheduled) worth a kernel: consecutive members with at least two
     ops that are not views. Members have the chunk's rows alone (never static rows), so a chain is the same computation
     on a first chunk and on the dynamic rows of the later ones; ``exclude``: nodes that pass rows through otherwise
-    there (a cut along the rows). None where the block writes into its inputs (as ``pieces``)."""
+    there (a cut along the rows). None where the block writes into its inputs (as ``row_pieces``)."""
     if an.input_writes:
         return []
     attention = {a.node for a in an.attentions} | set(exclude)
@@ -162,7 +161,7 @@ def _compiled(chain: FusedChain, device: torch.device) -> Compiled:
     c = _COMPILED.get(key)
     if c is None:
         # sizes static at first, then those that changed (the rows) symbolic: the features stay static, so the kernel
-        # knows its rows' alignment (all dimensions symbolic ran a gathered modulation chain 2x slower on the H200)
+        # knows its rows' alignment (with every dimension symbolic a gathered modulation chain runs slower)
         c = _COMPILED[key] = Compiled(torch.compile(chain.graph, dynamic=None, fullgraph=True,
                                                     options={"emulate_precision_casts": True}))
     return c
@@ -175,7 +174,7 @@ def _local(chain: FusedChain, env: dict, an: Analysis, symbol, rows: int) -> lis
         v, r = env[m], an.rows.get(m)
         if isinstance(r, Rows) and isinstance(v, torch.Tensor):
             v = v.narrow(r.dim, 0, rows)
-        elif isinstance(r, list) and isinstance(v, (list, tuple)):   # a split's parts, each with its rows or none
+        elif isinstance(r, list) and isinstance(v, (list, tuple)):   # a split's outputs, each with its rows or none
             v = type(v)(t.narrow(p.dim, 0, rows) if isinstance(p, Rows) and isinstance(t, torch.Tensor) else t
                         for t, p in zip(v, r))
         elif isinstance(m.meta.get("val"), torch.SymInt) and symbol in m.meta["val"].node.expr.free_symbols:

@@ -1,8 +1,8 @@
 """Values computed into a dying operand's storage: a pointwise op whose operand is read by it alone, fresh (not a
 view, not a buffer's rows), and laid out as its result is, writes its result over that operand (its ``out=``, bit for
 bit the op: each element read before it is written, at its own place). A chain of elementwise ops (a rotary's
-``x * cos``, ``rotated * sin``, a gate's product) then holds one value where it held two. ``joins`` extends the same
-rule to a join's slots."""
+``x * cos``, ``rotated * sin``, a gate's product) then holds one value where it held two. ``joins_in_place`` extends the
+same rule to a join's slots."""
 from __future__ import annotations
 
 from typing import Any

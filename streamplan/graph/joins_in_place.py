@@ -1,9 +1,9 @@
-"""Joins built in place: a ``cat`` along the features whose inputs include values made by pointwise ops and read by
-the join alone is built by those ops writing straight into their slices of the joined buffer (their ``out=``, which
-is the op bit for bit); the other inputs are copied into theirs, and the join moves nothing again. One pass less over
-those values, and never a tensor of them beside the join. A rotary embedding's ``cat((-x2, x1))`` and
-``cat((rotated, passed))`` are the common case. Where the join's own value goes into a buffer (``into``), its slots
-are that buffer's."""
+"""Joins built in place: a ``cat`` along the features whose inputs include values made by pointwise ops and read by the
+join alone is built by those ops writing straight into their slices of the joined buffer (their ``out=``, which is the
+op bit for bit); the other inputs are copied into theirs, and the join moves nothing again. One pass less over those
+values, and never a tensor of them beside the join. A rotary embedding's ``cat((-x2, x1))`` and
+``cat((rotated, passed))`` are the common case. Where the join's own value goes into a buffer (``direct_writes``), its
+slots are that buffer's."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -92,7 +92,7 @@ def run_join(j: Join, node: fx.Node, env: dict, built: dict[fx.Node, torch.Tenso
              into: dict[fx.Node, torch.Tensor] | None) -> torch.Tensor | None:
     """``node`` (the join or one of its slots) on one chunk; ``built`` holds the chunk's joined buffers so far. None:
     the join itself where no slot ran on this chunk (it runs as usual)."""
-    if node is not j.node:   # a slot or a feed: writes into its part of the buffer, made by the first of them to run
+    if node is not j.node:   # a slot or a feed: writes into its slice of the buffer, made by the first of them to run
         buf = built.get(j.node)
         if buf is None:
             buf = (into or {}).get(j.node)

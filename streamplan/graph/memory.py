@@ -75,7 +75,7 @@ class GraphMemory:
                 owner[n] = owner[reuse[n]]
                 refs[owner[n]] += 1
             elif (j := joins.get(n)) is not None and (n is not j.node or n in owner):
-                if n is not j.node:   # a slot: its part of the join's buffer, which the first slot makes
+                if n is not j.node:   # a slot: its slice of the join's buffer, which the first slot makes
                     if j.node not in owner:
                         owner[j.node], refs[j.node] = j.node, 1
                         live += self.value(j.node, rows)

@@ -1,9 +1,9 @@
-"""Linear layers a capture cannot trace but whose format declares them row-local (``ir.OPAQUE_LAYERS``, filled from
-``weights.LinearCaps.opaque`` by ``recognize``: bitsandbytes' 8-bit and 4-bit linears, whose matmul reads the real
-parameter's quantisation state). While a block is captured, each such layer is one ``streamplan::opaque_linear`` op
-(its output shaped from its input), row-local for the analysis; when the graph runs, the op calls that layer of the
-block being run (by its name inside the block: a capture serves every block of its class) on the chunk's rows,
-through the layer's own forward."""
+"""Linear layers a capture cannot trace but whose format declares them row-local (``registries.OPAQUE_LAYERS``, filled
+from ``plan.weight_formats.LinearCaps.opaque`` by ``recognize.generic``: bitsandbytes' 8-bit and 4-bit linears, whose
+matmul reads the real parameter's quantisation state). While a block is captured, each such layer is one
+``streamplan::opaque_linear`` op (its output shaped from its input), row-local for the analysis; when the graph runs,
+the op calls that layer of the block being run (by its name inside the block: a capture serves every block of its class)
+on the chunk's rows, through the layer's own forward."""
 from __future__ import annotations
 
 import contextlib

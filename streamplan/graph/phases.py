@@ -1,6 +1,6 @@
 """The phases of a captured block, worked out once per capture: which nodes phase KV runs for each global attention
 (its K and V with the writes into their storage), which nodes phase Q runs, which op may write each K, V or output
-straight into its buffer, and what each phase computes in place (joins built by their parts, results over dying
+straight into its buffer, and what each phase computes in place (joins built by their slots, results over dying
 operands). The executor (``streamplan.execute.graph_run``) and the memory model (``memory``) both read it from here."""
 from __future__ import annotations
 
@@ -102,7 +102,7 @@ def phases(cap: Captured, an: Analysis) -> Phases:
 
 def in_place(nodes: list[fx.Node], an: Analysis, ph: Phases, keep: set) -> tuple[dict[fx.Node, Join],
                                                                                 dict[fx.Node, fx.Node]]:
-    """What a phase (``nodes`` as it runs, ``keep`` handed on) computes in place: joins built by their parts
+    """What a phase (``nodes`` as it runs, ``keep`` handed on) computes in place: joins built by their slots
     (``joins``), and ops written over an operand that dies with them (``reuse``); the executor and the memory model
     both take it from here, worked out once per capture."""
     key = (tuple(nodes), frozenset(keep))
@@ -112,7 +112,7 @@ def in_place(nodes: list[fx.Node], an: Analysis, ph: Phases, keep: set) -> tuple
         found: tuple[dict, dict] = ({}, {})
     else:
         joins = find_joins(nodes, an)
-        # a join's parts are slices of its buffer; a join itself is a buffer of its own unless it writes into one
+        # a join's slots are slices of its buffer; a join itself is a buffer of its own unless it writes into one
         avoid = {a.node for a in an.attentions} | set(ph.producers.values()) | {n for n, j in joins.items()
                                                                                 if n is not j.node}
         found = (joins, find_reuse(nodes, an, keep, avoid))

@@ -38,7 +38,7 @@ def is_view(n: fx.Node) -> bool:
 
 
 def dynamic_rows(r) -> bool:
-    """Rows without static ones (a tuple's parts each so)."""
+    """Rows without static ones (a tuple's elements each so)."""
     parts = r if isinstance(r, list) else [r]
     return bool(parts) and all(isinstance(p, Rows) and not (p.pre or p.post) for p in parts)
 

@@ -36,7 +36,7 @@ class MLPRegion:
 
     @functools.cached_property
     def over(self) -> dict[fx.Node, fx.Node]:
-        """Inner pointwise ops that write over an operand dying with them (``reuse``'s rule inside a region): an
+        """Inner pointwise ops that write over an operand dying with them (``in_place``'s rule inside a region): an
         entry's output, a fresh inner value, or an entry's part taken by its split (the parts are disjoint)."""
         found: dict[fx.Node, fx.Node] = {}
         for n in self.inner:

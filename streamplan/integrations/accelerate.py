@@ -1,6 +1,6 @@
-"""accelerate's hooks (``accelerate.hooks.add_hook_to_module``) for ``streamplan.execute.hook_chains``: the module's
-own forward is
-kept in ``module._old_forward`` and ``module.forward`` calls the hook around it; that attribute is the innermost link.
+"""accelerate's hooks (``accelerate.hooks.add_hook_to_module``) for ``streamplan.execute.hook_chains``: the module's own
+forward is kept in ``module._old_forward`` and ``module.forward`` calls the hook around it; that attribute is the
+innermost link.
 
 ``AlignDevicesHook`` (sequential CPU offload: ``enable_sequential_cpu_offload``, ``cpu_offload``) loads the module's
 own weights from the offload map for its call and puts them back after: streamplan sits inside it on a block (and on

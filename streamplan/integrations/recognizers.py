@@ -5,21 +5,18 @@ from typing import Callable
 
 from torch import nn
 
-from ..specs import AttentionSpec, GraphSpec, MLPSpec, ModelSpec, RowLocalSpec, Skip
-from .diffusers import hooks as diffusers_hooks  # noqa: F401  (register their hook chains with streamplan.execute.hook_chains)
-from .comfy import kitchen_ops as comfy_kitchen_ops  # noqa: F401  (declares comfy_kitchen's row-local ops)
-from .comfy import flux as comfy_flux  # noqa: F401  (declares ComfyUI Flux's modulation records, block arguments)
-from .comfy import (
-    capture_attention as comfy_attention)  # noqa: F401  (ComfyUI's PyTorch attention while its blocks are captured)
-from . import peft as peft_layers  # noqa: F401  (declares the adapter state peft's layers read)
-from .diffusers.attention import recognize_attention
-from .diffusers.mlp import recognize_feedforward
-from .diffusers.h3 import recognize_h3_model
-from .diffusers.wan import recognize_wan_model
 from ..recognize.generic import block_candidates, recognize_generic
 from ..recognize.row_local import recognize_row_local
-from .transformers import (
-    graph_calls as transformers_graph)  # noqa: F401  (transformers layers on the captured path: backend, cache)
+from ..specs import AttentionSpec, GraphSpec, MLPSpec, ModelSpec, RowLocalSpec, Skip
+# imported for what they declare at import: hook chains, row-local ops, argument records, capture contexts, state
+from . import accelerate, peft  # noqa: F401  (accelerate's hook chains; the adapter state peft's layers read)
+from .comfy import capture_attention, flux, kitchen_ops  # noqa: F401  (ComfyUI's ops, records, capture attention)
+from .diffusers import hooks  # noqa: F401  (diffusers' hook chains)
+from .diffusers.attention import recognize_attention
+from .diffusers.h3 import recognize_h3_model
+from .diffusers.mlp import recognize_feedforward
+from .diffusers.wan import recognize_wan_model
+from .transformers import graph_calls  # noqa: F401  (transformers layers on the captured path: backend, cache)
 from .transformers.decoders import recognize_decoder_model
 from .transformers.llama import recognize_gated_mlp, recognize_llama_attention
 

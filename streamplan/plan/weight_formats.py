@@ -5,7 +5,7 @@ kernels quantise nothing per call) unless it says why not (``rows``). Feature sl
 slices and the executors can run the slice: output features (rows of the weight, with their own scales) for an MLP's
 input projections, input features (columns, accumulated) for its output projection. A format a library ships is
 declared here by its weight (or layer) class; an unknown layer is applied whole on row chunks only, and one that a
-block capture cannot trace is taken by it as one opaque op (``opaque``: ``capture.opaque_layers``)."""
+block capture cannot trace is taken by it as one opaque op (``opaque``: ``graph.opaque_layers``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -20,7 +20,7 @@ class LinearCaps:
     out_slice: bool     # rows of the weight (output features) can be used alone
     in_slice: bool      # columns of the weight (input features) can be used alone
     align: int = 1      # slices must start and end on multiples of this
-    opaque: bool = False  # a capture takes the layer as one op (capture.opaque_layers), run by its own forward
+    opaque: bool = False  # a capture takes the layer as one op (graph.opaque_layers), run by its own forward
     rows: str | None = None  # why a chunk of rows is not the layer's math (None: row chunks are exact)
     name: str = ""      # the format, for reports
     note: str = ""      # what the layout allows beyond what is declared, or why it does not trace

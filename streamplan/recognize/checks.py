@@ -35,12 +35,11 @@ def global_hook_problem() -> str | None:
 def stock_problem(module: nn.Module, expected_forward: Callable | None = None, *, subtree: bool = True,
                   onloads: bool = False, per_chunk: bool = False) -> str | None:
     """Why ``module`` cannot be streamed safely as a known structure, or None. ``subtree=False`` checks the module
-    alone (a model whose forward streamplan replaces; its children are judged on their own). Known hooks on the
-    module itself are fine (streamplan runs inside them, ``streamplan.execute.hook_chains``), but only weight hooks
-    where the caller
-    calls the module once per row chunk (``per_chunk``: a cache hook would count each chunk as a step); on modules
-    inside it only when their weights are in place when read (``onloads``: the caller runs their weight hooks around
-    its run, as a captured graph does, or calls those modules through their own forwards); a path that reads them
+    alone (a model whose forward streamplan replaces; its children are judged on their own). Known hooks on the module
+    itself are fine (streamplan runs inside them, ``streamplan.execute.hook_chains``), but only weight hooks where the
+    caller calls the module once per row chunk (``per_chunk``: a cache hook would count each chunk as a step); on
+    modules inside it only when their weights are in place when read (``onloads``: the caller runs their weight hooks
+    around its run, as a captured graph does, or calls those modules through their own forwards); a path that reads them
     directly must not pass it."""
     if module.training:
         return "in training mode (streamplan is for inference: call .eval())"

@@ -37,8 +37,7 @@ def _linear(m: nn.Module) -> bool:
 
 
 def recognize_generic(name: str, module: nn.Module) -> GraphSpec | Skip:
-    # the graph run onloads hooked leaves (streamplan.execute.hook_chains); weight formats say whether a capture traces
-    # them
+    # the graph run onloads hooked leaves (execute.hook_chains); weight formats say whether a capture traces them
     problem = stock_problem(module, onloads=True)
     if problem:
         return Skip(name, type(module).__name__, problem)
@@ -47,7 +46,7 @@ def recognize_generic(name: str, module: nn.Module) -> GraphSpec | Skip:
 
 
 def _opaque_format(module: nn.Module) -> bool:
-    """A layer whose weight format a capture takes as one opaque row-local op (``weights.LinearCaps.opaque``)."""
+    """A layer whose weight format a capture takes as one opaque row-local op (``weight_formats.LinearCaps.opaque``)."""
     return hasattr(module, "weight") and linear_caps(module).opaque
 
 

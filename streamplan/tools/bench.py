@@ -150,7 +150,7 @@ def cuda_time(fn: Callable[[], Any], repeats: int = 3, warmup: int = 1) -> float
 
 
 class _NaiveChunkedFFN:
-    """The popular peer: each feed-forward runs on torch.chunk pieces of the sequence, joined by torch.cat."""
+    """The popular peer: each feed-forward runs on chunks of the sequence (torch.chunk), joined by torch.cat."""
 
     def __init__(self, ffns: list[nn.Module], pieces: int):
         self.ffns, self.pieces = ffns, pieces

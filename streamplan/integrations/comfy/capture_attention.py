@@ -2,10 +2,9 @@
 ``optimized_attention_masked``) at start-up to the function its flags select (Sage, flash, xformers, split,
 sub-quadratic, PyTorch) and every model module imports that binding. Only PyTorch's traces to the SDPA the analysis
 streams, so while a block is captured the selected function's bindings in ComfyUI's modules are ComfyUI's own
-``attention_pytorch``; afterwards they are restored, and the streamed chunks go to the selected function through
-the ComfyUI consumer (``streamplan.integrations.comfy.attention``), which reads ``comfy.ldm.modules.attention`` when it
-attends.
-MiniMax-H3's adapter gets the same effect through an attention override at its capture (``comfy_h3``)."""
+``attention_pytorch``; afterwards they are restored, and the streamed chunks go to the selected function through the
+ComfyUI consumer (``streamplan.integrations.comfy.attention``), which reads ``comfy.ldm.modules.attention`` when it
+attends. MiniMax-H3's adapter gets the same effect through an attention override at its capture (``h3``)."""
 from __future__ import annotations
 
 import sys

@@ -1,8 +1,8 @@
-"""The streamed model forwards' input projections (Wan's and HunyuanVideo's Conv3d patch embeddings, MiniMax-H3's
-video and audio projections, Flux's and Chroma's ``img_in``): one loop for all of them (``project_into`` over
-``grid_pieces`` or ``row_pieces``), so the row spans and the writes into the hidden-state buffer are made one way,
-and each forward runs it inside ``forwards.row_loop`` (the projection's weights cast once, not per chunk).
-``grid_spans`` is the one place a patched latent grid is split into row chunks."""
+"""The streamed model forwards' input projections (Wan's and HunyuanVideo's Conv3d patch embeddings, MiniMax-H3's video
+and audio projections, Flux's and Chroma's ``img_in``): one loop for all of them (``project_into`` over ``grid_pieces``
+or ``row_pieces``), so the row chunks and the writes into the hidden-state buffer are made one way, and each forward
+runs it inside ``forward_loops.row_loop`` (the projection's weights cast once, not per chunk). ``grid_spans`` is the one
+place a patched latent grid is split into row chunks."""
 from __future__ import annotations
 
 from typing import Callable, Iterable, Iterator
@@ -35,7 +35,7 @@ def grid_spans(grid: tuple[int, int, int], chunk: int):
 
 def grid_pieces(x: torch.Tensor, patch: tuple[int, int, int], chunk: int) -> Iterator[Piece]:
     """The latent ``x`` ``[batch, channels, frames, height, width]`` (padded to ``patch``) by ``grid_spans``: each
-    span's rows [a, b) and the latent slice (whole patches) they are made from."""
+    chunk's rows [a, b) and the latent region (whole patches) they are made from."""
     pt, ph, pw = patch
     grid = (x.shape[2] // pt, x.shape[3] // ph, x.shape[4] // pw)
     for (t0, t1), (h0, h1), span in grid_spans(grid, chunk):
@@ -43,7 +43,7 @@ def grid_pieces(x: torch.Tensor, patch: tuple[int, int, int], chunk: int) -> Ite
 
 
 def row_pieces(x: torch.Tensor, chunk: int, dim: int = 1) -> Iterator[Piece]:
-    """Rows already laid out along ``dim`` of ``x``, by ``chunk``: each span and its rows."""
+    """Rows already laid out along ``dim`` of ``x``, by ``chunk``: each chunk and its rows."""
     for a, b in spans(x.shape[dim], chunk):
         yield (a, b), x.narrow(dim, a, b - a)
 

@@ -1,8 +1,8 @@
 """The ``DIFFUSION_MODEL`` wrapper ``patch`` installs (ComfyUI's ``patcher_extension``): what a block replacement cannot
 see. Each model call goes through it, so it keeps the per-call facts (the run a call belongs to, which resets the
-blocks' plans; the memory room under the budget) and, for the models whose forward streamplan follows (ComfyUI
-0.33.0's MiniMax-H3 and Wan here, Flux and HunyuanVideo in ``forwards_joint``, LTX-Video in ``forwards_ltxv``; each
-registered with ``register_forward``, gated by ``recognize.comfy_models``), runs the forward streamed:
+blocks' plans; the memory room under the budget) and, for the models whose forward streamplan follows (ComfyUI 0.33.0's
+MiniMax-H3 and Wan here, Flux and HunyuanVideo in ``forwards_joint``, LTX-Video in ``forwards_ltxv``; each registered
+with ``register_forward``, gated by ``models``), runs the forward streamed:
 
 - the input projection (Wan's patch embedding, H3's video and audio patch projections, both fp32) runs on row chunks
   written into one hidden-state buffer of the model's dtype, so no fp32 ``[rows, hidden]`` tensor exists;
@@ -11,7 +11,7 @@ registered with ``register_forward``, gated by ``recognize.comfy_models``), runs
 - the output head (final norm and modulation, projection) runs on row chunks straight into the head's small output,
   which the model's own unpatchify then lays out;
 - in those row loops a comfy.ops layer that casts its weights per call (lowvram, DynamicVRAM, LoRA patches applied
-  per call) casts them once per loop, not once per chunk (``row_loop``, ``weights.once_per_loop``).
+  per call) casts them once per loop, not once per chunk (``forward_loops.row_loop``, ``weights.once_per_loop``).
 
 The forward is written here against the model's source (never copied: ComfyUI's own helpers, layouts and submodules
 are called), and followed only where that source's fingerprint is the one it was written for; a call it does not
@@ -332,7 +332,7 @@ class _H3:
         return [-video.to(video_x.dtype), -h3.unpack_audio(outs[1]).to(audio_x.dtype)]
 
 
-# every model class streamplan follows (a key of ``comfy_models.KNOWN``, whose fingerprints gate it) -> its forward:
+# every model class streamplan follows (a key of ``models.KNOWN``, whose fingerprints gate it) -> its forward:
 # ``problem(model, call) -> str | None`` (why this call keeps the stock forward) and ``forward(model, call, state)``
 # (the call streamed), ``call`` the bound arguments of the model's ``_forward``
 FORWARDS: dict[str, Any] = {

@@ -15,7 +15,7 @@ from the start:
 - the final layer runs on row chunks of the image rows into its small output, which the stock layout code then
   rearranges;
 - the input projection's and the final layer's comfy.ops layers cast their weights once per loop, not per chunk
-  (``forwards.row_loop``).
+  (``forward_loops.row_loop``).
 
 What is not covered keeps the stock forward, with the reason (``problem``): reference latents, post-input patches,
 HunyuanVideo's guiding frame (modulation per row range) and reference latent. HunyuanVideo 1.5's text-side inputs

@@ -8,8 +8,7 @@ block's own code (fused QKV, comfy_kitchen's in-place q/k RMSNorm + split-half r
 place).
 
 That substitution is only as good as the forward it is made for: ``DiTBlock.forward`` and its two segment helpers are
-fingerprinted (their source text) against ComfyUI 0.33.0; any other code keeps
-the block stock, saying so."""
+fingerprinted (their source text) against ComfyUI 0.33.0; any other code keeps the block stock, saying so."""
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -21,7 +20,7 @@ from ...recognize.checks import source_fingerprint
 
 CLASS_PATH = "comfy.ldm.minimax.model.DiTBlock"
 # source fingerprints (checks.source_fingerprint) of each function, as in ComfyUI 0.33.0. Not ast.dump: its text
-# changes with the Python version (3.12 added type_params), which kept H3 stock on the GPU machine's Python 3.12
+# changes with the Python version (3.12 added type_params), which would keep H3 stock on any other Python
 KNOWN = {"DiTBlock.forward": "45fdf1af8aaa9bbc", "_mod_scale_shift": "f6fe9eca0bfb3290",
          "_mod_gate": "545028a63585bff7"}
 _HELPERS = ("_mod_scale_shift", "_mod_gate")

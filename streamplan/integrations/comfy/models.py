@@ -1,9 +1,8 @@
 """ComfyUI model forwards that ``streamplan.integrations.comfy`` follows with its own streamed forward (input
-projections chunk by
-chunk into one buffer, block inputs donated, the output head in row chunks): which classes, and the exact source each
-was written against. A model of another class (Wan VACE, Camera, S2V: subclasses with their own forward), or whose
-forward, output head or row helpers differ from ComfyUI 0.33.0's by a single character, keeps its stock forward, and
-``forward_problem`` says why.
+projections chunk by chunk into one buffer, block inputs donated, the output head in row chunks): which classes, and the
+exact source each was written against. A model of another class (Wan VACE, Camera, S2V: subclasses with their own
+forward), or whose forward, output head or row helpers differ from ComfyUI 0.33.0's by a single character, keeps its
+stock forward, and ``forward_problem`` says why.
 
 Fingerprints are of the source text (``checks.source_fingerprint``), stable across Python versions."""
 from __future__ import annotations

@@ -1,8 +1,7 @@
-"""The ComfyUI nodes (V3 schema, ``comfy_api.latest``): "Stream Blocks" patches a MODEL so its diffusion-model
-blocks stream (``streamplan.integrations.comfy.patch``) and returns the patched MODEL with a report of the settings and
-blocks;
-"Stream Report" reads, after a sampler has run, what each block did (streamed, with which plan and whose attention,
-or stock and why).
+"""The ComfyUI nodes (V3 schema, ``comfy_api.latest``): "Stream Blocks" patches a MODEL so its diffusion-model blocks
+stream (``streamplan.integrations.comfy.patch``) and returns the patched MODEL with a report of the settings and blocks;
+"Stream Report" reads, after a sampler has run, what each block did (streamed, with which plan and whose attention, or
+stock and why).
 
 ``stream_blocks`` and ``stream_report`` are the nodes' whole behaviour as plain functions; the node classes are built
 when ComfyUI's ``comfy_api`` imports (``comfy_entrypoint``, ``node_classes``)."""

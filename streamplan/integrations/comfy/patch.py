@@ -298,19 +298,18 @@ def patch(model_patcher, budget: int | str | None = "auto", chunk_tokens: int | 
           min_tokens: int = 4096, reserve: int | str | None = None, self_check: bool = False):
     """A ``model_patcher.clone()`` whose diffusion-model blocks stream through ``BlockStreamer``.
 
-    One "dit" block replacement per block index (``clone.set_model_patch_replace``): a call with at least
-    ``min_tokens`` sequence rows runs the block through a streamer (created at its first such call, kept by the clone);
-    shorter calls, and calls streamplan cannot stream (block-level patches, opaque attention overrides on a block
-    that registers no full-Q call: MiniMax-H3's gives one the whole Q once), run the original block, counted in the
-    report. A block whose replacement another node already holds is left to it.
-    Weights ComfyUI casts per call (lowvram offload, DynamicVRAM, LoRA applied per call, manual casting) are taken once
-    per block call through comfy.ops' own cast path and held for its chunks (``weights``). A ``DIFFUSION_MODEL``
-    wrapper (``forwards``) sees every model call: a new sampling run re-plans the blocks, and ComfyUI 0.33.0's Wan,
-    MiniMax-H3, Flux, HunyuanVideo and LTX-Video forwards run streamed (input projection and head in row chunks,
-    block inputs donated; Flux and HunyuanVideo on one joint text+image buffer). ``budget``:
-    "auto" (ComfyUI's free memory less ``--reserve-vram`` and ``reserve``; never refuses: with too little free, the
-    smallest reachable peak, reported), bytes (activation room above what a block call holds at entry, its cast
-    weights paid from it; ``BudgetError`` below the smallest peak) or None (``memory``); ``chunk_tokens`` and
+    One "dit" block replacement per block index (``clone.set_model_patch_replace``): a call with at least ``min_tokens``
+    sequence rows runs the block through a streamer (created at its first such call, kept by the clone); shorter calls,
+    and calls streamplan cannot stream (block-level patches, opaque attention overrides on a block that registers no
+    full-Q call: MiniMax-H3's gives one the whole Q once), run the original block, counted in the report. A block whose
+    replacement another node already holds is left to it. Weights ComfyUI casts per call (lowvram offload, DynamicVRAM,
+    LoRA applied per call, manual casting) are taken once per block call through comfy.ops' own cast path and held for
+    its chunks (``weights``). A ``DIFFUSION_MODEL`` wrapper (``forwards``) sees every model call: a new sampling run
+    re-plans the blocks, and ComfyUI 0.33.0's Wan, MiniMax-H3, Flux, HunyuanVideo and LTX-Video forwards run streamed
+    (input projection and head in row chunks, block inputs donated; Flux and HunyuanVideo on one joint text+image
+    buffer). ``budget``: "auto" (ComfyUI's free memory less ``--reserve-vram`` and ``reserve``; never refuses: with too
+    little free, the smallest reachable peak, reported), bytes (activation room above what a block call holds at entry,
+    its cast weights paid from it; ``BudgetError`` below the smallest peak) or None (``memory``); ``chunk_tokens`` and
     ``self_check`` are ``BlockStreamer``'s. The input patcher and the shared modules are not changed.
     ``report(patched)`` says what happened.
     """

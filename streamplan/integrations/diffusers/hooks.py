@@ -1,6 +1,5 @@
-"""diffusers' hooks (``diffusers.hooks.HookRegistry``) for ``streamplan.execute.hook_chains``: how the chain is laid
-out and what each
-hook class of the pinned diffusers does to a call.
+"""diffusers' hooks (``diffusers.hooks.HookRegistry``) for ``streamplan.execute.hook_chains``: how the chain is laid out
+and what each hook class of the pinned diffusers does to a call.
 
 A module with a registry has its forward replaced by the registry's chain; the innermost link is the first function
 reference's ``original_forward`` (a hook with ``new_forward``) or ``forward``. Hook classes, by what streamplan may do:

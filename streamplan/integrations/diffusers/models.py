@@ -1,6 +1,6 @@
 """What every hand-written diffusers model forward shares: the fingerprints of the library forwards streamplan follows,
-and the check that a model's own forward is exactly one of them (the forwards themselves live in their family's
-file: ``diffusers_wan.py``, ``diffusers_h3.py``)."""
+and the check that a model's own forward is exactly one of them (the forwards themselves live in their family's file:
+``wan.py``, ``h3.py``)."""
 from __future__ import annotations
 
 import torch

@@ -4,7 +4,7 @@
 - ``enable_parallelism`` sets ``processor._parallel_config`` on every attention processor; a processor that calls
   ``dispatch_attention_fn`` hands it to the backend, whose templated attention exchanges Q, K and V all-to-all over
   heads (Ulysses), rotates K/V around a ring, or both (unified). The probe here reads that configuration per block:
-  Ulysses alone streams (``consumers.ulysses``); ring, unified and "anything" modes keep attention stock, named.
+  Ulysses alone streams (``attention.ulysses``); ring, unified and "anything" modes keep attention stock, named.
 - The model's ``_cp_plan`` becomes diffusers hooks: ``ContextParallelSplitHook`` splits named inputs (or outputs)
   of a module along the rows, ``ContextParallelGatherHook`` all-gathers a module's outputs. They are boundaries
   streamplan sits inside: a block split at its input streams on its own rows; a model forward streamplan runs itself

@@ -1,6 +1,5 @@
 """``python -m streamplan.tools.catalogue``: the coverage table (see ``table.py``). Progress goes to stderr, one line
-per
-class; the table to stdout, or as Markdown with ``--markdown [PATH]``."""
+per class; the table to stdout, or as Markdown with ``--markdown [PATH]``."""
 from __future__ import annotations
 
 import argparse
