@@ -8,7 +8,7 @@ import torch
 
 import streamplan
 from conftest import rel_err
-from streamplan.execute import graph_run as execute
+from streamplan.graph import schedule
 from streamplan.graph import fused_chains as fuse
 from streamplan.execute.donation import donate
 from test_capture_into import _h3 as _h3_block
@@ -109,7 +109,7 @@ def test_by_default_only_chunks_worth_a_compiled_call_fuse(monkeypatch):
     block, args, kwargs = _h3()
     _, _, report = _run(block, args, kwargs)   # fuse=None: 400-row chunks of a 256-wide block are far too small
     assert FUSED not in report
-    monkeypatch.setattr(execute, "MIN_BYTES", 0)
+    monkeypatch.setattr(schedule, "MIN_BYTES", 0)
     _, _, report = _run(block, args, kwargs)
     assert FUSED in report, report
 

@@ -8,7 +8,7 @@ from torch import nn
 
 import streamplan
 from conftest import OpCounter, rel_err
-from streamplan.execute import graph_run as execute
+from streamplan.graph import phases, schedule
 from test_capture_into import _h3 as _h3_block
 from test_capture_tiers import _llama
 
@@ -29,12 +29,12 @@ def _h3():
 def _streamed(make, monkeypatch, joins: bool, reuse: bool = True):
     block, args, kwargs = make()
     if not (joins and reuse):   # what runs in place is kept per capture: the executor's answer filtered
-        real = execute.in_place
+        real = schedule.in_place
 
         def filtered(*a):
             found_joins, found_reuse = real(*a)
             return (found_joins if joins else {}), (found_reuse if reuse else {})
-        monkeypatch.setattr(execute, "in_place", filtered)
+        monkeypatch.setattr(schedule, "in_place", filtered)
     handle = streamplan.apply(block, capture="prefer", chunk_tokens=400)
     first = lambda out: out[0] if isinstance(out, tuple) else out  # noqa: E731
     first(block(*args, **kwargs))   # captured and planned
@@ -110,7 +110,7 @@ def _in_place(block, x) -> list[tuple[dict, dict]]:
     """What each phase of the captured block computes in place, phase KV's first (K's join is theirs)."""
     from streamplan.graph import streamable
     found, _ = streamable(block, (x,), {}, x.shape[1])
-    return [execute.in_place(nodes, found.analysis, found.phases, set())
+    return [phases.in_place(nodes, found.analysis, found.phases, set())
             for nodes in [*found.phases.kv, found.phases.q]]
 
 
@@ -150,8 +150,8 @@ def test_a_part_read_elsewhere_is_copied_in():
 @pytest.mark.parametrize("donated", [True, False])
 @torch.no_grad()
 def test_the_memory_model_prices_what_runs_in_place(donated):
-    """The planner reads the same in-place decisions (``execute.in_place``): its predicted peak is the measured one to
-    within 5%, input donated (the model forward's way) or not (phase KV runs before the output buffer exists)."""
+    """The planner reads the same in-place decisions (``graph.phases.in_place``): its predicted peak is the measured one
+    to within 5%, input donated (the model forward's way) or not (phase KV runs before the output buffer exists)."""
     from streamplan.execute.donation import donate
     block, args, _ = _h3()
     handle = streamplan.apply(block, capture="prefer", chunk_tokens=400)

@@ -15,13 +15,14 @@ from .chunk_loop import MAX_SPLITS, attempt, spans
 from .kv_stores import write_rows
 from ..graph.analyze import Analysis, GlobalAttention, Rows
 from ..graph.export import Captured
-from ..graph.fused_chains import MIN_BYTES, FusedChain, find_chains, run_chain
+from ..graph.fused_chains import FusedChain, run_chain
 from ..graph.direct_writes import Into, Made, call_into, found
-from ..graph.joins_in_place import Join, run_join
+from ..graph.joins_in_place import run_join
 from ..graph.sliced_mlp import MLPRegion, row_dim, run_region
-from ..graph.row_pieces import RowRun, find_runs, run_pieces, schedule
+from ..graph.row_pieces import run_pieces
+from ..graph.schedule import ATTENTION, CHAIN, PIECES, REGION, Schedule, phase_schedule
 from ..graph.in_place import run_over
-from ..graph.phases import Phases, ancestors, in_place, last_uses, rowed_outputs
+from ..graph.phases import Phases, ancestors, rowed_outputs
 
 _LAYOUT = {"cat", "concat", "slice", "narrow", "split", "split_with_sizes", "chunk", "tensor_split"}
 
@@ -86,9 +87,7 @@ class GraphRun:
         # chunk would leave them changed) or its capture holds only from more rows than a half might have
         self._retries = 0 if an.input_writes or cap.min_rows > 2 else MAX_SPLITS
         self.regions = list(regions or []) if ffn_slice else []
-        self._region_at = {r.exit: r for r in self.regions}
-        self._attention_at = {att.node: att for att in an.attentions}
-        self._schedules: dict[tuple, tuple[list[fx.Node], dict]] = {}
+        self._schedules: dict[tuple, Schedule] = {}
         self._into: dict[fx.Node, Into] = {}   # a K/V/output value whose producer writes into its buffer: direct_writes
         self._made: dict[fx.Node, Made | None] = {}   # what a watched producer made on a first chunk
         flat = pytree.tree_leaves((args, kwargs), is_leaf=lambda x: x is None)
@@ -202,79 +201,50 @@ class GraphRun:
 
     def _run(self, nodes: list[fx.Node], env: dict, a: int, keep: set[fx.Node], rows: int | None = None,
              into: dict[fx.Node, torch.Tensor] | None = None, watch: set[fx.Node] = frozenset()) -> dict:
-        """Run ``nodes`` on one chunk; ``rows`` set: the chunk's dynamic rows alone (static rows done once);
-        ``into``: producers that write into the given tensors (their ``out=``); ``watch``: producers whose value's
-        layout ``_made`` records."""
-        nodes, frees, pieces, joins, reuse, chains = self._schedule(nodes, keep)
-        regions, globals_ = self._region_at, self._attention_at
+        """Run ``nodes`` on one chunk, step by step as their schedule says; ``rows`` set: the chunk's dynamic rows
+        alone (static rows done once); ``into``: producers that write into the given tensors (their ``out=``);
+        ``watch``: producers whose value's layout ``_made`` records."""
         built: dict[fx.Node, torch.Tensor] = {}   # this chunk's joins built in place so far
-        for i, node in enumerate(nodes):
-            att = globals_.get(node)
-            if node in pieces:
-                run_pieces(pieces[node], env, self.an, self.cap.row_symbol, self._call, self.pieces)
-            elif node in chains:
-                run_chain(chains[node], env, self.an, self.cap.row_symbol, self._call, self.fuse)
-            elif node in regions:
-                env[node] = run_region(regions[node], env, self.ffn_slice, row_dim(regions[node], self.an))
-            elif att is not None:
-                env[node] = self._attention(att, env, a)
+        for step in self._schedule(nodes, keep).steps:
+            node, kind = step.node, step.kind
+            if kind == PIECES:
+                run_pieces(step.item, env, self.an, self.cap.row_symbol, self._call, self.pieces)
+            elif kind == CHAIN:
+                run_chain(step.item, env, self.an, self.cap.row_symbol, self._call, self.fuse)
+            elif kind == REGION:
+                env[node] = run_region(step.item, env, self.ffn_slice, row_dim(step.item, self.an))
+            elif kind == ATTENTION:
+                env[node] = self._attention(step.item, env, a)
             elif rows is not None:
                 env[node] = self._dynamic(node, env, rows)
-            elif node in joins and (joined := run_join(joins[node], node, env, built, into)) is not None:
+            elif step.join is not None and (joined := run_join(step.join, node, env, built, into)) is not None:
                 env[node] = joined
                 del joined   # the name would hold the joined buffer to the chunk's end
             elif into and node in into:
                 env[node] = call_into(node, env, into[node])
-            elif node in reuse:
-                env[node] = run_over(node, reuse[node], env, self._call)
+            elif step.over is not None:
+                env[node] = run_over(node, step.over, env, self._call)
             else:
                 env[node] = self._call(node, env)
                 if self.static_mode and node in self.wanted:
                     self.cache[node] = env[node]
             if node in watch:
                 self._made[node] = Made.of(env[node])
-            for m in frees.get(i, ()):
+            for m in step.frees:
                 if m not in keep and m not in self.consts and m not in self.base:
                     env.pop(m, None)
         return env
 
-    def _schedule(self, nodes: list[fx.Node], keep: set[fx.Node]) -> tuple[list[fx.Node], dict[int, list[fx.Node]],
-                                                                         dict[fx.Node, RowRun], dict[fx.Node, Join],
-                                                                         dict[fx.Node, fx.Node],
-                                                                         dict[fx.Node, FusedChain]]:
-        """A phase's nodes as this call runs them (a feature-sliced MLP runs at its exit: its inner nodes are skipped,
-        their inputs used there; a run of row-local nodes runs in row pieces at its last node, ``pieces``; a chain of
-        element-wise ops as one compiled kernel at its last node, ``chains``; what runs in place, ``in_place``, where
-        no chain runs it) and when each value is freed: worked out once per call, not per chunk."""
+    def _schedule(self, nodes: list[fx.Node], keep: set[fx.Node]) -> Schedule:
+        """A phase's schedule (``graph.schedule``), worked out once per call and phase, not per chunk."""
         key = (tuple(nodes), frozenset(keep))
         found = self._schedules.get(key)
         if found is None:
-            inside = {n for r in self.regions for n in r.nodes}
-            run = [n for n in nodes if n not in inside] if inside else nodes
-            extra = {r.exit: [r.x, *(m for n in r.nodes for m in n.all_input_nodes)] for r in self.regions}
-            runs = find_runs(run, self.an, keep, extra) if self.pieces > 1 else []
-            joins, reuse = in_place(run, self.an, self.ph, keep) if self.pieces == 1 else ({}, {})
-            chains = [c for c in (self._chains(run, keep, extra) if self.fuse is not None else [])
-                      if not self.fuse_rows or c.row_bytes * self.fuse_rows >= MIN_BYTES]
-            if chains:   # a chain's values are its kernel's: nothing of it written in place by eager rules
-                inside = {n for c in chains for n in c.nodes}
-                joins = {n: j for n, j in joins.items()
-                         if not inside & {j.node, *j.inputs, *j.slots, *j.feeds}}
-                reuse = {n: m for n, m in reuse.items() if n not in inside and m not in inside}
-            run = schedule(run, [*runs, *chains])
-            frees = last_uses(run, extra={**extra, **{r.marker: r.inputs for r in [*runs, *chains]}})
-            found = self._schedules[key] = (run, frees, {r.marker: r for r in runs}, joins, reuse,
-                                            {c.marker: c for c in chains})
-            self.chains.update(dict.fromkeys(chains))
+            found = self._schedules[key] = phase_schedule(
+                nodes, keep, self.an, self.ph, regions=self.regions, pieces=self.pieces, fuse=self.fuse is not None,
+                fuse_rows=self.fuse_rows, layout=frozenset(self.layout) if self.static_mode else frozenset())
+            self.chains.update(dict.fromkeys(found.chains))
         return found
-
-    def _chains(self, run: list[fx.Node], keep: set, extra: dict) -> list[FusedChain]:
-        """``find_chains`` once per capture (a call's ``GraphRun`` is new: building a chain's graph is not free)."""
-        key = ("chains", tuple(run), frozenset(keep))
-        if key not in self.ph.done:   # (static rows: cuts and joins along the rows pass the dynamic rows through)
-            self.ph.done[key] = find_chains(run, self.an, keep, extra, frozenset(self.layout) if self.static_mode
-                                            else frozenset())
-        return self.ph.done[key]
 
     # -- values written straight into their buffers (``direct_writes``) -------------------------------------------
     def _producer(self, value: fx.Node, donated: bool = False) -> fx.Node | None:

@@ -11,7 +11,7 @@ from torch import nn
 
 from .analyze import Analysis, op_name, analyze
 from .eager_attention import fuse_eager_attention
-from .phases import Phases, phases
+from .phases import Phases, phases_of
 from .export import Captured, capture, rows_of_call, rows_problem, signature
 from .opaque_layers import running  # noqa: F401  (declares the opaque layers' op and capture context)
 
@@ -58,7 +58,7 @@ def streamable(module: nn.Module, args: tuple, kwargs: dict, rows: int) -> tuple
     if isinstance(an, str):
         found: Streamable | str = f"{an} (captured in {cap.seconds:.2f} s)"
     else:
-        ph = phases(cap, an)
+        ph = phases_of(cap, an)
         twice = an.input_writes & {n for kv in ph.kv for n in kv}
         found = Streamable(cap, an, ph) if not twice else (
             f"{op_name(next(iter(twice)).target)} writes into the block's input before its attention reads it "

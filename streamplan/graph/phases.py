@@ -71,7 +71,7 @@ def ancestors(roots: list[fx.Node], stop: set[fx.Node], extra: dict[fx.Node, set
     return seen
 
 
-def phases(cap: Captured, an: Analysis) -> Phases:
+def phases_of(cap: Captured, an: Analysis) -> Phases:
     order = [n for n in cap.graph.nodes if n.op == "call_function" and n not in an.ignored]
     const = [n for n in order if n in an.const]
     stop = set(an.const) | {n for n in cap.graph.nodes if n.op == "placeholder"}
