@@ -6,9 +6,9 @@ import gc
 import inspect
 import logging
 import time
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, fields, is_dataclass
-from typing import Any
+from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 from torch import nn
@@ -211,26 +211,54 @@ def provable(expr) -> bool:
 def capture(module: nn.Module, args: tuple, kwargs: dict, rows: int) -> Captured | str:
     """Export ``module`` at this call with every dimension of size ``rows`` made one symbolic row count. Runs on
     fake tensors: nothing the size of the call is allocated."""
-    from torch.export import Dim, export
-    from torch.export.graph_signature import InputKind
+    from torch.export import export
 
     _records(args, kwargs)
+    problem = _untraceable_argument(args, kwargs)
+    if problem is not None:
+        return problem
+    call = _bound_call(module, args, kwargs)
+    if isinstance(call, str):
+        return call
+    trace = _Trace(module, args, kwargs, call.arguments, rows, joined_offsets(args, kwargs, rows))
+    start = time.perf_counter()
+    try:
+        with _class_forward(module, call):
+            exported = trace.first_export(export)
+    finally:
+        # a trace that failed inside torch.export leaves reference cycles among its frames; through their callers
+        # they keep the streamed call that captured (its inputs, K/V and output buffers) alive until the cycle
+        # collector runs (on the H200 under torch 2.11 one layer's V, 0.5 GiB at 131k tokens, held into the next
+        # layer's budget): collected now, only where a trace failed (a full collection costs ~0.3 s)
+        if trace.failed:
+            gc.collect()
+    seconds = time.perf_counter() - start
+    if isinstance(exported, str):
+        return exported
+    program, min_rows = exported
+    return _captured(module, program, seconds, min_rows)
+
+
+def _untraceable_argument(args: tuple, kwargs: dict) -> str | None:
+    """Why export cannot take this call's arguments (it takes tensors and plain values only), or None."""
     odd = [type(leaf).__name__ for leaf in pytree.tree_leaves((args, kwargs))
            if not isinstance(leaf, (torch.Tensor, int, float, bool, str, type(None)))]
-    if odd:   # a cache object, say: export takes tensors and plain values only
+    if odd:   # a cache object, say
         return f"an argument of type {odd[0]} the capture cannot take (a cache: calls with one run stock)"
-    offsets = joined_offsets(args, kwargs, rows)
-    dim = None
+    return None
 
-    def dyn(leaf, joined: bool):
-        if _is_record(leaf):   # export takes a dataclass's dynamic shapes as the list of its fields'
-            return [pytree.tree_map(lambda x: dyn(x, joined), getattr(leaf, f.name), is_leaf=_dyn_leaf)
-                    for f in fields(leaf)]
-        if isinstance(leaf, torch.Tensor):
-            return {i: (dim if s == rows else dim + (s - rows)) for i, s in enumerate(leaf.shape)
-                    if s == rows or (joined and s - rows in offsets)} or None
-        return None
 
+class _BoundCall(NamedTuple):
+    """A call bound to its forward's parameters, as export is given it."""
+
+    arguments: dict[str, Any]       # by parameter name, ``self`` left out, ``**kwargs``' keywords among them
+    signature: inspect.Signature    # the class forward's
+    extra: dict[str, Any]           # the keywords the forward takes only through its ``**kwargs``
+
+
+def _bound_call(module: nn.Module, args: tuple, kwargs: dict) -> _BoundCall | str:
+    """The call bound to the class forward's parameters (export's dynamic shapes are given per parameter), or why
+    it does not bind."""
     try:
         bound = dict(inspect.signature(type(module).forward).bind(module, *args, **kwargs).arguments)
         bound.pop(next(iter(bound)))   # self
@@ -243,56 +271,109 @@ def capture(module: nn.Module, args: tuple, kwargs: dict, rows: int) -> Captured
     var_kw = next((p.name for p in fwd_sig.parameters.values() if p.kind == inspect.Parameter.VAR_KEYWORD), None)
     extra = bound.pop(var_kw) if var_kw in bound else {}
     bound.update(extra)
-    start = time.perf_counter()
-    failed = False   # a trace failed inside torch.export: see the collection below
+    return _BoundCall(bound, fwd_sig, extra)
+
+
+@contextmanager
+def _class_forward(module: nn.Module, call: _BoundCall) -> Iterator[None]:
+    """The class forward in place while the module is traced: streamplan's own wrapper (an instance ``forward``)
+    set aside, and where the call passes keywords through ``**kwargs``, a forward that names them (``_bound_call``)."""
     installed = module.__dict__.pop("forward", None)   # streamplan's own wrapper: trace the class forward
-    if extra:
+    if call.extra:
         cls_forward = type(module).forward
 
         def named_forward(*a, **kw):
             return cls_forward(module, *a, **kw)
 
+        fwd_sig = call.signature
         named_forward.__signature__ = fwd_sig.replace(parameters=[
             p for p in list(fwd_sig.parameters.values())[1:] if p.kind != inspect.Parameter.VAR_KEYWORD] + [
-            inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=None) for k in extra])
+            inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=None) for k in call.extra])
         module.forward = named_forward
     try:
-        # first with dimensions of size rows + (another input's sequence length) as the rows joined to static
-        # rows (Flux's rotary over text + image), then, if that fails, with the exact row count alone
-        tries = (True, False) if any(_size_key(s, rows, offsets) not in ("N", s) for leaf in pytree.tree_leaves(
-            (args, kwargs)) if isinstance(leaf, torch.Tensor) for s in leaf.shape) else (False,)
-        # a trace may assume more rows than two (a kernel's block size: "128/5 <= rows" seen with torch 2.11 on
-        # CUDA): then the capture is retried valid from MIN_ROWS_RETRY rows on, and chunks never go below that
-        lows = (2, MIN_ROWS_RETRY) if rows >= 2 * MIN_ROWS_RETRY else (2,)
-        attempts = [(joined, lo) for lo in lows for joined in tries]
-        # the first failure's reason, as text (an exception kept would keep its traceback's frames)
-        first_reason: str | None = None
-        for i, (joined, lo) in enumerate(attempts):
-            dim = Dim("rows", min=lo, max=MAX_ROWS)
-            dynamic = {k: pytree.tree_map(lambda x: dyn(x, joined), v, is_leaf=_dyn_leaf)
-                       for k, v in bound.items()}
-            try:
-                program, failed = _export(export, module, args, kwargs, dynamic)
-                failed = failed or first_reason is not None
-                min_rows = lo
-                break
-            except Exception as exc:  # noqa: BLE001 -- any capture failure keeps the module stock, with the reason
-                first_reason, failed = first_reason or _reason(exc), True
-                if i + 1 < len(attempts):
-                    continue
-                return first_reason
+        yield
     finally:
-        if extra:
+        if call.extra:
             del module.forward
         if installed is not None:
             module.forward = installed
-        # a trace that failed inside torch.export leaves reference cycles among its frames; through their callers
-        # they keep the streamed call that captured (its inputs, K/V and output buffers) alive until the cycle
-        # collector runs (on the H200 under torch 2.11 one layer's V, 0.5 GiB at 131k tokens, held into the next
-        # layer's budget): collected now, only where a trace failed (a full collection costs ~0.3 s)
-        if failed:
-            gc.collect()
-    seconds = time.perf_counter() - start
+
+
+def _dynamic_shapes(arguments: dict[str, Any], dim: Any, rows: int, offsets: set[int], joined: bool) -> dict:
+    """Export's dynamic shapes for the bound call: every dimension of size ``rows`` is ``dim``, and with ``joined``
+    every dimension of ``rows`` + another input's sequence length is ``dim`` + that length."""
+    def dyn(leaf: object) -> Any:
+        if _is_record(leaf):   # export takes a dataclass's dynamic shapes as the list of its fields'
+            return [pytree.tree_map(dyn, getattr(leaf, f.name), is_leaf=_dyn_leaf) for f in fields(leaf)]
+        if isinstance(leaf, torch.Tensor):
+            return {i: (dim if s == rows else dim + (s - rows)) for i, s in enumerate(leaf.shape)
+                    if s == rows or (joined and s - rows in offsets)} or None
+        return None
+
+    return {k: pytree.tree_map(dyn, v, is_leaf=_dyn_leaf) for k, v in arguments.items()}
+
+
+@dataclass(eq=False)
+class _Trace:
+    """The export attempts of one call, and whether a trace failed inside torch.export on the way (``capture``
+    then collects the reference cycles it leaves)."""
+
+    module: nn.Module
+    args: tuple
+    kwargs: dict
+    arguments: dict[str, Any]
+    rows: int
+    offsets: set[int]
+    failed: bool = False
+
+    def attempts(self) -> list[tuple[bool, int]]:
+        """(rows joined to static rows, the fewest rows) per attempt, in order. First with dimensions of size rows +
+        (another input's sequence length) as the rows joined to static rows (Flux's rotary over text + image), then,
+        if that fails, with the exact row count alone. A trace may assume more rows than two (a kernel's block size:
+        "128/5 <= rows" seen with torch 2.11 on CUDA): then the capture is retried valid from MIN_ROWS_RETRY rows
+        on, and chunks never go below that."""
+        rows, offsets = self.rows, self.offsets
+        tries = (True, False) if any(_size_key(s, rows, offsets) not in ("N", s) for leaf in pytree.tree_leaves(
+            (self.args, self.kwargs)) if isinstance(leaf, torch.Tensor) for s in leaf.shape) else (False,)
+        lows = (2, MIN_ROWS_RETRY) if rows >= 2 * MIN_ROWS_RETRY else (2,)
+        return [(joined, lo) for lo in lows for joined in tries]
+
+    def first_export(self, export: Callable[..., Any]) -> tuple[Any, int] | str:
+        """The first attempt that exports, with the fewest rows it is valid for; or the first failure's reason, as
+        text (an exception kept would keep its traceback's frames)."""
+        from torch.export import Dim
+        first_reason = ""
+        for joined, lo in self.attempts():   # never none
+            dynamic = _dynamic_shapes(self.arguments, Dim("rows", min=lo, max=MAX_ROWS), self.rows, self.offsets,
+                                      joined)
+            try:
+                program, failed = _export(export, self.module, self.args, self.kwargs, dynamic)
+                self.failed = failed or bool(first_reason)
+                return program, lo
+            except Exception as exc:  # noqa: BLE001 -- any capture failure keeps the module stock, with the reason
+                first_reason, self.failed = first_reason or _reason(exc), True
+        return first_reason
+
+
+def _captured(module: nn.Module, program: Any, seconds: float, min_rows: int) -> Captured | str:
+    """The exported program as the executors run it, or why they cannot (it writes in place, takes an input they do
+    not feed, or no input dimension became the row count)."""
+    inputs = _placeholder_kinds(program)
+    if isinstance(inputs, str):
+        return inputs
+    symbol = _row_symbol(program.graph)
+    if symbol is None or not getattr(symbol, "is_Symbol", False):
+        return "no input dimension became the symbolic row count"
+    log.info("streamplan: captured %s in %.2f s (%d graph nodes)", type(module).__name__, seconds,
+             len(program.graph.nodes))
+    return Captured(program, program.graph, inputs, program.call_spec.in_spec, program.call_spec.out_spec, symbol,
+                    seconds, min_rows=min_rows)
+
+
+def _placeholder_kinds(program: Any) -> list[tuple[str, str]] | str:
+    """Per placeholder what the executors feed it (a user input by index, a parameter, buffer or constant by name),
+    or why they cannot run the program."""
+    from torch.export.graph_signature import InputKind
     sig = program.graph_signature
     if sig.buffers_to_mutate or getattr(sig, "user_inputs_to_mutate", None):
         return "its forward writes in place to an input or buffer"
@@ -307,19 +388,15 @@ def capture(module: nn.Module, args: tuple, kwargs: dict, rows: int) -> Captured
             inputs.append(("constant", s.target))
         else:
             return f"capture has an input of kind {s.kind.name} streamplan does not run"
-    symbol = None
-    for node in program.graph.nodes:
+    return inputs
+
+
+def _row_symbol(graph: torch.fx.Graph) -> Any:
+    """The sympy symbol of the row count: the first placeholder dimension that is rows + a constant."""
+    for node in graph.nodes:
         val = node.meta.get("val")
         if node.op == "placeholder" and isinstance(val, torch.Tensor):
             for size in val.shape:
                 if isinstance(size, torch.SymInt) and len(size.node.expr.free_symbols) == 1:
-                    symbol = next(iter(size.node.expr.free_symbols))   # rows + a constant: its symbol
-                    break
-        if symbol is not None:
-            break
-    if symbol is None or not getattr(symbol, "is_Symbol", False):
-        return "no input dimension became the symbolic row count"
-    log.info("streamplan: captured %s in %.2f s (%d graph nodes)", type(module).__name__, seconds,
-             len(program.graph.nodes))
-    return Captured(program, program.graph, inputs, program.call_spec.in_spec, program.call_spec.out_spec, symbol,
-                    seconds, min_rows=min_rows)
+                    return next(iter(size.node.expr.free_symbols))   # rows + a constant: its symbol
+    return None

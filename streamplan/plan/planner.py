@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import functools
-from dataclasses import asdict, dataclass
-from typing import Callable
+from dataclasses import asdict, dataclass, field, replace
+from typing import Callable, NamedTuple
 from enum import Enum
 
 from .budget import fmt_bytes
@@ -427,6 +427,111 @@ NARROWER_GAIN = 1.1          # a narrower slice is taken when it buys 10% more r
 L2_GAIN = 1.5                # L2 is taken over L1 when it buys 1.5x the rows per chunk
 
 
+@dataclass(frozen=True)
+class GraphPlanRequest:
+    """``plan_graph``'s arguments (its docstring says what each is), held together so that the stages below and the
+    peak models they price candidates by are functions of one request, not closures over twenty locals."""
+
+    rows: int
+    fixed: int
+    transient: Callable[[int, int], int]
+    stock: int
+    chunk_tokens: int | None = None
+    budget: int | None = None
+    min_chunk: int = MIN_CHUNK_TOKENS
+    waves: Waves = Waves()
+    ffn: int = 0
+    ffn_slice: int | None = None
+    kv: int = 0
+    attn_out: int = 0
+    groups: tuple[int, ...] = ()
+    head_groups: int | None = None
+    kv_options: tuple[KVOption, ...] = ()
+    kv_store: str = "device"
+    costs: Costs = Costs()
+    transient_kv: Callable[[int, int, int], int] | None = None
+    whole_q: int = 0
+    q_span: int | None = None
+    # at_attention's answers: a graph walk each, asked for again and again by the store searches
+    _at_attention: dict[tuple[int, int, int], int] = field(default_factory=dict, init=False, repr=False,
+                                                           compare=False)
+
+    def normalised(self) -> GraphPlanRequest:
+        """The request the stages plan: a whole-Q consumer's buffers held in ``fixed`` (one attention call, so no
+        head groups and no K/V store), and the transient remembered per (chunk, slice)."""
+        fixed, groups, head_groups, kv_options = self.fixed, self.groups, self.head_groups, self.kv_options
+        if self.whole_q:
+            if self.kv_store != "device":
+                raise ValueError(f"kv={self.kv_store!r}: the attention needs the whole Q in one call, against K/V on "
+                                 "the device")
+            fixed, groups, head_groups, kv_options = fixed + self.whole_q, (), None, ()
+        # a graph walk per (chunk, slice[, bytes alive at the attention]): the searches ask for the same ones often
+        return replace(self, fixed=fixed, groups=groups, head_groups=head_groups, kv_options=kv_options,
+                       transient=functools.lru_cache(maxsize=None)(self.transient))
+
+    @property
+    def floors(self) -> tuple[int, ...]:
+        """The chunk floors searched in turn: the caller's (GEMMs stay efficient), then the planner's own."""
+        return tuple(dict.fromkeys((max(self.min_chunk, MIN_CHUNK_TOKENS), MIN_CHUNK_TOKENS)))
+
+    @property
+    def exact_kv(self) -> list[KVOption]:
+        """The stores the planner may pick on its own: exact ones (L4); approximate ones only when asked for."""
+        return [o for o in self.kv_options if o.tier == Tier.L4]
+
+    def peak(self, chunk: int, sl: int = 0, g: int = 1) -> int:
+        """K/V on the device: whole buffers (in ``g`` head groups a ``g``-th of K/V, the attention output whole)
+        plus one chunk's transient."""
+        grouped = (self.kv - self.kv // g - self.attn_out) if g > 1 else 0
+        return self.fixed - grouped + self.transient(chunk, sl)
+
+    def at_attention(self, c: int, sl: int, extra: int) -> int:
+        """One chunk's worst moment with ``extra`` bytes per row alive during its attention (a store's merge)."""
+        key = (c, sl, extra)
+        if key not in self._at_attention:
+            self._at_attention[key] = (self.transient_kv(c, sl, extra) if self.transient_kv is not None
+                                       else self.transient(c, sl) + c * extra)
+        return self._at_attention[key]
+
+    def peak_kv(self, opt: KVOption, chunk: int, sl: int, blk: int, g: int = 1, span: int = 0) -> int:
+        """K/V in a store: what it keeps on the device, one block of it, and the chunk (or Q span) attending it."""
+        rows = self.rows
+        c = min(chunk, rows)
+        base = self.fixed - self.kv + opt.resident + min(blk, rows) * opt.block_row // g
+        if span <= c:
+            return base + self.at_attention(c, sl, opt.merge_row // g + opt.whole_row)
+        # a span: its Q whole, then attended (the merge over the span's rows; with head groups, the output apart),
+        # then its chunks run beside the span's output (or its Q, while being built)
+        s = min(span, rows)
+        attending = s * (opt.q_row + opt.merge_row // g + opt.whole_row + (opt.out_row if g > 1 else 0))
+        return base + max(attending, s * max(opt.q_row, opt.out_row) + self.transient(c, sl))
+
+    def make(self, tier: Tier, chunk: int, sl: int = 0, g: int = 1, opt: KVOption | None = None, blk: int = 0,
+             span: int = 0) -> Plan:
+        """The plan of one candidate, priced by its tier's peak model; a chunk the planner chose runs in whole
+        attention waves, one the user fixed as given."""
+        rows, stock = self.rows, self.stock
+        if tier == Tier.L0:
+            return Plan(Tier.L0, rows, rows, 0, stock, stock)
+        if self.chunk_tokens is None:
+            chunk = self.waves.round(chunk, rows)
+        chunk = min(chunk, rows)
+        if opt is not None:   # a forced chunk reads K/V in blocks of its pass's rows (at most the default block
+            span = min(span, rows) if span > chunk else 0   # per group)
+            blk = min(blk or min(DEFAULT_KV_BLOCK * g, max(span or chunk, MIN_CHUNK_TOKENS)), rows)
+            return Plan(opt.tier, rows, chunk, sl, self.peak_kv(opt, chunk, sl, blk, g, span), stock, kv=opt.kind,
+                        kv_block=blk, host_traffic=host_traffic(opt, rows, span or chunk), head_groups=g,
+                        q_span=span)
+        return Plan(tier, rows, chunk, sl, self.peak(chunk, sl, g), stock, head_groups=g,
+                    q="whole" if self.whole_q else "chunks")
+
+    def staged_seconds(self, opt: KVOption, q_rows: int, blk: int, g: int) -> float:
+        """A store's extra time (``l4_extra_seconds``) with the waves its passes leave part empty: each pass's calls
+        over ``q_rows`` query rows and a ``g``-th of the heads fill fewer waves than stock's one call."""
+        waste = max(0.0, wave_waste(self.waves, q_rows, g) - wave_waste(self.waves, self.rows))
+        return l4_extra_seconds(opt, self.rows, q_rows, self.costs, blk, g) + waste * self.costs.attention_s
+
+
 def plan_graph(rows: int, fixed: int, transient, stock: int, *, chunk_tokens: int | None = None,
                budget: int | None = None, min_chunk: int = MIN_CHUNK_TOKENS, waves: Waves = Waves(),
                ffn: int = 0, ffn_slice: int | None = None, kv: int = 0, attn_out: int = 0,
@@ -447,170 +552,201 @@ def plan_graph(rows: int, fixed: int, transient, stock: int, *, chunk_tokens: in
     transient (which ``transient`` prices with the whole call's workspace), on L1/L2 plans alone (head groups and K/V
     stores would split that call). ``q_span``: a forced store at a fixed chunk attends this many query rows per pass
     (where its option allows spans: ``KVOption.q_row``)."""
-    if whole_q:
-        if kv_store != "device":
-            raise ValueError(f"kv={kv_store!r}: the attention needs the whole Q in one call, against K/V on the device")
-        fixed, groups, head_groups, kv_options = fixed + whole_q, (), None, ()
+    request = GraphPlanRequest(
+        rows, fixed, transient, stock, chunk_tokens=chunk_tokens, budget=budget, min_chunk=min_chunk, waves=waves,
+        ffn=ffn, ffn_slice=ffn_slice, kv=kv, attn_out=attn_out, groups=groups, head_groups=head_groups,
+        kv_options=kv_options, kv_store=kv_store, costs=costs, transient_kv=transient_kv, whole_q=whole_q,
+        q_span=q_span).normalised()
+    if request.kv_store != "device":
+        return _store_plan(request)
+    forced = _forced_plan(request)
+    if forced is not None:
+        return forced
+    if stock_fits(request.stock, request.budget):
+        return request.make(Tier.L0, request.rows)
+    for floor in request.floors:
+        plan = _fastest_under_budget(request, floor)
+        if plan is not None:
+            return plan
+    raise _refusal(request)
 
-    # a graph walk per (chunk, slice[, bytes alive at the attention]): the searches below ask for the same ones often
-    transient = functools.lru_cache(maxsize=None)(transient)
 
-    def peak(chunk: int, sl: int = 0, g: int = 1) -> int:
-        grouped = (kv - kv // g - attn_out) if g > 1 else 0
-        return fixed - grouped + transient(chunk, sl)
+def _store_plan(request: GraphPlanRequest) -> Plan:
+    """The store the user named (``kv_store``) whatever the budget: its K/V never go whole onto the device, so the
+    ladder's other tiers are not tried; the refusal names the store's own floor."""
+    forced = next((o for o in request.kv_options if o.kind == request.kv_store), None)
+    if forced is None:
+        raise ValueError(f"kv={request.kv_store!r}: no such K/V store for this block")
+    if request.chunk_tokens is not None or request.budget is None:
+        ffn, ffn_slice = request.ffn, request.ffn_slice
+        g = request.head_groups if request.head_groups in forced.groups else 1
+        return request.make(forced.tier, request.chunk_tokens or DEFAULT_CHUNK_TOKENS,
+                            min(ffn_slice, ffn) if ffn_slice is not None and ffn else 0, g, opt=forced,
+                            span=(request.q_span or 0) if forced.q_row else 0)
+    for floor in request.floors:
+        plan = _fit_store(request, forced, floor)
+        if plan is not None:
+            return plan
+    least = request.peak_kv(forced, min(request.rows, MIN_CHUNK_TOKENS), 256 if request.ffn > 256 else 0,
+                            KV_BLOCKS[-1])
+    raise BudgetError(f"captured block over {request.rows} rows with kv={request.kv_store!r}: "
+                      f"{fmt_bytes(request.budget)} left for it is below the smallest peak that store reaches "
+                      f"({fmt_bytes(least)})")
 
-    @functools.lru_cache(maxsize=None)
-    def at_attention(c: int, sl: int, extra: int) -> int:
-        """One chunk's worst moment with ``extra`` bytes per row alive during its attention (a store's merge)."""
-        return transient_kv(c, sl, extra) if transient_kv is not None else transient(c, sl) + c * extra
 
-    def peak_kv(opt: KVOption, chunk: int, sl: int, blk: int, g: int = 1, span: int = 0) -> int:
-        c = min(chunk, rows)
-        base = fixed - kv + opt.resident + min(blk, rows) * opt.block_row // g
-        if span <= c:
-            return base + at_attention(c, sl, opt.merge_row // g + opt.whole_row)
-        # a span: its Q whole, then attended (the merge over the span's rows; with head groups, the output apart),
-        # then its chunks run beside the span's output (or its Q, while being built)
-        s = min(span, rows)
-        attending = s * (opt.q_row + opt.merge_row // g + opt.whole_row + (opt.out_row if g > 1 else 0))
-        return base + max(attending, s * max(opt.q_row, opt.out_row) + transient(c, sl))
+def _forced_plan(request: GraphPlanRequest) -> Plan | None:
+    """What the user fixed (head groups, an MLP slice, a chunk), or with no budget the default chunk: no search, the
+    user's choice taken as given; None: the planner chooses."""
+    r = request
+    if r.head_groups is not None and r.head_groups > 1 and r.head_groups in r.groups:
+        return r.make(Tier.L3, r.chunk_tokens or DEFAULT_CHUNK_TOKENS, min(r.ffn_slice or 0, r.ffn), r.head_groups)
+    if r.ffn_slice is not None and r.ffn:
+        return r.make(Tier.L2, r.chunk_tokens or DEFAULT_CHUNK_TOKENS, min(r.ffn_slice, r.ffn))
+    if r.chunk_tokens is not None or r.budget is None:
+        return _fixed(r.rows, r.chunk_tokens, r.make)
+    return None
 
-    def make(tier: Tier, chunk: int, sl: int = 0, g: int = 1, opt: KVOption | None = None, blk: int = 0,
-             span: int = 0) -> Plan:
-        if tier == Tier.L0:
-            return Plan(Tier.L0, rows, rows, 0, stock, stock)
-        if chunk_tokens is None:
-            chunk = waves.round(chunk, rows)
-        chunk = min(chunk, rows)
-        if opt is not None:   # a forced chunk reads K/V in blocks of its pass's rows (at most the default block
-            span = min(span, rows) if span > chunk else 0   # per group)
-            blk = min(blk or min(DEFAULT_KV_BLOCK * g, max(span or chunk, MIN_CHUNK_TOKENS)), rows)
-            return Plan(opt.tier, rows, chunk, sl, peak_kv(opt, chunk, sl, blk, g, span), stock, kv=opt.kind,
-                        kv_block=blk, host_traffic=host_traffic(opt, rows, span or chunk), head_groups=g,
-                        q_span=span)
-        return Plan(tier, rows, chunk, sl, peak(chunk, sl, g), stock, head_groups=g,
-                    q="whole" if whole_q else "chunks")
 
-    def staged_seconds(opt: KVOption, q_rows: int, blk: int, g: int) -> float:
-        """A store's extra time (``l4_extra_seconds``) with the waves its passes leave part empty: each pass's calls
-        over ``q_rows`` query rows and a ``g``-th of the heads fill fewer waves than stock's one call."""
-        waste = max(0.0, wave_waste(waves, q_rows, g) - wave_waste(waves, rows))
-        return l4_extra_seconds(opt, rows, q_rows, costs, blk, g) + waste * costs.attention_s
+def _fastest_under_budget(request: GraphPlanRequest, floor: int) -> Plan | None:
+    """Down the ladder with chunks of at least ``floor`` rows: row chunks (L1, or L2 where slicing the MLP buys
+    enough rows), narrower slices (L2), then the faster of head groups (L3) and host-staged K/V (L4) by estimated
+    extra time; None: nothing fits at this floor."""
+    plan = _row_chunk_plan(request, floor)
+    if plan is None:
+        plan = _narrow_slice_plan(request, floor)
+    if plan is not None:
+        return plan
+    # the faster legal tier by estimated extra time: L3 reruns projections per group, L4 copies K/V
+    legal = [p for p in (_grouped_plan(request, floor), *(_fit_store(request, o, floor) for o in request.exact_kv))
+             if p is not None]
+    return min(legal, key=lambda p: _extra_seconds(request, p)) if legal else None
 
-    def fit_kv(opt: KVOption, floor: int) -> Plan | None:
-        """The fastest (Q chunk, Q span, K/V block, head groups, MLP slice) this store reaches under the budget, by
-        the estimated extra time where the device's rates are known (passes over the store, and a cost per chunk),
-        else the largest Q chunk, then the largest span, then the largest block."""
-        best = None
-        for g in opt.groups:
-            for sl in (0, 4096, 2048, 1024, 256) if ffn else (0,):
-                if sl and sl >= ffn:
-                    continue
-                for blk in sorted({min(b, rows) for b in KV_BLOCKS}, reverse=True):
-                    for m in SPAN_FACTORS if opt.q_row else (1,):
-                        chunk = _largest_chunk(lambda c: peak_kv(opt, c, sl, blk, g, m * c), rows, budget, floor)
-                        if chunk is None:
-                            continue
-                        c = waves.round(chunk, rows)
-                        span = min(m * c, rows)
-                        if m > 1 and (span <= c or peak_kv(opt, c, sl, blk, g, span) > budget):
-                            continue
-                        passes = span if m > 1 else c
-                        eps = 0.0 if not sl else 1e-9   # an unsliced MLP on ties
-                        if costs.attention_s:
-                            chunks = -(-rows // c)
-                            # a pass's calls over fewer heads and rows than stock's one call fill fewer waves
-                            key = (staged_seconds(opt, passes, blk, g) + chunks * CHUNK_STEP_S
-                                   + (chunks * -(-ffn // sl) * SLICE_STEP_S if sl else 0.0) + eps,
-                                   -passes, -c, -blk, g, sl)
-                        else:   # rates unknown: the largest chunk, then the largest span it allows
-                            key = (eps, -c, -passes, -blk, g, sl)
-                        if best is None or key < best[0]:
-                            best = (key, chunk, sl, blk, g, span if m > 1 else 0)
-        return None if best is None else make(opt.tier, best[1], best[2], best[4], opt=opt, blk=best[3],
-                                              span=best[5])
 
-    forced = next((o for o in kv_options if o.kind == kv_store), None) if kv_store != "device" else None
-    if kv_store != "device":
-        if forced is None:
-            raise ValueError(f"kv={kv_store!r}: no such K/V store for this block")
-        sl = min(ffn_slice, ffn) if ffn_slice is not None and ffn else 0
-        if chunk_tokens is not None or budget is None:
-            g = head_groups if head_groups in forced.groups else 1
-            return make(forced.tier, chunk_tokens or DEFAULT_CHUNK_TOKENS, sl, g, opt=forced,
-                        span=(q_span or 0) if forced.q_row else 0)
-        for floor in dict.fromkeys((max(min_chunk, MIN_CHUNK_TOKENS), MIN_CHUNK_TOKENS)):
-            plan = fit_kv(forced, floor)
-            if plan is not None:
-                return plan
-        least = peak_kv(forced, min(rows, MIN_CHUNK_TOKENS), 256 if ffn > 256 else 0, KV_BLOCKS[-1])
-        raise BudgetError(f"captured block over {rows} rows with kv={kv_store!r}: {fmt_bytes(budget)} left for it is "
-                          f"below the smallest peak that store reaches ({fmt_bytes(least)})")
-    exact_kv = [o for o in kv_options if o.tier == Tier.L4]
+def _row_chunk_plan(request: GraphPlanRequest, floor: int) -> Plan | None:
+    """L1's largest chunk, unless slicing the MLP (in row pieces: exact, GEMMs as wide) buys ``L2_GAIN`` times the
+    rows: row chunks cost time (per-chunk work, text rows recomputed, attention calls)."""
+    r = request
+    chunk = _largest_chunk(lambda c: r.fixed + r.transient(c, 0), r.rows, r.budget, floor)
+    if (chunk is None or chunk < r.rows) and r.ffn > SLICES[0]:
+        wider = _widest_slice(r, floor)
+        if wider is not None and (chunk is None or r.waves.round(wider[0], r.rows)
+                                  >= L2_GAIN * r.waves.round(chunk, r.rows)):
+            return r.make(Tier.L2, *wider)
+    return None if chunk is None else r.make(Tier.L1, chunk)
 
-    if head_groups is not None and head_groups > 1 and head_groups in groups:
-        return make(Tier.L3, chunk_tokens or DEFAULT_CHUNK_TOKENS, min(ffn_slice or 0, ffn), head_groups)
-    if ffn_slice is not None and ffn:
-        return make(Tier.L2, chunk_tokens or DEFAULT_CHUNK_TOKENS, min(ffn_slice, ffn))
-    if chunk_tokens is not None or budget is None:
-        return _fixed(rows, chunk_tokens, make)
-    if stock_fits(stock, budget):
-        return make(Tier.L0, rows)
-    def sliced(floor: int) -> tuple[int, int] | None:
-        """(chunk, slice) of the widest MLP slice among half the MLP and ``SLICES`` whose chunk a narrower one does not
-        beat by more than ``NARROWER_GAIN``: narrower slices are more, smaller GEMMs (row pieces), but larger chunks
-        are fewer passes of everything (on the H200, 2026-12-01, the H3 block at 65,536 rows: 2 pieces 0.5-1% faster
-        than 4 or 8 in two runs, within the runs' spread in a third).
-        Chunks compare as they will run, rounded to whole attention waves: a narrower slice whose extra rows the
-        rounding takes back buys nothing (H3 at 65,536 rows: 12,672 rows either way, 7 slices or 4)."""
-        best = None
-        for sl in sorted({-(-ffn // 2), *(s for s in SLICES if s < ffn)}, reverse=True):
-            c = _largest_chunk(lambda c: fixed + transient(c, sl), rows, budget, floor)
-            if c is not None and (best is None or waves.round(c, rows) > waves.round(best[0], rows) * NARROWER_GAIN):
-                best = (c, sl)
-        return best
 
-    for floor in dict.fromkeys((max(min_chunk, MIN_CHUNK_TOKENS), MIN_CHUNK_TOKENS)):
-        chunk = _largest_chunk(lambda c: fixed + transient(c, 0), rows, budget, floor)
-        if (chunk is None or chunk < rows) and ffn > SLICES[0]:
-            # row chunks cost time (per-chunk work, text rows recomputed, attention calls); slicing the MLP (in row
-            # pieces: exact, GEMMs as wide) buys larger ones: taken where it buys L2_GAIN more rows
-            wider = sliced(floor)
-            if wider is not None and (chunk is None or waves.round(wider[0], rows)
-                                      >= L2_GAIN * waves.round(chunk, rows)):
-                return make(Tier.L2, *wider)
+def _widest_slice(request: GraphPlanRequest, floor: int) -> tuple[int, int] | None:
+    """(chunk, slice) of the widest MLP slice among half the MLP and ``SLICES`` whose chunk a narrower one does not
+    beat by more than ``NARROWER_GAIN``: narrower slices are more, smaller GEMMs (row pieces), but larger chunks
+    are fewer passes of everything (on the H200, 2026-12-01, the H3 block at 65,536 rows: 2 pieces 0.5-1% faster
+    than 4 or 8 in two runs, within the runs' spread in a third).
+    Chunks compare as they will run, rounded to whole attention waves: a narrower slice whose extra rows the
+    rounding takes back buys nothing (H3 at 65,536 rows: 12,672 rows either way, 7 slices or 4)."""
+    r, best = request, None
+    for sl in sorted({-(-r.ffn // 2), *(s for s in SLICES if s < r.ffn)}, reverse=True):
+        c = _largest_chunk(lambda c: r.fixed + r.transient(c, sl), r.rows, r.budget, floor)
+        if c is not None and (best is None
+                              or r.waves.round(c, r.rows) > r.waves.round(best[0], r.rows) * NARROWER_GAIN):
+            best = (c, sl)
+    return best
+
+
+def _narrow_slice_plan(request: GraphPlanRequest, floor: int) -> Plan | None:
+    """L2 where no row chunk fits whole: the widest slice down to ``MIN_FFN_SLICE`` that lets a chunk fit."""
+    r = request
+    for sl in (4096, 2048, 1024, 512, 256) if r.ffn else ():
+        if sl >= r.ffn:
+            continue
+        chunk = _largest_chunk(lambda c: r.fixed + r.transient(c, sl), r.rows, r.budget, floor)
         if chunk is not None:
-            return make(Tier.L1, chunk)
-        for sl in (4096, 2048, 1024, 512, 256) if ffn else ():
-            if sl >= ffn:
+            return r.make(Tier.L2, chunk, sl)
+    return None
+
+
+def _grouped_plan(request: GraphPlanRequest, floor: int) -> Plan | None:
+    """L3: the fewest head groups, then the widest MLP slice, whose largest chunk fits (fewer groups rerun fewer
+    projections)."""
+    r = request
+    for g in r.groups:
+        for sl in (0, 4096, 1024, 256) if r.ffn else (0,):
+            if sl >= r.ffn and sl:
                 continue
-            chunk = _largest_chunk(lambda c: fixed + transient(c, sl), rows, budget, floor)
+            chunk = _largest_chunk(lambda c: r.peak(c, sl, g), r.rows, r.budget, floor)
             if chunk is not None:
-                return make(Tier.L2, chunk, sl)
-        grouped = None
-        for g in groups:
-            for sl in (0, 4096, 1024, 256) if ffn else (0,):
-                if sl >= ffn and sl:
-                    continue
-                chunk = _largest_chunk(lambda c: peak(c, sl, g), rows, budget, floor)
-                if chunk is not None:
-                    grouped = make(Tier.L3, chunk, sl, g)
-                    break
-            if grouped is not None:
-                break
-        staged = [p for p in (fit_kv(o, floor) for o in exact_kv) if p is not None]
-        if grouped is not None or staged:
-            # the faster legal tier by estimated extra time: L3 reruns projections per group, L4 copies K/V
-            def extra(p: Plan) -> float:
-                if p.tier == Tier.L3:
-                    return (p.head_groups - 1) * L3_GROUP_COST * costs.attention_s
-                opt = next(o for o in exact_kv if o.kind == p.kv)
-                return staged_seconds(opt, p.q_span or p.chunk, p.kv_block, p.head_groups)
-            return min([p for p in [grouped, *staged] if p is not None], key=extra)
-    least = min([fixed + transient(min(rows, MIN_CHUNK_TOKENS), 256 if ffn > 256 else 0)]
-                + [peak(min(rows, MIN_CHUNK_TOKENS), 256 if ffn > 256 else 0, g) for g in groups]
-                + [peak_kv(o, min(rows, MIN_CHUNK_TOKENS), 256 if ffn > 256 else 0, KV_BLOCKS[-1]) for o in exact_kv])
-    held = ", the whole Q and attention output" if whole_q else ""
-    raise BudgetError(f"captured block over {rows} rows: {fmt_bytes(budget)} left for it is below the smallest peak "
-                      f"streamplan can reach ({fmt_bytes(least)}: global K, V{held} and the outputs "
-                      f"{fmt_bytes(fixed)}, and one {MIN_CHUNK_TOKENS}-row chunk)")
+                return r.make(Tier.L3, chunk, sl, g)
+    return None
+
+
+class _StoreFit(NamedTuple):
+    """One store candidate: its sort key (lower is better) and what its plan is made of."""
+
+    key: tuple
+    chunk: int
+    sl: int
+    blk: int
+    g: int
+    span: int
+
+
+def _fit_store(request: GraphPlanRequest, opt: KVOption, floor: int) -> Plan | None:
+    """The fastest (Q chunk, Q span, K/V block, head groups, MLP slice) this store reaches under the budget, by
+    the estimated extra time where the device's rates are known (passes over the store, and a cost per chunk),
+    else the largest Q chunk, then the largest span, then the largest block."""
+    r, best = request, None
+    for g in opt.groups:
+        for sl in (0, 4096, 2048, 1024, 256) if r.ffn else (0,):
+            if sl and sl >= r.ffn:
+                continue
+            for blk in sorted({min(b, r.rows) for b in KV_BLOCKS}, reverse=True):
+                for m in SPAN_FACTORS if opt.q_row else (1,):
+                    fit = _store_fit(r, opt, floor, g, sl, blk, m)
+                    if fit is not None and (best is None or fit.key < best.key):
+                        best = fit
+    return None if best is None else r.make(opt.tier, best.chunk, best.sl, best.g, opt=opt, blk=best.blk,
+                                            span=best.span)
+
+
+def _store_fit(request: GraphPlanRequest, opt: KVOption, floor: int, g: int, sl: int, blk: int,
+               m: int) -> _StoreFit | None:
+    """The largest chunk a store fits with Q spans of ``m`` chunks at these settings, and how it ranks: a span
+    counts only if it is more than its chunk and still fits once the chunk is rounded to whole waves."""
+    r, rows = request, request.rows
+    chunk = _largest_chunk(lambda c: r.peak_kv(opt, c, sl, blk, g, m * c), rows, r.budget, floor)
+    if chunk is None:
+        return None
+    c = r.waves.round(chunk, rows)
+    span = min(m * c, rows)
+    if m > 1 and (span <= c or r.peak_kv(opt, c, sl, blk, g, span) > r.budget):
+        return None
+    passes = span if m > 1 else c
+    eps = 0.0 if not sl else 1e-9   # an unsliced MLP on ties
+    if r.costs.attention_s:
+        chunks = -(-rows // c)
+        # a pass's calls over fewer heads and rows than stock's one call fill fewer waves
+        key = (r.staged_seconds(opt, passes, blk, g) + chunks * CHUNK_STEP_S
+               + (chunks * -(-r.ffn // sl) * SLICE_STEP_S if sl else 0.0) + eps,
+               -passes, -c, -blk, g, sl)
+    else:   # rates unknown: the largest chunk, then the largest span it allows
+        key = (eps, -c, -passes, -blk, g, sl)
+    return _StoreFit(key, chunk, sl, blk, g, span if m > 1 else 0)
+
+
+def _extra_seconds(request: GraphPlanRequest, plan: Plan) -> float:
+    """What a below-the-floor plan costs over stock: L3 reruns projections per group, L4 copies K/V."""
+    if plan.tier == Tier.L3:
+        return (plan.head_groups - 1) * L3_GROUP_COST * request.costs.attention_s
+    opt = next(o for o in request.exact_kv if o.kind == plan.kv)
+    return request.staged_seconds(opt, plan.q_span or plan.chunk, plan.kv_block, plan.head_groups)
+
+
+def _refusal(request: GraphPlanRequest) -> BudgetError:
+    """Nothing fits: the error names the smallest peak any tier reaches (one floor-sized chunk, the narrowest slice),
+    so the user knows how far the budget is from a plan."""
+    r = request
+    c, sl = min(r.rows, MIN_CHUNK_TOKENS), 256 if r.ffn > 256 else 0
+    least = min([r.fixed + r.transient(c, sl)] + [r.peak(c, sl, g) for g in r.groups]
+                + [r.peak_kv(o, c, sl, KV_BLOCKS[-1]) for o in r.exact_kv])
+    held = ", the whole Q and attention output" if r.whole_q else ""
+    return BudgetError(f"captured block over {r.rows} rows: {fmt_bytes(r.budget)} left for it is below the smallest "
+                       f"peak streamplan can reach ({fmt_bytes(least)}: global K, V{held} and the outputs "
+                       f"{fmt_bytes(r.fixed)}, and one {MIN_CHUNK_TOKENS}-row chunk)")
