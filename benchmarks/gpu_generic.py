@@ -229,16 +229,15 @@ def run_block(case: str, n: int, chunks: list[int], held: bool, hold: float = 1.
 def _engine(flags: set[str]):
     """Engine switches one variant runs under: "f" the MLP split by features (not rows), "nj" no joins built in
     place."""
-    from streamplan.execute import graph_run as execute
-    from streamplan.graph import sliced_mlp as mlp
-    saved = mlp.SPLIT, execute.in_place
+    from streamplan.graph import schedule, sliced_mlp as mlp
+    saved = mlp.SPLIT, schedule.in_place
     mlp.SPLIT = "features" if "f" in flags else "rows"
     if "nj" in flags:   # (what runs in place is kept per capture, which the variants share: filtered per call)
-        execute.in_place = lambda *a: ({}, saved[1](*a)[1])
+        schedule.in_place = lambda *a: ({}, saved[1](*a)[1])
     try:
         yield
     finally:
-        mlp.SPLIT, execute.in_place = saved
+        mlp.SPLIT, schedule.in_place = saved
 
 
 def _donated_call(block, inputs, flags: set[str] = frozenset()):

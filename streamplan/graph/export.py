@@ -228,8 +228,9 @@ def capture(module: nn.Module, args: tuple, kwargs: dict, rows: int) -> Captured
     finally:
         # a trace that failed inside torch.export leaves reference cycles among its frames; through their callers
         # they keep the streamed call that captured (its inputs, K/V and output buffers) alive until the cycle
-        # collector runs (on the H200 under torch 2.11 one layer's V, 0.5 GiB at 131k tokens, held into the next
-        # layer's budget): collected now, only where a trace failed (a full collection costs ~0.3 s)
+        # collector runs, and the next operation is planned under a budget that memory still takes: collected now,
+        # only where a trace failed (a full collection is too slow to run after every capture; docs/design.md,
+        # Capture)
         if trace.failed:
             gc.collect()
     seconds = time.perf_counter() - start

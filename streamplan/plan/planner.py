@@ -13,13 +13,13 @@ from .weight_formats import can_slice_in, can_slice_out, slice_align
 DEFAULT_CHUNK_TOKENS = 4096   # used when neither a budget nor a chunk is given
 ROW_ALIGN = 256               # budget-chosen chunks are multiples of this (GEMM-friendly)
 MIN_CHUNK_TOKENS = 256        # smallest row chunk the planner will choose on its own
-# Rows per chunk below which GEMMs lose throughput: on the H200 (2026-11-30, bf16, benchmarks/gpu_planner.py) the
-# Wan/Flux projections reach 85-93% of their best at 2048 rows and 90-100% at 4096. The planner climbs the tier
-# ladder before it goes below this; on CPU there is no such cliff worth a tier.
+# Rows per chunk below which GEMMs lose throughput (the projections of wide blocks fall well short of their best);
+# calibrated on the benchmark device (docs/budgets-and-tiers.md, Calibration). The planner climbs the tier ladder
+# before it goes below this; on CPU there is no such cliff worth a tier.
 UTILISATION_FLOOR = {"cuda": 2048, "meta": 2048}   # planning on meta tensors is planning for a GPU
 # Fused attention kernels run one block per (128 query rows, head): a chunk whose blocks fill whole waves of the
-# GPU's multiprocessors wastes no partial wave. On the H200 (132 SMs, 40 heads) 4224-row chunks ran 1-1.5% faster
-# than 4096-row ones at 131k tokens (benchmarks/results/suite_waves.json).
+# GPU's multiprocessors wastes no partial wave, so planner-chosen chunks are rounded to whole waves (the gain is
+# calibrated on the benchmark device: docs/budgets-and-tiers.md, Calibration).
 ATTENTION_TILE_ROWS = 128
 
 
@@ -63,7 +63,8 @@ class Waves:
 
 
 BELOW_QUANTUM_KEEP = 0.85
-# planning on meta tensors is planning for the H200 (its rates above): its multiprocessors
+# planning on meta tensors is planning for the benchmark device whose rates the constants here are calibrated on
+# (docs/budgets-and-tiers.md, Calibration): its multiprocessors
 META_MULTIPROCESSORS = 132
 
 
@@ -78,10 +79,9 @@ def wave_waste(waves: Waves, rows: int, groups: int = 1) -> float:
 
 
 MIN_FFN_SLICE = 256
-# Stock is kept only with this much room to spare: its estimate misses allocator fragmentation and libraries'
-# temporaries, and being wrong there is an out-of-memory, not a slower run (H200, Wan2.1-14B block at 217,088 rows
-# under group offloading and a 24 GiB cap: stock estimated 18.6 GiB, ran out with 2.9 GiB reserved unallocated;
-# benchmarks/results/gpu_compose_wan14b_40l_first.json).
+# Stock is kept only with this much room to spare: its estimate misses allocator fragmentation (memory reserved but
+# unallocated) and libraries' temporaries, and being wrong there is an out-of-memory, not a slower run; calibrated on
+# the benchmark device (docs/budgets-and-tiers.md, Calibration).
 STOCK_MARGIN = 0.15
 
 
@@ -90,7 +90,7 @@ def stock_fits(stock: int, budget: int) -> bool:
 
 
 class Tier(str, Enum):
-    """The tier ladder (DESIGN.md section 3); a str, so plans compare, print and serialise as "L1"."""
+    """The tier ladder (docs/design.md, The tier ladder); a str, so plans compare, print and serialise as "L1"."""
 
     L0 = "L0"   # stock: the module's own forward
     L1 = "L1"   # row-streamed
@@ -341,32 +341,33 @@ def plan_rows(rows: int, row_bytes: int, transient_per_elem: int, *, chunk_token
 # query row's output is its kernel's own, as on the device)
 KV_BLOCKS = (1 << 40, 65536, 32768, 16384, 8192, 4096, 2048, 1024, 512, 256)
 DEFAULT_KV_BLOCK = 8192
-# Below the floor the planner weighs L3 against L4 by estimated extra time (seconds, from the shapes):
-HOST_BANDWIDTH = 54e9        # bytes/s each way, pinned, measured on the H200 (2026-11-30)
-ATTENTION_RATE = {"cuda": 5.5e14, "meta": 5.5e14}   # FLOP/s of bf16 attention on the H200 (cuDNN 570-620 TFLOP/s)
+# Below the floor the planner weighs L3 against L4 by estimated extra time (seconds, from the shapes), with rates
+# calibrated on the benchmark device (docs/budgets-and-tiers.md, Calibration):
+HOST_BANDWIDTH = 54e9        # bytes/s each way of pinned host-device copies (L4's K/V out and back)
+ATTENTION_RATE = {"cuda": 5.5e14, "meta": 5.5e14}   # FLOP/s of bf16 fused attention, where its time is not known
 # the log-sum-exp merge is elementwise over the fp32 accumulator once per block: device memory bandwidth it reaches
-# (H200: 4.8 TB/s peak), and the fixed cost of one block's attention call and merge (launches, a short block's tail)
+# (a share of the peak, an estimate), and the fixed cost of one block's attention call and merge (launches, a short
+# block's tail)
 MERGE_BANDWIDTH = {"cuda": 3.0e12, "meta": 3.0e12}
 BLOCK_STEP_S = 5e-5
-# copies back hide under the attention up to this share of its time (they share the memory bandwidth with it; an
-# estimate: the first H200 run's 16,384-row plan, copies 64% of the attention's time, cost 0.56 s over the device
-# tier with its merge passes and copies out on the compute stream)
+# copies back hide under the attention up to this share of its time (they share the memory bandwidth with it, so
+# not all of it); an estimate calibrated on the benchmark device (docs/budgets-and-tiers.md, Calibration)
 HIDDEN_UNDER_ATTENTION = 0.75
-# ... yet this share of them shows whatever the attention's length: fit on the H200 (2026-12-01, the eight host-staged
-# plans of results/gpu_kv_217088_qspans.json at 217,088 rows, 31-125 GB of traffic): each plan's time over the device
-# tier's was its copies out plus 0.2-0.35 of its copies back, also where the attention outlasted them
+# ... yet this share of them shows whatever the attention's length, also where the attention outlasts the copies;
+# calibrated on the benchmark device (docs/budgets-and-tiers.md, Calibration)
 UNHIDDEN_SHARE = 0.3
 # what one more row chunk costs beside the copies (its ~100 kernels' launches and tails, GEMMs on fewer rows): an
-# estimate from the H200 profile of MiniMax-H3 at 65,536 rows (results/gpu_profile_h3_65536.json: ~8 ms of host gaps and
-# ~8 ms of narrower GEMMs over 28 chunks of two phases); it keeps Q spans from buying small chunks
+# estimate calibrated on the benchmark device from where a block's time went (docs/budgets-and-tiers.md,
+# Calibration); it keeps Q spans from buying small chunks
 CHUNK_STEP_S = 5e-4
 # what one more MLP slice of a chunk costs (three narrower GEMMs, the output read and written again by the accumulating
-# GEMM): an estimate (~0.1 ms at 8-16k rows of 5k width on the H200); it keeps Q spans from buying 256-feature slices
+# GEMM): an estimate for the benchmark device (docs/budgets-and-tiers.md, Calibration); it keeps Q spans from buying
+# 256-feature slices
 SLICE_STEP_S = 1e-4
 # Q spans tried: this many chunks' queries attended per pass over a store
 SPAN_FACTORS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
-# L3 measured on the H200 (MiniMax-H3 block, 217,088 rows, 8 head groups: 1.73x stock's time, attention ~94% of it):
-# each extra head group costs about a tenth of the attention's time (projections rerun, smaller attention calls)
+# each extra head group of L3 costs about this share of the attention's time (projections rerun, smaller attention
+# calls); calibrated on the benchmark device (docs/budgets-and-tiers.md, Calibration)
 L3_GROUP_COST = 0.1
 
 
@@ -638,8 +639,8 @@ def _row_chunk_plan(request: GraphPlanRequest, floor: int) -> Plan | None:
 def _widest_slice(request: GraphPlanRequest, floor: int) -> tuple[int, int] | None:
     """(chunk, slice) of the widest MLP slice among half the MLP and ``SLICES`` whose chunk a narrower one does not
     beat by more than ``NARROWER_GAIN``: narrower slices are more, smaller GEMMs (row pieces), but larger chunks
-    are fewer passes of everything (on the H200, 2026-12-01, the H3 block at 65,536 rows: 2 pieces 0.5-1% faster
-    than 4 or 8 in two runs, within the runs' spread in a third).
+    are fewer passes of everything, and on the benchmark device fewer, wider pieces ran as fast or faster
+    (docs/budgets-and-tiers.md, Calibration).
     Chunks compare as they will run, rounded to whole attention waves: a narrower slice whose extra rows the
     rounding takes back buys nothing (H3 at 65,536 rows: 12,672 rows either way, 7 slices or 4)."""
     r, best = request, None
