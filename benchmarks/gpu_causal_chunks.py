@@ -67,19 +67,19 @@ def main(argv: list[str]) -> int:
     print(result, flush=True)
     consumer = S.SDPAConsumer(None)
     for c in sizes:
-        spans = _chunks(n, c)
-        row = {"chunk": c, "chunks": len(spans)}
+        chunks = _chunks(n, c)
+        row = {"chunk": c, "chunks": len(chunks)}
 
         def streamed():
             return [consumer.attend(q[:, :, a:a + r], k, v, q_offset=a, causal=True, mask=None, scale=None)
-                    for a, r in spans]
+                    for a, r in chunks]
         row["streamplan_s"] = cuda_time(streamed)
         outs = streamed()
         row["streamplan_rel"] = rel_diff(torch.cat(outs, 2), ref)
         del outs
 
         def parts():
-            for a, r in spans[1:]:
+            for a, r in chunks[1:]:
                 qc = q[:, :, a:a + r]
                 kd = k[..., a:a + r, :].repeat_interleave(4, 1)
                 vd = v[..., a:a + r, :].repeat_interleave(4, 1)
@@ -88,30 +88,30 @@ def main(argv: list[str]) -> int:
         row["parts_no_merge_s"] = cuda_time(parts)
 
         def parts_native(group_past: bool):
-            for a, r in spans[1:]:
+            for a, r in chunks[1:]:
                 qc = q[:, :, a:a + r]
                 S._fused_with_lse(qc, k[..., a:a + r, :], v[..., a:a + r, :], True, None)
                 S._fused_with_lse(S._grouped(qc, HKV) if group_past else qc, k[..., :a, :], v[..., :a, :], False,
                                   None)
         row["parts_native_gqa_diag_no_merge_s"] = cuda_time(lambda: parts_native(True))
         row["parts_native_gqa_both_no_merge_s"] = cuda_time(lambda: parts_native(False))
-        mid, rows_mid = spans[len(spans) // 2]
+        mid, rows_mid = chunks[len(chunks) // 2]
         row["choice_gqa_diag"] = S._choice(q[:, :, mid:mid + rows_mid], k[..., mid:mid + rows_mid, :],
                                            v[..., mid:mid + rows_mid, :], True, None)
         row["choice_gqa_past"] = S._choice(q[:, :, mid:mid + rows_mid], k[..., :mid, :], v[..., :mid, :], False, None)
         o1 = torch.randn(1, H, c, D, device="cuda", dtype=torch.bfloat16)
         o2 = torch.randn_like(o1)
         l1, l2 = torch.randn(1, H, c, device="cuda") * 4, torch.randn(1, H, c, device="cuda") * 4
-        row["merge_torch_s"] = cuda_time(lambda: lse_merge.merge_torch(o1, l1, o2.clone(), l2)) * (len(spans) - 1)
-        row["merge_fused_s"] = cuda_time(lambda: lse_merge.merge_into(o1, l1, o2.clone(), l2)) * (len(spans) - 1)
-        row["clone_s"] = cuda_time(lambda: o2.clone()) * (len(spans) - 1)
+        row["merge_torch_s"] = cuda_time(lambda: lse_merge.merge_torch(o1, l1, o2.clone(), l2)) * (len(chunks) - 1)
+        row["merge_fused_s"] = cuda_time(lambda: lse_merge.merge_into(o1, l1, o2.clone(), l2)) * (len(chunks) - 1)
+        row["clone_s"] = cuda_time(lambda: o2.clone()) * (len(chunks) - 1)
         row["merge_fused_used"] = lse_merge.fused_kernel("cuda") is not None
         row["merge_fused_vs_torch_rel"] = rel_diff(lse_merge.merge_into(o1, l1, o2.clone(), l2),
                                                    lse_merge.merge_torch(o1, l1, o2.clone(), l2))
         t = o2.transpose(1, 2).contiguous().transpose(1, 2)   # cuDNN's output layout: Q's [B, c, H, D]
         row["merge_fused_strided_vs_torch_rel"] = rel_diff(lse_merge.merge_into(o1, l1, t.clone(), l2),
                                                            lse_merge.merge_torch(o1, l1, o2.clone(), l2))
-        a, r = spans[len(spans) // 2]
+        a, r = chunks[len(chunks) // 2]
         qc = q[:, :, a:a + r]
         for name, kk, vv, causal, want in (
                 ("cudnn_gqa_diag", k[..., a:a + r, :], v[..., a:a + r, :], True, None),
@@ -127,11 +127,11 @@ def main(argv: list[str]) -> int:
             call = _single_calls(kind)
             name = {"flash": "flash_lower_right", "cudnn": "cudnn_causal", "efficient": "efficient_lower_right"}[kind]
             try:
-                a, r = spans[len(spans) // 2]
+                a, r = chunks[len(chunks) // 2]
                 got = call(q[:, :, a:a + r], k[..., :a + r, :], v[..., :a + r, :])
                 row[name + "_rel_mid_chunk"] = rel_diff(got, ref[:, :, a:a + r])
                 row[name + "_s"] = cuda_time(lambda: [call(q[:, :, a:a + r], k[..., :a + r, :], v[..., :a + r, :])
-                                                     for a, r in spans])
+                                                     for a, r in chunks])
             except (RuntimeError, NotImplementedError) as e:
                 row[name] = f"refused: {str(e).splitlines()[0][:200]}"
         for key in [x for x in row if x.endswith("_s")]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import math
 import logging
 import weakref
 from dataclasses import dataclass, field
@@ -135,12 +136,14 @@ class StreamHandle:
                 available, live = self._available(args, kwargs, x.device)
                 watch.record(estimate, live, tuple(x.shape))
                 if isinstance(self.options.budget, int) and estimate > max(0, available):
+                    smallest = _smallest_budget(live, estimate)
                     raise BudgetError(
                         f"{name} ({type(module).__name__}) runs stock (streamplan does not stream it) and its output "
                         f"alone is {fmt_bytes(estimate)} for input {list(x.shape)}, more than the budget "
                         f"{fmt_bytes(self.options.budget)} leaves beside its live inputs ({fmt_bytes(live)}). Raise "
                         "the budget, shorten the sequence or lower the batch; for a causal LM ask for fewer logits "
-                        "(logits_to_keep=1, as generate does).")
+                        f"(logits_to_keep=1, as generate does){_smallest_said(smallest)}.", least=estimate,
+                        smallest_bytes=smallest)
             return stock(*args, **kwargs)
 
         setattr(watched_forward, STREAMED_MARK, True)
@@ -215,16 +218,20 @@ class StreamHandle:
             if available is not None and self.options.smallest_when_short:
                 plan = _smallest_when_short(self, entry, make, available)
             elif available is not None and available <= 0:
+                smallest = _smallest_budget(live, _least(make))
                 raise BudgetError(f"{entry.name or type(entry.module).__name__}: the budget "
                                   f"{fmt_bytes(self.options.budget)} is already taken by the call's inputs "
-                                  f"({fmt_bytes(live)}); nothing is left for its work")
+                                  f"({fmt_bytes(live)}); nothing is left for its work"
+                                  + _smallest_said(smallest), smallest_bytes=smallest)
             try:
                 plan = plan or make(available)
             except BudgetError as exc:
+                smallest = _smallest_budget(live, exc.least)
                 raise BudgetError(f"{entry.name or type(entry.module).__name__}: budget "
                                   f"{fmt_bytes(self.options.budget) if self.options.budget != 'auto' else 'auto'} "
                                   f"less its live inputs ({fmt_bytes(live)}) cannot hold it. {exc}. Raise the "
-                                  "budget, shorten the sequence, or lower the batch.") from None
+                                  "budget, shorten the sequence, or lower the batch" + _smallest_said(smallest)
+                                  + ".", least=exc.least, smallest_bytes=smallest) from None
             plan.live_bytes, plan.budget = live, available
             entry.plans[sig] = plan
             log.info("streamplan: %s planned for %s: %s", entry.name or type(entry.module).__name__, sig[0],
@@ -298,6 +305,27 @@ def _supersede(root: nn.Module) -> list["StreamHandle"]:
     for other in superseded:
         other.remove()
     return superseded
+
+
+def _least(make: Callable[[int | None], Plan]) -> int | None:
+    """The smallest peak the planner reaches for an operation (its refusal of a zero budget says it), or None."""
+    try:
+        make(0)
+    except BudgetError as exc:
+        return exc.least
+    return None
+
+
+def _smallest_budget(live: int, least: int | None) -> int | None:
+    """The smallest byte budget under which an operation whose smallest peak is ``least`` plans, beside ``live``
+    bytes of live inputs: what ``_available`` leaves after the plan margin covers ``least``."""
+    if least is None:
+        return None
+    return live + math.ceil(least / (1 - PLAN_MARGIN)) + 1
+
+
+def _smallest_said(smallest: int | None) -> str:
+    return f" (the smallest budget that runs it: {fmt_bytes(smallest)}, BudgetError.smallest_bytes)" if smallest else ""
 
 
 def _smallest_when_short(handle: "StreamHandle", entry: Installed, make: Callable[[int | None], Plan],

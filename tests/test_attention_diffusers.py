@@ -15,7 +15,7 @@ from diffusers.models.transformers.transformer_wan import WanAttention, WanAttnP
 import streamplan
 from conftest import rel_err
 from streamplan.attention import SDPA
-from streamplan.execute.chunk_loop import spans
+from streamplan.execute.chunk_loop import chunk_bounds
 
 DIM, HEADS, HEAD_DIM = 64, 4, 16
 CROSS_DIM, ENC_TOKENS, WAN_TEXT = 32, 7, 13
@@ -61,7 +61,7 @@ def _assert_equal(out, ref):
 
 
 def _expected_chunks(segment_rows, chunk, least=1):
-    return [b - a for rows in segment_rows for a, b in spans(rows, chunk, least)]
+    return [b - a for rows in segment_rows for a, b in chunk_bounds(rows, chunk, least)]
 
 
 def _check_streamed(module, args, kwargs, chunk, segment_rows, q_chunks):

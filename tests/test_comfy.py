@@ -817,13 +817,13 @@ def test_each_sampling_run_plans_again(fresh_captures):
     assert "2 sampling run(s) planned" in sc.report(patched)
 
 
-def test_grid_spans_cover_rows_in_order():
+def test_grid_chunk_bounds_cover_rows_in_order():
     """The model forward's own row chunks over a patched video grid: whole frames where a frame fits, else bands of
     grid rows of one frame; contiguous, in row order, within the chunk."""
-    from streamplan.integrations.comfy.forwards import grid_spans
+    from streamplan.integrations.comfy.forwards import grid_chunk_bounds
     for grid, chunk in (((3, 4, 5), 40), ((3, 4, 5), 7), ((2, 3, 3), 100), ((1, 6, 4), 8)):
         at = 0
-        for (t0, t1), (h0, h1), (a, b) in grid_spans(grid, chunk):
+        for (t0, t1), (h0, h1), (a, b) in grid_chunk_bounds(grid, chunk):
             assert a == at and b - a == (t1 - t0) * (h1 - h0) * grid[2] and b - a <= max(chunk, grid[2])
             assert a == t0 * grid[1] * grid[2] + h0 * grid[2]
             at = b

@@ -21,7 +21,7 @@ class _Events(threading.local):
 EVENTS = _Events()
 
 
-def spans(rows: int, chunk: int, least: int = 1) -> Iterator[tuple[int, int]]:
+def chunk_bounds(rows: int, chunk: int, least: int = 1) -> Iterator[tuple[int, int]]:
     """Row chunks of ``chunk`` rows, never a last one under ``least`` rows (joined to the one before): a captured
     graph holds from two rows, or from as many as its trace assumed."""
     chunk = max(chunk, least)
@@ -35,7 +35,7 @@ def spans(rows: int, chunk: int, least: int = 1) -> Iterator[tuple[int, int]]:
 
 
 def for_chunks(rows: int, chunk: int, work: Callable[[int, int], None]) -> None:
-    for a, b in spans(rows, chunk):
+    for a, b in chunk_bounds(rows, chunk):
         attempt(work, a, b, MAX_SPLITS)
 
 

@@ -11,7 +11,7 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
-from .chunk_loop import MAX_SPLITS, attempt, spans
+from .chunk_loop import MAX_SPLITS, attempt, chunk_bounds
 from .kv_stores import write_rows
 from ..graph.analyze import Analysis, GlobalAttention, Rows
 from ..graph.export import Captured
@@ -179,11 +179,11 @@ class GraphRun:
             elif isinstance(r, Rows) and (r.pre or r.post) and dynamic:
                 env[node] = value.narrow(r.dim, r.pre + a, b - a)
             elif isinstance(r, Rows) and (r.pre or r.post):   # an input with static rows joined: keep them whole
-                parts = [value.narrow(r.dim, 0, r.pre)] if r.pre else []
-                parts.append(value.narrow(r.dim, r.pre + a, b - a))
+                segments = [value.narrow(r.dim, 0, r.pre)] if r.pre else []
+                segments.append(value.narrow(r.dim, r.pre + a, b - a))
                 if r.post:
-                    parts.append(value.narrow(r.dim, r.pre + self.rows, r.post))
-                env[node] = torch.cat(parts, r.dim)
+                    segments.append(value.narrow(r.dim, r.pre + self.rows, r.post))
+                env[node] = torch.cat(segments, r.dim)
             else:
                 env[node] = value.narrow(r.dim, a, b - a) if isinstance(r, Rows) else value
         return env
@@ -191,7 +191,7 @@ class GraphRun:
     def _attention(self, att: GlobalAttention, env: dict, a: int) -> torch.Tensor:
         if att.node in self.attn_out:   # built ahead (L3's head groups, a whole Q, a Q span): its rows from ``_base``
             o = self.attn_out[att.node]
-            return o.narrow(att.q_rows.dim, a - self._base, self._span[1] - a)
+            return o.narrow(att.q_rows.dim, a - self._base, self._chunk[1] - a)
         store = self.stores.get(att.node)
         if store is not None:
             return self.attend_store(env[att.q], store, q_offset=a, causal=att.causal, scale=att.scale)
@@ -296,7 +296,7 @@ class GraphRun:
                 _write_rows(bufs[0], kc, att.kv_rows, self.rows, a, b, a == 0)
                 _write_rows(bufs[1], vc, att.kv_rows, self.rows, a, b, a == 0)
 
-            for a, b in spans(self.rows, chunk, self.cap.min_rows):
+            for a, b in chunk_bounds(self.rows, chunk, self.cap.min_rows):
                 attempt(work, a, b, self._retries)
             if store is not None:
                 store.finish()
@@ -316,7 +316,7 @@ class GraphRun:
         out = None
         for g in range(groups):
             bufs: list[torch.Tensor] = []
-            for a, b in spans(self.rows, chunk, self.cap.min_rows):
+            for a, b in chunk_bounds(self.rows, chunk, self.cap.min_rows):
                 env = self._run(kv_nodes, self._inputs(a, b), a, {att.k, att.v})
                 kc, vc = env[att.k], env[att.v]
                 hk = kc.shape[1] // groups
@@ -329,7 +329,7 @@ class GraphRun:
             if whole_q:
                 out = self._attend_whole(att, q_nodes, chunk, bufs[0], bufs[1])
             else:
-                for a, b in spans(self.rows, chunk, self.cap.min_rows):
+                for a, b in chunk_bounds(self.rows, chunk, self.cap.min_rows):
                     q = self._run(q_nodes, self._inputs(a, b), a, {att.q})[att.q]
                     h = q.shape[1] // groups
                     o = self.attend(q[:, g * h:(g + 1) * h], bufs[0], bufs[1], q_offset=a, causal=att.causal,
@@ -353,7 +353,7 @@ class GraphRun:
     def _q_rows(self, att: GlobalAttention, q_nodes: list[fx.Node], s0: int, s1: int, chunk: int) -> torch.Tensor:
         """The attention's Q over rows [s0, s1), built chunk by chunk into one buffer."""
         q_all = None
-        for a, b in spans(s1 - s0, chunk, self.cap.min_rows):
+        for a, b in chunk_bounds(s1 - s0, chunk, self.cap.min_rows):
             q = self._run(q_nodes, self._inputs(s0 + a, s0 + b), s0 + a, {att.q})[att.q]
             if q_all is None:
                 q_all = _whole(q, att.q_rows, s1 - s0)
@@ -386,7 +386,7 @@ class GraphRun:
 
         def work(a: int, b: int) -> None:
             dyn = self.static_mode and a > 0
-            self._span = (a, b)
+            self._chunk = (a, b)
             first = outs[self.an.outputs.index(rowed[0])] is None if rowed else False
             watch = set().union(*(self._watch([o], i in donate)
                                   for i, o in enumerate(self.an.outputs) if o in rowed)) if first else set()
@@ -409,17 +409,17 @@ class GraphRun:
                     outs[i] = val
 
         if not span:
-            for a, b in spans(self.rows, chunk, self.cap.min_rows):
+            for a, b in chunk_bounds(self.rows, chunk, self.cap.min_rows):
                 attempt(work, a, b, self._retries)
         else:
             att = self.an.attentions[0]
             q_nodes, store = self._q_nodes(att), self.stores[att.node]
-            for s0, s1 in spans(self.rows, span, self.cap.min_rows):
+            for s0, s1 in chunk_bounds(self.rows, span, self.cap.min_rows):
                 q = self._q_rows(att, q_nodes, s0, s1, chunk)
                 self.attn_out[att.node] = self.attend_store(q, store, q_offset=s0, causal=att.causal, scale=att.scale)
                 del q
                 self._base = s0
-                for a, b in spans(s1 - s0, chunk, self.cap.min_rows):
+                for a, b in chunk_bounds(s1 - s0, chunk, self.cap.min_rows):
                     attempt(work, s0 + a, s0 + b, self._retries)
                 del self.attn_out[att.node]
             self._base = 0

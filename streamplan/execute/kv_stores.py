@@ -283,13 +283,13 @@ class _Staging:
 
     def blocks(self, stop: int, g: int):
         st = self.store
-        spans = [(a, min(a + st.block_rows, stop)) for a in range(0, stop, st.block_rows)]
+        bounds = [(a, min(a + st.block_rows, stop)) for a in range(0, stop, st.block_rows)]
         # after this pass: the next group's first block, or (after the last group) the first group's, for the next Q
         # chunk (a causal chunk's first block has the same rows once chunks are a block long)
         after = ((g + 1) % st.groups, 0, min(st.block_rows, st.rows))
-        j = self.fetch(g, *spans[0])
-        for i, (a, b) in enumerate(spans):
-            nxt = self.fetch(g, *spans[i + 1]) if i + 1 < len(spans) else None
+        j = self.fetch(g, *bounds[0])
+        for i, (a, b) in enumerate(bounds):
+            nxt = self.fetch(g, *bounds[i + 1]) if i + 1 < len(bounds) else None
             if nxt is None:
                 self.fetch(*after)
             self.compute.wait_event(self.ready[j])

@@ -561,9 +561,9 @@ class _Analyzer:
             if name == "unbind":
                 raise NotRowLocal("unbind along the rows")
             out, start = [], sympy.Integer(0)
-            for piece in val:
-                length = self.expr(piece.shape[x.dim])
-                out.append(self.span_ok(x, start, length, self.out_rows_slice(node, piece, x), name))
+            for item in val:
+                length = self.expr(item.shape[x.dim])
+                out.append(self.span_ok(x, start, length, self.out_rows_slice(node, item, x), name))
                 start = sympy.expand(start + length)
             return out
         if name in ("split", "split_with_sizes", "chunk", "unbind", "tensor_split") or name in _NORMS or \
@@ -578,8 +578,8 @@ class _Analyzer:
                 if x.dim >= x_val.dim() - len(shape):
                     raise NotRowLocal(f"{name} normalises over the rows")
             out = []
-            for piece in val:
-                out.append(self.out_rows(node, piece, x.pre, x.post) if isinstance(piece, torch.Tensor) else None)
+            for item in val:
+                out.append(self.out_rows(node, item, x.pre, x.post) if isinstance(item, torch.Tensor) else None)
             return out
         raise NotRowLocal(f"op {name} (several outputs) is not one streamplan knows to be row-local")
 

@@ -107,7 +107,18 @@ class Tier(str, Enum):
 
 
 class BudgetError(ValueError):
-    """Nothing the planner can build fits the budget; raised before any work runs."""
+    """Nothing the planner can build fits the budget; raised before any work runs.
+
+    ``least``: the smallest peak (bytes) the planner reaches for the refused operation, where it knows one.
+    ``smallest_bytes``: the smallest byte budget (``budget=``) that runs the refused operation, its live inputs
+    included, set where streamplan knows it (``apply``'s handle fills it in from ``least``); None elsewhere."""
+
+    def __init__(self, message: str, least: int | None = None, smallest_bytes: int | None = None):
+        super().__init__(message)
+        self.least, self.smallest_bytes = least, smallest_bytes
+
+    def __reduce__(self):
+        return type(self), (str(self), self.least, self.smallest_bytes)
 
 
 # tiers whose plan's ``ffn_slice`` slices the MLP (L1's is the whole MLP; L4/L5 plans may slice it to fit their chunk)
@@ -208,10 +219,13 @@ def plan_mlp(spec: MLPSpec, rows: int, elem: int, *, chunk_tokens: int | None = 
             chunk = _largest_chunk(lambda c: mlp_peak(spec, rows, elem, Tier.L2, c, sl), rows, budget)
             if chunk is not None:
                 return make(Tier.L2, chunk, sl)
-    floor = mlp_peak(spec, rows, elem, Tier.L2 if can_feature_slice(spec) else Tier.L1, MIN_CHUNK_TOKENS,
-                     MIN_FFN_SLICE if can_feature_slice(spec) else spec.ffn)
+    # the smallest peak the search above reaches: one floor-sized chunk, whole or at the narrowest slice it tries
+    slices = _slice_candidates(spec) if can_feature_slice(spec) else []
+    floor = min([mlp_peak(spec, rows, elem, Tier.L1, MIN_CHUNK_TOKENS, spec.ffn)]
+                + [mlp_peak(spec, rows, elem, Tier.L2, MIN_CHUNK_TOKENS, sl) for sl in slices[-1:]])
     raise BudgetError(f"{spec.label}: budget {fmt_bytes(budget)} is below the smallest peak streamplan can reach "
-                      f"for {rows} rows ({fmt_bytes(floor)}, dominated by the {rows}x{spec.dim_out} output)")
+                      f"for {rows} rows ({fmt_bytes(floor)}, dominated by the {rows}x{spec.dim_out} output)",
+                      least=floor)
 
 
 def _fixed(rows: int, chunk_tokens: int | None, make, align: int = 1) -> Plan:
@@ -305,7 +319,7 @@ def plan_attention(d: AttentionDims, *, chunk_tokens: int | None = None, budget:
         floor = attention_peak(d, Tier.L1, MIN_CHUNK_TOKENS)
         raise BudgetError(f"attention over {d.rows} rows: budget {fmt_bytes(budget)} is below the smallest peak "
                           f"streamplan can reach ({fmt_bytes(floor)}, dominated by the global K and V: "
-                          f"{fmt_bytes(2 * d.batch * d.kv_rows * d.kv_heads * d.head_dim * d.elem)})")
+                          f"{fmt_bytes(2 * d.batch * d.kv_rows * d.kv_heads * d.head_dim * d.elem)})", least=floor)
     return make(Tier.L1, max(q_align, chunk // q_align * q_align))
 
 
@@ -332,7 +346,8 @@ def plan_rows(rows: int, row_bytes: int, transient_per_elem: int, *, chunk_token
     chunk = _largest_chunk(lambda c: rows * row_bytes + c * row_bytes * transient_per_elem, rows, budget)
     if chunk is None:
         raise BudgetError(f"row-local module over {rows} rows: budget {fmt_bytes(budget)} is below its output "
-                          f"({fmt_bytes(rows * row_bytes)}) plus one chunk")
+                          f"({fmt_bytes(rows * row_bytes)}) plus one chunk",
+                          least=rows * row_bytes + min(rows, MIN_CHUNK_TOKENS) * row_bytes * transient_per_elem)
     return make(Tier.L1, chunk)
 
 
@@ -592,7 +607,7 @@ def _store_plan(request: GraphPlanRequest) -> Plan:
                             KV_BLOCKS[-1])
     raise BudgetError(f"captured block over {request.rows} rows with kv={request.kv_store!r}: "
                       f"{fmt_bytes(request.budget)} left for it is below the smallest peak that store reaches "
-                      f"({fmt_bytes(least)})")
+                      f"({fmt_bytes(least)})", least=least)
 
 
 def _forced_plan(request: GraphPlanRequest) -> Plan | None:
@@ -750,4 +765,4 @@ def _refusal(request: GraphPlanRequest) -> BudgetError:
     held = ", the whole Q and attention output" if r.whole_q else ""
     return BudgetError(f"captured block over {r.rows} rows: {fmt_bytes(r.budget)} left for it is below the smallest "
                        f"peak streamplan can reach ({fmt_bytes(least)}: global K, V{held} and the outputs "
-                       f"{fmt_bytes(r.fixed)}, and one {MIN_CHUNK_TOKENS}-row chunk)")
+                       f"{fmt_bytes(r.fixed)}, and one {MIN_CHUNK_TOKENS}-row chunk)", least=least)

@@ -152,14 +152,14 @@ def cuda_time(fn: Callable[[], Any], repeats: int = 3, warmup: int = 1) -> float
 class _NaiveChunkedFFN:
     """The popular peer: each feed-forward runs on chunks of the sequence (torch.chunk), joined by torch.cat."""
 
-    def __init__(self, ffns: list[nn.Module], pieces: int):
-        self.ffns, self.pieces = ffns, pieces
+    def __init__(self, ffns: list[nn.Module], chunks: int):
+        self.ffns, self.chunks = ffns, chunks
 
     def __enter__(self):
         for ffn in self.ffns:
             stock = ffn.forward
             ffn.forward = lambda x, *a, _stock=stock, **k: torch.cat(
-                [_stock(c, *a, **k) for c in x.chunk(self.pieces, dim=1)], dim=1)
+                [_stock(c, *a, **k) for c in x.chunk(self.chunks, dim=1)], dim=1)
         return self
 
     def __exit__(self, *exc):

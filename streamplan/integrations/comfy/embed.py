@@ -1,20 +1,20 @@
 """The streamed model forwards' input projections (Wan's and HunyuanVideo's Conv3d patch embeddings, MiniMax-H3's video
-and audio projections, Flux's and Chroma's ``img_in``): one loop for all of them (``project_into`` over ``grid_pieces``
-or ``row_pieces``), so the row chunks and the writes into the hidden-state buffer are made one way, and each forward
-runs it inside ``forward_loops.row_loop`` (the projection's weights cast once, not per chunk). ``grid_spans`` is the one
-place a patched latent grid is split into row chunks."""
+and audio projections, Flux's and Chroma's ``img_in``): one loop for all of them (``project_into`` over ``grid_chunks``
+or ``row_chunks``), so the row chunks and the writes into the hidden-state buffer are made one way, and each forward
+runs it inside ``forward_loops.row_loop`` (the projection's weights cast once, not per chunk). ``grid_chunk_bounds`` is
+the one place a patched latent grid is split into row chunks."""
 from __future__ import annotations
 
 from typing import Callable, Iterable, Iterator
 
 import torch
 
-from ...execute.chunk_loop import spans
+from ...execute.chunk_loop import chunk_bounds
 
-Piece = tuple[tuple[int, int], torch.Tensor]   # rows [a, b) of the output and what they are projected from
+Chunk = tuple[tuple[int, int], torch.Tensor]   # rows [a, b) of the output and what they are projected from
 
 
-def grid_spans(grid: tuple[int, int, int], chunk: int):
+def grid_chunk_bounds(grid: tuple[int, int, int], chunk: int):
     """Row chunks of a patched (frames, height, width) grid whose rows run frame by frame, row by row: whole frames
     where a frame fits the chunk, else bands of whole grid rows of one frame. Yields ((t0, t1), (h0, h1), (a, b)):
     the grid's frame and height range and the rows [a, b) they are."""
@@ -33,25 +33,25 @@ def grid_spans(grid: tuple[int, int, int], chunk: int):
             yield (t, t + 1), (h0, h1), (t * per_frame + h0 * width, t * per_frame + h1 * width)
 
 
-def grid_pieces(x: torch.Tensor, patch: tuple[int, int, int], chunk: int) -> Iterator[Piece]:
-    """The latent ``x`` ``[batch, channels, frames, height, width]`` (padded to ``patch``) by ``grid_spans``: each
-    chunk's rows [a, b) and the latent region (whole patches) they are made from."""
+def grid_chunks(x: torch.Tensor, patch: tuple[int, int, int], chunk: int) -> Iterator[Chunk]:
+    """The latent ``x`` ``[batch, channels, frames, height, width]`` (padded to ``patch``) by ``grid_chunk_bounds``:
+    each chunk's rows [a, b) and the latent region (whole patches) they are made from."""
     pt, ph, pw = patch
     grid = (x.shape[2] // pt, x.shape[3] // ph, x.shape[4] // pw)
-    for (t0, t1), (h0, h1), span in grid_spans(grid, chunk):
-        yield span, x[:, :, t0 * pt:t1 * pt, h0 * ph:h1 * ph]
+    for (t0, t1), (h0, h1), bounds in grid_chunk_bounds(grid, chunk):
+        yield bounds, x[:, :, t0 * pt:t1 * pt, h0 * ph:h1 * ph]
 
 
-def row_pieces(x: torch.Tensor, chunk: int, dim: int = 1) -> Iterator[Piece]:
+def row_chunks(x: torch.Tensor, chunk: int, dim: int = 1) -> Iterator[Chunk]:
     """Rows already laid out along ``dim`` of ``x``, by ``chunk``: each chunk and its rows."""
-    for a, b in spans(x.shape[dim], chunk):
+    for a, b in chunk_bounds(x.shape[dim], chunk):
         yield (a, b), x.narrow(dim, a, b - a)
 
 
-def project_into(out: torch.Tensor, pieces: Iterable[Piece], project: Callable[[torch.Tensor], torch.Tensor]) -> None:
-    """``out``'s rows (its second-to-last axis) [a, b) = ``project(piece)`` for every piece, cast to ``out``'s dtype
+def project_into(out: torch.Tensor, chunks: Iterable[Chunk], project: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """``out``'s rows (its second-to-last axis) [a, b) = ``project(source)`` for every chunk, cast to ``out``'s dtype
     on the copy, so no whole-sequence tensor of the projection's own dtype is made."""
-    for (a, b), piece in pieces:
-        part = project(piece)
-        out[..., a:b, :] = part
-        del part
+    for (a, b), source in chunks:
+        projected = project(source)
+        out[..., a:b, :] = projected
+        del projected

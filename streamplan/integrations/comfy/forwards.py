@@ -25,9 +25,10 @@ from typing import Any
 
 import torch
 
-from ...execute.chunk_loop import spans
+from ...execute.chunk_loop import chunk_bounds
 from . import models as comfy_models
-from .embed import grid_pieces, grid_spans, project_into, row_pieces  # noqa: F401 -- grid_spans: forwards' own
+from .embed import grid_chunk_bounds  # noqa: F401 -- forwards' own
+from .embed import grid_chunks, project_into, row_chunks
 from .forward_loops import block_call, chunk_rows, row_loop
 from .forwards_joint import Chroma, Flux, HunyuanVideo
 from .forwards_ltxv import LTXV
@@ -144,7 +145,7 @@ class _Wan:
         # the patch embedding (fp32 Conv3d) a few frames at a time into one contiguous buffer of the model's dtype
         hidden = torch.empty(batch, rows, model.dim, dtype=x.dtype, device=x.device)
         with row_loop(state, model.patch_embedding):
-            project_into(hidden, grid_pieces(x, model.patch_size, chunk),
+            project_into(hidden, grid_chunks(x, model.patch_size, chunk),
                          lambda p: model.patch_embedding(p.float()).flatten(2).transpose(1, 2))
         options["grid_sizes"] = torch.Size(grid)
 
@@ -187,7 +188,7 @@ class _Wan:
         shift, scale = (mod.unsqueeze(0) + e.unsqueeze(2)).unbind(2)
         out = None
         with row_loop(state, head):
-            for a, b in spans(rows, chunk):
+            for a, b in chunk_bounds(rows, chunk):
                 r = hidden[:, a:b]
                 sh = shift if shift.shape[1] == 1 else shift[:, a:b]
                 sc = scale if scale.shape[1] == 1 else scale[:, a:b]
@@ -269,11 +270,11 @@ class _H3:
 
         # video rows: patchified and projected (fp32) a few latent frames at a time, written into h as the model dtype
         with row_loop(state, model.video_patch_proj):
-            project_into(h[slice(*seg["video"])], grid_pieces(video_x, model.patch_size, chunk),
+            project_into(h[slice(*seg["video"])], grid_chunks(video_x, model.patch_size, chunk),
                          lambda p: model.video_patch_proj(h3.patchify_video(p.to(torch.float32), model.patch_size)))
         audio_rows = h3.pack_audio(audio_x.to(torch.float32))
         with row_loop(state, model.audio_patch_proj):
-            project_into(h[slice(*seg["audio"])], row_pieces(audio_rows, chunk, dim=0), model.audio_patch_proj)
+            project_into(h[slice(*seg["audio"])], row_chunks(audio_rows, chunk, dim=0), model.audio_patch_proj)
         del audio_rows
         text = context[0]
         if text.shape[-1] != model.hidden_size:
@@ -319,7 +320,7 @@ class _H3:
                 a0, b0 = seg[kind]
                 row = ts.index(t_of[kind])
                 out = None
-                for a, b in spans(b0 - a0, chunk):
+                for a, b in chunk_bounds(b0 - a0, chunk):
                     y = proj((final.norm(h[a0 + a:a0 + b]) * (1.0 + scale[row]) + shift[row]).to(torch.float32))
                     if out is None:
                         out = y.new_empty(b0 - a0, y.shape[-1])

@@ -28,9 +28,9 @@ from typing import Any
 
 import torch
 
-from ...execute.chunk_loop import spans
+from ...execute.chunk_loop import chunk_bounds
 from ...execute.donation import donate
-from .embed import grid_pieces, project_into, row_pieces
+from .embed import grid_chunks, project_into, row_chunks
 from .forward_loops import chunk_rows, row_loop
 
 
@@ -53,7 +53,7 @@ def join(buf: torch.Tensor, txt: torch.Tensor, chunk: int) -> torch.Tensor:
     img = buf[:bs * rows * width].view(bs, rows, width)
     hidden = buf.view(bs, text + rows, width)
     for b in reversed(range(bs)):
-        for a, e in reversed(list(spans(rows, chunk))):
+        for a, e in reversed(list(chunk_bounds(rows, chunk))):
             hidden[b, text + a:text + e] = img[b, a:e].clone()
         hidden[b, :text] = txt[b]
     return hidden
@@ -85,8 +85,8 @@ class Joint:
         bs, rows = patches.shape[0], patches.shape[1]
         chunk = chunk_rows(state, patches.device, model.hidden_size * 6)
         with row_loop(state, model.img_in):
-            pieces = row_pieces(patches, chunk)
-            (a, b), first = next(pieces)
+            chunks = row_chunks(patches, chunk)
+            (a, b), first = next(chunks)
             first = model.img_in(first)
             cond = cls.conditioning(model, call, first.dtype, img_ids, txt_ids)
             text = cond[1].shape[1]
@@ -94,7 +94,7 @@ class Joint:
             img = buf[:bs * rows * model.hidden_size].view(bs, rows, model.hidden_size)
             img[:, a:b] = first
             del first
-            project_into(img, pieces, model.img_in)
+            project_into(img, chunks, model.img_in)
         return buf, chunk, cond
 
     @staticmethod
@@ -188,7 +188,7 @@ class Joint:
         """The final layer on row chunks of the image rows, into its ``[batch, rows, out]`` output."""
         out = None
         with row_loop(state, model.final_layer):
-            for a, b in spans(img.shape[1], chunk):
+            for a, b in chunk_bounds(img.shape[1], chunk):
                 y = model.final_layer(img[:, a:b], vec)
                 if out is None:
                     out = y.new_empty(img.shape[0], img.shape[1], y.shape[-1])
@@ -446,12 +446,12 @@ class HunyuanVideo(Joint):
         rows = grid[0] * grid[1] * grid[2]
 
         chunk = chunk_rows(state, x.device, model.hidden_size * 6)
-        def project(piece: torch.Tensor) -> torch.Tensor:
-            return embed.proj(piece).flatten(2).transpose(1, 2)
+        def project(latent: torch.Tensor) -> torch.Tensor:
+            return embed.proj(latent).flatten(2).transpose(1, 2)
 
         with row_loop(state, embed.proj):   # its first chunk gives the dtype, the rest go into the buffer
-            pieces = grid_pieces(padded, embed.patch_size, chunk)
-            (a, b), first = next(pieces)
+            chunks = grid_chunks(padded, embed.patch_size, chunk)
+            (a, b), first = next(chunks)
             first = project(first)
             vec, txt, pe, mask = cls.conditioning(model, call, first.dtype, rows, img_ids, txt_ids, options)
             del img_ids, txt_ids
@@ -460,8 +460,8 @@ class HunyuanVideo(Joint):
             img = buf[:bs * rows * model.hidden_size].view(bs, rows, model.hidden_size)
             img[:, a:b] = first
             del first
-            project_into(img, pieces, project)
-        del pieces, padded, img
+            project_into(img, chunks, project)
+        del chunks, padded, img
 
         hidden = cls.blocks(model, buf, txt, (vec, vec), pe, mask, options, control, state, chunk)
         del buf, txt, pe, mask

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ...execute.chunk_loop import spans
+from ...execute.chunk_loop import chunk_bounds
 from .forward_loops import block_call, chunk_rows, row_loop
 
 
@@ -81,7 +81,7 @@ class LTXV:
         shift, scale = table[:, :, 0], table[:, :, 1]
         out = None
         with row_loop(state, model.norm_out, model.proj_out):   # their weights cast once, not per chunk
-            for a, b in spans(rows, chunk):
+            for a, b in chunk_bounds(rows, chunk):
                 sh = shift if shift.shape[1] == 1 else shift[:, a:b]
                 sc = scale if scale.shape[1] == 1 else scale[:, a:b]
                 y = model.proj_out(model.norm_out(x[:, a:b]) * (1 + sc) + sh)
