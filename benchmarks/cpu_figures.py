@@ -20,7 +20,7 @@ before the window and freed inside it.
 The setups are those of the tests, reproduced here (the test modules need pytest and their conftest). torch runs 2
 threads whatever the machine: CPU attention allocates per-thread buffers, so the peaks depend on the thread count.
 
-    python benchmarks/cpu_figures.py        # ~1 min on 2 CPU cores; JSON to $OUT or benchmarks/results/cpu_figures.json
+    python benchmarks/cpu_figures.py        # ~1 min on 2 CPU cores; JSON to $OUT or results/latest/cpu_figures.json
 """
 from __future__ import annotations
 

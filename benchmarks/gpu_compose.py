@@ -154,7 +154,7 @@ def main() -> int:
     p.add_argument("--stages", action="store_true",
                    help="streamplan's call once more under common.stage_peaks: CUDA peaks per block call")
     p.add_argument("--warmup-tokens", type=int, default=4096)
-    p.add_argument("--out-dir", default=None, help="where the JSON goes (default $OUT, else benchmarks/results)")
+    p.add_argument("--out-dir", default=None, help="where the JSON goes (default $OUT, else benchmarks/results/latest)")
     p.add_argument("--cpu-dry-run", action="store_true", help="the same steps on the CPU, tiny width, no streams")
     a = p.parse_args()
     modes = a.modes.split(",")

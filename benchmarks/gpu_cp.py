@@ -10,7 +10,7 @@ ulysses_degree=2)``): stock, then streamplan (the same two settings; held: 1.15x
 Per-rank peak activation memory (CUDA allocator, above weights and inputs) is reported per *global* token: the
 floor (residual + K + V, 30 KB a token at this width) split over 2 ranks is 15 KB. Times are the slower rank's,
 median of ``--repeats`` after one warm-up call; outputs compared with one GPU's stock output. Results:
-``benchmarks/results/gpu_cp_<tokens>.json`` (or ``$OUT``).
+``benchmarks/results/latest/gpu_cp_<tokens>.json`` (or ``$OUT``).
 
 ``--smoke`` runs the same steps on CPU (gloo) with a tiny model, to check the script, not to measure:
 ``torchrun --nproc_per_node=2 benchmarks/gpu_cp.py --smoke``."""

@@ -3,7 +3,7 @@
 For each block: stock (peak KB/token above inputs and weights, time), the captured path at fixed chunks and held by
 the planner to 1.15x the floor (residual + K + V), with the block input copied (a lone block) and donated (as a
 streamed model forward gives it); output difference to stock beside stock's own flash-vs-default difference (the
-hand-written Wan, Flux and Llama block paths measured beside them until they were removed: results/*_217088.json).
+hand-written Wan, Flux and Llama block paths measured beside them until they were removed: results/archive/).
 The MiniMax-H3 2-layer model at the end: both outputs, stock vs streamed, and under a budget below the floor.
 
     python benchmarks/gpu_generic.py smoke        # every case at 8192 tokens, one chunk

@@ -7,7 +7,7 @@ Per mode: peak KB/token above weights and inputs (CUDA allocator), against the f
 stock in the same run; output difference against stock (rel, max abs) and against the exact device tier, beside
 stock's own kernel-to-kernel differences (flash and mem-efficient against SDPA's default, cuDNN); non-finite outputs
 counted; the plan (tier, chunk, K/V block, head groups, host traffic) and the report's notes (an approximate store's
-first-call error). JSON to $OUT (or benchmarks/results/) as gpu_kv_<tokens>.json.
+first-call error). JSON to $OUT (or benchmarks/results/latest/) as gpu_kv_<tokens>.json.
 
 The self-check (first, H3 width) looks for the non-finite rows the first H200 run had (33,792-row Q chunks against
 512-row K/V blocks): (a) the store and merge alone at that geometry and others, Q chunk by Q chunk against the exact

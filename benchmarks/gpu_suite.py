@@ -2,7 +2,8 @@
 
     python gpu_suite.py --cases wan-14b-block,flux-single-block --tokens 32768,131072 --tag blocks
 
-Writes suite_<tag>.json under $OUT (or results/). `render.py` turns the JSON files into RESULTS tables and a plot.
+Writes suite_<tag>.json under $OUT (or results/latest/). `render.py` turns the JSON files into RESULTS tables and a
+plot.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ def main() -> int:
     p.add_argument("--tag", default="all")
     a = p.parse_args()
     rows = []
-    out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
+    out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results", "latest")
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, f"suite_{a.tag}.json")
     alloc = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
