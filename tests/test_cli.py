@@ -82,6 +82,18 @@ def test_plan_below_the_floor_says_what_dominates(capsys):
     assert "cannot hold it" in err and "K, V and the outputs" in err
 
 
+def test_plan_finds_the_smallest_budget_and_card(capsys):
+    assert main(["plan", "--family", "flux-single-block", "--tokens", "16384", "--smallest"]) == 0
+    out = capsys.readouterr().out
+    line = next(s for s in out.splitlines() if s.startswith("smallest budget that plans it"))
+    smallest = streamplan.parse_budget(line.split(": ")[1].split(" beside")[0])
+    assert 0 < smallest and "with its weights" in line, line
+    # a budget below it is refused, naming that smallest budget (rounded as printed)
+    assert main(["plan", "--family", "flux-single-block", "--tokens", "16384", "--budget",
+                 str(int(smallest * 0.97))]) == 2
+    assert "the smallest budget that runs it" in capsys.readouterr().err
+
+
 def test_plan_as_json(capsys):
     assert main(["plan", "--family", "flux-single-block", "--tokens", "65536", "--budget", "4GiB", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)     # progress goes to stderr: stdout is the JSON alone

@@ -224,8 +224,16 @@ def _plan(args: argparse.Namespace) -> int:
     module, inputs = on_meta(family, args.tokens, dtype)
     stages(f"planning {args.tokens} tokens")
     handle = streamplan.apply(module, budget=args.budget, chunk_tokens=args.chunk_tokens, kv=args.kv)
-    with torch.inference_mode():
-        module(*inputs)
+    try:
+        with torch.inference_mode():
+            module(*inputs)
+    except streamplan.BudgetError as exc:
+        stages.done()
+        handle.remove()
+        print(f"streamplan: {exc}", file=sys.stderr)
+        if args.smallest and args.chunk_tokens is None:
+            _print_smallest(module, inputs, args.kv, file=sys.stderr)
+        return 2
     stages.done()
     if args.json:
         print(handle.to_json())
@@ -242,7 +250,47 @@ def _plan(args: argparse.Namespace) -> int:
         print(f"  stock (estimate, not measured) {kb(plan.stock_peak):8.1f}")
         print(f"  planned (predicted)            {kb(plan.predicted_peak):8.1f}")
         print(f"  floor (residual + K + V)       {kb(floor * args.tokens):8.1f}")
+    handle.remove()
+    if args.smallest and args.chunk_tokens is None:
+        print()
+        _print_smallest(module, inputs, args.kv)
     return 0
+
+
+SMALLEST_ROUNDS = 8   # refusals followed at most (each names the smallest budget of the operation it refused)
+
+
+def _print_smallest(module, inputs: tuple, kv: str, file=None) -> None:
+    """The smallest byte budget under which every operation of ``module`` plans at this length, found by following
+    each refusal's ``BudgetError.smallest_bytes`` (on meta tensors: planning runs nothing), and the card it needs with
+    the module's weights on it."""
+    import torch
+
+    import streamplan
+    from ..plan.budget import fmt_bytes
+
+    print("finding the smallest budget (each refusal names the next; planning near the floor can take a minute) "
+          "...", file=sys.stderr, flush=True)
+    budget = 1
+    for _ in range(SMALLEST_ROUNDS):
+        handle = streamplan.apply(module, budget=budget, kv=kv)
+        try:
+            with torch.inference_mode():
+                module(*inputs)
+            break
+        except streamplan.BudgetError as exc:
+            if not exc.smallest_bytes or exc.smallest_bytes <= budget:
+                print("smallest budget: not found (a refusal named no smaller budget that runs)", file=file)
+                return
+            budget = exc.smallest_bytes
+        finally:
+            handle.remove()
+    else:
+        print(f"smallest budget: not found in {SMALLEST_ROUNDS} refusals", file=file)
+        return
+    weights = sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
+    print(f"smallest budget that plans it (kv={kv}): {fmt_bytes(budget)} beside the inputs counted in it; "
+          f"with its weights ({fmt_bytes(weights)}) on the card: {fmt_bytes(budget + weights)}", file=file)
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -343,6 +391,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="force row streaming with this many tokens per chunk")
     plan.add_argument("--kv", choices=KV_CHOICES, default="device", help=kv_help)
     plan.add_argument("--json", action="store_true", help="print the plans as JSON instead of the report")
+    plan.add_argument("--smallest", action="store_true",
+                      help="also find the smallest budget every operation plans under at this length, and the card "
+                           "it needs with the weights (planning near the floor can take a minute)")
     plan.set_defaults(func=_plan, _parser=plan)
 
     bench = sub.add_parser(
