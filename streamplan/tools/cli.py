@@ -269,8 +269,8 @@ def _print_smallest(module, inputs: tuple, kv: str, file=None) -> None:
     import streamplan
     from ..plan.budget import fmt_bytes
 
-    print("finding the smallest budget (each refusal names the next; planning near the floor can take a minute) "
-          "...", file=sys.stderr, flush=True)
+    print("finding the smallest budget (each refusal names the next; near the floor the meta run has many small "
+          "chunks: up to a minute) ...", file=sys.stderr, flush=True)
     budget = 1
     for _ in range(SMALLEST_ROUNDS):
         handle = streamplan.apply(module, budget=budget, kv=kv)
@@ -393,7 +393,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true", help="print the plans as JSON instead of the report")
     plan.add_argument("--smallest", action="store_true",
                       help="also find the smallest budget every operation plans under at this length, and the card "
-                           "it needs with the weights (planning near the floor can take a minute)")
+                           "it needs with the weights (up to a minute: near the floor the meta run has many small "
+                           "chunks)")
     plan.set_defaults(func=_plan, _parser=plan)
 
     bench = sub.add_parser(
