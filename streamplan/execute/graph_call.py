@@ -45,9 +45,9 @@ class GraphCall:
     whole_problem: str | None = None  # why the attention output cannot be built whole ahead (None: it can)
     whole_q: bool = False             # the consumer takes every query row in one call
     groups: tuple[int, ...] = ()      # head-group counts L3 may use
-    donate: dict = None               # output index -> the input tensor it may be written over
+    donate: dict = field(default_factory=dict)    # output index -> the input tensor it may be written over
     sig: tuple = ()                   # the plan's key: shapes, dtype, device, donation, attention form
-    kv_args: dict = None              # the planner's K/V store arguments (``kv_tiers.plan_args``)
+    kv_args: dict = field(default_factory=dict)   # the planner's K/V store arguments (``kv_tiers.plan_args``)
 
     @property
     def attention(self):
@@ -101,14 +101,14 @@ def check_call(ctx: CallContext, args: tuple, kwargs: dict) -> GraphCall | str:
         return f"ran stock: {adapted}"
     args, kwargs = (adapted.args, adapted.kwargs) if adapted is not None else (args, kwargs)
     tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-    why = _input_problem(module, args, kwargs, tensors)
+    rows = rows_of_call(args, kwargs)
+    why = _input_problem(module, args, kwargs, tensors, rows)
     if why is not None:
         return why
     chosen = _consumer_for(module, row_mask)
     if isinstance(chosen, str):
         return chosen
     consumer, par = chosen
-    rows = rows_of_call(args, kwargs)
     with bypass(), parallel.capture_scope(par):   # the capture traces the stock forwards of any streamed children
         found, fresh = streamable(module, args, kwargs, rows)
     if isinstance(found, str):
@@ -143,12 +143,11 @@ def _take_row_mask(args: tuple, kwargs: dict) -> tuple[RowMask | None, tuple, di
             {k: (None if v is row_mask else v) for k, v in kwargs.items()})
 
 
-def _input_problem(module, args: tuple, kwargs: dict, tensors: list) -> str | None:
+def _input_problem(module, args: tuple, kwargs: dict, tensors: list, rows: int | None) -> str | None:
     if not tensors:
         return ""
     if needs_grad(module, tensors[0]):
         return "autograd is recording: ran stock (streamed executors are for inference)"
-    rows = rows_of_call(args, kwargs)
     if rows is None or rows < 2:
         return f"ran stock: {rows_problem(args, kwargs)}"
     hooked = hooks.hooks_added_inside(module)
