@@ -18,7 +18,7 @@ from torch import nn
 from .execute import hook_chains as hooks
 from . import report as _report
 from .plan.budget import DEFAULT_RESERVE, auto_budget, fmt_bytes
-from .execute.call_state import BYPASS, ROOT, bypass, live_bytes, outermost
+from .execute.call_state import BYPASS, REHEARSAL, ROOT, bypass, live_bytes, outermost, rehearsing, within
 from .attention import consumer_for
 from .execute.chunk_loop import drain_retries
 from .specs import ROW_MASK_MARK, STREAMED_MARK, AttentionSpec, GraphSpec, MLPSpec, ModelSpec, Skip, row_masks_whole
@@ -168,14 +168,16 @@ class StreamHandle:
         self._root_wrapper = tracked_forward
 
     def _run(self, entry: Installed, args: tuple, kwargs: dict) -> Any:
-        checking = self.options.self_check and not self.self_checked and not isinstance(entry.spec, ModelSpec)
+        checking = (self.options.self_check and not self.self_checked and not isinstance(entry.spec, ModelSpec)
+                    and not rehearsing())
         if checking:  # the reference runs stock on private copies: the caller's inputs and caches stay as they are
             ref_args, ref_kwargs = private_copy(args), private_copy(kwargs)
             with bypass():
                 ref_args, ref_kwargs = row_masks_whole(ref_args, ref_kwargs)
                 ref = entry.stock(*ref_args, **ref_kwargs)
             del ref_args, ref_kwargs
-        out = run_spec(self._context(entry), args, kwargs)
+        with within(entry.name or "<root>"):
+            out = run_spec(self._context(entry), args, kwargs)
         for a, b in drain_retries():
             self.note(entry, f"out of memory on rows [{a}:{b}): retried in halves")
         if checking and any(p.tier != Tier.L0 for p in entry.plans.values()):
@@ -199,11 +201,14 @@ class StreamHandle:
     def _available(self, args: tuple, kwargs: dict, device: torch.device | None) -> tuple[int | None, int]:
         """(bytes this call may use, bytes alive around it). A byte budget covers the model's inputs and what the
         model allocated before this call (on CUDA, read from the allocator since the outermost call began; on CPU,
-        which has no such counter, the call's own inputs); "auto" is what the device has free now."""
+        which has no such counter, the call's own inputs; in a model forward's rehearsal, what its ledger counts the
+        forward has added); "auto" is what the device has free now."""
         live = live_bytes(args, kwargs)
-        if device is not None and device.type == "cuda" and ROOT.depth:
+        if REHEARSAL.ledger is not None:
+            live = max(live, REHEARSAL.ledger.current)
+        elif device is not None and device.type == "cuda" and ROOT.depth:
             live = max(live, torch.cuda.memory_allocated(device) - ROOT.base + ROOT.inputs)
-        budget = self.options.budget
+        budget = self.options.budget if REHEARSAL.budget is None else REHEARSAL.budget
         if budget is None:
             return None, live
         if budget == "auto":
@@ -215,7 +220,9 @@ class StreamHandle:
         plan = entry.plans.get(sig)
         if plan is None:
             available, live = self._available(args, kwargs or {}, device)
-            if available is not None and self.options.smallest_when_short:
+            if available is not None and REHEARSAL.least:   # the smallest budget's rehearsal
+                plan = _least_plan(make, 0)
+            elif available is not None and self.options.smallest_when_short:
                 plan = _smallest_when_short(self, entry, make, available)
             elif available is not None and available <= 0:
                 smallest = _smallest_budget(live, _least(make))
@@ -338,6 +345,15 @@ def _smallest_when_short(handle: "StreamHandle", entry: Installed, make: Callabl
             return make(available)
         except BudgetError:
             pass
+    plan = _least_plan(make, available)
+    handle.note(entry, f"the budget left {fmt_bytes(max(0, available))} for it, below the smallest peak it reaches: "
+                       f"planned at that smallest peak ({fmt_bytes(plan.predicted_peak)}) instead of refusing")
+    return plan
+
+
+def _least_plan(make: Callable[[int | None], Plan], available: int) -> Plan:
+    """The plan at the smallest peak the planner reaches, found by bisection on its own memory model from a budget
+    it refused (``available``): planning is arithmetic, no work runs."""
     lo, hi = max(0, available), max(2 * available, 2**20)
     while True:   # a budget the planner fits (its stock estimate bounds it)
         try:
@@ -353,8 +369,6 @@ def _smallest_when_short(handle: "StreamHandle", entry: Installed, make: Callabl
             plan, hi = make(mid), mid
         except BudgetError:
             lo = mid
-    handle.note(entry, f"the budget left {fmt_bytes(max(0, available))} for it, below the smallest peak it reaches: "
-                       f"planned at that smallest peak ({fmt_bytes(plan.predicted_peak)}) instead of refusing")
     return plan
 
 

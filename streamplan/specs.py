@@ -7,6 +7,7 @@ from typing import Callable, Literal
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 Activation = Callable[[torch.Tensor], torch.Tensor]
 MLPLayout = Literal["plain", "gated-fused", "gated-separate"]
@@ -230,3 +231,16 @@ def row_masks_whole(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         return args, kwargs
     return (tuple(v.whole() if isinstance(v, RowMask) else v for v in args),
             {k: (v.whole() if isinstance(v, RowMask) else v) for k, v in kwargs.items()})
+
+
+def address(t: torch.Tensor) -> object:
+    """Where a tensor's first element lives, comparable between tensors: its data pointer, or for a fake tensor (a
+    rehearsal's, which has no memory) its storage and offset."""
+    if is_fake(t):
+        return (t.untyped_storage()._cdata, t.storage_offset() * t.element_size())
+    return t.data_ptr()
+
+
+def storage_address(t: torch.Tensor) -> object:
+    """Which memory a tensor views (its storage's data pointer; a fake tensor's storage)."""
+    return t.untyped_storage()._cdata if is_fake(t) else t.untyped_storage().data_ptr()

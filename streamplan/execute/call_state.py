@@ -8,6 +8,8 @@ import threading
 import torch
 from torch import nn
 
+from torch._subclasses.fake_tensor import is_fake
+
 from ..registries import state_tensors
 
 
@@ -30,6 +32,47 @@ def outermost(args: tuple, kwargs: dict):
         yield
     finally:
         ROOT.depth -= 1
+
+
+class _Rehearsal(threading.local):
+    ledger = None    # while a model forward is rehearsed on fake tensors: the Ledger counting its device bytes
+    budget = None    # a byte budget the rehearsal plans under in place of the options' (the smallest's search)
+    least = False    # every operation planned at the smallest peak it reaches (the smallest budget's rehearsal)
+
+
+REHEARSAL = _Rehearsal()
+
+
+def rehearsing() -> bool:
+    """Whether this call runs in a rehearsal (fake tensors: shapes only, nothing computed, nothing allocated)."""
+    return REHEARSAL.ledger is not None
+
+
+@contextlib.contextmanager
+def rehearsal_settings(budget: int | None = None, least: bool = False):
+    previous = REHEARSAL.budget, REHEARSAL.least
+    REHEARSAL.budget, REHEARSAL.least = budget, least
+    try:
+        yield
+    finally:
+        REHEARSAL.budget, REHEARSAL.least = previous
+
+
+class _Where(threading.local):
+    def __init__(self):
+        self.names: list[str] = []
+
+
+WHERE = _Where()   # the streamed modules whose calls are in progress, outermost first (a rehearsal's peak names them)
+
+
+@contextlib.contextmanager
+def within(name: str):
+    WHERE.names.append(name)
+    try:
+        yield
+    finally:
+        WHERE.names.pop()
 
 
 class _Bypass(threading.local):
@@ -73,7 +116,7 @@ def live_bytes(args: tuple, kwargs: dict) -> int:
 
     def visit(v, depth=0):
         if isinstance(v, torch.Tensor):
-            if v.device.type == "meta":   # no storage to share: each tensor counts for its own size
+            if v.device.type == "meta" or is_fake(v):   # no storage to share: each counts for its own size
                 seen[id(v)] = v.numel() * v.element_size()
                 return
             try:

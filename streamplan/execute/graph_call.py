@@ -24,6 +24,7 @@ from ..specs import AdaptedCall, RowMask, row_masks_whole
 from .call_state import bypass, needs_grad, shapes
 from .chunk_attention import ChunkAttention
 from .context import CallContext
+from .rehearsal import ledger_paused
 from .donation import donated
 from .graph_run import GraphRun
 from .part_calls import workspace_bytes, workspace_row_bytes
@@ -109,7 +110,8 @@ def check_call(ctx: CallContext, args: tuple, kwargs: dict) -> GraphCall | str:
     if isinstance(chosen, str):
         return chosen
     consumer, par = chosen
-    with bypass(), parallel.capture_scope(par):   # the capture traces the stock forwards of any streamed children
+    with bypass(), parallel.capture_scope(par), ledger_paused():   # the capture traces the stock forwards of any
+        #                                                            streamed children
         found, fresh = streamable(module, args, kwargs, rows)
     if isinstance(found, str):
         return f"ran stock: {found}"

@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 import torch
 
+from .call_state import rehearsing
 from .compare import compare_outputs
 from .context import CallContext
 from .kv_stores import APPROXIMATE, KV_KINDS, WRITE_ROWS, attend_blocks, make_store, store_kind
@@ -214,7 +215,7 @@ def run_stored(ctx: CallContext, sig: tuple, run, plan, device: torch.device, co
     """Run a planned L4/L5 call; an approximate store's first call per signature runs ``exact()`` (a GraphRun with
     whole device K/V) first for the error, unless the block writes into its inputs (the exact run would change them)."""
     entry = ctx.entry
-    measure = plan.kv in APPROXIMATE and sig not in entry.kv_errors and device.type != "meta"
+    measure = plan.kv in APPROXIMATE and sig not in entry.kv_errors and device.type != "meta" and not rehearsing()
     if measure and run.an.input_writes:
         ctx.note(f"kv={plan.kv}: error not measured (the block writes into its inputs)")
         measure = False

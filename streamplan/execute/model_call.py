@@ -1,15 +1,21 @@
-"""Handler for a hand-written model forward (Wan, MiniMax-H3, transformers decoders): its blocks plan themselves;
-the model's own row loops take the smallest chunk its blocks planned."""
+"""Handler for a hand-written model forward (Wan, MiniMax-H3, transformers decoders): under a budget the whole forward
+is planned before it runs (``forward_plan``: rehearsed on fake tensors, its blocks planning as they will); the model's
+own row loops take the smallest chunk its blocks planned."""
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
 
 from .context import CallContext
-from .call_state import needs_grad, shapes
+from .call_state import needs_grad, rehearsing, shapes
+from .forward_plan import forward_problem, plan_forward
+from .rehearsal import RehearsalFailed
 from ..specs import ModelSpec
 from ..plan.planner import DEFAULT_CHUNK_TOKENS, Plan, Tier
+
+log = logging.getLogger("streamplan")
 
 
 def run_model(ctx: CallContext, args: tuple, kwargs: dict) -> Any:
@@ -22,17 +28,8 @@ def run_model(ctx: CallContext, args: tuple, kwargs: dict) -> Any:
     if why:
         ctx.note(f"model forward ran stock: {why}")
         return entry.stock(*args, **kwargs)
-    first = not entry.plans
-    before = {id(p) for e in ctx.installed() for p in e.plans.values()}
     o = ctx.options
     fixed = o.chunk_tokens or (DEFAULT_CHUNK_TOKENS if o.budget is None else None)
-    plan = ctx.plan((shapes(args, kwargs), tensors[0].dtype if tensors else None, "model"),
-                           lambda _: Plan(Tier.L1, 0, fixed or 0, 0, 0, 0, note="model forward: block inputs "
-                                          "donated, its own row loops (input projections, output head) in "
-                                          + (f"{fixed}-row chunks" if fixed else "its blocks' smallest chunk")),
-                           args, kwargs, tensors[0].device)
-    if plan.tier == Tier.L0:   # every block fitted stock at the first call: the stock forward, as stock
-        return entry.stock(*args, **kwargs)
 
     def chunk() -> int:
         """The model's own row loops: the given chunk, or under a budget its blocks' smallest planned chunk."""
@@ -42,14 +39,62 @@ def run_model(ctx: CallContext, args: tuple, kwargs: dict) -> Any:
                    if p.tier != Tier.L0 and p.chunk > 0]   # a model forward's own plan (an outer one) has no chunk
         return min(planned, default=DEFAULT_CHUNK_TOKENS)
 
-    out = spec.run(args, kwargs, chunk)
-    if first:   # the model's figures are its largest block's, planned during this first call
-        inner = [p for e in ctx.installed() for p in e.plans.values() if id(p) not in before and p is not plan]
-        if inner:
-            worst = max(inner, key=lambda p: p.predicted_total)
-            plan.rows, plan.predicted_peak = worst.rows, worst.predicted_total - plan.live_bytes
-            plan.stock_peak = max(p.live_bytes + p.stock_peak for p in inner) - plan.live_bytes
-            plan.predicted_peak, plan.stock_peak = max(0, plan.predicted_peak), max(0, plan.stock_peak)
-            if all(p.tier == Tier.L0 for p in inner):
-                plan.tier, plan.note = Tier.L0, "model forward: every block fits stock here: the stock forward"
+    def run(a: tuple, k: dict) -> Any:
+        return spec.run(a, k, chunk)
+
+    if rehearsing():
+        return run(args, kwargs)
+    sig = (shapes(args, kwargs), tensors[0].dtype if tensors else None, "model")
+    first = sig not in entry.plans
+    before = {id(p) for e in ctx.installed() for p in e.plans.values()}
+    plan = ctx.plan(sig, lambda _: Plan(Tier.L1, 0, fixed or 0, 0, 0, 0, note="model forward: block inputs "
+                                        "donated, its own row loops (input projections, output head) in "
+                                        + (f"{fixed}-row chunks" if fixed else "its blocks' smallest chunk")),
+                    args, kwargs, tensors[0].device if tensors else None)
+    ahead = first and o.budget is not None and o.chunk_tokens is None and tensors
+    if ahead:
+        ahead = _planned_ahead(ctx, sig, plan, run, args, kwargs, tensors[0].device)
+    if plan.tier == Tier.L0:   # the stock forward fits (or every block fitted stock at the first call): as stock
+        return entry.stock(*args, **kwargs)
+    out = run(args, kwargs)
+    if first and not ahead:   # the model's figures are its largest block's, planned during this first call
+        _figures_from_blocks(ctx, plan, before)
     return out
+
+
+def _planned_ahead(ctx: CallContext, sig: tuple, plan: Plan, run, args: tuple, kwargs: dict,
+                   device: torch.device) -> bool:
+    """Plan the whole forward before it runs (True), or say why it is planned block by block as it runs (False). A
+    refusal takes the model's own plan back too: nothing of the call is kept."""
+    problem = forward_problem(ctx.entry.module, args, kwargs)
+    if problem is None:
+        try:
+            figures = plan_forward(ctx, run, args, kwargs, device)
+        except RehearsalFailed as exc:
+            problem = str(exc)
+        except Exception:
+            ctx.entry.plans.pop(sig, None)
+            raise
+    if problem is not None:
+        ctx.note(f"the whole forward was not planned ahead ({problem}): its blocks plan as they run, each within "
+                 "the budget beside what is live then")
+        return False
+    plan.live_bytes, plan.predicted_peak, plan.stock_peak = 0, figures.predicted, figures.stock or 0
+    plan.rows = figures.rows
+    plan.note = (f"{plan.note}; the whole forward planned ahead (rehearsed on fake tensors): peak "
+                 f"{figures.at_peak}")
+    if figures.stock_fits:
+        plan.tier, plan.note = Tier.L0, "model forward: the stock forward fits the budget: the stock forward"
+    return True
+
+
+def _figures_from_blocks(ctx: CallContext, plan: Plan, before: set) -> None:
+    inner = [p for e in ctx.installed() for p in e.plans.values() if id(p) not in before and p is not plan]
+    if not inner:
+        return
+    worst = max(inner, key=lambda p: p.predicted_total)
+    plan.rows, plan.predicted_peak = worst.rows, worst.predicted_total - plan.live_bytes
+    plan.stock_peak = max(p.live_bytes + p.stock_peak for p in inner) - plan.live_bytes
+    plan.predicted_peak, plan.stock_peak = max(0, plan.predicted_peak), max(0, plan.stock_peak)
+    if all(p.tier == Tier.L0 for p in inner):
+        plan.tier, plan.note = Tier.L0, "model forward: every block fits stock here: the stock forward"

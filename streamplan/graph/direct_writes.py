@@ -14,6 +14,7 @@ from torch import fx
 
 from .analyze import Analysis, Rows, op_name, pointwise, written_args
 from .row_pieces import storage_node, is_view
+from ..specs import address, storage_address
 
 
 @dataclass(eq=False)
@@ -90,7 +91,7 @@ def _written(p: fx.Node) -> bool:
 class Made:
     """What a producer made on a phase's first chunk, without holding it (its memory is the plan's to free)."""
 
-    ptr: int
+    ptr: object   # specs.address
     shape: tuple[int, ...]
     numel: int
     dtype: torch.dtype
@@ -100,7 +101,7 @@ class Made:
     def of(t: Any) -> Made | None:
         if not isinstance(t, torch.Tensor):
             return None
-        return Made(t.data_ptr(), tuple(t.shape), t.numel(), t.dtype, t.is_contiguous())
+        return Made(address(t), tuple(t.shape), t.numel(), t.dtype, t.is_contiguous())
 
 
 def found(node: fx.Node, an: Analysis, made: Made | None, value: torch.Tensor, buf: torch.Tensor, dim: int,
@@ -113,7 +114,7 @@ def found(node: fx.Node, an: Analysis, made: Made | None, value: torch.Tensor, b
     outer = all(n == 1 or s < row for i, (n, s) in enumerate(zip(buf.shape, buf.stride())) if i != dim)
     if not outer or buf.numel() != total * row or made.numel != rows * row:
         return None
-    if value.data_ptr() != made.ptr or any(n != 1 and s != t for n, s, t in
+    if address(value) != made.ptr or any(n != 1 and s != t for n, s, t in
                                            zip(value.shape, value.stride(), buf.stride())):
         return None
     return Into(node, buf, row, list(made.shape), an.rows[node].dim)
@@ -127,9 +128,9 @@ def call_into(node: fx.Node, env: dict, out: torch.Tensor, fresh: bool = False) 
     kwargs = fx.node.map_arg(node.kwargs, lambda n: env[n])
     if fresh:
         return node.target.overloadpacket.out(*args, **kwargs, out=out)
-    storage = out.untyped_storage().data_ptr()
+    storage = storage_address(out)
     ins = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-    if any(t.untyped_storage().data_ptr() == storage and not (pointwise(node.target) and same_view(t, out))
+    if any(storage_address(t) == storage and not (pointwise(node.target) and same_view(t, out))
            for t in ins):
         return node.target(*args, **kwargs)
     return node.target.overloadpacket.out(*args, **kwargs, out=out)
@@ -137,4 +138,4 @@ def call_into(node: fx.Node, env: dict, out: torch.Tensor, fresh: bool = False) 
 
 def same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
     """``a`` and ``b`` are the same elements of the same memory, laid out alike."""
-    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+    return address(a) == address(b) and a.shape == b.shape and a.stride() == b.stride()

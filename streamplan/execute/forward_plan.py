@@ -1,0 +1,157 @@
+"""The whole model forward planned before its first op runs: under a budget, a model forward streamplan runs itself is
+rehearsed on fake tensors (``rehearsal``), its blocks planning as they will in the real call, and its peak (every
+tensor the forward holds over the rows beside each block's work) held to the budget. Accepted: the real call reuses
+those plans. Refused: ``BudgetError`` with the smallest budget that runs, before anything ran; the plans made in the
+rehearsals are dropped.
+
+A model forward's budget is the device memory the call may add above what was allocated when it started."""
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from . import hook_chains as hooks
+from .call_state import bypass, rehearsal_settings
+from .context import CallContext
+from .rehearsal import Rehearsed, RehearsalFailed, rehearsal_problem, rehearse
+from ..plan.budget import auto_budget, fmt_bytes
+from ..plan.planner import BudgetError
+
+log = logging.getLogger("streamplan")
+
+MARGIN = 0.03          # the smallest budget leaves its parts this much room, as a block plan keeps under its budget
+SMALLEST_TRIES = 4     # rehearsals that may raise a found smallest budget before it is said
+
+
+@dataclass
+class ForwardFigures:
+    """What planning the forward ahead found: the predicted peak it adds and stock's, and where the peak falls."""
+
+    predicted: int
+    stock: int | None
+    at_peak: str
+    rows: int = 0
+    budget: int = 0
+
+    @property
+    def stock_fits(self) -> bool:
+        return self.stock is not None and self.stock <= self.budget * (1 - MARGIN)
+
+
+def forward_problem(module: torch.nn.Module, args: tuple, kwargs: dict) -> str | None:
+    """Why the forward cannot be rehearsed (None: it can): hooks would run on fake tensors and keep them (a weight
+    mover would put fake weights in place), or a cache already holds tensors."""
+    for name, m in module.named_modules():
+        found = hooks.libraries_on(m) or hooks.torch_hooks(m)
+        if found:
+            return f"{name or 'the model'} has {', '.join(found)} hooks"
+    return rehearsal_problem(args, kwargs)
+
+
+def budget_bytes(ctx: CallContext, device: torch.device) -> int:
+    budget = ctx.options.budget
+    return auto_budget(device, ctx.options.reserve) if budget == "auto" else int(budget)
+
+
+def plan_forward(ctx: CallContext, run: Callable[[tuple, dict], Any], args: tuple, kwargs: dict,
+                 device: torch.device) -> ForwardFigures:
+    """Rehearse the streamed forward under the budget; keep its plans when its peak fits, else raise ``BudgetError``
+    with the smallest budget that runs (or, under ``smallest_when_short``, keep the plans at that smallest)."""
+    budget = budget_bytes(ctx, device)
+    stock = _stock_peak(ctx, args, kwargs, device)
+    before = _plan_keys(ctx)
+    attempt = functools.partial(_attempt, ctx, run, args, kwargs, device, before)
+    try:
+        figures = attempt()
+        if figures.predicted <= budget:
+            figures.stock, figures.budget = stock, budget
+            return figures
+        why = f"its peak would be {fmt_bytes(figures.predicted)}, {figures.at_peak}"
+        _drop_new(ctx, before)
+    except BudgetError as exc:
+        why = f"a part of it refused: {str(exc).split('. Raise the budget')[0].rstrip('.')}"
+    smallest = _smallest(ctx, attempt, before)
+    if ctx.options.smallest_when_short:
+        figures = attempt(least=True)
+        ctx.note(f"the budget {fmt_bytes(budget)} is below the smallest this forward reaches: planned at that smallest "
+                 f"({fmt_bytes(figures.predicted)} predicted) instead of refusing")
+        figures.stock, figures.budget = stock, budget
+        return figures
+    raise BudgetError(
+        f"{type(ctx.entry.module).__name__}: the budget {fmt_bytes(budget)} cannot hold the whole forward (planned "
+        f"ahead on fake tensors, nothing ran): {why}. The smallest budget that runs it: {fmt_bytes(smallest)} "
+        "(BudgetError.smallest_bytes); or shorten the sequence, or lower the batch", smallest_bytes=smallest)
+
+
+def _attempt(ctx: CallContext, run, args: tuple, kwargs: dict, device: torch.device, before: set,
+             budget: int | None = None, least: bool = False) -> ForwardFigures:
+    """One rehearsal under ``budget`` (None: the options'), every part at its smallest plan if ``least``; the plans
+    it makes stay when it returns. Its prediction is the larger of the ledger's peak and each planned call's predicted
+    peak beside what was live then."""
+    try:
+        with rehearsal_settings(budget=budget, least=least):
+            found = rehearse(run, args, kwargs, device, ctx.entry.module)
+    except BaseException:
+        _drop_new(ctx, before)
+        raise
+    planned = [p for e, sig, p in _plans(ctx) if (id(e), sig) not in before]
+    return ForwardFigures(max([found.peak, *(p.predicted_total for p in planned)]), None, found.describe(),
+                          max((p.rows for p in planned), default=0))
+
+
+def _smallest(ctx: CallContext, attempt: Callable[..., ForwardFigures], before: set) -> int:
+    """The smallest budget under which the forward's rehearsal fits: its peak with every part at its smallest plan,
+    checked by rehearsing under it (raised while a rehearsal there still does not fit)."""
+    least = attempt(least=True)
+    _drop_new(ctx, before)
+    smallest = math.ceil(least.predicted / (1 - MARGIN)) + 1
+    for _ in range(SMALLEST_TRIES):
+        try:
+            found = attempt(budget=smallest)
+            fits = found.predicted <= smallest
+            _drop_new(ctx, before)
+        except BudgetError:
+            found, fits = None, False
+        if fits:
+            break
+        need = math.ceil(found.predicted / (1 - MARGIN)) + 1 if found else 0
+        smallest = max(need, math.ceil(smallest * 1.05))
+    return smallest
+
+
+def _stock_peak(ctx: CallContext, args: tuple, kwargs: dict, device: torch.device) -> int | None:
+    """The stock forward's peak by the same ledger (every streamed module bypassed), or None where it cannot be had."""
+    try:
+        with bypass():
+            return rehearse(lambda a, k: ctx.entry.stock(*a, **k), args, kwargs, device, ctx.entry.module).peak
+    except (RehearsalFailed, RuntimeError, NotImplementedError) as exc:
+        log.debug("streamplan: stock forward not rehearsed: %s", exc)
+        return None
+
+
+def _plans(ctx: CallContext):
+    for e in ctx.installed():
+        for sig, p in list(e.plans.items()):
+            if e is not ctx.entry:
+                yield e, sig, p
+
+
+def _plan_keys(ctx: CallContext) -> set:
+    return {(id(e), sig) for e, sig, _ in _plans(ctx)}
+
+
+def _drop_new(ctx: CallContext, before: set) -> None:
+    """Forget the plans made since ``before`` (a rehearsal's, refused or only a step of the smallest's search)."""
+    for e in ctx.installed():
+        if e is ctx.entry:
+            continue
+        for sig in [s for s in e.plans if (id(e), s) not in before]:
+            del e.plans[sig]
+
+
+__all__ = ["ForwardFigures", "Rehearsed", "RehearsalFailed", "budget_bytes", "forward_problem", "plan_forward"]

@@ -1,0 +1,205 @@
+"""A model forward rehearsed on fake tensors before it runs: every op runs for its shapes alone (nothing computed,
+nothing allocated), the blocks plan exactly as they will in the real call, and a ledger counts the device bytes each
+op's output would hold and when they would be freed. The rehearsal's peak is the forward's: its own whole-sequence
+tensors (hidden state, rotary tables, per-row tables, the head's buffer) beside each block's work.
+
+Small values stay real: an op that writes nothing, whose tensor inputs are all real and which reads and makes at most
+``SMALL`` bytes, runs for real (ids, positions, padding masks, timesteps): decisions a forward takes on values (whether
+a padding mask pads, whether positions are packed) are the real call's, not a tracer's conservative ones.
+
+A chunk loop in a rehearsal runs its first two chunks and its last (``chunk_loop.chunk_bounds``): the chunks between
+repeat the second's shapes, so the peak is the same and a 40-layer forward at 217k rows rehearses in seconds."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode, _pop_mode_temporarily
+
+from ..plan.budget import fmt_bytes
+from ..registries import state_tensors
+from .call_state import REHEARSAL, WHERE
+
+log = logging.getLogger("streamplan")
+
+SMALL = 1 << 16   # bytes up to which an op on real values runs for real in a rehearsal
+FORWARD = "the model forward's own ops"   # where an allocation made outside every streamed module is charged
+
+
+@dataclass
+class Held:
+    """One allocation alive at the rehearsal's peak: its bytes, the op that made it, and which call was running."""
+
+    nbytes: int
+    op: str
+    where: str
+
+
+@dataclass
+class Rehearsed:
+    """What a rehearsal found: the peak device bytes the forward adds, where it was then, and what was held."""
+
+    peak: int
+    where: str
+    held: list[Held] = field(default_factory=list)   # the largest allocations alive at the peak, largest first
+
+    def describe(self, top: int = 3) -> str:
+        parts = [f"{fmt_bytes(h.nbytes)} from {h.op} in {h.where}" for h in self.held[:top]]
+        return f"in {self.where}, holding " + "; ".join(parts) if parts else f"in {self.where}"
+
+
+class RehearsalFailed(RuntimeError):
+    """The forward could not run on fake tensors (an op that reads values, a module that keeps state)."""
+
+
+class Ledger(TorchDispatchMode):
+    """Counts the bytes of every fresh output storage on ``device`` while alive (a storage's finaliser frees it);
+    views, in-place ops and outputs on other devices (host stores) add nothing."""
+
+    def __init__(self, device: torch.device):
+        super().__init__()
+        self.device = device
+        self.current = 0
+        self.peak = 0
+        self.live: dict[int, Held] = {}
+        self.at_peak: Rehearsed = Rehearsed(0, FORWARD)
+        self._snapped = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if _small_and_real(func, args, kwargs, out):
+            with _pop_mode_temporarily() as fake:   # the fake mode (the ledger is off the stack while it dispatches)
+                if not isinstance(fake, FakeTensorMode):
+                    raise RuntimeError("streamplan: a dispatch mode entered inside a rehearsal")
+                out = func(*args, **kwargs)
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        for ret, o in zip(func._schema.returns, outs):
+            if isinstance(o, torch.Tensor) and ret.alias_info is None and o.device == self.device:
+                self._count(o, func)
+        return out
+
+    def _count(self, t: torch.Tensor, func) -> None:
+        storage = t.untyped_storage()
+        key = storage._cdata
+        if key in self.live:
+            return
+        held = Held(storage.nbytes(), str(func.overloadpacket.__name__), WHERE.names[-1] if WHERE.names else FORWARD)
+        self.live[key] = held
+        weakref.finalize(storage, self._free, key)
+        self.current += held.nbytes
+        if self.current > self.peak:
+            self.peak = self.current
+            if self.peak > self._snapped * 1.01:   # a snapshot per percent of growth: the largest live, and where
+                self._snapped = self.peak
+                largest = sorted(self.live.values(), key=lambda h: -h.nbytes)[:3]
+                self.at_peak = Rehearsed(self.peak, held.where, largest)
+
+    def _free(self, key: int) -> None:
+        held = self.live.pop(key, None)
+        if held is not None:
+            self.current -= held.nbytes
+
+    def result(self) -> Rehearsed:
+        return Rehearsed(self.peak, self.at_peak.where, self.at_peak.held)
+
+
+def _small_and_real(func, args: tuple, kwargs: dict, fake_out: Any) -> bool:
+    if func._schema.is_mutable:
+        return False
+    ins = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    if any(isinstance(t, FakeTensor) for t in ins):
+        return False
+    outs = [t for t in pytree.tree_leaves(fake_out) if isinstance(t, torch.Tensor)]
+    return sum(t.numel() * t.element_size() for t in ins + outs) <= SMALL
+
+
+@contextlib.contextmanager
+def ledger_paused():
+    """Outside the ledger for a while (a capture's trace is not the forward's memory); a no-op outside rehearsals."""
+    if REHEARSAL.ledger is None:
+        yield
+        return
+    with _pop_mode_temporarily() as mode:   # in a rehearsal the ledger is the innermost mode
+        if mode is not REHEARSAL.ledger:
+            raise RuntimeError("streamplan: a dispatch mode entered inside a rehearsal")
+        yield
+
+
+def rehearsal_problem(args: tuple, kwargs: dict) -> str | None:
+    """Why a call cannot be rehearsed (None: it can): a cache that already holds tensors would have to be copied."""
+    for leaf in pytree.tree_leaves((args, kwargs)):
+        tensors = state_tensors(leaf)
+        if tensors and any(t.numel() for t in tensors):
+            return f"its {type(leaf).__name__} already holds tensors"
+    return None
+
+
+def rehearse(run: Callable[[tuple, dict], Any], args: tuple, kwargs: dict, device: torch.device,
+             root: nn.Module) -> Rehearsed:
+    """``run(args, kwargs)`` on fake copies of the call's tensors, with the ledger counting ``device``'s bytes.
+    Whatever a module kept of the rehearsal (a fake tensor cached in an attribute) is put back as it was."""
+    state = _module_tensors(root)
+    ledger = Ledger(device)
+    try:
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        fake_args, fake_kwargs = _fake_copy((args, kwargs), mode)
+        with mode:
+            REHEARSAL.ledger = ledger
+            with ledger:
+                run(fake_args, fake_kwargs)
+    except (torch._subclasses.fake_tensor.DataDependentOutputException,
+            torch._subclasses.fake_tensor.DynamicOutputShapeException,
+            torch._subclasses.fake_tensor.UnsupportedFakeTensorException) as exc:
+        raise RehearsalFailed(f"an op reads values, not only shapes ({type(exc).__name__}: {exc})") from None
+    finally:
+        REHEARSAL.ledger = None
+        _put_back(root, state)
+    return ledger.result()
+
+
+def _fake_copy(tree: Any, mode: FakeTensorMode) -> Any:
+    import copy
+
+    def fake(leaf):
+        if isinstance(leaf, torch.Tensor) and leaf.numel() * leaf.element_size() <= SMALL:
+            return leaf.clone()   # a small value stays real (a private copy: the forward may write into it)
+        if isinstance(leaf, torch.Tensor):
+            return mode.from_tensor(leaf)
+        if state_tensors(leaf) is not None:   # an empty cache: the rehearsal fills a copy
+            return copy.deepcopy(leaf)
+        return leaf
+    return pytree.tree_map(fake, tree)
+
+
+def _module_tensors(root: nn.Module) -> list[tuple[nn.Module, str, dict, Any]]:
+    saved = []
+    for m in root.modules():
+        for where in (m._parameters, m._buffers, m.__dict__):
+            for k, v in where.items():
+                if isinstance(v, torch.Tensor):
+                    saved.append((m, k, where, v))
+    return saved
+
+
+def _put_back(root: nn.Module, saved: list[tuple[nn.Module, str, dict, Any]]) -> None:
+    before = {(id(where), k): v for _, k, where, v in saved}
+    for m in root.modules():
+        for where in (m._parameters, m._buffers, m.__dict__):
+            for k, v in list(where.items()):
+                if isinstance(v, FakeTensor):
+                    old = before.get((id(where), k))
+                    log.debug("streamplan: rehearsal: %s.%s kept a fake tensor: put back", type(m).__name__, k)
+                    if old is None:
+                        del where[k]
+                    else:
+                        where[k] = old
+
+
