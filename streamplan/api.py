@@ -135,12 +135,14 @@ class StreamHandle:
                 x = args[0] if args else next(iter(kwargs.values()))
                 available, live = self._available(args, kwargs, x.device)
                 watch.record(estimate, live, tuple(x.shape))
-                if isinstance(self.options.budget, int) and estimate > max(0, available):
+                budget = self.options.budget if REHEARSAL.budget is None else REHEARSAL.budget
+                checked = REHEARSAL.least or REHEARSAL.ahead   # by the forward's rehearsal instead
+                if isinstance(budget, int) and not checked and estimate > max(0, available):
                     smallest = _smallest_budget(live, estimate)
                     raise BudgetError(
                         f"{name} ({type(module).__name__}) runs stock (streamplan does not stream it) and its output "
                         f"alone is {fmt_bytes(estimate)} for input {list(x.shape)}, more than the budget "
-                        f"{fmt_bytes(self.options.budget)} leaves beside its live inputs ({fmt_bytes(live)}). Raise "
+                        f"{fmt_bytes(budget)} leaves beside its live inputs ({fmt_bytes(live)}). Raise "
                         "the budget, shorten the sequence or lower the batch; for a causal LM ask for fewer logits "
                         f"(logits_to_keep=1, as generate does){_smallest_said(smallest)}.", least=estimate,
                         smallest_bytes=smallest)

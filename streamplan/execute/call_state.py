@@ -38,6 +38,7 @@ class _Rehearsal(threading.local):
     ledger = None    # while a model forward is rehearsed on fake tensors: the Ledger counting its device bytes
     budget = None    # a byte budget the rehearsal plans under in place of the options' (the smallest's search)
     least = False    # every operation planned at the smallest peak it reaches (the smallest budget's rehearsal)
+    ahead = False    # the real run of a forward planned ahead: its parts' budget checks were the rehearsal's
 
 
 REHEARSAL = _Rehearsal()
@@ -56,6 +57,15 @@ def rehearsal_settings(budget: int | None = None, least: bool = False):
         yield
     finally:
         REHEARSAL.budget, REHEARSAL.least = previous
+
+
+@contextlib.contextmanager
+def planned_ahead():
+    previous, REHEARSAL.ahead = REHEARSAL.ahead, True
+    try:
+        yield
+    finally:
+        REHEARSAL.ahead = previous
 
 
 class _Where(threading.local):

@@ -47,9 +47,9 @@ def forward_problem(module: torch.nn.Module, args: tuple, kwargs: dict) -> str |
     """Why the forward cannot be rehearsed (None: it can): hooks would run on fake tensors and keep them (a weight
     mover would put fake weights in place), or a cache already holds tensors."""
     for name, m in module.named_modules():
-        found = hooks.libraries_on(m) or hooks.torch_hooks(m)
+        found = [f"{lib} hooks" for lib in hooks.libraries_on(m)] + hooks.torch_hooks(m)
         if found:
-            return f"{name or 'the model'} has {', '.join(found)} hooks"
+            return f"{name or 'the model'} has {', '.join(found)}"
     return rehearsal_problem(args, kwargs)
 
 

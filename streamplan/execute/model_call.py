@@ -3,13 +3,14 @@ is planned before it runs (``forward_plan``: rehearsed on fake tensors, its bloc
 own row loops take the smallest chunk its blocks planned."""
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any
 
 import torch
 
 from .context import CallContext
-from .call_state import needs_grad, rehearsing, shapes
+from .call_state import needs_grad, planned_ahead, rehearsing, shapes
 from .forward_plan import forward_problem, plan_forward
 from .rehearsal import RehearsalFailed
 from ..specs import ModelSpec
@@ -46,27 +47,30 @@ def run_model(ctx: CallContext, args: tuple, kwargs: dict) -> Any:
         return run(args, kwargs)
     sig = (shapes(args, kwargs), tensors[0].dtype if tensors else None, "model")
     first = sig not in entry.plans
+    ahead = first and o.budget is not None and o.chunk_tokens is None and bool(tensors)
+    problem = forward_problem(entry.module, args, kwargs) if ahead else None
     before = {id(p) for e in ctx.installed() for p in e.plans.values()}
+    # planned ahead, the forward's budget is what it adds above what was allocated when it began: its inputs aside
+    counted = ((), {}) if ahead and problem is None else (args, kwargs)
     plan = ctx.plan(sig, lambda _: Plan(Tier.L1, 0, fixed or 0, 0, 0, 0, note="model forward: block inputs "
                                         "donated, its own row loops (input projections, output head) in "
                                         + (f"{fixed}-row chunks" if fixed else "its blocks' smallest chunk")),
-                    args, kwargs, tensors[0].device if tensors else None)
-    ahead = first and o.budget is not None and o.chunk_tokens is None and tensors
+                    *counted, tensors[0].device if tensors else None)
     if ahead:
-        ahead = _planned_ahead(ctx, sig, plan, run, args, kwargs, tensors[0].device)
+        ahead = _planned_ahead(ctx, sig, plan, run, args, kwargs, tensors[0].device, problem)
     if plan.tier == Tier.L0:   # the stock forward fits (or every block fitted stock at the first call): as stock
         return entry.stock(*args, **kwargs)
-    out = run(args, kwargs)
+    with planned_ahead() if ahead else contextlib.nullcontext():
+        out = run(args, kwargs)
     if first and not ahead:   # the model's figures are its largest block's, planned during this first call
         _figures_from_blocks(ctx, plan, before)
     return out
 
 
 def _planned_ahead(ctx: CallContext, sig: tuple, plan: Plan, run, args: tuple, kwargs: dict,
-                   device: torch.device) -> bool:
+                   device: torch.device, problem: str | None) -> bool:
     """Plan the whole forward before it runs (True), or say why it is planned block by block as it runs (False). A
     refusal takes the model's own plan back too: nothing of the call is kept."""
-    problem = forward_problem(ctx.entry.module, args, kwargs)
     if problem is None:
         try:
             figures = plan_forward(ctx, run, args, kwargs, device)

@@ -19,7 +19,8 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException, FakeTensor,
+                                           FakeTensorMode, UnsupportedFakeTensorException)
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, _pop_mode_temporarily
 
@@ -74,8 +75,14 @@ class Ledger(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        if _small_and_real(func, args, kwargs, out):
+        real = _real_inputs(func, args, kwargs)
+        try:
+            out = func(*args, **kwargs)
+        except (DataDependentOutputException, DynamicOutputShapeException):
+            if real is None:
+                raise
+            out = None   # a value read from real values (``.item()``): run for real
+        if real is not None and (out is None or real + _nbytes(out) <= SMALL):
             with _pop_mode_temporarily() as fake:   # the fake mode (the ledger is off the stack while it dispatches)
                 if not isinstance(fake, FakeTensorMode):
                     raise RuntimeError("streamplan: a dispatch mode entered inside a rehearsal")
@@ -111,14 +118,19 @@ class Ledger(TorchDispatchMode):
         return Rehearsed(self.peak, self.at_peak.where, self.at_peak.held)
 
 
-def _small_and_real(func, args: tuple, kwargs: dict, fake_out: Any) -> bool:
+def _real_inputs(func, args: tuple, kwargs: dict) -> int | None:
+    """The bytes of an op's tensor inputs when it writes nothing and they are all real and at most ``SMALL``."""
     if func._schema.is_mutable:
-        return False
+        return None
     ins = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     if any(isinstance(t, FakeTensor) for t in ins):
-        return False
-    outs = [t for t in pytree.tree_leaves(fake_out) if isinstance(t, torch.Tensor)]
-    return sum(t.numel() * t.element_size() for t in ins + outs) <= SMALL
+        return None
+    n = _nbytes(ins)
+    return n if n <= SMALL else None
+
+
+def _nbytes(tree: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor))
 
 
 @contextlib.contextmanager
@@ -155,9 +167,7 @@ def rehearse(run: Callable[[tuple, dict], Any], args: tuple, kwargs: dict, devic
             REHEARSAL.ledger = ledger
             with ledger:
                 run(fake_args, fake_kwargs)
-    except (torch._subclasses.fake_tensor.DataDependentOutputException,
-            torch._subclasses.fake_tensor.DynamicOutputShapeException,
-            torch._subclasses.fake_tensor.UnsupportedFakeTensorException) as exc:
+    except (DataDependentOutputException, DynamicOutputShapeException, UnsupportedFakeTensorException) as exc:
         raise RehearsalFailed(f"an op reads values, not only shapes ({type(exc).__name__}: {exc})") from None
     finally:
         REHEARSAL.ledger = None

@@ -1,0 +1,119 @@
+"""A budget on a model forward streamplan runs itself is a promise for the whole forward: the forward is rehearsed on
+fake tensors before it runs, every tensor it holds over the rows counted beside each block's work. Accepted budgets
+hold (the meter, over the whole forward, above what was allocated before the call); refused ones raise before
+anything runs, saying the smallest budget that runs; that budget runs within itself. Whole tiny Wan, MiniMax-H3 and
+Llama, against the real libraries' forwards."""
+import pytest
+import torch
+
+import streamplan
+from conftest import rel_err
+from test_blocks import _wan_model
+from test_h3_model import _inputs as _h3_inputs, _model as _h3_model
+from test_llm_models import _ids, _lm
+
+
+def _wan():
+    torch.manual_seed(0)
+    model = _wan_model()
+    x, t, enc = torch.randn(1, 4, 8, 32, 32), torch.tensor([500]), torch.randn(1, 7, 32)   # 2,048 rows
+    return model, (lambda: model(x, t, enc).sample), (x, t, enc)
+
+
+def _h3():
+    torch.manual_seed(0)
+    model, kw = _h3_model(layers=2), _h3_inputs(target=1400)
+    return model, (lambda: model(**kw).sample), tuple(kw.values())
+
+
+def _llama():
+    model, ids = _lm("llama"), _ids(batch=1, n=2048)
+    return model, (lambda: model(ids, use_cache=False, logits_to_keep=1).logits), (ids,)
+
+
+MODELS = {"wan": _wan, "minimax_h3": _h3, "llama": _llama}
+
+
+def _refusal(model, call, budget) -> streamplan.BudgetError:
+    handle = streamplan.apply(model, budget=budget)
+    try:
+        with pytest.raises(streamplan.BudgetError) as err:
+            call()
+        left = [p for ps in handle.plans.values() for p in ps]
+    finally:
+        handle.remove()
+    assert left == [], "a refused forward keeps no plan"
+    return err.value
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+@torch.no_grad()
+def test_a_whole_forward_is_held_to_its_budget_or_refused_before_it_runs(name):
+    model, call, inputs = MODELS[name]()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    inputs0 = [t.clone() for t in inputs]
+    ref, stock_peak = streamplan.measure_peak(call)
+
+    err = _refusal(model, call, stock_peak // 50)
+    smallest = err.smallest_bytes
+    assert isinstance(smallest, int) and stock_peak // 50 < smallest < stock_peak, str(err)
+    assert "cannot hold the whole forward" in str(err) and "nothing ran" in str(err), str(err)
+    assert all(torch.equal(a, b) for a, b in zip(inputs, inputs0))
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items()), "the model is as it was"
+
+    for budget in (smallest, (smallest + stock_peak) // 2, 2 * stock_peak):
+        handle = streamplan.apply(model, budget=budget)
+        out, peak = streamplan.measure_peak(call)
+        assert rel_err(out, ref) <= 1e-5, (budget, handle.report())
+        assert peak <= budget, (name, budget, peak, smallest, handle.report())
+        (plan,) = handle.plans[""]
+        assert plan.predicted_total <= budget and "planned ahead" in plan.note or plan.tier == "L0", handle.report()
+        handle.remove()
+    # the same smallest again (within what a first call's caches add: MiniMax-H3 keeps its small rotary tables)
+    again = _refusal(model, call, int(smallest * 0.97)).smallest_bytes
+    assert 0.99 * smallest <= again <= smallest, (again, smallest)
+
+
+@torch.no_grad()
+def test_a_refused_forward_allocates_nothing_on_the_device():
+    """Nothing of the forward ran: the refused call's own peak is the rehearsal's few small real values."""
+    model, call, _ = _wan()
+    _, stock_peak = streamplan.measure_peak(call)
+    handle = streamplan.apply(model, budget=stock_peak // 50)
+    refused, peak = streamplan.measure_peak(lambda: _raised(call))
+    handle.remove()
+    assert isinstance(refused, streamplan.BudgetError)
+    assert peak < stock_peak // 50, (peak, stock_peak)
+
+
+def _raised(call):
+    try:
+        call()
+    except streamplan.BudgetError as exc:
+        return exc
+    return None
+
+
+@torch.no_grad()
+def test_smallest_when_short_runs_the_forward_at_its_smallest_instead_of_refusing():
+    model, call, _ = _wan()
+    ref, stock_peak = streamplan.measure_peak(call)
+    smallest = _refusal(model, call, stock_peak // 50).smallest_bytes
+    handle = streamplan.apply(model, options=streamplan.StreamOptions(budget=stock_peak // 50, smallest_when_short=True))
+    out, peak = streamplan.measure_peak(call)
+    assert rel_err(out, ref) <= 1e-5 and peak <= smallest, (peak, smallest)
+    assert "below the smallest this forward reaches" in handle.report(), handle.report()
+    handle.remove()
+
+
+@torch.no_grad()
+def test_a_forward_with_hooks_is_planned_block_by_block_and_says_so():
+    model, call, _ = _wan()
+    ref = call()
+    hook = model.blocks[1].register_forward_hook(lambda m, a, o: None)
+    handle = streamplan.apply(model, budget=1 << 30)
+    out = call()
+    assert rel_err(out, ref) <= 1e-5
+    assert "the whole forward was not planned ahead (blocks.1 has forward hooks)" in handle.report(), handle.report()
+    handle.remove()
+    hook.remove()
