@@ -99,7 +99,8 @@ def test_smallest_when_short_runs_the_forward_at_its_smallest_instead_of_refusin
     model, call, _ = _wan()
     ref, stock_peak = streamplan.measure_peak(call)
     smallest = _refusal(model, call, stock_peak // 50).smallest_bytes
-    handle = streamplan.apply(model, options=streamplan.StreamOptions(budget=stock_peak // 50, smallest_when_short=True))
+    options = streamplan.StreamOptions(budget=stock_peak // 50, smallest_when_short=True)
+    handle = streamplan.apply(model, options=options)
     out, peak = streamplan.measure_peak(call)
     assert rel_err(out, ref) <= 1e-5 and peak <= smallest, (peak, smallest)
     assert "below the smallest this forward reaches" in handle.report(), handle.report()

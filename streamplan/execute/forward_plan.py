@@ -33,7 +33,7 @@ class ForwardFigures:
     """What planning the forward ahead found: the predicted peak it adds and stock's, and where the peak falls."""
 
     predicted: int
-    stock: int | None
+    stock: int | None    # the stock forward's peak, where known
     at_peak: str
     rows: int = 0
     budget: int = 0
@@ -69,7 +69,7 @@ def plan_forward(ctx: CallContext, run: Callable[[tuple, dict], Any], args: tupl
     try:
         figures = attempt()
         if figures.predicted <= budget:
-            figures.stock, figures.budget = stock, budget
+            figures.stock, figures.budget = _larger(stock, figures.stock), budget
             return figures
         why = f"its peak would be {fmt_bytes(figures.predicted)}, {figures.at_peak}"
         _drop_new(ctx, before)
@@ -80,7 +80,7 @@ def plan_forward(ctx: CallContext, run: Callable[[tuple, dict], Any], args: tupl
         figures = attempt(least=True)
         ctx.note(f"the budget {fmt_bytes(budget)} is below the smallest this forward reaches: planned at that smallest "
                  f"({fmt_bytes(figures.predicted)} predicted) instead of refusing")
-        figures.stock, figures.budget = stock, budget
+        figures.stock, figures.budget = _larger(stock, figures.stock), budget
         return figures
     raise BudgetError(
         f"{type(ctx.entry.module).__name__}: the budget {fmt_bytes(budget)} cannot hold the whole forward (planned "
@@ -100,7 +100,8 @@ def _attempt(ctx: CallContext, run, args: tuple, kwargs: dict, device: torch.dev
         _drop_new(ctx, before)
         raise
     planned = [p for e, sig, p in _plans(ctx) if (id(e), sig) not in before]
-    return ForwardFigures(max([found.peak, *(p.predicted_total for p in planned)]), None, found.describe(),
+    stock = max((p.live_bytes + p.stock_peak for p in planned), default=0)   # each part's stock, by its model
+    return ForwardFigures(max([found.peak, *(p.predicted_total for p in planned)]), stock, found.describe(),
                           max((p.rows for p in planned), default=0))
 
 
@@ -122,6 +123,12 @@ def _smallest(ctx: CallContext, attempt: Callable[..., ForwardFigures], before: 
         need = math.ceil(found.predicted / (1 - MARGIN)) + 1 if found else 0
         smallest = max(need, math.ceil(smallest * 1.05))
     return smallest
+
+
+def _larger(rehearsed: int | None, modelled: int | None) -> int | None:
+    """Stock's peak: the stock rehearsal's (None where it could not run: then unknown), or the parts' own stock
+    estimates where larger (kernels' scratch the fake run cannot see)."""
+    return None if rehearsed is None else max(rehearsed, modelled or 0)
 
 
 def _stock_peak(ctx: CallContext, args: tuple, kwargs: dict, device: torch.device) -> int | None:

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from .context import CallContext
-from .call_state import needs_grad, planned_ahead, rehearsing, shapes
+from .call_state import bypass, needs_grad, planned_ahead, rehearsing, shapes
 from .forward_plan import forward_problem, plan_forward
 from .rehearsal import RehearsalFailed
 from ..specs import ModelSpec
@@ -59,7 +59,8 @@ def run_model(ctx: CallContext, args: tuple, kwargs: dict) -> Any:
     if ahead:
         ahead = _planned_ahead(ctx, sig, plan, run, args, kwargs, tensors[0].device, problem)
     if plan.tier == Tier.L0:   # the stock forward fits (or every block fitted stock at the first call): as stock
-        return entry.stock(*args, **kwargs)
+        with bypass() if "planned ahead" in plan.note or ahead else contextlib.nullcontext():
+            return entry.stock(*args, **kwargs)
     with planned_ahead() if ahead else contextlib.nullcontext():
         out = run(args, kwargs)
     if first and not ahead:   # the model's figures are its largest block's, planned during this first call
@@ -88,7 +89,8 @@ def _planned_ahead(ctx: CallContext, sig: tuple, plan: Plan, run, args: tuple, k
     plan.note = (f"{plan.note}; the whole forward planned ahead (rehearsed on fake tensors): peak "
                  f"{figures.at_peak}")
     if figures.stock_fits:
-        plan.tier, plan.note = Tier.L0, "model forward: the stock forward fits the budget: the stock forward"
+        plan.tier = Tier.L0
+        plan.note = "model forward: the stock forward fits the budget (planned ahead): the stock forward"
     return True
 
 

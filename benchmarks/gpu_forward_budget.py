@@ -1,0 +1,175 @@
+"""H200: a byte budget on a whole Wan2.1-14B forward is a promise (issue 29). Weights on the card, random, bf16; the
+budget is the device memory the forward may add above what was allocated when it began. For each budget the card is
+simulated by ``set_per_process_memory_fraction`` at what was allocated + the budget + a small allowance for the
+allocator's rounding (expandable segments on): an accepted budget must run under that cap, its measured peak within
+the budget; a refused one must raise ``BudgetError`` before anything runs (no memory allocated), naming the smallest
+budget that runs. Stock is timed in the same process; times are the second call (the first rehearses and captures,
+timed apart).
+
+    python benchmarks/gpu_forward_budget.py --layers 2 --tokens 217088 --budgets-gib 7,8,10 --refuse-gib 4
+    python benchmarks/gpu_forward_budget.py --cpu-dry-run      # the same steps on the CPU with a tiny model
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import time
+
+import torch
+
+import streamplan
+
+DEV = "cuda"
+BF16 = torch.bfloat16
+GIB = 1 << 30
+ALLOWANCE = 256 << 20   # the cap's room above the budget for the caching allocator's rounding
+LATENTS = {32768: (8, 64, 256), 75600: (21, 90, 160), 217088: (53, 128, 128)}   # frames, height, width (1x2x2 patches)
+
+
+def build(layers: int):
+    from diffusers import WanTransformer3DModel
+    torch.manual_seed(0)
+    tiny = {} if DEV == "cuda" else dict(num_attention_heads=2, attention_head_dim=16, text_dim=32, freq_dim=32,
+                                          ffn_dim=64, rope_max_seq_len=64, in_channels=4, out_channels=4)
+    with torch.device(DEV):
+        model = WanTransformer3DModel(num_layers=layers, **tiny)   # defaults: 40 heads x 128, ffn 13824, text 4096
+    keep = set(getattr(model, "_keep_in_fp32_modules", None) or ())
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if t.is_floating_point() and not keep & set(name.split(".")):
+            t.data = t.data.to(BF16 if DEV == "cuda" else torch.float32)
+    return model.eval()
+
+
+def inputs(tokens: int):
+    f, h, w = LATENTS.get(tokens, (max(1, tokens // 2048), 64, 128))
+    if DEV != "cuda":
+        f, h, w = 4, 16, 32
+    dtype = BF16 if DEV == "cuda" else torch.float32
+    g = torch.Generator(device=DEV).manual_seed(1)
+    x = torch.randn((1, 16 if DEV == "cuda" else 4, f, h, w), device=DEV, dtype=dtype, generator=g)
+    text = torch.randn(1, 512 if DEV == "cuda" else 7, 4096 if DEV == "cuda" else 32, device=DEV, dtype=dtype,
+                       generator=g)
+    return x, torch.tensor([500], device=DEV), text
+
+
+def _sync():
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+
+
+def _allocated() -> int:
+    return torch.cuda.memory_allocated() if DEV == "cuda" else 0
+
+
+def _cap(limit: int | None) -> None:
+    if DEV == "cuda":
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(1.0 if limit is None else min(1.0, limit / total))
+
+
+def timed(fn):
+    _sync()
+    t = time.perf_counter()
+    out = fn()
+    _sync()
+    return out, time.perf_counter() - t
+
+
+def peak_of(fn):
+    return streamplan.measure_peak(fn, device=DEV)
+
+
+def _rel(a, b) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def refused(model, call, budget: int) -> dict:
+    handle = streamplan.apply(model, budget=budget)
+    before = _allocated()
+    t = time.perf_counter()
+    try:
+        _, peak = peak_of(call)
+        row = {"budget_bytes": budget, "error": "accepted (expected a refusal)", "peak_bytes": peak}
+    except streamplan.BudgetError as exc:
+        row = {"budget_bytes": budget, "refused": True, "refusal_s": time.perf_counter() - t,
+               "smallest_bytes": exc.smallest_bytes, "message": str(exc)[:900],
+               "allocated_after_minus_before": _allocated() - before,
+               "plans_left": sum(len(p) for p in handle.plans.values())}
+    handle.remove()
+    return row
+
+
+def accepted(model, call, budget: int, ref, stock_s: float) -> dict:
+    handle = streamplan.apply(model, budget=budget)
+    gc.collect()
+    base = _allocated()
+    _cap(base + budget + ALLOWANCE)
+    row = {"budget_bytes": budget, "budget_GiB": budget / GIB, "cap_bytes": base + budget + ALLOWANCE}
+    try:
+        out, first_s = timed(call)          # rehearsal + capture + the run
+        del out
+        (out, peak), t = timed(lambda: peak_of(call))
+        (plan,) = handle.plans[""]
+        row.update(first_call_s=first_s, time_s=t, time_vs_stock=t / stock_s, peak_bytes=peak,
+                   peak_GiB=peak / GIB, held=peak <= budget, predicted_bytes=plan.predicted_total,
+                   rel_diff_vs_stock=_rel(out, ref), tier=str(plan.tier), note=plan.note[:400],
+                   blocks={k: [p.describe() for p in v] for k, v in handle.plans.items() if k.startswith("blocks.")
+                           and v})
+        del out
+    except streamplan.BudgetError as exc:
+        row.update(refused=True, smallest_bytes=exc.smallest_bytes, message=str(exc)[:900])
+    except torch.OutOfMemoryError as exc:
+        row.update(error=f"out of memory under an accepted budget: {str(exc)[:300]}")
+    finally:
+        _cap(None)
+        handle.remove()
+        gc.collect()
+        if DEV == "cuda":
+            torch.cuda.empty_cache()
+    return row
+
+
+def main() -> int:
+    global DEV
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--tokens", type=int, default=217088)
+    p.add_argument("--budgets-gib", default="7,8,10")
+    p.add_argument("--refuse-gib", type=float, default=4.0)
+    p.add_argument("--run-smallest", action="store_true", help="also run at the refusal's smallest budget")
+    p.add_argument("--cpu-dry-run", action="store_true")
+    a = p.parse_args()
+    if a.cpu_dry_run:
+        DEV = "cpu"
+    sys.path.insert(0, os.path.dirname(__file__))
+    from common import device_info, write_results
+    model = build(a.layers)
+    args = inputs(a.tokens)
+    call = lambda: model(*args).sample  # noqa: E731
+    rows = []
+    with torch.inference_mode():
+        (ref, stock_peak), _ = timed(lambda: peak_of(call))
+        _, stock_s = timed(call)
+        print(f"stock: peak {stock_peak / GIB:.2f} GiB above the weights, {stock_s:.1f} s", flush=True)
+        scale = GIB if DEV == "cuda" else stock_peak / 8   # the dry run's budgets: eighths of stock's peak
+        rows.append(refused(model, call, int(a.refuse_gib * scale)))
+        print(rows[-1], flush=True)
+        budgets = [int(float(b) * scale) for b in a.budgets_gib.split(",")]
+        if a.run_smallest and rows[-1].get("smallest_bytes"):
+            budgets.insert(0, rows[-1]["smallest_bytes"])
+        for budget in budgets:
+            rows.append(accepted(model, call, budget, ref, stock_s))
+            print({k: v for k, v in rows[-1].items() if k != "blocks"}, flush=True)
+    payload = {**(device_info() if DEV == "cuda" else {}),
+               "model": f"WanTransformer3DModel, Wan2.1-14B config, {a.layers} layers, random weights, bf16, weights "
+                        "on the card", "tokens": a.tokens, "stock_peak_bytes": stock_peak,
+               "stock_time_s": stock_s, "allowance_bytes": ALLOWANCE, "rows": rows}
+    if DEV == "cuda":
+        print(write_results(f"gpu_forward_budget_wan14b_{a.layers}l_{a.tokens}", payload))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
