@@ -12,6 +12,7 @@ timed apart).
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import gc
 import os
 import sys
@@ -91,7 +92,8 @@ def refused(model, call, budget: int) -> dict:
     t = time.perf_counter()
     try:
         _, peak = peak_of(call)
-        row = {"budget_bytes": budget, "error": "accepted (expected a refusal)", "peak_bytes": peak}
+        row = {"budget_bytes": budget, "error": "accepted (expected a refusal)", "peak_bytes": peak,
+               "plans": {k: [p.describe() for p in v] for k, v in handle.plans.items() if v}}
     except streamplan.BudgetError as exc:
         row = {"budget_bytes": budget, "refused": True, "refusal_s": time.perf_counter() - t,
                "smallest_bytes": exc.smallest_bytes, "message": str(exc)[:900],
@@ -143,6 +145,7 @@ def main() -> int:
     a = p.parse_args()
     if a.cpu_dry_run:
         DEV = "cpu"
+    faulthandler.dump_traceback_later(240, exit=True)   # a stuck step says where it is
     sys.path.insert(0, os.path.dirname(__file__))
     from common import device_info, write_results
     model = build(a.layers)

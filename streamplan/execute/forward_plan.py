@@ -25,6 +25,8 @@ from ..plan.planner import BudgetError
 log = logging.getLogger("streamplan")
 
 MARGIN = 0.03          # the smallest budget leaves its parts this much room, as a block plan keeps under its budget
+FORWARD_MARGIN = 0.06  # a forward plans under this much less than its budget: what neither the fake run nor the parts'
+#                        memory models see (docs/budgets-and-tiers.md, Calibration)
 SMALLEST_TRIES = 4     # rehearsals that may raise a found smallest budget before it is said
 
 
@@ -40,7 +42,7 @@ class ForwardFigures:
 
     @property
     def stock_fits(self) -> bool:
-        return self.stock is not None and self.stock <= self.budget * (1 - MARGIN)
+        return self.stock is not None and self.stock <= held(self.budget)
 
 
 def forward_problem(module: torch.nn.Module, args: tuple, kwargs: dict) -> str | None:
@@ -67,8 +69,8 @@ def plan_forward(ctx: CallContext, run: Callable[[tuple, dict], Any], args: tupl
     before = _plan_keys(ctx)
     attempt = functools.partial(_attempt, ctx, run, args, kwargs, device, before)
     try:
-        figures = attempt()
-        if figures.predicted <= budget:
+        figures = attempt(budget=held(budget))
+        if figures.predicted <= held(budget):
             figures.stock, figures.budget = _larger(stock, figures.stock), budget
             return figures
         why = f"its peak would be {fmt_bytes(figures.predicted)}, {figures.at_peak}"
@@ -110,19 +112,28 @@ def _smallest(ctx: CallContext, attempt: Callable[..., ForwardFigures], before: 
     checked by rehearsing under it (raised while a rehearsal there still does not fit)."""
     least = attempt(least=True)
     _drop_new(ctx, before)
-    smallest = math.ceil(least.predicted / (1 - MARGIN)) + 1
+    smallest = _above(least.predicted)
     for _ in range(SMALLEST_TRIES):
         try:
-            found = attempt(budget=smallest)
-            fits = found.predicted <= smallest
+            found = attempt(budget=held(smallest))
+            fits = found.predicted <= held(smallest)
             _drop_new(ctx, before)
         except BudgetError:
             found, fits = None, False
         if fits:
             break
-        need = math.ceil(found.predicted / (1 - MARGIN)) + 1 if found else 0
-        smallest = max(need, math.ceil(smallest * 1.05))
+        smallest = max(_above(found.predicted) if found else 0, math.ceil(smallest * 1.05))
     return smallest
+
+
+def held(budget: int) -> int:
+    """What a forward is planned under for a budget: less its margin."""
+    return int(budget * (1 - FORWARD_MARGIN))
+
+
+def _above(peak: int) -> int:
+    """The smallest budget whose plans leave ``peak`` its margins."""
+    return math.ceil(peak / (1 - MARGIN) / (1 - FORWARD_MARGIN)) + 1
 
 
 def _larger(rehearsed: int | None, modelled: int | None) -> int | None:
