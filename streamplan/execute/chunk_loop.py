@@ -10,7 +10,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from .call_state import rehearsing
+from .call_state import rehearsed
 
 MAX_SPLITS = 4
 
@@ -36,9 +36,7 @@ def chunk_bounds(rows: int, chunk: int, least: int = 1) -> Iterator[tuple[int, i
             b = rows
         bounds.append((a, b))
         a = b
-    if rehearsing() and len(bounds) > 3:
-        bounds = bounds[:2] + bounds[-1:]
-    return iter(bounds)
+    return iter(rehearsed(bounds))
 
 
 def for_chunks(rows: int, chunk: int, work: Callable[[int, int], None]) -> None:

@@ -35,6 +35,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from .call_state import rehearsed
 from ..attention.lse_merge import LseAccumulator
 
 KV_KINDS = ("device", "host", "int8", "fp8")
@@ -100,7 +101,7 @@ class KVStore:
 
     def blocks(self, stop: int, g: int = 0) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
         """(start, K block, V block) of head group ``g`` on the device, covering rows [0, stop)."""
-        for a in range(0, stop, self.block_rows):
+        for a in rehearsed(list(range(0, stop, self.block_rows))):
             b = min(a + self.block_rows, stop)
             k, v = self.block(a, b, g)
             yield a, k, v
@@ -197,7 +198,7 @@ class HostStore(KVStore):
                            for _ in range(2)]
         for g in range(self.groups):
             h = self.heads(g)
-            for r in range(0, n, WRITE_ROWS):
+            for r in rehearsed(list(range(0, n, WRITE_ROWS))):
                 m = min(WRITE_ROWS, n - r)
                 j = self._wj = 1 - self._wj
                 if self._wdone[j] is not None:
@@ -283,7 +284,7 @@ class _Staging:
 
     def blocks(self, stop: int, g: int):
         st = self.store
-        bounds = [(a, min(a + st.block_rows, stop)) for a in range(0, stop, st.block_rows)]
+        bounds = rehearsed([(a, min(a + st.block_rows, stop)) for a in range(0, stop, st.block_rows)])
         # after this pass: the next group's first block, or (after the last group) the first group's, for the next Q
         # chunk (a causal chunk's first block has the same rows once chunks are a block long)
         after = ((g + 1) % st.groups, 0, min(st.block_rows, st.rows))
