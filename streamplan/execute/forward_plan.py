@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -23,6 +24,8 @@ from ..plan.budget import auto_budget, fmt_bytes
 from ..plan.planner import BudgetError
 
 log = logging.getLogger("streamplan")
+
+_SMALLEST_SAID = re.compile(r" \(the smallest budget that runs it: [^)]*\)")
 
 MARGIN = 0.03          # the smallest budget leaves its parts this much room, as a block plan keeps under its budget
 FORWARD_MARGIN = 0.06  # a forward plans under this much less than its budget: what neither the fake run nor the parts'
@@ -76,7 +79,7 @@ def plan_forward(ctx: CallContext, run: Callable[[tuple, dict], Any], args: tupl
         why = f"its peak would be {fmt_bytes(figures.predicted)}, {figures.at_peak}"
         _drop_new(ctx, before)
     except BudgetError as exc:
-        why = f"a part of it refused: {str(exc).split('. Raise the budget')[0].rstrip('.')}"
+        why = f"a part of it refused: {_SMALLEST_SAID.sub('', str(exc)).rstrip('.')}"   # the forward's smallest follows
     smallest = _smallest(ctx, attempt, before)
     if ctx.options.smallest_when_short:
         figures = attempt(least=True)
