@@ -114,7 +114,7 @@ def accepted(model, call, budget: int, ref, stock_s: float) -> dict:
         del out
         (out, peak), t = timed(lambda: peak_of(call))
         (plan,) = handle.plans[""]
-        row.update(first_call_s=first_s, time_s=t, time_vs_stock=t / stock_s, peak_bytes=peak,
+        row.update(root_notes=handle.installed[""].runtime_notes, first_call_s=first_s, time_s=t, time_vs_stock=t / stock_s, peak_bytes=peak,
                    peak_GiB=peak / GIB, held=peak <= budget, predicted_bytes=plan.predicted_total,
                    rel_diff_vs_stock=_rel(out, ref), tier=str(plan.tier), note=plan.note[:400],
                    blocks={k: [p.describe() for p in v] for k, v in handle.plans.items() if k.startswith("blocks.")
@@ -152,25 +152,27 @@ def main() -> int:
     args = inputs(a.tokens)
     call = lambda: model(*args).sample  # noqa: E731
     rows = []
+    payload = {**(device_info() if DEV == "cuda" else {}),
+               "model": f"WanTransformer3DModel, Wan2.1-14B config, {a.layers} layers, random weights, bf16, weights "
+                        "on the card", "tokens": a.tokens, "allowance_bytes": ALLOWANCE, "rows": rows}
+
+    def keep(row: dict) -> None:   # written after every row: a run cut short keeps what it measured
+        rows.append(row)
+        print({k: v for k, v in row.items() if k not in ("blocks", "plans")}, flush=True)
+        if DEV == "cuda":
+            write_results(f"gpu_forward_budget_wan14b_{a.layers}l_{a.tokens}", payload)
+
     with torch.inference_mode():
         (ref, stock_peak), _ = timed(lambda: peak_of(call))
         _, stock_s = timed(call)
+        payload.update(stock_peak_bytes=stock_peak, stock_time_s=stock_s)
         print(f"stock: peak {stock_peak / GIB:.2f} GiB above the weights, {stock_s:.1f} s", flush=True)
         scale = GIB if DEV == "cuda" else stock_peak / 8   # the dry run's budgets: eighths of stock's peak
-        rows.append(refused(model, call, int(a.refuse_gib * scale)))
-        print(rows[-1], flush=True)
-        budgets = [int(float(b) * scale) for b in a.budgets_gib.split(",")]
+        for budget in [int(float(b) * scale) for b in a.budgets_gib.split(",")]:
+            keep(accepted(model, call, budget, ref, stock_s))
+        keep(refused(model, call, int(a.refuse_gib * scale)))   # last: the smallest's search rehearses several times
         if a.run_smallest and rows[-1].get("smallest_bytes"):
-            budgets.insert(0, rows[-1]["smallest_bytes"])
-        for budget in budgets:
-            rows.append(accepted(model, call, budget, ref, stock_s))
-            print({k: v for k, v in rows[-1].items() if k != "blocks"}, flush=True)
-    payload = {**(device_info() if DEV == "cuda" else {}),
-               "model": f"WanTransformer3DModel, Wan2.1-14B config, {a.layers} layers, random weights, bf16, weights "
-                        "on the card", "tokens": a.tokens, "stock_peak_bytes": stock_peak,
-               "stock_time_s": stock_s, "allowance_bytes": ALLOWANCE, "rows": rows}
-    if DEV == "cuda":
-        print(write_results(f"gpu_forward_budget_wan14b_{a.layers}l_{a.tokens}", payload))
+            keep(accepted(model, call, rows[-1]["smallest_bytes"], ref, stock_s))
     return 0
 
 

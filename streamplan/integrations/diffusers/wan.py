@@ -42,10 +42,11 @@ def _wan_forward(model, args: tuple, kwargs: dict, chunk: Callable[[], int]):
 
     rotary_emb = model.rope(hidden_states)   # under context parallelism its hook splits it to the rank's rows
     parallel = cp.model_config(model)
-    if parallel is None:
-        hidden_states = model.patch_embedding(hidden_states).flatten(2).transpose(1, 2).contiguous()
-    else:   # only this rank's rows, as the first block's split hook would cut them, a frame at a time
-        hidden_states = _local_patches(model, hidden_states, parallel, chunk())
+    total = post_f * post_h * post_w
+    if parallel is None:   # a few frames of patches at a time into one buffer: no whole conv output beside its copy
+        hidden_states = _patches(model, hidden_states, 0, total, chunk())
+    else:   # only this rank's rows, as the first block's split hook would cut them
+        hidden_states = _patches(model, hidden_states, *cp.split_rows(total, parallel), chunk())
         # the rope's split hook hands back views of the whole tables: copies of this rank's rows let those go
         rotary_emb = tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in rotary_emb)
     if timestep.ndim == 2:
@@ -96,14 +97,13 @@ def _wan_forward(model, args: tuple, kwargs: dict, chunk: Callable[[], int]):
     return Transformer2DModelOutput(sample=output)
 
 
-def _local_patches(model, x: torch.Tensor, parallel, chunk: int) -> torch.Tensor:
-    """The patch embedding of this rank's rows alone (rows run frame by frame, height, width), a few frames of
-    patches at a time: no whole-sequence embedding exists on any rank. The convolution's stride is its kernel, so a
-    frame's patches read that frame's pixels alone."""
+def _patches(model, x: torch.Tensor, a: int, b: int, chunk: int) -> torch.Tensor:
+    """The patch embedding of rows [a, b) (rows run frame by frame, height, width), a few frames of patches at a time
+    into one [batch, rows, dim] buffer. The convolution's stride is its kernel, so a frame's patches read that frame's
+    pixels alone."""
     p_t, p_h, p_w = model.config.patch_size
     B, _, F, H, W = x.shape
     per_frame = (H // p_h) * (W // p_w)
-    a, b = cp.split_rows((F // p_t) * per_frame, parallel)
     out = None
     f = a // per_frame
     step = max(1, chunk // per_frame)
@@ -167,11 +167,12 @@ def recognize_wan_model(name: str, module: nn.Module) -> ModelSpec | Skip | None
         return skip(problem)
     for sub in ("rope", "patch_embedding", "condition_embedder", "norm_out", "proj_out"):
         # called through their own forwards: weight hooks inside them run as in stock (streamplan.execute.hook_chains);
-        # the head's are called once per row chunk, so only weight hooks on them (a cache hook would count chunks as
-        # steps)
+        # the patch embedding and the head are called once per row chunk, so only weight hooks on them (a cache hook
+        # would count chunks as steps)
         if cp.only_cp_hooks(getattr(module, sub)):   # context parallelism's boundaries: checked per call
             continue
-        problem = stock_problem(getattr(module, sub), onloads=True, per_chunk=sub in ("norm_out", "proj_out"))
+        problem = stock_problem(getattr(module, sub), onloads=True,
+                                per_chunk=sub in ("patch_embedding", "norm_out", "proj_out"))
         if problem:
             return skip(f"{sub}: {problem}")
     return ModelSpec(module, "diffusers.WanTransformer3DModel[donated blocks, streamed head]",
