@@ -114,7 +114,8 @@ def accepted(model, call, budget: int, ref, stock_s: float) -> dict:
         del out
         (out, peak), t = timed(lambda: peak_of(call))
         (plan,) = handle.plans[""]
-        row.update(root_notes=handle.installed[""].runtime_notes, first_call_s=first_s, time_s=t, time_vs_stock=t / stock_s, peak_bytes=peak,
+        row.update(root_notes=handle.installed[""].runtime_notes)
+        row.update(first_call_s=first_s, time_s=t, time_vs_stock=t / stock_s, peak_bytes=peak,
                    peak_GiB=peak / GIB, held=peak <= budget, predicted_bytes=plan.predicted_total,
                    rel_diff_vs_stock=_rel(out, ref), tier=str(plan.tier), note=plan.note[:400],
                    blocks={k: [p.describe() for p in v] for k, v in handle.plans.items() if k.startswith("blocks.")
