@@ -75,11 +75,11 @@ def render(handle) -> str:
                          + ("stock (not planned: see the note)" if ran_stock
                             else "(not called yet: planned at the first call)"))
         for sig, plan in e.plans.items():
-            if plan.note:
+            if plan.note and not plan.predicted_peak:   # a plan of no figures of its own (a model forward's)
                 lines.append(f"  {name or '<root>':<{nw}} {label:<{lw}} {plan.tier:<4} {plan.note}")
                 continue
             ffn = str(plan.ffn_slice) if plan.tier == Tier.L2 else "-"
-            chunk = str(plan.chunk) if plan.tier != Tier.L0 else "-"
+            chunk = str(plan.chunk) if plan.tier != Tier.L0 and plan.chunk else "-"
             lines.append(f"  {name or '<root>':<{nw}} {label:<{lw}} {plan.tier:<4} {chunk:>6} {ffn:>6} "
                          f"{fmt_bytes(plan.predicted_total):>11} "
                          f"{fmt_bytes(plan.live_bytes + plan.stock_peak):>11}")
