@@ -118,3 +118,21 @@ def test_a_forward_with_hooks_is_planned_block_by_block_and_says_so():
     assert "the whole forward was not planned ahead (blocks.1 has forward hooks)" in handle.report(), handle.report()
     handle.remove()
     hook.remove()
+
+
+@torch.no_grad()
+def test_a_forward_with_fused_chains_is_planned_ahead_on_its_first_call(monkeypatch):
+    """A fused chain checks its compiled form against its eager ops on real values; a rehearsal (fake tensors) runs
+    the chain's eager ops instead, so the first call is planned ahead too and the real call checks and fuses."""
+    from streamplan.graph import fused_chains
+    monkeypatch.setattr(fused_chains, "_COMPILED", {})   # no chain checked by an earlier test
+    model, call, _ = _wan()
+    ref, stock_peak = streamplan.measure_peak(call)
+    budget = stock_peak // 2
+    handle = streamplan.apply(model, budget=budget, fuse=True)
+    out, peak = streamplan.measure_peak(call)
+    (plan,) = handle.plans[""]
+    assert "planned ahead" in plan.note, handle.report()
+    assert "each ran as one compiled kernel, exact" in handle.report(), handle.report()
+    assert rel_err(out, ref) <= 1e-5 and peak <= budget, (peak, budget)
+    handle.remove()
