@@ -207,14 +207,17 @@ def test_an_i2v_block_streams_from_its_graph_and_keeps_its_parts():
 
 
 @torch.no_grad()
-def test_verify_and_self_check():
+def test_verify_and_self_check(caplog):
     block = _wan_block()
     args = _wan_args(2, 70, False)
     diffs = streamplan.verify(block, *args)
     assert diffs["output"]["rel"] <= 1e-5
     handle = streamplan.apply(block, chunk_tokens=16, self_check=True)
-    block(*args)
+    with caplog.at_level("INFO", logger="streamplan"):
+        block(*args)
     assert "self-check against stock" in handle.report()
+    logged = [r for r in caplog.records if "self-check against stock" in r.getMessage()]
+    assert len(logged) == 1, [r.getMessage() for r in logged]   # once, not once per sink
     diffs = streamplan.verify(block, *args)     # already applied: compares with the stock forward in place
     assert 0 <= diffs["output"]["rel"] <= 1e-5
     assert "forward" in block.__dict__
