@@ -66,12 +66,19 @@ def rehearsal_settings(budget: int | None = None, least: bool = False):
 
 
 @contextlib.contextmanager
-def planned_ahead():
-    previous, REHEARSAL.ahead = REHEARSAL.ahead, True
+def _set(holder: object, attr: str, value: object):
+    """``holder.attr`` is ``value`` within the context, as it was after."""
+    previous = getattr(holder, attr)
+    setattr(holder, attr, value)
     try:
         yield
     finally:
-        REHEARSAL.ahead = previous
+        setattr(holder, attr, previous)
+
+
+def planned_ahead():
+    """The real run of a forward planned ahead: its parts' budget checks were the rehearsal's."""
+    return _set(REHEARSAL, "ahead", True)
 
 
 class _Where(threading.local):
@@ -98,14 +105,9 @@ class _Bypass(threading.local):
 BYPASS = _Bypass()
 
 
-@contextlib.contextmanager
 def bypass():
     """Within this context every streamed module runs its stock forward (``verify`` and ``self_check`` use it)."""
-    previous, BYPASS.active = BYPASS.active, True
-    try:
-        yield
-    finally:
-        BYPASS.active = previous
+    return _set(BYPASS, "active", True)
 
 
 def needs_grad(module: nn.Module, x: torch.Tensor) -> bool:

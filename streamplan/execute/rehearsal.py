@@ -12,6 +12,7 @@ repeat the second's shapes, so the peak is the same and a 40-layer forward at 21
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import weakref
 from dataclasses import dataclass, field
@@ -187,8 +188,6 @@ def rehearse(run: Callable[[tuple, dict], Any], args: tuple, kwargs: dict, devic
 
 
 def _fake_copy(tree: Any, mode: FakeTensorMode) -> Any:
-    import copy
-
     def fake(leaf):
         if isinstance(leaf, torch.Tensor) and leaf.numel() * leaf.element_size() <= SMALL:
             return leaf.clone()   # a small value stays real (a private copy: the forward may write into it)
