@@ -107,6 +107,69 @@ def test_smallest_when_short_runs_the_forward_at_its_smallest_instead_of_refusin
     handle.remove()
 
 
+def _cast(model):
+    model.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.float32)
+
+
+def _group_offload(model):
+    model.enable_group_offload(onload_device=torch.device("cpu"), offload_device=torch.device("cpu"),
+                               offload_type="block_level", num_blocks_per_group=1)
+
+
+def _sequential_offload(model):
+    from accelerate import cpu_offload
+    cpu_offload(model, execution_device=torch.device("cpu"))
+
+
+WEIGHT_HOOKS = {"layerwise_casting": _cast, "group_offloading": _group_offload,
+                "sequential_offload": _sequential_offload}
+
+
+@pytest.mark.parametrize("hooks", list(WEIGHT_HOOKS))
+@torch.no_grad()
+def test_a_forward_under_weight_moving_hooks_is_held_to_its_budget_weights_included(hooks):
+    """Offload and casting hooks are set aside in the rehearsal, the weights they bring stood in on the device and
+    counted beside the forward's work. Layerwise casting makes fp32 copies of each layer's fp8 weights during its
+    call: the smallest budget counts them (without them the measured peak would exceed it)."""
+    model, call, inputs = _wan()
+    WEIGHT_HOOKS[hooks](model)
+    ref, stock_peak = streamplan.measure_peak(call)
+    err = _refusal(model, call, stock_peak // 50)
+    smallest = err.smallest_bytes
+    assert stock_peak // 50 < smallest < stock_peak, str(err)
+    for budget in (smallest, (smallest + stock_peak) // 2):
+        handle = streamplan.apply(model, budget=budget)
+        out, peak = streamplan.measure_peak(call)
+        assert rel_err(out, ref) <= 1e-5, handle.report()
+        assert peak <= budget, (hooks, budget, peak, smallest, handle.report())
+        (plan,) = handle.plans[""]
+        assert "planned ahead" in plan.note, handle.report()
+        if hooks == "layerwise_casting":
+            assert "of weights its hooks bring in" in plan.note, plan.note
+        handle.remove()
+    assert all(p.device.type == "meta" for p in model.blocks[0].parameters()) == (hooks == "sequential_offload")
+
+
+@torch.no_grad()
+def test_weights_in_flight_count_the_root_for_the_whole_call_and_the_largest_block_at_once():
+    """Sequential offload brings each leaf's weights for its call; inside a streamed block every leaf's come at once
+    (the graph reads them all), so the largest unit is the largest block; the model's own parameters stay for the
+    whole call."""
+    from streamplan.execute.hook_chains import weights_in_flight
+    model, call, _ = _wan()
+    nbytes = {name: sum(p.numel() * p.element_size() for p in m.parameters()) for name, m in model.named_children()}
+    own = sum(p.numel() * p.element_size() for p in model.parameters(recurse=False))
+    block = nbytes.pop("blocks") // len(model.blocks)
+    leaves = [sum(p.numel() * p.element_size() for p in m.parameters(recurse=False))
+              for name, m in model.named_modules() if not name.startswith("blocks")]
+    _sequential_offload(model)
+    handle = streamplan.apply(model, budget=1 << 30)
+    assert weights_in_flight(model) == own + max(block, *leaves)
+    handle.remove()
+    assert weights_in_flight(model) == own + max(leaves + [
+        sum(p.numel() * p.element_size() for p in m.parameters(recurse=False)) for m in model.blocks.modules()])
+
+
 @torch.no_grad()
 def test_a_forward_with_hooks_is_planned_block_by_block_and_says_so():
     model, call, _ = _wan()

@@ -49,12 +49,13 @@ class ForwardFigures:
 
 
 def forward_problem(module: torch.nn.Module, args: tuple, kwargs: dict) -> str | None:
-    """Why the forward cannot be rehearsed (None: it can): hooks would run on fake tensors and keep them (a weight
-    mover would put fake weights in place), or a cache already holds tensors."""
+    """Why the forward cannot be rehearsed (None: it can): a hook that does more than move weights would have to run
+    on fake tensors (and keep them), or a cache already holds tensors. Weight movers are set aside in the rehearsal,
+    their weights stood in and counted (``hook_chains.weights_in_flight``)."""
     for name, m in module.named_modules():
-        found = [f"{lib} hooks" for lib in hooks.libraries_on(m)] + hooks.torch_hooks(m)
+        found = hooks.rehearsal_problem(m)
         if found:
-            return f"{name or 'the model'} has {', '.join(found)}"
+            return f"{name or 'the model'} has {found}"
     return rehearsal_problem(args, kwargs)
 
 
@@ -98,16 +99,21 @@ def _attempt(ctx: CallContext, run, args: tuple, kwargs: dict, device: torch.dev
     """One rehearsal under ``budget`` (None: the options'), every part at its smallest plan if ``least``; the plans
     it makes stay when it returns. Its prediction is the larger of the ledger's peak and each planned call's predicted
     peak beside what was live then."""
+    weights = hooks.weights_in_flight(ctx.entry.module)   # brought in by offload or casting hooks: beside it all
     try:
-        with rehearsal_settings(budget=budget, least=least):
+        with rehearsal_settings(budget=None if budget is None else max(1, budget - weights), least=least):
             found = rehearse(run, args, kwargs, device, ctx.entry.module)
     except BaseException:
         _drop_new(ctx, before)
         raise
     planned = [p for e, sig, p in _plans(ctx) if (id(e), sig) not in before]
     stock = max((p.live_bytes + p.stock_peak for p in planned), default=0)   # each part's stock, by its model
-    return ForwardFigures(max([found.peak, *(p.predicted_total for p in planned)]), stock, found.describe(),
-                          max((p.rows for p in planned), default=0))
+    return ForwardFigures(weights + max([found.peak, *(p.predicted_total for p in planned)]), weights + stock,
+                          _with_weights(found.describe(), weights), max((p.rows for p in planned), default=0))
+
+
+def _with_weights(at_peak: str, weights: int) -> str:
+    return f"{at_peak}; beside {fmt_bytes(weights)} of weights its hooks bring in" if weights else at_peak
 
 
 def _smallest(ctx: CallContext, attempt: Callable[..., ForwardFigures], before: set) -> int:
@@ -149,7 +155,8 @@ def _stock_peak(ctx: CallContext, args: tuple, kwargs: dict, device: torch.devic
     """The stock forward's peak by the same ledger (every streamed module bypassed), or None where it cannot be had."""
     try:
         with bypass():
-            return rehearse(lambda a, k: ctx.entry.stock(*a, **k), args, kwargs, device, ctx.entry.module).peak
+            found = rehearse(lambda a, k: ctx.entry.stock(*a, **k), args, kwargs, device, ctx.entry.module)
+        return found.peak + hooks.weights_in_flight(ctx.entry.module)
     except (RehearsalFailed, RuntimeError, NotImplementedError) as exc:
         log.debug("streamplan: stock forward not rehearsed: %s", exc)
         return None

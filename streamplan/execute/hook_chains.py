@@ -22,9 +22,26 @@ import contextlib
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Protocol
 
+import torch
 from torch import nn
 
 from ..specs import STREAMED_MARK
+
+
+@dataclass(frozen=True)
+class Brought:
+    """The weights one hook puts on the execution device for its module's call (group offloading's group, a casting
+    hook's compute-dtype copies): counted once per ``key`` however many modules share it."""
+    key: int
+    tensors: list[torch.Tensor]      # the module tensors it brings (as they are held now: offloaded, on meta, stored)
+    device: torch.device
+    dtype: torch.dtype | None = None  # what they are brought in as, None: their own
+    ahead: bool = False               # the library brings the next one in (on a side stream) while this one runs
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * (t.element_size() if self.dtype is None else self.dtype.itemsize)
+                   for t in self.tensors)
 
 
 @dataclass(frozen=True)
@@ -36,6 +53,10 @@ class HookKind:
     lets_go: bool = False       # keeps no reference to the module's inputs past its forward (an input may be donated)
     keeps_output: bool = False  # keeps a reference to the module's output (whoever calls next must not overwrite it)
     stock: str | None = None    # known, but a module with it stays stock: why
+    # moves weights or inputs only (no effect on values, never decides whether the module runs): a rehearsal sets it
+    # aside, stands the weights it brings in on the device, and counts them (``brings``)
+    rehearsed: bool = False
+    brings: Callable[[Any, nn.Module], Brought | None] | None = None
 
 
 class Chain(Protocol):
@@ -184,6 +205,110 @@ def onloaded(module: nn.Module) -> Iterator[None]:
             m.forward = forward
             for hook in reversed(chain):
                 hook.post_forward(m, None)
+
+
+def rehearsal_problem(module: nn.Module) -> str | None:
+    """Why a forward with this module inside cannot be rehearsed with its hooks set aside (None: it can): a hook that
+    does more than move weights or inputs (a cache deciding whether a block runs) must run, and on fake tensors it
+    would keep them; PyTorch hooks the same."""
+    found = chain_of(module)
+    if found is not None:
+        chain, hooks = found
+        odd = [_label(chain, label, h) for label, h in hooks if not getattr(kind_of(chain, h), "rehearsed", False)]
+        if odd:
+            return f"{chain.library} hooks ({', '.join(odd)})"
+    elif libraries_on(module):
+        return f"{' and '.join(libraries_on(module))} hooks"
+    found_torch = torch_hooks(module)
+    return ", ".join(found_torch) if found_torch else None
+
+
+def off_device(tensors: Iterable[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """The tensors not on ``device`` now (a bare ``cuda`` is the current one)."""
+    index = device.index
+    if device.type == "cuda" and index is None and torch.cuda.is_available():
+        index = torch.cuda.current_device()
+    return [t for t in tensors if t.device.type != device.type or (index is not None and t.device.index != index)]
+
+
+def brought(root: nn.Module) -> list[tuple[nn.Module, Brought]]:
+    """What every hook in ``root`` brings onto the device for its call, with the module it sits on."""
+    found = []
+    for m in root.modules():
+        c = chain_of(m)
+        for _, hook in (c[1] if c else ()):
+            kind = kind_of(c[0], hook)
+            got = kind.brings(hook, m) if kind is not None and kind.brings is not None else None
+            if got is not None and got.tensors:
+                found.append((m, got))
+    return found
+
+
+def weights_in_flight(root: nn.Module) -> int:
+    """The most weight bytes hooks hold on the device at once during ``root``'s call: what they bring for the whole
+    call (hooks on ``root`` itself), the largest streamed unit's (a block's group, or all the leaves inside a block:
+    ``onloaded`` brings them together), and where a library brings the next while one runs, the largest one more."""
+    items = brought(root)
+    whole = {b.key: b.nbytes for m, b in items if m is root}
+    units: dict[int, dict[int, int]] = {}
+    for m, b in items:
+        if m is not root:
+            units.setdefault(id(_unit(root, m)), {})[b.key] = b.nbytes
+    largest = max((sum(u.values()) for u in units.values()), default=0)
+    ahead = max((b.nbytes for m, b in items if m is not root and b.ahead), default=0)
+    return sum(whole.values()) + largest + ahead
+
+
+def _unit(root: nn.Module, m: nn.Module) -> nn.Module:
+    """The streamed module whose call brings ``m``'s weights (the outermost streamed one holding it, below root), or
+    ``m`` itself."""
+    for name, sub in root.named_modules():
+        if sub is root or not _streamed(sub):
+            continue
+        if any(x is m for x in sub.modules()):
+            return sub
+    return m
+
+
+def _streamed(m: nn.Module) -> bool:
+    return bool(getattr(m.__dict__.get("forward"), STREAMED_MARK, False)) or streamed_inside(m)
+
+
+@contextlib.contextmanager
+def set_aside(root: nn.Module, stand_in: Callable[[torch.Tensor, torch.device, torch.dtype], torch.Tensor]):
+    """Every hook chain inside ``root`` set aside (a module runs its innermost link: a streamed forward, or its own)
+    and every tensor the hooks would bring stood in on its device by ``stand_in(t, device, dtype)``; put back after.
+    A rehearsal runs so: the hooks never see fake tensors and the model's real weights are never touched."""
+    forwards: list[tuple[nn.Module, Any]] = []
+    slots: list[tuple[dict, str, Any]] = []
+    try:
+        wanted = {}
+        for _, b in brought(root):
+            for t in b.tensors:
+                wanted[id(t)] = (b.device, b.dtype or t.dtype)
+        for m in root.modules():
+            for holder in (m._parameters, m._buffers):
+                for k, t in list(holder.items()):
+                    if t is not None and id(t) in wanted:
+                        slots.append((holder, k, t))
+                        new = stand_in(t, *wanted[id(t)])
+                        holder[k] = nn.Parameter(new, requires_grad=False) if holder is m._parameters else new
+        for m in root.modules():
+            c = chain_of(m)
+            if c is None:
+                continue
+            inner = getattr(*c[0].inner(m))
+            forwards.append((m, m.__dict__["forward"]))
+            if getattr(inner, "__self__", None) is m and getattr(inner, "__func__", None) is type(m).forward:
+                del m.__dict__["forward"]   # no chain left: the class forward runs, as a capture sees it
+            else:
+                m.__dict__["forward"] = inner
+        yield
+    finally:
+        for m, forward in reversed(forwards):
+            m.__dict__["forward"] = forward
+        for holder, k, t in reversed(slots):
+            holder[k] = t
 
 
 def streamed_inside(module: nn.Module) -> bool:

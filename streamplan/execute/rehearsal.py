@@ -27,6 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _pop_mode_temporaril
 
 from ..plan.budget import fmt_bytes
 from ..registries import state_tensors
+from . import hook_chains as hooks
 from .call_state import REHEARSAL, WHERE
 
 log = logging.getLogger("streamplan")
@@ -169,13 +170,14 @@ def rehearsal_problem(args: tuple, kwargs: dict) -> str | None:
 def rehearse(run: Callable[[tuple, dict], Any], args: tuple, kwargs: dict, device: torch.device,
              root: nn.Module) -> Rehearsed:
     """``run(args, kwargs)`` on fake copies of the call's tensors, with the ledger counting ``device``'s bytes.
-    Whatever a module kept of the rehearsal (a fake tensor cached in an attribute) is put back as it was."""
+    Whatever a module kept of the rehearsal (a fake tensor cached in an attribute) is put back as it was. Hooks that
+    move weights are set aside, the weights they would bring stood in where they would be (the caller counts them)."""
     state = _module_tensors(root)
     ledger = Ledger(device)
     try:
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         fake_args, fake_kwargs = _fake_copy((args, kwargs), mode)
-        with mode:
+        with mode, hooks.set_aside(root, _stand_in_weight):
             REHEARSAL.ledger = ledger
             with ledger:
                 run(fake_args, fake_kwargs)
@@ -185,6 +187,11 @@ def rehearse(run: Callable[[tuple, dict], Any], args: tuple, kwargs: dict, devic
         REHEARSAL.ledger = None
         _put_back(root, state)
     return ledger.result()
+
+
+def _stand_in_weight(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A fake of ``t`` where a hook would bring it (made in the fake mode, outside the ledger: the caller counts it)."""
+    return torch.empty_strided(t.shape, t.stride(), dtype=dtype, device=device)
 
 
 def _fake_copy(tree: Any, mode: FakeTensorMode) -> Any:

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
+import torch
 from torch import nn
 
-from ..execute.hook_chains import HookKind, register_chain, register_hook_kind
+from ..execute.hook_chains import Brought, HookKind, off_device, register_chain, register_hook_kind
 
 
 class AccelerateChain:
@@ -42,5 +43,27 @@ class AccelerateChain:
 
 register_chain(AccelerateChain())
 
-register_hook_kind("accelerate", "AlignDevicesHook", HookKind(around=True, weights=True, lets_go=True))
-register_hook_kind("accelerate", "CpuOffload", HookKind(around=True, lets_go=True))
+def _align_brings(hook: Any, module: nn.Module) -> Brought | None:
+    """Offloading, the module's own weights (its submodules' too where it places them) come from the offload map to the
+    execution device for its call; otherwise the hook moves inputs only."""
+    if not hook.offload or hook.execution_device is None:
+        return None
+    device = torch.device(hook.execution_device)
+    tensors = list(module.parameters(recurse=hook.place_submodules))
+    if hook.offload_buffers:
+        tensors += list(module.buffers(recurse=hook.place_submodules))
+    return Brought(id(hook), off_device(tensors, device), device)
+
+
+def _model_brings(hook: Any, module: nn.Module) -> Brought | None:
+    """The whole model is moved to the execution device before its call and stays there."""
+    if hook.execution_device is None:
+        return None
+    device = torch.device(hook.execution_device)
+    return Brought(id(hook), off_device([*module.parameters(), *module.buffers()], device), device)
+
+
+register_hook_kind("accelerate", "AlignDevicesHook", HookKind(around=True, weights=True, lets_go=True, rehearsed=True,
+                                                              brings=_align_brings))
+register_hook_kind("accelerate", "CpuOffload", HookKind(around=True, lets_go=True, rehearsed=True,
+                                                        brings=_model_brings))

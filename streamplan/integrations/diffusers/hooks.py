@@ -24,9 +24,10 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
+import torch
 from torch import nn
 
-from ...execute.hook_chains import HookKind, register_chain, register_hook_kind
+from ...execute.hook_chains import Brought, HookKind, off_device, register_chain, register_hook_kind
 
 
 class DiffusersChain:
@@ -60,11 +61,32 @@ class DiffusersChain:
 
 register_chain(DiffusersChain())
 
-_WEIGHTS = HookKind(around=True, weights=True, lets_go=True)
-for _name in ("GroupOffloadingHook", "LayerExecutionTrackerHook", "LayerwiseCastingHook"):
-    register_hook_kind("diffusers", _name, _WEIGHTS)
+def _group_brings(hook: Any, module: nn.Module) -> Brought:
+    """A group's modules' tensors and its own, those not on the onload device now; with a stream the next group is
+    onloaded while this one runs."""
+    group = hook.group
+    tensors = [t for m in group.modules for t in (*m.parameters(), *m.buffers())]
+    tensors = list({id(t): t for t in [*tensors, *group.parameters, *group.buffers]}.values())
+    device = torch.device(group.onload_device)
+    return Brought(id(group), off_device(tensors, device), device, ahead=group.stream is not None)
+
+
+def _cast_brings(hook: Any, module: nn.Module) -> Brought:
+    """The module's floating tensors, cast to the compute dtype for its call (``module.to``: all of them)."""
+    tensors = [t for t in (*module.parameters(), *module.buffers())
+               if t.is_floating_point() and t.dtype != hook.compute_dtype]
+    device = next((t.device for t in tensors), torch.device("cpu"))
+    return Brought(id(hook), tensors, device, dtype=hook.compute_dtype)
+
+
+_WEIGHTS = HookKind(around=True, weights=True, lets_go=True, rehearsed=True)
+register_hook_kind("diffusers", "GroupOffloadingHook", HookKind(around=True, weights=True, lets_go=True,
+                                                                rehearsed=True, brings=_group_brings))
+register_hook_kind("diffusers", "LayerwiseCastingHook", HookKind(around=True, weights=True, lets_go=True,
+                                                                 rehearsed=True, brings=_cast_brings))
+register_hook_kind("diffusers", "LayerExecutionTrackerHook", _WEIGHTS)
 # on the model: onloads its own group and, after the first call, wires the prefetch order of the groups
-register_hook_kind("diffusers", "LazyPrefetchGroupOffloadingHook", HookKind(around=True, lets_go=True))
+register_hook_kind("diffusers", "LazyPrefetchGroupOffloadingHook", HookKind(around=True, lets_go=True, rehearsed=True))
 # peft's input autocast is turned off around the call (layerwise casting with LoRA): values untouched
 register_hook_kind("diffusers", "PeftInputAutocastDisableHook", HookKind(around=True, lets_go=True))
 
