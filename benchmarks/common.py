@@ -105,3 +105,16 @@ class stage_peaks:
             else:
                 delattr(owner, attr)
         self._undo.clear()
+
+
+def send_to_device_without_accelerate() -> None:
+    """diffusers' group offloading imports accelerate's send_to_device only when accelerate is installed, and calls
+    it on every hooked call: without accelerate, an equivalent (tensors in nested args moved, others as they are)."""
+    from diffusers.hooks import group_offloading as go
+    if hasattr(go, "send_to_device"):
+        return
+    from torch.utils._pytree import tree_map
+
+    def send_to_device(obj, device, non_blocking=False, **_):
+        return tree_map(lambda t: t.to(device, non_blocking=non_blocking) if isinstance(t, torch.Tensor) else t, obj)
+    go.send_to_device = send_to_device

@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import streamplan  # noqa: E402
-from common import device_info, stage_peaks, write_results  # noqa: E402
+from common import device_info, send_to_device_without_accelerate, stage_peaks, write_results  # noqa: E402
 
 BF16 = torch.bfloat16
 GiB = 1 << 30
@@ -127,19 +127,6 @@ def _compare(row: dict, out: torch.Tensor | None, ref: torch.Tensor | None) -> N
     row["bit_identical"] = bool(torch.equal(out, ref))
 
 
-def _send_to_device_without_accelerate() -> None:
-    """diffusers' group offloading imports accelerate's send_to_device only when accelerate is installed, and calls
-    it on every hooked call: without accelerate, an equivalent (tensors in nested args moved, others as they are)."""
-    from diffusers.hooks import group_offloading as go
-    if hasattr(go, "send_to_device"):
-        return
-    from torch.utils._pytree import tree_map
-
-    def send_to_device(obj, device, non_blocking=False, **_):
-        return tree_map(lambda t: t.to(device, non_blocking=non_blocking) if isinstance(t, torch.Tensor) else t, obj)
-    go.send_to_device = send_to_device
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", default="75600,217088", help="comma-separated token counts")
@@ -168,7 +155,7 @@ def main() -> int:
         print(f"missing: {', '.join(missing)} (shared/tools/gpu-wheels.sh puts diffusers' wheels in .whl/; install "
               "them as that script says)", file=sys.stderr)
         return 2
-    _send_to_device_without_accelerate()
+    send_to_device_without_accelerate()
     if a.out_dir:
         os.environ["OUT"] = a.out_dir
     info = device_info() if DEV == "cuda" else {"device": "cpu dry run", "torch": torch.__version__}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from typing import Any
 
 import torch
@@ -73,6 +74,7 @@ def _planned_ahead(ctx: CallContext, sig: tuple, plan: Plan, run, args: tuple, k
     """Plan the whole forward before it runs (True), or say why it is planned block by block as it runs (False). A
     refusal takes the model's own plan back too: nothing of the call is kept."""
     if problem is None:
+        start = time.perf_counter()
         try:
             figures = plan_forward(ctx, run, args, kwargs, device)
         except RehearsalFailed as exc:
@@ -86,8 +88,8 @@ def _planned_ahead(ctx: CallContext, sig: tuple, plan: Plan, run, args: tuple, k
         return False
     plan.live_bytes, plan.predicted_peak, plan.stock_peak = 0, figures.predicted, figures.stock or 0
     plan.rows = figures.rows
-    plan.note = (f"{plan.note}; the whole forward planned ahead (rehearsed on fake tensors): peak "
-                 f"{figures.at_peak}")
+    plan.note = (f"{plan.note}; the whole forward planned ahead (rehearsed on fake tensors in "
+                 f"{time.perf_counter() - start:.1f} s): peak {figures.at_peak}")
     if figures.stock_fits:
         plan.tier = Tier.L0
         plan.note = "model forward: the stock forward fits the budget (planned ahead): the stock forward"
