@@ -199,3 +199,38 @@ def test_a_forward_with_fused_chains_is_planned_ahead_on_its_first_call(monkeypa
     assert "each ran as one compiled kernel, exact" in handle.report(), handle.report()
     assert rel_err(out, ref) <= 1e-5 and peak <= budget, (peak, budget)
     handle.remove()
+
+
+@torch.no_grad()
+def test_a_rehearsal_runs_each_distinct_block_once_and_predicts_as_if_it_ran_them_all(monkeypatch):
+    """Blocks 1.. are twins of block 0 (same structure, same call): their rehearsal is replayed from block 0's, the
+    plans copied, and the forward's predicted peak is the one a rehearsal running every block finds."""
+    from streamplan.execute import dispatch
+    from streamplan.execute.call_state import rehearsing
+    from streamplan.specs import GraphSpec
+    model, call, _ = _wan()
+    ref, stock_peak = streamplan.measure_peak(call)
+    ran = []
+    handler = dispatch.HANDLERS[GraphSpec]
+    monkeypatch.setitem(dispatch.HANDLERS, GraphSpec, lambda ctx, a, k: (
+        ran.append(ctx.entry.name) if rehearsing() else None, handler(ctx, a, k))[1])
+
+    def planned():
+        handle = streamplan.apply(model, budget=stock_peak // 2)
+        out, peak = streamplan.measure_peak(call)
+        plans = {name: [p.to_dict() for p in ps] for name, ps in handle.plans.items()}
+        handle.remove()
+        assert rel_err(out, ref) <= 1e-5 and peak <= stock_peak // 2
+        return plans
+
+    replayed = planned()
+    assert ran == ["blocks.0"], ran
+    ran.clear()
+    monkeypatch.setattr(dispatch, "run_replayed", lambda ctx, a, k, h: h(ctx, a, k))
+    every = planned()
+    assert ran == ["blocks.0", "blocks.1", "blocks.2"], ran
+    for plans in (replayed, every):   # the note says how long the rehearsal took: not compared
+        plans[""][0]["note"] = plans[""][0]["note"].split(" in ")[0]
+    assert replayed == every
+    blocks = [str(ps) for name, ps in replayed.items() if name.count(".") == 1]
+    assert len(blocks) == 3 and len(set(blocks)) == 1, blocks

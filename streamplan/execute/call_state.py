@@ -39,6 +39,9 @@ class _Rehearsal(threading.local):
     budget = None    # a byte budget the rehearsal plans under in place of the options' (the smallest's search)
     least = False    # every operation planned at the smallest peak it reaches (the smallest budget's rehearsal)
     ahead = False    # the real run of a forward planned ahead: its parts' budget checks were the rehearsal's
+    replays = None   # in a rehearsal: what each block's call did, by its call's key, for its twins (``replay``)
+    structures = None   # in a rehearsal: each block's structure, by id, computed once
+    replaying = False   # a block's call whose effect is being kept is in progress (calls inside it run as they are)
 
 
 REHEARSAL = _Rehearsal()

@@ -69,13 +69,15 @@ def plan_forward(ctx: CallContext, run: Callable[[tuple, dict], Any], args: tupl
     """Rehearse the streamed forward under the budget; keep its plans when its peak fits, else raise ``BudgetError``
     with the smallest budget that runs (or, under ``smallest_when_short``, keep the plans at that smallest)."""
     budget = budget_bytes(ctx, device)
-    stock = _stock_peak(ctx, args, kwargs, device)
     before = _plan_keys(ctx)
     attempt = functools.partial(_attempt, ctx, run, args, kwargs, device, before)
     try:
         figures = attempt(budget=held(budget))
         if figures.predicted <= held(budget):
-            figures.stock, figures.budget = _larger(stock, figures.stock), budget
+            figures.budget = budget
+            if not figures.stock_fits and figures.stock is not None:   # its parts' stock alone is over: no rehearsal
+                return figures
+            figures.stock = _larger(_stock_peak(ctx, args, kwargs, device), figures.stock)
             return figures
         why = f"its peak would be {fmt_bytes(figures.predicted)}, {figures.at_peak}"
         _drop_new(ctx, before)
@@ -86,7 +88,7 @@ def plan_forward(ctx: CallContext, run: Callable[[tuple, dict], Any], args: tupl
         figures = attempt(least=True)
         ctx.note(f"the budget {fmt_bytes(budget)} is below the smallest this forward reaches: planned at that smallest "
                  f"({fmt_bytes(figures.predicted)} predicted) instead of refusing")
-        figures.stock, figures.budget = _larger(stock, figures.stock), budget
+        figures.budget = budget   # its parts' stock (a lower bound of stock's peak) is over the smallest already
         return figures
     raise BudgetError(
         f"{type(ctx.entry.module).__name__}: the budget {fmt_bytes(budget)} cannot hold the whole forward (planned "

@@ -223,12 +223,15 @@ def rehearsal_problem(module: nn.Module) -> str | None:
     return ", ".join(found_torch) if found_torch else None
 
 
-def off_device(tensors: Iterable[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-    """The tensors not on ``device`` now (a bare ``cuda`` is the current one)."""
-    index = device.index
-    if device.type == "cuda" and index is None and torch.cuda.is_available():
-        index = torch.cuda.current_device()
-    return [t for t in tensors if t.device.type != device.type or (index is not None and t.device.index != index)]
+def same_device(a: torch.device | str, b: torch.device | str) -> bool:
+    """Whether two devices are one (a bare ``cuda`` is the current one)."""
+    a, b = (torch.device(d) for d in (a, b))
+    if a.type != b.type:
+        return False
+    if a.index is None or b.index is None:
+        current = torch.cuda.current_device() if a.type == "cuda" and torch.cuda.is_available() else None
+        return (a.index if a.index is not None else current) == (b.index if b.index is not None else current)
+    return a.index == b.index
 
 
 def brought(root: nn.Module) -> list[tuple[nn.Module, Brought]]:
@@ -285,7 +288,8 @@ def set_aside(root: nn.Module, stand_in: Callable[[torch.Tensor, torch.device, t
         wanted = {}
         for _, b in brought(root):
             for t in b.tensors:
-                wanted[id(t)] = (b.device, b.dtype or t.dtype)
+                if not same_device(t.device, b.device) or (b.dtype or t.dtype) != t.dtype:
+                    wanted[id(t)] = (b.device, b.dtype or t.dtype)
         for m in root.modules():
             for holder in (m._parameters, m._buffers):
                 for k, t in list(holder.items()):

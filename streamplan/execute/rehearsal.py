@@ -74,6 +74,7 @@ class Ledger(TorchDispatchMode):
         self.live: dict[int, Held] = {}
         self.at_peak: Rehearsed = Rehearsed(0, FORWARD)
         self._snapped = 0
+        self.window_peak = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -107,12 +108,34 @@ class Ledger(TorchDispatchMode):
         self.live[key] = held
         weakref.finalize(storage, self._free, key)
         self.current += held.nbytes
+        self.window_peak = max(self.window_peak, self.current)
         if self.current > self.peak:
-            self.peak = self.current
-            if self.peak > self._snapped * 1.01:   # a snapshot per percent of growth: the largest live, and where
-                self._snapped = self.peak
-                largest = sorted(self.live.values(), key=lambda h: -h.nbytes)[:3]
-                self.at_peak = Rehearsed(self.peak, held.where, largest)
+            self._new_peak(self.current, held.where)
+
+    def _new_peak(self, peak: int, where: str, extra: Held | None = None) -> None:
+        self.peak = peak
+        if self.peak > self._snapped * 1.01:   # a snapshot per percent of growth: the largest live, and where
+            self._snapped = self.peak
+            largest = sorted([*self.live.values(), *([extra] if extra else [])], key=lambda h: -h.nbytes)[:3]
+            self.at_peak = Rehearsed(self.peak, where, largest)
+
+    def window(self) -> tuple[int, int]:
+        """Start measuring a call's own peak (``window_end``); returns what to hand back then."""
+        started = (self.current, self.window_peak)
+        self.window_peak = self.current
+        return started
+
+    def window_end(self, started: tuple[int, int]) -> int:
+        """The call's peak above what was live when its window started."""
+        at, outer = started
+        peak, self.window_peak = self.window_peak - at, max(outer, self.window_peak)
+        return peak
+
+    def lift(self, above: int, where: str) -> None:
+        """A replayed call's peak: ``above`` bytes over what is live now, for a moment (``replay``)."""
+        self.window_peak = max(self.window_peak, self.current + above)
+        if self.current + above > self.peak:
+            self._new_peak(self.current + above, where, Held(above, "its work (replayed from its twin)", where))
 
     def _free(self, key: int) -> None:
         held = self.live.pop(key, None)
@@ -178,13 +201,13 @@ def rehearse(run: Callable[[tuple, dict], Any], args: tuple, kwargs: dict, devic
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         fake_args, fake_kwargs = _fake_copy((args, kwargs), mode)
         with mode, hooks.set_aside(root, _stand_in_weight):
-            REHEARSAL.ledger = ledger
+            REHEARSAL.ledger, REHEARSAL.replays, REHEARSAL.structures = ledger, {}, {}
             with ledger:
                 run(fake_args, fake_kwargs)
     except (DataDependentOutputException, DynamicOutputShapeException, UnsupportedFakeTensorException) as exc:
         raise RehearsalFailed(f"an op reads values, not only shapes ({type(exc).__name__}: {exc})") from None
     finally:
-        REHEARSAL.ledger = None
+        REHEARSAL.ledger, REHEARSAL.replays, REHEARSAL.structures = None, None, None
         _put_back(root, state)
     return ledger.result()
 

@@ -15,7 +15,7 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-from ..execute.hook_chains import Brought, HookKind, off_device, register_chain, register_hook_kind
+from ..execute.hook_chains import Brought, HookKind, register_chain, register_hook_kind
 
 
 class AccelerateChain:
@@ -45,22 +45,23 @@ register_chain(AccelerateChain())
 
 def _align_brings(hook: Any, module: nn.Module) -> Brought | None:
     """Offloading, the module's own weights (its submodules' too where it places them) come from the offload map to the
-    execution device for its call; otherwise the hook moves inputs only."""
+    execution device for its call (all of them: on the model itself they are in place before streamplan's forward
+    runs, inside the hook); otherwise the hook moves inputs only."""
     if not hook.offload or hook.execution_device is None:
         return None
-    device = torch.device(hook.execution_device)
     tensors = list(module.parameters(recurse=hook.place_submodules))
     if hook.offload_buffers:
         tensors += list(module.buffers(recurse=hook.place_submodules))
-    return Brought(id(hook), off_device(tensors, device), device)
+    return Brought(id(hook), tensors, torch.device(hook.execution_device))
 
 
 def _model_brings(hook: Any, module: nn.Module) -> Brought | None:
-    """The whole model is moved to the execution device before its call and stays there."""
+    """The whole model is moved to the execution device before its call and stays there: a first call adds it all
+    (counted so: which call is first is not known inside the hook)."""
     if hook.execution_device is None:
         return None
     device = torch.device(hook.execution_device)
-    return Brought(id(hook), off_device([*module.parameters(), *module.buffers()], device), device)
+    return Brought(id(hook), [*module.parameters(), *module.buffers()], device)
 
 
 register_hook_kind("accelerate", "AlignDevicesHook", HookKind(around=True, weights=True, lets_go=True, rehearsed=True,

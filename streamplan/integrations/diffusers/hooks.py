@@ -27,7 +27,7 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-from ...execute.hook_chains import Brought, HookKind, off_device, register_chain, register_hook_kind
+from ...execute.hook_chains import Brought, HookKind, register_chain, register_hook_kind, same_device
 
 
 class DiffusersChain:
@@ -61,14 +61,17 @@ class DiffusersChain:
 
 register_chain(DiffusersChain())
 
-def _group_brings(hook: Any, module: nn.Module) -> Brought:
-    """A group's modules' tensors and its own, those not on the onload device now; with a stream the next group is
-    onloaded while this one runs."""
+def _group_brings(hook: Any, module: nn.Module) -> Brought | None:
+    """A group's modules' tensors and its own, all of them (the model's own group is onloaded before streamplan's
+    forward runs, inside its hooks, and offloaded after: the call adds it); with a stream the next group is onloaded
+    while this one runs. Nothing where the group is offloaded to where it runs."""
     group = hook.group
+    device = torch.device(group.onload_device)
+    if same_device(group.offload_device, device):
+        return None
     tensors = [t for m in group.modules for t in (*m.parameters(), *m.buffers())]
     tensors = list({id(t): t for t in [*tensors, *group.parameters, *group.buffers]}.values())
-    device = torch.device(group.onload_device)
-    return Brought(id(group), off_device(tensors, device), device, ahead=group.stream is not None)
+    return Brought(id(group), tensors, device, ahead=group.stream is not None)
 
 
 def _cast_brings(hook: Any, module: nn.Module) -> Brought:
