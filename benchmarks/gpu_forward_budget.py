@@ -174,7 +174,8 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=217088)
     p.add_argument("--budgets-gib", default="7,8,10")
     p.add_argument("--refuse-gib", type=float, default=4.0)
-    p.add_argument("--run-smallest", action="store_true", help="also run at the refusal's smallest budget")
+    p.add_argument("--run-smallest", action="store_true", help="also run at the refusal's smallest budget (its first "
+                   "call timed, the rehearsal taken out)")
     p.add_argument("--offload", action="store_true", help="weights in pinned host memory, block-level group "
                    "offloading with a prefetch stream, after stock's reference run")
     p.add_argument("--warmup-tokens", type=int, default=8192, help="with --offload: the small first call's length")
@@ -220,7 +221,7 @@ def main() -> int:
             keep(accepted(model, call, budget, ref, stock_s, a.repeat, warm))
         keep(refused(model, call, int(a.refuse_gib * scale)))   # last: the smallest's search rehearses several times
         if a.run_smallest and rows[-1].get("smallest_bytes"):
-            keep(accepted(model, call, rows[-1]["smallest_bytes"], ref, stock_s, a.repeat, warm))
+            keep(accepted(model, call, rows[-1]["smallest_bytes"], ref, stock_s, 0, warm))   # its first call only
     return 0
 
 
