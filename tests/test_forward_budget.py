@@ -134,8 +134,11 @@ def test_a_forward_under_weight_moving_hooks_is_held_to_its_budget_weights_inclu
     model, call, inputs = _wan()
     WEIGHT_HOOKS[hooks](model)
     ref, stock_peak = streamplan.measure_peak(call)
+    where = {k: (t.device, t.dtype) for k, t in model.state_dict(keep_vars=True).items()}
     err = _refusal(model, call, stock_peak // 50)
     smallest = err.smallest_bytes
+    # the hooks around the forward brought the model's own weights in before it refused: put back as they were
+    assert {k: (t.device, t.dtype) for k, t in model.state_dict(keep_vars=True).items()} == where
     assert stock_peak // 50 < smallest < stock_peak, str(err)
     for budget in (smallest, (smallest + stock_peak) // 2):
         handle = streamplan.apply(model, budget=budget)

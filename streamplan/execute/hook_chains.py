@@ -57,6 +57,9 @@ class HookKind:
     # aside, stands the weights it brings in on the device, and counts them (``brings``)
     rehearsed: bool = False
     brings: Callable[[Any, nn.Module], Brought | None] | None = None
+    # puts back what the hook brought when the call it began ends in an error (a refusal raised inside the chain: the
+    # hook's own after-call never runs)
+    release: Callable[[Any, nn.Module], None] | None = None
 
 
 class Chain(Protocol):
@@ -260,6 +263,17 @@ def weights_in_flight(root: nn.Module) -> int:
     largest = max((sum(u.values()) for u in units.values()), default=0)
     ahead = max((b.nbytes for m, b in items if m is not root and b.ahead), default=0)
     return sum(whole.values()) + largest + ahead
+
+
+def release_all(root: nn.Module) -> None:
+    """Every hook in ``root`` puts back what it brought (a refused call's outer hooks onloaded the model's own weights
+    and prefetched the first block's, and will not run their after-call): the model as it was before the call."""
+    for m in root.modules():
+        c = chain_of(m)
+        for _, hook in (c[1] if c else ()):
+            kind = kind_of(c[0], hook)
+            if kind is not None and kind.release is not None:
+                kind.release(hook, m)
 
 
 def _unit(root: nn.Module, m: nn.Module) -> nn.Module:

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from . import hook_chains as hooks
 from .context import CallContext
 from .call_state import bypass, needs_grad, planned_ahead, rehearsing, shapes
 from .forward_plan import forward_problem, plan_forward
@@ -81,6 +82,7 @@ def _planned_ahead(ctx: CallContext, sig: tuple, plan: Plan, run, args: tuple, k
             problem = str(exc)
         except Exception:
             ctx.entry.plans.pop(sig, None)
+            hooks.release_all(ctx.entry.module)   # what the hooks around this forward brought in, put back
             raise
     if problem is not None:
         ctx.note(f"the whole forward was not planned ahead ({problem}): its blocks plan as they run, each within "

@@ -64,7 +64,13 @@ def _model_brings(hook: Any, module: nn.Module) -> Brought | None:
     return Brought(id(hook), [*module.parameters(), *module.buffers()], device)
 
 
+def _align_release(hook: Any, module: nn.Module) -> None:
+    """Offloading, the module's own weights back to meta if they are in place now (its after-call, as a call ends)."""
+    if hook.offload and any(t.device.type != "meta" for t in module.parameters(recurse=hook.place_submodules)):
+        hook.post_forward(module, None)
+
+
 register_hook_kind("accelerate", "AlignDevicesHook", HookKind(around=True, weights=True, lets_go=True, rehearsed=True,
-                                                              brings=_align_brings))
+                                                              brings=_align_brings, release=_align_release))
 register_hook_kind("accelerate", "CpuOffload", HookKind(around=True, lets_go=True, rehearsed=True,
                                                         brings=_model_brings))

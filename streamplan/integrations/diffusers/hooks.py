@@ -74,6 +74,20 @@ def _group_brings(hook: Any, module: nn.Module) -> Brought | None:
     return Brought(id(group), tensors, device, ahead=group.stream is not None)
 
 
+def _group_release(hook: Any, module: nn.Module) -> None:
+    """A group onloaded now (the model's own, a prefetched one) offloaded again, once, by its offload leader; its
+    side stream finished first (a prefetch may still be copying)."""
+    group = hook.group
+    if group.offload_leader is not module or same_device(group.offload_device, group.onload_device):
+        return
+    tensors = [t for m in group.modules for t in m.parameters()] + list(group.parameters)
+    if not any(same_device(t.device, group.onload_device) for t in tensors):
+        return
+    if group.stream is not None:
+        group.stream.synchronize()
+    group.offload_()
+
+
 def _cast_brings(hook: Any, module: nn.Module) -> Brought:
     """The module's floating tensors, cast to the compute dtype for its call (``module.to``: all of them)."""
     tensors = [t for t in (*module.parameters(), *module.buffers())
@@ -84,7 +98,8 @@ def _cast_brings(hook: Any, module: nn.Module) -> Brought:
 
 _WEIGHTS = HookKind(around=True, weights=True, lets_go=True, rehearsed=True)
 register_hook_kind("diffusers", "GroupOffloadingHook", HookKind(around=True, weights=True, lets_go=True,
-                                                                rehearsed=True, brings=_group_brings))
+                                                                rehearsed=True, brings=_group_brings,
+                                                                release=_group_release))
 register_hook_kind("diffusers", "LayerwiseCastingHook", HookKind(around=True, weights=True, lets_go=True,
                                                                  rehearsed=True, brings=_cast_brings))
 register_hook_kind("diffusers", "LayerExecutionTrackerHook", _WEIGHTS)
