@@ -35,7 +35,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from .call_state import rehearsed
+from .call_state import rehearsed, rehearsing
 from ..attention.lse_merge import LseAccumulator
 
 KV_KINDS = ("device", "host", "int8", "fp8")
@@ -169,9 +169,10 @@ class HostStore(KVStore):
         self.cuda = self.device.type == "cuda"
         self.staging: _Staging | None = None
         shape = (G, total, B, H // G, D)
-        if self.device.type == "meta":   # planning on meta tensors: shapes only
-            self.hk = torch.empty(shape, dtype=self.dtype, device="meta")
-            self.hv = torch.empty(shape, dtype=self.dtype, device="meta")
+        if self.device.type == "meta":   # planning on meta tensors: shapes only (in a rehearsal, fake host tensors:
+            host = "cpu" if rehearsing() else "meta"   # the ledger counts the device's bytes, not the host's)
+            self.hk = torch.empty(shape, dtype=self.dtype, device=host)
+            self.hv = torch.empty(shape, dtype=self.dtype, device=host)
             return
         self.hk = _host_empty(shape, self.dtype, self.cuda)
         self.hv = _host_empty(shape, self.dtype, self.cuda)

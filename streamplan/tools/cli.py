@@ -31,6 +31,8 @@ DEMO_CASES = {
 DEMO_DEFAULT_TOKENS = {"wan-block": 4096, "wan-ffn": 16384}
 PLAN_FAMILIES = {
     "wan-14b-block": "Wan2.1-14B WanTransformerBlock (diffusers): dim 5120, ffn 13824, 40 heads",
+    "wan-14b-model": "Wan2.1-14B WanTransformer3DModel (diffusers): 40 layers, 5120 wide, 512 text tokens; the whole "
+                     "forward planned (its hidden state, rotary tables and head beside each block)",
     "wan-1.3b-block": "Wan2.1-1.3B WanTransformerBlock (diffusers): dim 1536, ffn 8960, 12 heads",
     "flux-double-block": "Flux.1 FluxTransformerBlock (diffusers): dim 3072, 24 heads, 512 text tokens",
     "flux-single-block": "Flux.1 FluxSingleTransformerBlock (diffusers): dim 3072, 24 heads, 512 text tokens",
@@ -45,7 +47,7 @@ BENCH_CASES = {
     "llama3-8b-model-2-layers": "LlamaForCausalLM (transformers) at Llama-3-8B width, 2 layers, prefill with logits "
                                 "for the last token",
 }
-del BENCH_CASES["wan-1.3b-block"]
+del BENCH_CASES["wan-1.3b-block"], BENCH_CASES["wan-14b-model"]
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 KV_CHOICES = ("device", "host", "int8", "fp8")   # apply's kv= (streamplan.execute.kv_stores.KV_KINDS)
 FUSE_CHOICES = {"auto": None, "on": True, "off": False}   # apply's fuse=
@@ -271,7 +273,7 @@ def _print_smallest(module, inputs: tuple, kv: str, file=None) -> None:
 
     print("finding the smallest budget (each refusal names the next; near the floor the meta run has many small "
           "chunks: up to a minute) ...", file=sys.stderr, flush=True)
-    budget = 1
+    budget = 1 << 20   # below any forward's smallest, above what a plan's margin rounds to nothing
     for _ in range(SMALLEST_ROUNDS):
         handle = streamplan.apply(module, budget=budget, kv=kv)
         try:

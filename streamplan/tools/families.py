@@ -90,6 +90,31 @@ def _h3_model_inputs(n: int, dev: torch.device, dt: torch.dtype) -> tuple:
             torch.zeros(n, 3, dtype=torch.long, device=dev), idx[text + audio:], idx[text:text + audio], idx[:text])
 
 
+def _wan_model() -> nn.Module:
+    from diffusers import WanTransformer3DModel
+    return WanTransformer3DModel(num_layers=40)   # defaults: Wan2.1-14B T2V (5120 wide, 40 heads, ffn 13824)
+
+
+def wan_latent(n: int) -> tuple[int, int, int]:
+    """(frames, height, width) of a latent with ``n`` rows at 1x2x2 patches: the fewest frames whose patch grid fits
+    128 x 128, the grid as square as the count allows."""
+    for frames in range(1, n + 1):
+        if n % frames or n // frames > 128 * 128:
+            continue
+        per = n // frames
+        rows = max(d for d in range(1, int(per ** 0.5) + 1) if per % d == 0)
+        if per // rows <= 1024:   # the model's rotary tables reach 1,024 patches per axis
+            return frames, 2 * rows, 2 * (per // rows)
+    raise ValueError(f"{n} tokens make no Wan latent grid (a frame count times a patch grid of at most 128 x 128): "
+                     "pick a multiple of 1,024, such as 32768, 75776 or 217088")
+
+
+def _wan_model_inputs(n: int, dev: torch.device, dt: torch.dtype) -> tuple:
+    f, h, w = wan_latent(n)
+    return (torch.randn(1, 16, f, h, w, device=dev, dtype=dt), torch.tensor([500], device=dev),
+            torch.randn(1, 512, 4096, device=dev, dtype=dt))
+
+
 def _bytes(elems_per_token: int) -> Callable[[torch.dtype], float]:
     return lambda dt: elems_per_token * torch.empty((), dtype=dt).element_size()
 
@@ -97,6 +122,9 @@ def _bytes(elems_per_token: int) -> Callable[[torch.dtype], float]:
 FAMILIES: dict[str, Family] = {f.name: f for f in [
     Family("wan-14b-block", "Wan2.1-14B WanTransformerBlock (diffusers): dim 5120, ffn 13824, 40 heads",
            _wan_block(5120, 13824, 40), _wan_inputs(5120, 40), _bytes(3 * 5120)),
+    Family("wan-14b-model", "Wan2.1-14B WanTransformer3DModel (diffusers): 40 layers, 5120 wide, 512 text tokens; the "
+           "whole forward planned (its hidden state, rotary tables and head beside each block)",
+           _wan_model, _wan_model_inputs, _bytes(3 * 5120)),
     Family("wan-1.3b-block", "Wan2.1-1.3B WanTransformerBlock (diffusers): dim 1536, ffn 8960, 12 heads",
            _wan_block(1536, 8960, 12), _wan_inputs(1536, 12), _bytes(3 * 1536)),
     Family("flux-double-block", "Flux.1 FluxTransformerBlock (diffusers): dim 3072, 24 heads, 512 text tokens",
