@@ -34,6 +34,7 @@ import streamplan
 DEV = "cuda"
 BF16 = torch.bfloat16
 GIB = 1 << 30
+HIDDEN = "auto"         # apply(hidden=...): where the forward keeps its hidden state (--hidden)
 ALLOWANCE = 256 << 20   # the cap's room above the budget for the caching allocator's rounding
 LATENTS = {32768: (8, 64, 256), 75600: (21, 90, 160), 217088: (53, 128, 128)}   # frames, height, width (1x2x2 patches)
 
@@ -108,7 +109,7 @@ def _rel(a, b) -> float:
 
 
 def refused(model, call, budget: int) -> dict:
-    handle = streamplan.apply(model, budget=budget)
+    handle = streamplan.apply(model, budget=budget, hidden=HIDDEN)
     before = _allocated()
     t = time.perf_counter()
     try:
@@ -128,7 +129,7 @@ REHEARSED = re.compile(r"the whole forward rehearsed in ([0-9.]+) s")
 
 
 def accepted(model, call, budget: int, ref, stock_s: float, repeat: int = 1, warm=None) -> dict:
-    handle = streamplan.apply(model, budget=budget)
+    handle = streamplan.apply(model, budget=budget, hidden=HIDDEN)
     gc.collect()
     base = _allocated()
     _cap(base + budget + ALLOWANCE)
@@ -152,6 +153,7 @@ def accepted(model, call, budget: int, ref, stock_s: float, repeat: int = 1, war
         row.update(first_call_s=first_s, rehearsal_s=rehearsal_s, times_s=times, time_s=t, time_vs_stock=t / stock_s,
                    peak_bytes=peak, peak_GiB=peak / GIB, held=peak <= budget, predicted_bytes=plan.predicted_total,
                    rel_diff_vs_stock=_rel(out, ref), tier=str(plan.tier), note=plan.note[:600],
+                   host_bytes=plan.host_bytes,
                    blocks={k: [p.describe() for p in v] for k, v in handle.plans.items() if k.startswith("blocks.")
                            and v})
         del out
@@ -169,7 +171,7 @@ def accepted(model, call, budget: int, ref, stock_s: float, repeat: int = 1, war
 
 
 def main() -> int:
-    global DEV
+    global DEV, HIDDEN
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--tokens", type=int, default=217088)
@@ -181,8 +183,11 @@ def main() -> int:
                    "offloading with a prefetch stream, after stock's reference run")
     p.add_argument("--warmup-tokens", type=int, default=8192, help="with --offload: the small first call's length")
     p.add_argument("--repeat", type=int, default=1, help="timed calls after each budget's first")
+    p.add_argument("--hidden", default="auto", choices=("auto", "device", "host"),
+                   help="apply(hidden=): where the forward keeps its hidden state between blocks")
     p.add_argument("--cpu-dry-run", action="store_true")
     a = p.parse_args()
+    HIDDEN = a.hidden
     if a.cpu_dry_run:
         DEV = "cpu"
     faulthandler.dump_traceback_later(900, exit=True)   # a stuck step says where it is

@@ -16,6 +16,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "apply": "api", "StreamHandle": "api", "BlockStreamer": "api", "StreamOptions": "options", "verify": "verify",
     "measure_peak": "meter", "parse_budget": "plan.budget", "BudgetError": "plan.planner",
+    "HostMemoryError": "plan.planner",
     "register_consumer": "attention", "unregister_consumer": "attention", "ConsumerCaps": "attention",
     "AttentionConsumer": "attention",
 }

@@ -21,7 +21,8 @@ from .plan.budget import DEFAULT_RESERVE, auto_budget, fmt_bytes
 from .execute.call_state import BYPASS, REHEARSAL, ROOT, bypass, live_bytes, outermost, rehearsing, within
 from .attention import consumer_for
 from .execute.chunk_loop import drain_retries
-from .specs import ROW_MASK_MARK, STREAMED_MARK, AttentionSpec, GraphSpec, MLPSpec, ModelSpec, Skip, row_masks_whole
+from .specs import (DESCRIBED_MARK, STREAMED_MARK, AttentionSpec, GraphSpec, MLPSpec, ModelSpec, Skip,
+                    described_whole)
 from .options import StreamOptions
 from .plan.planner import BudgetError, Plan, Tier
 from .integrations.recognizers import recognize
@@ -98,22 +99,22 @@ class StreamHandle:
         @functools.wraps(type(module).forward)
         def streamed_forward(*args: Any, **kwargs: Any) -> Any:
             if BYPASS.active:
-                args, kwargs = row_masks_whole(args, kwargs)
+                args, kwargs = described_whole(args, kwargs)
                 return entry.stock(*args, **kwargs)
             if torch.compiler.is_compiling():   # inside a compiled module (its parts): dynamo would trace the chunks
                 self.note(entry, "called under torch.compile: ran stock")
-                args, kwargs = row_masks_whole(args, kwargs)
+                args, kwargs = described_whole(args, kwargs)
                 return entry.stock(*args, **kwargs)
             if entry.module.training:   # checked per call: train() after apply must get the stock behaviour back
                 self.note(entry, "in training mode: ran stock (streamplan is for inference: call .eval())")
-                args, kwargs = row_masks_whole(args, kwargs)
+                args, kwargs = described_whole(args, kwargs)
                 return entry.stock(*args, **kwargs)
             with outermost(args, kwargs):
                 return self._run(entry, args, kwargs)
 
         setattr(streamed_forward, STREAMED_MARK, True)
         if isinstance(spec, GraphSpec):   # a model forward may hand it masks over rows described (ir.RowMask)
-            setattr(streamed_forward, ROW_MASK_MARK, True)
+            setattr(streamed_forward, DESCRIBED_MARK, True)
         inner = hooks.install(module, streamed_forward)   # inside the module's diffusers hooks, where stock ran
         if inner is None:
             module.forward = streamed_forward
@@ -175,7 +176,7 @@ class StreamHandle:
         if checking:  # the reference runs stock on private copies: the caller's inputs and caches stay as they are
             ref_args, ref_kwargs = private_copy(args), private_copy(kwargs)
             with bypass():
-                ref_args, ref_kwargs = row_masks_whole(ref_args, ref_kwargs)
+                ref_args, ref_kwargs = described_whole(ref_args, ref_kwargs)
                 ref = entry.stock(*ref_args, **ref_kwargs)
             del ref_args, ref_kwargs
         with within(entry.name or "<root>"):
@@ -407,7 +408,7 @@ def apply(module: nn.Module, budget: int | str | None = "auto", chunk_tokens: in
           ffn_slice: int | None = None, head_groups: int | None = None, reserve: int | str = DEFAULT_RESERVE,
           self_check: bool = False, capture: str = "fallback", kv: str = "device",
           row_pieces: int | None = None, q_span: int | None = None, fuse: bool | None = None,
-          options: StreamOptions | None = None) -> StreamHandle:
+          hidden: str = "auto", options: StreamOptions | None = None) -> StreamHandle:
     """Stream every recognised structure inside ``module`` in place; returns a handle to report and undo.
 
     The keywords are ``StreamOptions``' fields (its docstring says what each does); ``options`` passes them as one
@@ -418,7 +419,7 @@ def apply(module: nn.Module, budget: int | str | None = "auto", chunk_tokens: in
         raise ValueError(f"module must be a torch.nn.Module, got {type(module).__name__}")
     if options is None:
         options = StreamOptions(budget, chunk_tokens, ffn_slice, head_groups, reserve, self_check, capture, kv,
-                                row_pieces, q_span, fuse)
+                                row_pieces, q_span, fuse, hidden=hidden)
     else:
         given = _keywords_besides_options(locals())
         if given:

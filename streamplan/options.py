@@ -8,6 +8,8 @@ from .execute.kv_tiers import check_kv
 from .integrations.recognizers import CAPTURE_MODES
 from .plan.budget import DEFAULT_RESERVE, parse_budget
 
+HIDDEN_PLACES = ("auto", "device", "host")
+
 
 @dataclass
 class StreamOptions:
@@ -44,6 +46,11 @@ class StreamOptions:
             as eager does, checked bit for bit on a first chunk (a chain that differs runs eager, reported).
             ``None`` (default): where the device is CUDA with Triton; ``True``: wherever Inductor runs; ``False``:
             never.
+        hidden: where a model forward streamplan runs keeps its hidden state between blocks: ``"auto"`` (default:
+            on the device, and in host memory (L6, exact) only under a budget below what the forward reaches with it
+            on the device), ``"device"`` (never in host memory), ``"host"`` (always, where the forward can: pinned
+            host memory, each block reading its chunks back). Host memory needed is in the report; where it cannot
+            be had, ``HostMemoryError`` before anything runs.
         smallest_when_short: the budget is a target, not a ceiling: where no plan fits it, plan at the smallest
             peak the planner reaches (noted in the report) instead of raising (ComfyUI's ``"auto"``, whose weights
             fill the card and are evicted on demand).
@@ -66,8 +73,13 @@ class StreamOptions:
     q_span: int | None = None
     fuse: bool | None = None
     smallest_when_short: bool = False
+    hidden: str = "auto"
 
     def __post_init__(self) -> None:
+        if not isinstance(self.hidden, str) or self.hidden.strip().lower() not in HIDDEN_PLACES:
+            raise ValueError(f"hidden must be one of {', '.join(repr(h) for h in HIDDEN_PLACES)} (where a model "
+                             f"forward keeps its hidden state between blocks), got {self.hidden!r}")
+        self.hidden = self.hidden.strip().lower()
         self.kv = check_kv(self.kv)
         self.chunk_tokens = positive_int(self.chunk_tokens, "chunk_tokens")
         self.ffn_slice = positive_int(self.ffn_slice, "ffn_slice")

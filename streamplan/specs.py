@@ -145,8 +145,47 @@ class ModelSpec:
 
     module: nn.Module
     label: str
-    run: Callable[[tuple, dict, Callable[[], int]], object]   # (args, kwargs, chunk for its own row loops) -> output
+    run: Callable[[tuple, dict, "RowLoops"], object]   # (args, kwargs, how its own row loops run) -> output
     can_stream: Callable[[tuple, dict], "str | None"]  # why this call must run the stock forward, or None
+    host_rows: bool = False   # the forward can keep its hidden state in host memory between blocks (L6)
+
+
+@dataclass(eq=False)
+class RowLoops:
+    """How a model forward streamplan runs runs its own row loops: ``chunk()`` rows at a time (called: its blocks'
+    smallest planned chunk, known once they planned), and with ``host`` (L6) its hidden state and per-row tables in
+    host memory between blocks, handed to them as ``HostRows``. Calling it is ``chunk()``."""
+
+    chunk: Callable[[], int]
+    host: bool = False
+
+    def __call__(self) -> int:
+        return self.chunk()
+
+
+@dataclass(eq=False)
+class HostRows:
+    """A whole-sequence tensor kept in host memory (pinned on CUDA) for blocks that compute on ``device`` (L6): a
+    model forward hands one to a block whose installed forward takes described inputs (``takes_described``); the
+    streamed block reads each chunk's rows back and writes its output rows into it; a stock call gets ``whole()``,
+    the rows on the device. ``to()`` leaves it where it is, so hooks that send a call's arguments to the device
+    (diffusers' group offloading, accelerate's) do not bring the whole sequence back."""
+
+    tensor: torch.Tensor
+    device: torch.device
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.tensor.shape
+
+    def whole(self) -> torch.Tensor:
+        """The rows on the compute device (a copy also where host and device are the same memory, as on CPU)."""
+        if self.tensor.device == self.device:
+            return self.tensor.clone()
+        return self.tensor.to(self.device)
+
+    def to(self, *args, **kwargs) -> "HostRows":
+        return self
 
 
 @dataclass(eq=False)
@@ -183,7 +222,7 @@ class AdaptedCall:
 class RowMask:
     """An attention mask over a call's own rows (query rows x key rows), described instead of built: a model forward
     passes one in place of the ``[B, 1, N, N]`` tensor its library would build (a padded batch, a sliding window),
-    to a layer whose forward takes row masks (``takes_row_masks``). A streamed layer builds each Q chunk's rows
+    to a layer whose forward takes row masks (``takes_described``). A streamed layer builds each Q chunk's rows
     alone; a stock call gets ``whole()``, the tensor the library builds.
 
     ``span(a, b)``: the keys [lo, hi) outside which every query row of [a, b) is masked; ``part(a, b, lo, hi)``:
@@ -214,23 +253,25 @@ class RowMask:
         return self.batch * c * keys * (1 + elem)
 
 
-# set on a streamplan forward that takes RowMask arguments (a block streamed from its captured graph)
 # set on every forward streamplan installs (streamed or watched): how checks and hook chains tell its own links
 STREAMED_MARK = "__streamplan_streamed__"
-ROW_MASK_MARK = "_streamplan_takes_row_masks"
+# set on a streamplan forward that takes described inputs (RowMask, HostRows): a block streamed from its captured graph
+DESCRIBED_MARK = "_streamplan_takes_described"
+DESCRIBED = (RowMask, HostRows)
 
 
-def takes_row_masks(module: nn.Module) -> bool:
-    """Whether ``module``'s installed forward takes ``RowMask`` arguments (and builds them whole for a stock call)."""
-    return bool(getattr(module.__dict__.get("forward"), ROW_MASK_MARK, False))
+def _whole(v):
+    if isinstance(v, DESCRIBED):
+        return v.whole()
+    if isinstance(v, (tuple, list)) and any(isinstance(x, DESCRIBED) for x in v):   # a rotary pair, say
+        return type(v)(x.whole() if isinstance(x, DESCRIBED) else x for x in v)
+    return v
 
 
-def row_masks_whole(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """The call with every ``RowMask`` argument built whole, as a stock forward takes it."""
-    if not any(isinstance(v, RowMask) for v in (*args, *kwargs.values())):
-        return args, kwargs
-    return (tuple(v.whole() if isinstance(v, RowMask) else v for v in args),
-            {k: (v.whole() if isinstance(v, RowMask) else v) for k, v in kwargs.items()})
+def described_whole(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The call with every described argument (``RowMask``, ``HostRows``; also inside a tuple or list) built whole,
+    as a stock forward takes it."""
+    return tuple(_whole(v) for v in args), {k: _whole(v) for k, v in kwargs.items()}
 
 
 def address(t: torch.Tensor) -> object:

@@ -27,4 +27,5 @@ def donate(*tensors: torch.Tensor):
 
 
 def donated(x: torch.Tensor) -> bool:
-    return any(x is t for t in _DONATED.tensors)
+    """Whether ``x`` was donated (itself, or as the host tensor of donated ``HostRows``)."""
+    return any(x is t or x is getattr(t, "tensor", None) for t in _DONATED.tensors)

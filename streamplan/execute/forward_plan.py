@@ -42,10 +42,12 @@ class ForwardFigures:
     at_peak: str
     rows: int = 0
     budget: int = 0
+    host: bool = False   # L6: the hidden state in host memory between blocks
+    host_bytes: int = 0  # host memory the forward holds at once (L6's rows, L4's K/V stores)
 
     @property
     def stock_fits(self) -> bool:
-        return self.stock is not None and self.stock <= held(self.budget)
+        return not self.host and self.stock is not None and self.stock <= held(self.budget)
 
 
 def forward_problem(module: torch.nn.Module, args: tuple, kwargs: dict) -> str | None:
@@ -64,25 +66,31 @@ def budget_bytes(ctx: CallContext, device: torch.device) -> int:
     return auto_budget(device, ctx.options.reserve) if budget == "auto" else int(budget)
 
 
-def plan_forward(ctx: CallContext, run: Callable[[tuple, dict], Any], args: tuple, kwargs: dict,
+def plan_forward(ctx: CallContext, run: Callable[..., Any], args: tuple, kwargs: dict,
                  device: torch.device) -> ForwardFigures:
     """Rehearse the streamed forward under the budget; keep its plans when its peak fits, else raise ``BudgetError``
-    with the smallest budget that runs (or, under ``smallest_when_short``, keep the plans at that smallest)."""
+    with the smallest budget that runs (or, under ``smallest_when_short``, keep the plans at that smallest). The
+    hidden state goes to host memory (L6, ``run(..., host=True)``) only where the forward can keep it there and the
+    budget is below what it reaches with the hidden state on the device."""
     budget = budget_bytes(ctx, device)
     before = _plan_keys(ctx)
-    attempt = functools.partial(_attempt, ctx, run, args, kwargs, device, before)
-    try:
-        figures = attempt(budget=held(budget))
-        if figures.predicted <= held(budget):
-            figures.budget = budget
-            if not figures.stock_fits and figures.stock is not None:   # its parts' stock alone is over: no rehearsal
+    why = ""
+    for host in host_ladder(ctx):
+        attempt = functools.partial(_attempt, ctx, run, args, kwargs, device, before, host=host)
+        try:
+            figures = attempt(budget=held(budget))
+            if figures.predicted <= held(budget):
+                figures.budget = budget
+                if figures.host or (not figures.stock_fits and figures.stock is not None):   # stock cannot fit:
+                    return figures                                                          # not rehearsed
+                figures.stock = _larger(_stock_peak(ctx, args, kwargs, device), figures.stock)
                 return figures
-            figures.stock = _larger(_stock_peak(ctx, args, kwargs, device), figures.stock)
-            return figures
-        why = f"its peak would be {fmt_bytes(figures.predicted)}, {figures.at_peak}"
-        _drop_new(ctx, before)
-    except BudgetError as exc:
-        why = f"a part of it refused: {_SMALLEST_SAID.sub('', str(exc)).rstrip('.')}"   # the forward's smallest follows
+            why = f"its peak would be {fmt_bytes(figures.predicted)}, {figures.at_peak}"
+            _drop_new(ctx, before)
+        except BudgetError as exc:   # the forward's smallest follows
+            why = f"a part of it refused: {_SMALLEST_SAID.sub('', str(exc)).rstrip('.')}"
+    if host:
+        why += " (with its hidden state in host memory between blocks)"
     smallest = _smallest(ctx, attempt, before)
     if ctx.options.smallest_when_short:
         figures = attempt(least=True)
@@ -96,22 +104,30 @@ def plan_forward(ctx: CallContext, run: Callable[[tuple, dict], Any], args: tupl
         "(BudgetError.smallest_bytes); or shorten the sequence, or lower the batch", smallest_bytes=smallest)
 
 
+def host_ladder(ctx: CallContext) -> tuple[bool, ...]:
+    """Where the forward's hidden state may be tried, in order (False: on the device; True: in host memory, L6)."""
+    if not ctx.entry.spec.host_rows or ctx.options.hidden == "device":
+        return (False,)
+    return (True,) if ctx.options.hidden == "host" else (False, True)
+
+
 def _attempt(ctx: CallContext, run, args: tuple, kwargs: dict, device: torch.device, before: set,
-             budget: int | None = None, least: bool = False) -> ForwardFigures:
-    """One rehearsal under ``budget`` (None: the options'), every part at its smallest plan if ``least``; the plans
-    it makes stay when it returns. Its prediction is the larger of the ledger's peak and each planned call's predicted
-    peak beside what was live then."""
+             budget: int | None = None, least: bool = False, host: bool = False) -> ForwardFigures:
+    """One rehearsal under ``budget`` (None: the options'), every part at its smallest plan if ``least``, the hidden
+    state in host memory if ``host``; the plans it makes stay when it returns. Its prediction is the larger of the
+    ledger's peak and each planned call's predicted peak beside what was live then."""
     weights = hooks.weights_in_flight(ctx.entry.module)   # brought in by offload or casting hooks: beside it all
     try:
         with rehearsal_settings(budget=None if budget is None else max(1, budget - weights), least=least):
-            found = rehearse(run, args, kwargs, device, ctx.entry.module)
+            found = rehearse(functools.partial(run, host=host), args, kwargs, device, ctx.entry.module)
     except BaseException:
         _drop_new(ctx, before)
         raise
     planned = [p for e, sig, p in _plans(ctx) if (id(e), sig) not in before]
     stock = max((p.live_bytes + p.stock_peak for p in planned), default=0)   # each part's stock, by its model
     return ForwardFigures(weights + max([found.peak, *(p.predicted_total for p in planned)]), weights + stock,
-                          _with_weights(found.describe(), weights), max((p.rows for p in planned), default=0))
+                          _with_weights(found.describe(), weights), max((p.rows for p in planned), default=0),
+                          host=host, host_bytes=found.host_peak)
 
 
 def _with_weights(at_peak: str, weights: int) -> str:

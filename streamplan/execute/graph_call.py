@@ -11,7 +11,7 @@ from typing import Any, Callable
 import torch
 from torch.utils._pytree import tree_leaves
 
-from . import hook_chains as hooks, kv_tiers, sequence_parallel as parallel
+from . import hook_chains as hooks, host_rows, kv_tiers, sequence_parallel as parallel
 from ..attention import graph_consumer, unsupported
 from ..graph import fused_chains as fuse, rows_of_call, rows_problem, running, streamable
 from ..graph.analyze import numel_besides
@@ -20,7 +20,7 @@ from ..graph.opaque_layers import opaque_layers
 from ..graph.sliced_mlp import row_dim
 from ..plan.planner import META_MULTIPROCESSORS, SLICED_TIERS, UTILISATION_FLOOR, Plan, Tier, Waves, plan_graph
 from ..registries import adapt_call, block_backend
-from ..specs import AdaptedCall, RowMask, row_masks_whole
+from ..specs import AdaptedCall, HostRows, RowMask, described_whole
 from .call_state import bypass, needs_grad, shapes
 from .chunk_attention import ChunkAttention
 from .context import CallContext
@@ -49,6 +49,8 @@ class GraphCall:
     donate: dict = field(default_factory=dict)    # output index -> the input tensor it may be written over
     sig: tuple = ()                   # the plan's key: shapes, dtype, device, donation, attention form
     kv_args: dict = field(default_factory=dict)   # the planner's K/V store arguments (``kv_tiers.plan_args``)
+    host: dict = field(default_factory=dict)      # L6: id of a host tensor in ``args``/``kwargs`` -> its HostRows
+    host_row_bytes: int = 0                       # device bytes per row of the host inputs' chunk copies
 
     @property
     def attention(self):
@@ -73,19 +75,17 @@ def _run_onloaded(ctx: CallContext, args: tuple, kwargs: dict) -> Any:
 
 def stream_call(ctx: CallContext, args: tuple, kwargs: dict) -> Any:
     """Check the call, plan it, run it; the stock forward wherever a check says why (noted) or the plan is L0."""
-    if any(isinstance(v, RowMask) for v in (*args, *kwargs.values())):   # built whole for a stock call
-        stock = functools.partial(_stock_masked, ctx.entry, args, kwargs)
-    else:
-        stock = functools.partial(ctx.entry.stock, *args, **kwargs)
+    stock = functools.partial(_stock_described, ctx.entry, args, kwargs)   # described inputs built whole
     call = check_call(ctx, args, kwargs)
     if isinstance(call, str):
         if call:
             ctx.note(call)
         return stock()
-    plan = ctx.plan(call.sig, functools.partial(plan_call, ctx, call), call.args, call.kwargs, call.device)
+    plan = ctx.plan(call.sig, functools.partial(plan_call, ctx, call), *host_rows.device_only(
+        (call.args, call.kwargs), call.host), call.device)   # host rows are not live on the device
     if plan.tier == Tier.L0:
         return stock()
-    return run_call(ctx, call, plan)
+    return host_rows.rewrapped(run_call(ctx, call, plan), call.host)
 
 
 # -- stage 1: the call checked -------------------------------------------------------------------------------------
@@ -97,6 +97,7 @@ def check_call(ctx: CallContext, args: tuple, kwargs: dict) -> GraphCall | str:
     if isinstance(taken, str):
         return taken
     row_mask, args, kwargs = taken
+    args, kwargs, host = host_rows.taken(args, kwargs)   # L6: rows in host memory, read back chunk by chunk
     adapted = adapt_call(module, args, kwargs)   # a cache object, say: the call as the graph takes it
     if isinstance(adapted, str):
         return f"ran stock: {adapted}"
@@ -111,15 +112,19 @@ def check_call(ctx: CallContext, args: tuple, kwargs: dict) -> GraphCall | str:
         return chosen
     consumer, par = chosen
     with bypass(), parallel.capture_scope(par), ledger_paused():   # the capture traces the stock forwards of any
-        #                                                            streamed children
-        found, fresh = streamable(module, args, kwargs, rows)
+        #                                                            streamed children; host rows traced where the
+        #                                                            block computes
+        found, fresh = streamable(module, *host_rows.stand_ins((args, kwargs), host), rows)
     if isinstance(found, str):
         return f"ran stock: {found}"
     _note_capture(ctx, found, fresh)
-    call = GraphCall(args, kwargs, rows, tensors[0].device, found, consumer, par, adapted, row_mask)
+    device = next(iter(host.values())).device if host else tensors[0].device
+    call = GraphCall(args, kwargs, rows, device, found, consumer, par, adapted, row_mask)
     why = _attention_problem(call)
     if why is not None:
         return why
+    _host_inputs(ctx, call, host)
+    tensors = [t for t in tree_leaves((call.args, call.kwargs)) if isinstance(t, torch.Tensor)]
     # L3 keeps no whole K/V to hand back to a cache; under sequence parallelism head groups would change the exchanges
     call.groups = (head_groups_allowed(found, call.whole_problem)
                    if adapted is None and par is None and not call.whole_q else ())
@@ -131,6 +136,28 @@ def check_call(ctx: CallContext, args: tuple, kwargs: dict) -> GraphCall | str:
     call.sig = _signature(ctx, call, tensors)
     call.kv_args = _kv_arguments(ctx, call)
     return call
+
+
+def _host_inputs(ctx: CallContext, call: GraphCall, host: dict[int, HostRows]) -> None:
+    """Host rows the graph reads chunk by chunk (``call.host``), or, where it cannot, brought to the device whole
+    (said in the report): a block that writes into its inputs, exchanges rows across ranks, fills a cache or needs
+    every query row at once, or whose host input is not donated (its output would need rows of its own)."""
+    if not host:
+        return
+    an = call.found.analysis
+    why = ("it writes into its inputs" if an.input_writes else "under sequence parallelism" if call.par is not None
+           else "its K/V go to a cache" if call.adapted is not None else "its attention takes every query row at once"
+           if call.whole_q else None)
+    if why is None and not any(donated(t) for t in tree_leaves((call.args, call.kwargs))
+                               if isinstance(t, torch.Tensor) and id(t) in host):
+        why = "its host input is not donated"
+    if why:
+        ctx.note(f"its rows kept in host memory brought to the device whole: {why}")
+        call.args, call.kwargs = host_rows.brought_whole((call.args, call.kwargs), host)
+        return
+    call.host = host
+    rows = call.rows
+    call.host_row_bytes = sum(h.tensor.numel() // rows * h.tensor.element_size() for h in host.values())
 
 
 def _take_row_mask(args: tuple, kwargs: dict) -> tuple[RowMask | None, tuple, dict] | str:
@@ -255,6 +282,8 @@ def _donation(ctx: CallContext, module, call: GraphCall, tensors: list) -> dict:
 def _signature(ctx: CallContext, call: GraphCall, tensors: list) -> tuple:
     """What a plan is kept under: the call's shapes, dtype, device and donation, and the attention's form."""
     sig = (shapes(call.args, call.kwargs), tensors[0].dtype, call.device.type, bool(call.donate))
+    if call.host:   # L6: planned apart from the same call with its rows on the device
+        sig += ("host rows",)
     if call.whole_q:   # planned apart from chunked-Q calls of the same shapes
         sig += ("whole q",)
     if call.row_mask is not None:
@@ -373,19 +402,23 @@ def plan_for_budget(call: GraphCall, o, budget: int | None) -> Plan:
         qv = att.q.meta["val"]
         q_whole = numel_besides(qv, 2) * rows * qv.element_size() + costs.attn_out
 
+    def host_in(c: int) -> int:   # L6: a chunk's rows of the host inputs, copied to the device
+        return call.host_row_bytes * min(c, rows)
+
     def transient(c: int, sl: int) -> int:   # a whole-Q call: its workspace for every row, not the chunk's
         if call.whole_q:
             return max(mem.transient(c, sl, regions), ws(rows))
-        return mem.transient(c, sl, regions, workspace=ws(c)) + mask_bytes(c)
+        return mem.transient(c, sl, regions, workspace=ws(c)) + mask_bytes(c) + host_in(c)
 
     return plan_graph(rows, mem.kv_bytes + mem.out_bytes, transient,
-                      mem.stock(order) + mask_bytes(rows) + ws(rows),   # stock's one call has its workspace too
+                      # stock's one call has its workspace too, and its host rows brought whole
+                      mem.stock(order) + mask_bytes(rows) + ws(rows) + host_in(rows),
                       chunk_tokens=o.chunk_tokens, budget=budget,
                       min_chunk=UTILISATION_FLOOR.get(call.device.type, 0), waves=costs.waves,
                       ffn=max((r.ffn for r in regions), default=0), ffn_slice=o.ffn_slice,
                       kv=mem.kv_bytes, attn_out=costs.attn_out, groups=call.groups, head_groups=o.head_groups,
                       transient_kv=lambda c, sl, extra: (mem.transient(c, sl, regions, extra, ws(c))
-                                                         + mask_bytes(c)),
+                                                         + mask_bytes(c) + host_in(c)),
                       whole_q=q_whole, q_span=o.q_span, **call.kv_args)
 
 
@@ -409,7 +442,7 @@ def run_call(ctx: CallContext, call: GraphCall, plan: Plan) -> Any:
     def graph_run(ffn_slice: int, fuse_rows: int, **extra) -> GraphRun:
         return GraphRun(found.captured, found.analysis, found.phases, ctx.entry.module, call.args, call.kwargs,
                         call.rows, attend, ffn_slice=ffn_slice, regions=found.mlp_regions, pieces=o.row_pieces,
-                        fuse=fuse_on, fuse_rows=fuse_rows, **extra)
+                        fuse=fuse_on, fuse_rows=fuse_rows, host=call.host, **extra)
 
     run = graph_run(plan.ffn_slice if plan.tier in SLICED_TIERS else 0, 0 if o.fuse else plan.chunk, **stores)
     if call.par is not None:
@@ -465,9 +498,10 @@ def _row_mask_bytes(row_mask: RowMask, elem: int, row_bytes: int, causal_ws: int
     return row_mask.chunk_bytes(chunk, elem, row_bytes) + causal_ws * min(chunk, rows)
 
 
-def _stock_masked(entry, args: tuple, kwargs: dict) -> Any:
-    """The stock call with its row masks built whole, as the library would have built them."""
-    args, kwargs = row_masks_whole(args, kwargs)
+def _stock_described(entry, args: tuple, kwargs: dict) -> Any:
+    """The stock call with its described inputs built whole (row masks as the library builds them, host rows on the
+    device)."""
+    args, kwargs = described_whole(args, kwargs)
     return entry.stock(*args, **kwargs)
 
 

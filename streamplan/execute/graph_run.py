@@ -4,6 +4,7 @@ global attention's Q chunk attended against those buffers, the outputs written c
 buffers (phase Q). Freed as soon as their last user has run, as the stock graph would."""
 from __future__ import annotations
 
+import functools
 import operator
 from typing import Any, Callable
 
@@ -13,6 +14,7 @@ from torch.utils import _pytree as pytree
 
 from .call_state import rehearsing
 from .chunk_loop import MAX_SPLITS, attempt, chunk_bounds
+from .host_rows import on_device
 from .kv_stores import write_rows
 from ..graph.analyze import Analysis, GlobalAttention, Rows
 from ..graph.export import Captured
@@ -37,7 +39,7 @@ def _write_rows(dst: torch.Tensor, src: torch.Tensor, r: Rows, total: int, a: in
     if not _same_elements(to, rows):   # a donated input the block updated in place is its own output already
         if storage_address(rows) == storage_address(to):
             rows = rows.clone()   # in the buffer, laid out otherwise: a copy would read what it has overwritten
-        to.copy_(rows)
+        to.copy_(rows, non_blocking=True)   # into host rows (L6): in the compute stream's order
     if first and r.pre:
         dst.narrow(d, 0, r.pre).copy_(src.narrow(d, 0, r.pre))
     if first and r.post:
@@ -74,7 +76,7 @@ class GraphRun:
                  rows: int, attend: Callable[..., torch.Tensor], ffn_slice: int = 0,
                  regions: list[MLPRegion] | None = None, kv_store: Callable[[GlobalAttention], Any] | None = None,
                  attend_store: Callable[..., torch.Tensor] | None = None, pieces: int = 1,
-                 fuse: torch.device | None = None, fuse_rows: int = 0):
+                 fuse: torch.device | None = None, fuse_rows: int = 0, host: dict | None = None):
         self.cap, self.an, self.ph, self.rows, self.attend = cap, an, ph, rows, attend
         self.pieces = pieces   # row-local runs in this many pieces of a chunk's rows (1: every node on the chunk)
         self.fuse = fuse if pieces == 1 else None   # element-wise chains compiled for this device (``fuse``)
@@ -104,6 +106,8 @@ class GraphRun:
                 self.base[node] = module.get_buffer(ref)
             else:
                 self.base[node] = cap.program.constants[ref]
+        # L6: inputs in host memory (``host_rows``), each chunk's rows copied to the compute device
+        self.host_nodes = {n: host[id(v)].device for n, v in self.base.items() if host and id(v) in host}
         self.kv: dict[fx.Node, tuple[torch.Tensor, torch.Tensor]] = {}
         self.attn_out: dict[fx.Node, torch.Tensor] = {}
         self._base = 0   # the first row of what ``attn_out`` holds
@@ -176,19 +180,27 @@ class GraphRun:
         env = dict(self.consts)
         for node, value in self.base.items():
             r = self.an.rows.get(node)
+            part = functools.partial(self._part, node, value)
             if node in self.an.whole_inputs:   # a mask over the keys: every chunk attends all of them
-                env[node] = value
+                env[node] = part(0, 0, None)
             elif isinstance(r, Rows) and (r.pre or r.post) and dynamic:
-                env[node] = value.narrow(r.dim, r.pre + a, b - a)
+                env[node] = part(r.dim, r.pre + a, b - a)
             elif isinstance(r, Rows) and (r.pre or r.post):   # an input with static rows joined: keep them whole
-                segments = [value.narrow(r.dim, 0, r.pre)] if r.pre else []
-                segments.append(value.narrow(r.dim, r.pre + a, b - a))
+                segments = [part(r.dim, 0, r.pre)] if r.pre else []
+                segments.append(part(r.dim, r.pre + a, b - a))
                 if r.post:
-                    segments.append(value.narrow(r.dim, r.pre + self.rows, r.post))
+                    segments.append(part(r.dim, r.pre + self.rows, r.post))
                 env[node] = torch.cat(segments, r.dim)
             else:
-                env[node] = value.narrow(r.dim, a, b - a) if isinstance(r, Rows) else value
+                env[node] = part(r.dim, a, b - a) if isinstance(r, Rows) else part(0, 0, None)
         return env
+
+    def _part(self, node: fx.Node, value: Any, dim: int, start: int, n: int | None) -> Any:
+        """Rows [start, start + n) of an input along ``dim`` (``n`` None: all of it), on the compute device: a view,
+        or for host rows (L6) a copy of them."""
+        part = value if n is None else value.narrow(dim, start, n)
+        device = self.host_nodes.get(node)
+        return part if device is None else on_device(part, device)
 
     def _attention(self, att: GlobalAttention, env: dict, a: int) -> torch.Tensor:
         if att.node in self.attn_out:   # built ahead (L3's head groups, a whole Q, a Q span): its rows from ``_base``
@@ -261,6 +273,8 @@ class GraphRun:
 
     def _found(self, value: fx.Node, env: dict, buf: torch.Tensor, r: Rows) -> None:
         p = self.ph.producers.get(value)
+        if isinstance(env.get(value), torch.Tensor) and env[value].device != buf.device:   # host rows (L6): copied
+            return
         if p is not None and value not in self._into and p in self._made and isinstance(env.get(value), torch.Tensor):
             got = found(p, self.an, self._made.pop(p), env[value], buf, r.dim, self.rows)
             if got is not None:

@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterable, Iterator, Protocol
 import torch
 from torch import nn
 
-from ..specs import STREAMED_MARK
+from ..specs import DESCRIBED_MARK, STREAMED_MARK
 
 
 @dataclass(frozen=True)
@@ -169,6 +169,14 @@ def install(module: nn.Module, wrapper: Callable[..., Any]) -> Callable[..., Any
     previous = getattr(holder, attr)
     setattr(holder, attr, wrapper)
     return previous
+
+
+def takes_described(module: nn.Module) -> bool:
+    """Whether the forward streamplan installed on ``module`` (inside its hooks or not) takes described inputs
+    (``RowMask``, ``HostRows``) and builds them whole for a stock call."""
+    found = chain_of(module)
+    forward = getattr(*found[0].inner(module)) if found is not None else module.__dict__.get("forward")
+    return bool(getattr(forward, DESCRIBED_MARK, False))
 
 
 def uninstall(module: nn.Module, wrapper: Callable[..., Any], previous: Callable[..., Any]) -> bool:

@@ -36,6 +36,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from .call_state import rehearsed, rehearsing
+from .host_rows import host_empty
 from ..attention.lse_merge import LseAccumulator
 
 KV_KINDS = ("device", "host", "int8", "fp8")
@@ -146,17 +147,6 @@ class DeviceStore(KVStore):
         self.k = self.v = None
 
 
-def _host_empty(shape: tuple[int, ...], dtype: torch.dtype, pinned: bool) -> torch.Tensor:
-    """Host memory for K/V. On CUDA: pinned (page-locked), so copies run asynchronously at full bandwidth. In a CPU run
-    the "device" is the host too: the rows come from numpy's allocator, an arena apart from torch's CPU allocator (which
-    the meter watches there as the CUDA allocator is watched on a GPU), so tests see what stays on the device side."""
-    if pinned:
-        return torch.empty(shape, dtype=dtype, pin_memory=True)
-    import numpy as np
-    raw = torch.from_numpy(np.empty(math.prod(shape) * torch.empty((), dtype=dtype).element_size(), dtype=np.uint8))
-    return raw.view(dtype).view(shape)
-
-
 class HostStore(KVStore):
     """K and V in host memory, laid out ``[groups, rows, B, Hkv / groups, D]`` so that a block of one head group is one
     contiguous range (one copy each way); blocks come back through ``_Staging``'s two device buffers."""
@@ -169,13 +159,12 @@ class HostStore(KVStore):
         self.cuda = self.device.type == "cuda"
         self.staging: _Staging | None = None
         shape = (G, total, B, H // G, D)
-        if self.device.type == "meta":   # planning on meta tensors: shapes only (in a rehearsal, fake host tensors:
-            host = "cpu" if rehearsing() else "meta"   # the ledger counts the device's bytes, not the host's)
-            self.hk = torch.empty(shape, dtype=self.dtype, device=host)
-            self.hv = torch.empty(shape, dtype=self.dtype, device=host)
+        if self.device.type == "meta" and not rehearsing():   # planning a lone block on meta tensors: shapes only
+            self.hk = torch.empty(shape, dtype=self.dtype, device="meta")
+            self.hv = torch.empty(shape, dtype=self.dtype, device="meta")
             return
-        self.hk = _host_empty(shape, self.dtype, self.cuda)
-        self.hv = _host_empty(shape, self.dtype, self.cuda)
+        self.hk = host_empty(shape, self.dtype, self.device)   # pinned on CUDA; fake host tensors in a rehearsal
+        self.hv = host_empty(shape, self.dtype, self.device)
         if self.cuda:   # phase KV's copies out run on a stream of their own, beside the next chunk's projections
             self.writer = torch.cuda.Stream(self.device)
             self._wbufs: list[torch.Tensor] = []

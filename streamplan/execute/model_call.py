@@ -10,13 +10,14 @@ from typing import Any
 
 import torch
 
-from . import hook_chains as hooks
+from . import hook_chains as hooks, host_rows
 from .context import CallContext
 from .call_state import bypass, needs_grad, planned_ahead, rehearsing, shapes
 from .forward_plan import forward_problem, plan_forward
 from .rehearsal import RehearsalFailed
-from ..specs import ModelSpec
-from ..plan.planner import DEFAULT_CHUNK_TOKENS, Plan, Tier
+from ..specs import ModelSpec, RowLoops
+from ..plan.budget import fmt_bytes
+from ..plan.planner import DEFAULT_CHUNK_TOKENS, HostMemoryError, Plan, Tier
 
 log = logging.getLogger("streamplan")
 
@@ -42,8 +43,8 @@ def run_model(ctx: CallContext, args: tuple, kwargs: dict) -> Any:
                    if p.tier != Tier.L0 and p.chunk > 0]   # a model forward's own plan (an outer one) has no chunk
         return min(planned, default=DEFAULT_CHUNK_TOKENS)
 
-    def run(a: tuple, k: dict) -> Any:
-        return spec.run(a, k, chunk)
+    def run(a: tuple, k: dict, host: bool = False) -> Any:
+        return spec.run(a, k, RowLoops(chunk, host))
 
     if rehearsing():
         return run(args, kwargs)
@@ -54,17 +55,22 @@ def run_model(ctx: CallContext, args: tuple, kwargs: dict) -> Any:
     before = {id(p) for e in ctx.installed() for p in e.plans.values()}
     # planned ahead, the forward's budget is what it adds above what was allocated when it began: its inputs aside
     counted = ((), {}) if ahead and problem is None else (args, kwargs)
-    plan = ctx.plan(sig, lambda _: Plan(Tier.L1, 0, fixed or 0, 0, 0, 0, note="model forward: block inputs "
-                                        "donated, its own row loops (input projections, output head) in "
-                                        + (f"{fixed}-row chunks" if fixed else "its blocks' smallest chunk")),
+    host = spec.host_rows and o.hidden == "host"   # forced; under a budget planned ahead, the planner's choice
+    plan = ctx.plan(sig, lambda _: Plan(Tier.L6 if host else Tier.L1, 0, fixed or 0, 0, 0, 0, note="model forward: "
+                                        "block inputs donated, its own row loops (input projections, output head) in "
+                                        + (f"{fixed}-row chunks" if fixed else "its blocks' smallest chunk")
+                                        + ("; its hidden state in host memory between blocks (hidden='host')"
+                                           if host else "")),
                     *counted, tensors[0].device if tensors else None)
     if ahead:
         ahead = _planned_ahead(ctx, sig, plan, run, args, kwargs, tensors[0].device, problem)
     if plan.tier == Tier.L0:   # the stock forward fits (or every block fitted stock at the first call): as stock
         with bypass() if "planned ahead" in plan.note or ahead else contextlib.nullcontext():
             return entry.stock(*args, **kwargs)
+    if plan.tier == Tier.L6 and first:   # the host memory its rows need, had before anything runs
+        _host_checked(ctx, sig, plan)
     with planned_ahead() if ahead else contextlib.nullcontext():
-        out = run(args, kwargs)
+        out = run(args, kwargs, host=plan.tier == Tier.L6)
     if first and not ahead:   # the model's figures are its largest block's, planned during this first call
         _figures_from_blocks(ctx, plan, before)
     return out
@@ -89,13 +95,26 @@ def _planned_ahead(ctx: CallContext, sig: tuple, plan: Plan, run, args: tuple, k
                  "the budget beside what is live then")
         return False
     plan.live_bytes, plan.predicted_peak, plan.stock_peak = 0, figures.predicted, figures.stock or 0
-    plan.rows = figures.rows
+    plan.rows, plan.host_bytes = figures.rows, figures.host_bytes
     plan.note = f"{plan.note}; the whole forward planned ahead (rehearsed on fake tensors): peak {figures.at_peak}"
+    plan.tier = Tier.L6 if figures.host else Tier.L1
+    if figures.host:
+        plan.note = (f"{plan.note}; its hidden state and per-row tables in host memory between blocks (L6), "
+                     f"{fmt_bytes(figures.host_bytes)} of host memory at once")
     ctx.note(f"the whole forward rehearsed in {time.perf_counter() - start:.1f} s")   # beside the plan, which is data
     if figures.stock_fits:
         plan.tier = Tier.L0
         plan.note = "model forward: the stock forward fits the budget (planned ahead): the stock forward"
     return True
+
+
+def _host_checked(ctx: CallContext, sig: tuple, plan: Plan) -> None:
+    try:
+        host_rows.check_host(plan.host_bytes)
+    except HostMemoryError:
+        ctx.entry.plans.pop(sig, None)
+        hooks.release_all(ctx.entry.module)
+        raise
 
 
 def _figures_from_blocks(ctx: CallContext, plan: Plan, before: set) -> None:

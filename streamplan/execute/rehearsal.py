@@ -52,6 +52,7 @@ class Rehearsed:
     peak: int
     where: str
     held: list[Held] = field(default_factory=list)   # the largest allocations alive at the peak, largest first
+    host_peak: int = 0   # host memory held at once for rows kept off the device (L4's stores, L6's rows)
 
     def describe(self, top: int = 3) -> str:
         parts = [f"{fmt_bytes(h.nbytes)} from {h.op} in {h.where}" for h in self.held[:top]]
@@ -75,6 +76,7 @@ class Ledger(TorchDispatchMode):
         self.at_peak: Rehearsed = Rehearsed(0, FORWARD)
         self._snapped = 0
         self.window_peak = 0
+        self.host_current = self.host_peak = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -137,13 +139,23 @@ class Ledger(TorchDispatchMode):
         if self.current + above > self.peak:
             self._new_peak(self.current + above, where, Held(above, "its work (replayed from its twin)", where))
 
+    def count_host(self, t: torch.Tensor) -> None:
+        """A host buffer (``host_rows.host_empty``): its bytes held as host memory while it lives."""
+        n = t.untyped_storage().nbytes()
+        self.host_current += n
+        self.host_peak = max(self.host_peak, self.host_current)
+        weakref.finalize(t.untyped_storage(), self._free_host, n)
+
+    def _free_host(self, n: int) -> None:
+        self.host_current -= n
+
     def _free(self, key: int) -> None:
         held = self.live.pop(key, None)
         if held is not None:
             self.current -= held.nbytes
 
     def result(self) -> Rehearsed:
-        return Rehearsed(self.peak, self.at_peak.where, self.at_peak.held)
+        return Rehearsed(self.peak, self.at_peak.where, self.at_peak.held, self.host_peak)
 
 
 def _stand_in(x: Any) -> Any:

@@ -98,6 +98,7 @@ class Tier(str, Enum):
     L3 = "L3"   # + head-grouped K/V
     L4 = "L4"   # host-staged K/V: exact, read back in blocks merged by log-sum-exp
     L5 = "L5"   # approximate K/V stores (int8, fp8): opt-in only
+    L6 = "L6"   # a model forward's hidden state in host memory between blocks, read back chunk by chunk
 
     def __str__(self) -> str:
         return self.value
@@ -119,6 +120,18 @@ class BudgetError(ValueError):
 
     def __reduce__(self):
         return type(self), (str(self), self.least, self.smallest_bytes)
+
+
+class HostMemoryError(BudgetError):
+    """A plan that keeps rows in host memory (L6) needs more host memory than can be had; raised before the forward
+    runs where it is known then. ``needed`` and ``available`` in bytes (``available`` None where unknown)."""
+
+    def __init__(self, message: str, needed: int = 0, available: int | None = None):
+        super().__init__(message)
+        self.needed, self.available = needed, available
+
+    def __reduce__(self):
+        return type(self), (str(self), self.needed, self.available)
 
 
 # tiers whose plan's ``ffn_slice`` slices the MLP (L1's is the whole MLP; L4/L5 plans may slice it to fit their chunk)
@@ -146,6 +159,7 @@ class Plan:
                          # needs every query row at once), the rest of the block streamed over the attention's output
     q_span: int = 0      # L4/L5: query rows attended per pass over the store (several chunks' Q built into one buffer,
                          # the rest of the block run over rows of its output); 0: each chunk's Q alone
+    host_bytes: int = 0  # host memory the plan needs at once (L4's K/V stores, L6's rows), pinned on CUDA
 
     @property
     def predicted_total(self) -> int:

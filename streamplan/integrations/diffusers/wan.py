@@ -4,15 +4,14 @@ kept."""
 from __future__ import annotations
 
 import sys
-from typing import Callable
-
 import torch
 from torch import nn
 
 from ...execute.chunk_loop import for_chunks
 from ...execute.donation import donate
-from ...execute.hook_chains import keeps_output
-from ...specs import ModelSpec, Skip
+from ...execute import host_rows
+from ...execute.hook_chains import keeps_output, takes_described
+from ...specs import HostRows, ModelSpec, RowLoops, Skip, described_whole
 from ...recognize.checks import stock_problem
 from . import parallel as cp
 from .models import KNOWN_FORWARDS, own_forward_problem, call_problem, model_call
@@ -29,8 +28,9 @@ def _wan_call(args: tuple, kwargs: dict) -> dict | str:
     return model_call(_WAN_ARGS, args, kwargs)
 
 
-def _wan_forward(model, args: tuple, kwargs: dict, chunk: Callable[[], int]):
-    """WanTransformer3DModel.forward (diffusers 0.35+) with each block's input donated and the head streamed."""
+def _wan_forward(model, args: tuple, kwargs: dict, chunk: RowLoops):
+    """WanTransformer3DModel.forward (diffusers 0.35+) with each block's input donated and the head streamed; with
+    ``chunk.host`` (L6) the hidden state and rotary tables in host memory between blocks."""
     from diffusers.models.modeling_outputs import Transformer2DModelOutput
     call = _wan_call(args, kwargs)
     hidden_states, timestep = call["hidden_states"], call["timestep"]
@@ -43,8 +43,12 @@ def _wan_forward(model, args: tuple, kwargs: dict, chunk: Callable[[], int]):
     rotary_emb = model.rope(hidden_states)   # under context parallelism its hook splits it to the rank's rows
     parallel = cp.model_config(model)
     total = post_f * post_h * post_w
+    device = hidden_states.device
+    if chunk.host:   # L6 (never under context parallelism: can_stream): the rotary tables' rows off the device too
+        rotary_emb = tuple(host_rows.to_host(t, device) if isinstance(t, torch.Tensor) and t.dim() > 1
+                           and t.shape[1] == total else t for t in rotary_emb)
     if parallel is None:   # a few frames of patches at a time into one buffer: no whole conv output beside its copy
-        hidden_states = _patches(model, hidden_states, 0, total, chunk())
+        hidden_states = _patches(model, hidden_states, 0, total, chunk(), chunk.host)
     else:   # only this rank's rows, as the first block's split hook would cut them
         hidden_states = _patches(model, hidden_states, *cp.split_rows(total, parallel), chunk())
         # the rope's split hook hands back views of the whole tables: copies of this rank's rows let those go
@@ -62,8 +66,14 @@ def _wan_forward(model, args: tuple, kwargs: dict, chunk: Callable[[], int]):
 
     kept = None   # a block whose hook keeps its output (a cache) does not hand it to the next to overwrite
     for block in model.blocks:
-        with donate(*(() if kept else (hidden_states,))), cp.without_split(block):   # rows split above
-            hidden_states = block(hidden_states, encoder_hidden_states, timestep_proj, rotary_emb)
+        inputs = (hidden_states, encoder_hidden_states, timestep_proj, rotary_emb)
+        if chunk.host and not takes_described(block):   # a block streamplan does not stream: its rows whole
+            inputs, _ = described_whole(inputs, {})
+        with donate(*(() if kept else (inputs[0],))), cp.without_split(block):   # rows split above
+            out = block(*inputs)
+        del inputs
+        hidden_states = host_rows.kept(out, hidden_states) if chunk.host else out
+        del out
         kept = keeps_output(block)
 
     if temb.ndim == 3:
@@ -76,7 +86,7 @@ def _wan_forward(model, args: tuple, kwargs: dict, chunk: Callable[[], int]):
     head: list[torch.Tensor] = []
 
     def work(a: int, b: int) -> None:
-        r = hidden_states[:, a:b]  # noqa: F821 (deleted after the loop, to free it before the reshape)
+        r = host_rows.rows(hidden_states, a, b)  # noqa: F821 (deleted after the loop, to free it before the reshape)
         y = (model.norm_out(r.float()) * (1 + rows_of(scale, a, b, 1)) + rows_of(shift, a, b, 1)).type_as(r)
         with cp.without_gather(model.proj_out):   # gathered once, below
             y = model.proj_out(y)
@@ -97,10 +107,10 @@ def _wan_forward(model, args: tuple, kwargs: dict, chunk: Callable[[], int]):
     return Transformer2DModelOutput(sample=output)
 
 
-def _patches(model, x: torch.Tensor, a: int, b: int, chunk: int) -> torch.Tensor:
+def _patches(model, x: torch.Tensor, a: int, b: int, chunk: int, host: bool = False) -> torch.Tensor | HostRows:
     """The patch embedding of rows [a, b) (rows run frame by frame, height, width), a few frames of patches at a time
-    into one [batch, rows, dim] buffer. The convolution's stride is its kernel, so a frame's patches read that frame's
-    pixels alone."""
+    into one [batch, rows, dim] buffer (in host memory with ``host``). The convolution's stride is its kernel, so a
+    frame's patches read that frame's pixels alone."""
     p_t, p_h, p_w = model.config.patch_size
     B, _, F, H, W = x.shape
     per_frame = (H // p_h) * (W // p_w)
@@ -112,11 +122,12 @@ def _patches(model, x: torch.Tensor, a: int, b: int, chunk: int) -> torch.Tensor
         y = model.patch_embedding(x[:, :, f * p_t:g * p_t]).flatten(2).transpose(1, 2)
         lo, hi = max(a, f * per_frame), min(b, g * per_frame)
         if out is None:
-            out = y.new_empty((B, b - a, y.shape[-1]))
-        out[:, lo - a:hi - a] = y[:, lo - f * per_frame:hi - f * per_frame]
+            shape = (B, b - a, y.shape[-1])
+            out = host_rows.host_empty(shape, y.dtype, y.device) if host else y.new_empty(shape)
+        out[:, lo - a:hi - a].copy_(y[:, lo - f * per_frame:hi - f * per_frame], non_blocking=True)
         del y
         f = g
-    return out
+    return HostRows(out, x.device) if host else out
 
 
 def _parallel_problem(model) -> str | None:
@@ -177,4 +188,5 @@ def recognize_wan_model(name: str, module: nn.Module) -> ModelSpec | Skip | None
             return skip(f"{sub}: {problem}")
     return ModelSpec(module, "diffusers.WanTransformer3DModel[donated blocks, streamed head]",
                      run=lambda args, kwargs, chunk: _wan_forward(module, args, kwargs, chunk),
-                     can_stream=lambda args, kwargs: _wan_can_stream(module, args, kwargs))
+                     can_stream=lambda args, kwargs: _wan_can_stream(module, args, kwargs),
+                     host_rows=cp.model_config(module) is None)

@@ -28,8 +28,8 @@ from torch import nn
 
 from ...execute.chunk_loop import for_chunks
 from ...execute.donation import donate
-from ...specs import ModelSpec, RowMask, Skip, takes_row_masks
-from ...execute.hook_chains import torch_hooks
+from ...specs import ModelSpec, RowMask, Skip
+from ...execute.hook_chains import takes_described, torch_hooks
 from ...recognize.checks import call_args, global_hook_problem, source_fingerprint, stock_problem
 
 # the cache argument's name, by the transformers version whose source was read (5.2x renamed past_key_values)
@@ -170,7 +170,7 @@ def _masks(model: nn.Module, family: Family, cache_name: str, hidden: torch.Tens
           "position_ids": position_ids}
     layers = model.layers[: cfg.num_hidden_layers]
     impl = getattr(cfg, "_attn_implementation", None)
-    describe = impl in ("sdpa", "eager") and any(takes_row_masks(m) for m in layers)
+    describe = impl in ("sdpa", "eager") and any(takes_described(m) for m in layers)
     made: dict[str, object] = {}
 
     def make(kind: str):
@@ -192,7 +192,7 @@ def _masks(model: nn.Module, family: Family, cache_name: str, hidden: torch.Tens
     out = []
     for kind, layer in zip(kinds, layers):
         mask = make(kind)
-        if isinstance(mask, RowMask) and not takes_row_masks(layer):   # built once for every such layer
+        if isinstance(mask, RowMask) and not takes_described(layer):   # built once for every such layer
             if kind + " whole" not in made:
                 made[kind + " whole"] = mask.whole()
             mask = made[kind + " whole"]
