@@ -1,0 +1,116 @@
+"""L6: a model forward's hidden state in host memory between blocks. Below the smallest budget the forward reaches with
+its hidden state on the device, the planner keeps it (and its rotary tables) in host memory, each block reading its
+chunks back; the forward is the library's own to 1e-5 and held by the meter (host memory comes from an arena the meter
+does not watch, as a GPU's pinned memory is not device memory). Whole tiny Wan against diffusers' forward."""
+import pytest
+import torch
+
+import streamplan
+from conftest import rel_err
+from test_forward_budget import WEIGHT_HOOKS, _wan
+
+
+def _smallest(model, call, budget: int, **options) -> int:
+    handle = streamplan.apply(model, budget=budget, **options)
+    try:
+        with pytest.raises(streamplan.BudgetError) as err:
+            call()
+    finally:
+        handle.remove()
+    return err.value.smallest_bytes
+
+
+def _held(model, call, budget: int, ref, **options):
+    handle = streamplan.apply(model, budget=budget, **options)
+    out, peak = streamplan.measure_peak(call)
+    (plan,) = handle.plans[""]
+    report = handle.report()
+    handle.remove()
+    assert rel_err(out, ref) <= 1e-5, report
+    assert peak <= budget, (budget, peak, report)
+    return plan, peak, report
+
+
+@torch.no_grad()
+def test_below_what_the_device_reaches_the_hidden_state_goes_to_host_memory():
+    model, call, inputs = _wan()
+    ref, stock_peak = streamplan.measure_peak(call)
+    on_device = _smallest(model, call, stock_peak // 50, hidden="device")
+    smallest = _smallest(model, call, stock_peak // 50)
+    assert smallest < 0.8 * on_device, (smallest, on_device)
+
+    plan, peak, report = _held(model, call, smallest, ref)
+    assert plan.tier == "L6" and plan.host_bytes > 0, report
+    assert "in host memory between blocks (L6)" in report and "of host memory at once" in report, report
+    hidden = 2048 * 64 * 4   # [1, 2048 rows, 64] fp32: the residual the device no longer holds
+    assert plan.host_bytes >= hidden, (plan.host_bytes, hidden)
+
+    plan, _, report = _held(model, call, on_device, ref)   # the planner climbs to L6 only below the device's reach
+    assert plan.tier == "L1", report
+
+
+@torch.no_grad()
+def test_the_hidden_state_in_host_memory_under_offload_hooks():
+    """Group offloading and accelerate's hooks send a block's arguments to the device; the host rows stay put."""
+    for install in (WEIGHT_HOOKS["group_offloading"], WEIGHT_HOOKS["sequential_offload"]):
+        model, call, _ = _wan()
+        install(model)
+        ref, stock_peak = streamplan.measure_peak(call)
+        smallest = _smallest(model, call, stock_peak // 50)
+        plan, _, report = _held(model, call, smallest, ref)
+        assert plan.tier == "L6", report
+
+
+@torch.no_grad()
+def test_forced_host_rows_with_host_kv_hold_less_than_the_same_plan_on_the_device():
+    model, call, _ = _wan()
+    ref = call()
+    peaks = {}
+    for hidden in ("device", "host"):
+        handle = streamplan.apply(model, budget=None, chunk_tokens=256, kv="host", hidden=hidden)
+        out, peaks[hidden] = streamplan.measure_peak(call)
+        (plan,) = handle.plans[""]
+        assert rel_err(out, ref) <= 1e-5 and str(plan.tier) == ("L6" if hidden == "host" else "L1"), handle.report()
+        handle.remove()
+    rows_bytes = 2048 * 64 * 4
+    assert peaks["host"] <= peaks["device"] - rows_bytes, peaks
+
+
+@torch.no_grad()
+def test_a_block_that_cannot_read_host_rows_gets_them_whole():
+    """With capture off the blocks are streamed by their parts, which take device tensors: the forward hands them
+    the rows whole and puts the output back in host memory."""
+    model, call, _ = _wan()
+    ref = call()
+    handle = streamplan.apply(model, budget=None, chunk_tokens=256, hidden="host", capture="off")
+    out = call()
+    assert rel_err(out, ref) <= 1e-5, handle.report()
+    assert str(handle.plans[""][0].tier) == "L6"
+    handle.remove()
+
+
+@torch.no_grad()
+def test_host_memory_that_cannot_be_had_is_an_error_before_anything_runs(monkeypatch):
+    from streamplan.execute import host_rows
+    model, call, inputs = _wan()
+    ref, stock_peak = streamplan.measure_peak(call)
+    smallest = _smallest(model, call, stock_peak // 50)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    monkeypatch.setattr(host_rows, "host_available", lambda: 1000)
+    handle = streamplan.apply(model, budget=smallest)
+    with pytest.raises(streamplan.HostMemoryError) as err:
+        call()
+    assert err.value.available == 1000 and err.value.needed > 1000, str(err.value)
+    assert "needs" in str(err.value) and "available" in str(err.value), str(err.value)
+    assert handle.plans[""] == [], "nothing of the refused call is kept"
+    monkeypatch.undo()
+    out = call()   # with the memory there, the same handle runs
+    assert rel_err(out, ref) <= 1e-5
+    handle.remove()
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_hidden_is_checked():
+    model, _, _ = _wan()
+    with pytest.raises(ValueError, match="hidden must be one of 'auto', 'device', 'host'"):
+        streamplan.apply(model, hidden="gpu")
