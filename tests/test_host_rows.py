@@ -1,13 +1,15 @@
 """L6: a model forward's hidden state in host memory between blocks. Below the smallest budget the forward reaches with
 its hidden state on the device, the planner keeps it (and its rotary tables) in host memory, each block reading its
 chunks back; the forward is the library's own to 1e-5 and held by the meter (host memory comes from an arena the meter
-does not watch, as a GPU's pinned memory is not device memory). Whole tiny Wan against diffusers' forward."""
+does not watch, as a GPU's pinned memory is not device memory). Whole tiny Wan and Llama against diffusers' and
+transformers' forwards."""
 import pytest
 import torch
 
 import streamplan
 from conftest import rel_err
-from test_forward_budget import WEIGHT_HOOKS, _wan
+from test_forward_budget import WEIGHT_HOOKS, _llama, _wan
+from test_llm_models import _ids, _lm
 
 
 def _smallest(model, call, budget: int, **options) -> int:
@@ -31,9 +33,10 @@ def _held(model, call, budget: int, ref, **options):
     return plan, peak, report
 
 
+@pytest.mark.parametrize("build", [_wan, _llama], ids=["wan", "llama"])
 @torch.no_grad()
-def test_below_what_the_device_reaches_the_hidden_state_goes_to_host_memory():
-    model, call, inputs = _wan()
+def test_below_what_the_device_reaches_the_hidden_state_goes_to_host_memory(build):
+    model, call, inputs = build()
     ref, stock_peak = streamplan.measure_peak(call)
     on_device = _smallest(model, call, stock_peak // 50, hidden="device")
     smallest = _smallest(model, call, stock_peak // 50)
@@ -47,6 +50,18 @@ def test_below_what_the_device_reaches_the_hidden_state_goes_to_host_memory():
 
     plan, _, report = _held(model, call, on_device, ref)   # the planner climbs to L6 only below the device's reach
     assert plan.tier == "L1", report
+
+
+@torch.no_grad()
+def test_a_decoder_model_alone_hands_its_last_hidden_state_back_on_the_device():
+    lm, ids = _lm("llama"), _ids(batch=1, n=2048)
+    model = lm.model
+    ref = model(ids, use_cache=False).last_hidden_state
+    handle = streamplan.apply(model, budget=None, chunk_tokens=256, hidden="host")
+    out = model(ids, use_cache=False).last_hidden_state
+    assert isinstance(out, torch.Tensor) and rel_err(out, ref) <= 1e-5, handle.report()
+    assert str(handle.plans[""][0].tier) == "L6"
+    handle.remove()
 
 
 @torch.no_grad()

@@ -28,8 +28,9 @@ from torch import nn
 
 from ...execute.chunk_loop import for_chunks
 from ...execute.donation import donate
-from ...specs import ModelSpec, RowMask, Skip
-from ...execute.hook_chains import takes_described, torch_hooks
+from ...execute import host_rows
+from ...execute.hook_chains import chain_of, takes_described, torch_hooks
+from ...specs import HostRows, ModelSpec, RowLoops, RowMask, Skip, described_whole
 from ...recognize.checks import call_args, global_hook_problem, source_fingerprint, stock_problem
 
 # the cache argument's name, by the transformers version whose source was read (5.2x renamed past_key_values)
@@ -301,58 +302,109 @@ def _rope(model: nn.Module, family: Family, hidden: torch.Tensor, position_ids: 
     return [model.rotary_emb(hidden, position_ids)] * layers
 
 
-def _norm_in_place(norm: nn.Module, hidden: torch.Tensor, chunk: int) -> torch.Tensor:
-    """``norm(hidden)`` a chunk of rows at a time, written over ``hidden`` (each chunk is read before it is written);
-    into a new buffer only where the norm's output dtype differs (stock returns that dtype too)."""
+def _norm_in_place(norm: nn.Module, hidden: torch.Tensor | HostRows, chunk: int) -> torch.Tensor | HostRows:
+    """``norm(hidden)`` a chunk of rows at a time, written over ``hidden`` (each chunk is read before it is written;
+    host rows read back and written back); into a new buffer only where the norm's output dtype differs (stock
+    returns that dtype too)."""
+    on_host = isinstance(hidden, HostRows)
+    x = hidden.tensor if on_host else hidden
     out: list[torch.Tensor] = []
 
     def work(a: int, b: int) -> None:
-        y = norm(hidden[:, a:b])
+        y = norm(host_rows.rows(hidden, a, b))
         if not out:
-            same = y.dtype == hidden.dtype and y.shape == hidden[:, a:b].shape
-            out.append(hidden if same else y.new_empty(hidden.shape[:1] + (hidden.shape[1],) + y.shape[2:]))
-        out[0][:, a:b] = y
+            same = y.dtype == x.dtype and y.shape == x[:, a:b].shape
+            shape = x.shape[:1] + (x.shape[1],) + y.shape[2:]
+            out.append(x if same else host_rows.host_empty(shape, y.dtype, y.device) if on_host
+                       else y.new_empty(shape))
+        out[0][:, a:b].copy_(y, non_blocking=True)
 
-    for_chunks(hidden.shape[1], chunk, work)
-    return out[0] if out else norm(hidden)
+    for_chunks(x.shape[1], chunk, work)
+    if not out:
+        return norm(hidden)
+    return HostRows(out[0], hidden.device) if on_host else out[0]
 
 
-def _model_forward(model: nn.Module, family: Family, version: str, call: dict, chunk: Callable[[], int]):
-    """The decoder model's forward (transformers ``version``), with the residual donated to every layer."""
+def _embedded_on_host(model: nn.Module, input_ids: torch.Tensor, chunk: int) -> HostRows:
+    """The embedding's rows a chunk at a time into host memory (L6): nothing the size of the sequence on the device."""
+    out: list[torch.Tensor] = []
+
+    def work(a: int, b: int) -> None:
+        y = model.embed_tokens(input_ids[:, a:b])
+        if not out:
+            out.append(host_rows.host_empty((y.shape[0], input_ids.shape[1]) + y.shape[2:], y.dtype, y.device))
+        out[0][:, a:b].copy_(y, non_blocking=True)
+
+    for_chunks(input_ids.shape[1], chunk, work)
+    return HostRows(out[0], input_ids.device)
+
+
+def _tables_on_host(tables: list, rows: int, device: torch.device) -> list:
+    """Each layer's rotary tables with their rows in host memory (one host copy per distinct table)."""
+    moved: dict[int, tuple] = {}
+    for t in tables:
+        if id(t) not in moved:
+            moved[id(t)] = tuple(host_rows.to_host(x, device) if isinstance(x, torch.Tensor) and x.dim() > 1
+                                 and x.shape[1] == rows else x for x in t)
+    return [moved[id(t)] for t in tables]
+
+
+def _model_forward(model: nn.Module, family: Family, version: str, call: dict, chunk: RowLoops,
+                   hand_host: bool = False):
+    """The decoder model's forward (transformers ``version``), with the residual donated to every layer; with
+    ``chunk.host`` (L6, no cache to fill) the residual and rotary tables in host memory between layers, the last
+    hidden state handed back there where ``hand_host`` (to the causal LM's head), else on the device."""
     mod = sys.modules[type(model).__module__]
     cache_name = CACHE_NAME[version]
     input_ids, inputs_embeds = call.get("input_ids"), call.get("inputs_embeds")
     if (input_ids is None) ^ (inputs_embeds is not None):
         raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
-    # the one whole-sequence residual: the embedding output (or a copy of the caller's embeddings, which stay theirs)
-    hidden = model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds.clone()
-    del inputs_embeds
     use_cache = call.get("use_cache")
     if use_cache is None:   # merge_with_config_defaults
         use_cache = getattr(model.config, "use_cache", None)
     cache = call.get(cache_name)
+    host = getattr(chunk, "host", False) and cache is None and not use_cache   # a cache is filled on the device
+    # the one whole-sequence residual: the embedding output (or a copy of the caller's embeddings, which stay theirs)
+    if host:
+        hidden = (_embedded_on_host(model, input_ids, chunk()) if inputs_embeds is None
+                  else host_rows.to_host(inputs_embeds, inputs_embeds.device))
+    else:
+        hidden = model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds.clone()
+    del inputs_embeds
+    x = hidden.tensor if host else hidden
+    like = torch.empty(x.shape[:2] + (0,), dtype=x.dtype, device=hidden.device) if host else hidden   # shapes only
+    del x
     if use_cache and cache is None:
         cache = mod.DynamicCache(config=model.config)
     position_ids = call.get("position_ids")
     if position_ids is None:
         past_seen_tokens = cache.get_seq_length() if cache is not None else 0
-        position_ids = (torch.arange(hidden.shape[1], device=hidden.device) + past_seen_tokens).unsqueeze(0)
-    masks = _masks(model, family, cache_name, hidden, call.get("attention_mask"), cache, position_ids)
-    tables = _rope(model, family, hidden, position_ids)
+        position_ids = (torch.arange(like.shape[1], device=like.device) + past_seen_tokens).unsqueeze(0)
+    masks = _masks(model, family, cache_name, like, call.get("attention_mask"), cache, position_ids)
+    tables = _rope(model, family, like, position_ids)
+    if host:
+        tables = _tables_on_host(tables, like.shape[1], like.device)
     layer_kw = {"position_ids": position_ids, cache_name: cache}
     if family.layer_use_cache:
         layer_kw["use_cache"] = use_cache
     for i, layer in enumerate(model.layers[: model.config.num_hidden_layers]):
-        with donate(hidden):
-            hidden = layer(hidden, attention_mask=masks[i], position_embeddings=tables[i], **layer_kw)
+        inputs = (hidden, masks[i], tables[i])
+        if host and not takes_described(layer):   # a layer streamplan does not stream: its rows whole
+            inputs, _ = described_whole(inputs, {})
+        with donate(inputs[0]):
+            out = layer(inputs[0], attention_mask=inputs[1], position_embeddings=inputs[2], **layer_kw)
+        del inputs
+        hidden = host_rows.kept(out, hidden) if host else out
+        del out
     del masks, tables
     hidden = _norm_in_place(model.norm, hidden, chunk())
+    if host and not hand_host:
+        hidden = hidden.whole()
     kept = cache if (use_cache or not family.cache_if_used) else None
     return mod.BaseModelOutputWithPast(last_hidden_state=hidden, **{cache_name: kept})
 
 
-def _run_model(model: nn.Module, family: Family, version: str, args: tuple, kwargs: dict,
-               chunk: Callable[[], int]):
+def _run_model(model: nn.Module, family: Family, version: str, args: tuple, kwargs: dict, chunk: RowLoops):
     """capture_outputs' return_dict (config default, a tuple only when False), around the streamed forward."""
     return_dict = kwargs.get("return_dict", getattr(model.config, "return_dict", True))
     out = _model_forward(model, family, version, _call(model, version, False, args, kwargs), chunk)
@@ -373,7 +425,14 @@ def _head(lm: nn.Module, family: Family, hidden: torch.Tensor, keep) -> torch.Te
     makes two more logits-sized tensors). One call, not row chunks: the buffer is the output either way, and a whole
     call is what streamplan's stock-head watch sizes, reports and holds to a byte budget."""
     rows = slice(-keep, None) if isinstance(keep, int) else keep
-    logits = lm.lm_head(hidden[:, rows, :])
+    if isinstance(hidden, HostRows):   # L6: the kept rows read back
+        n = hidden.shape[1]
+        picked = (host_rows.rows(hidden, n - keep if keep else 0, n) if isinstance(keep, int)
+                  else host_rows.on_device(hidden.tensor[:, keep.to(hidden.tensor.device), :], hidden.device))
+        logits = lm.lm_head(picked)
+        del picked
+    else:
+        logits = lm.lm_head(hidden[:, rows, :])
     cap = lm.config.final_logit_softcapping if family.softcap else None
     if cap is not None:
         logits.div_(cap).tanh_().mul_(cap)
@@ -394,7 +453,7 @@ def _lm_problem(lm: nn.Module, call: dict | str) -> str | None:
     return _hook_problem(lm)
 
 
-def _run_lm(lm: nn.Module, family: Family, version: str, args: tuple, kwargs: dict, chunk: Callable[[], int]):
+def _run_lm(lm: nn.Module, family: Family, version: str, args: tuple, kwargs: dict, chunk: RowLoops):
     """The causal LM's forward: its model (streamed through its own installed forward, or stock), then the head."""
     mod = sys.modules[type(lm).__module__]
     cache_name = CACHE_NAME[version]
@@ -404,12 +463,27 @@ def _run_lm(lm: nn.Module, family: Family, version: str, args: tuple, kwargs: di
     call = _call(lm, version, True, args, {k: v for k, v in kwargs.items() if k != "return_dict"})
     keep = call.pop("logits_to_keep", 0)
     call.pop("labels", None)
-    outputs = lm.model(**call)
+    inner = _host_model_call(lm, version, call) if chunk.host else None
+    if inner is not None:   # L6: the model's forward here, its last hidden state handed over in host memory
+        outputs = _model_forward(lm.model, MODELS[type(lm.model).__name__], version, inner, chunk, hand_host=True)
+    else:
+        outputs = lm.model(**call)
     logits = _head(lm, family, outputs.last_hidden_state, keep)
     out = mod.CausalLMOutputWithPast(loss=None, logits=logits, hidden_states=outputs.hidden_states,
                                      attentions=outputs.attentions, **{cache_name: getattr(outputs, cache_name)})
     del outputs
     return out.to_tuple() if not return_dict else out
+
+
+def _host_model_call(lm: nn.Module, version: str, call: dict) -> dict | None:
+    """The causal LM's model call, run here with its rows in host memory (L6), or None where the model's own forward
+    must run (hooks on the model, a call its forward streams otherwise or keeps stock)."""
+    model = lm.model
+    family = MODELS.get(type(model).__name__)
+    if family is None or chain_of(model) is not None or _version(model)[0] != version:
+        return None
+    inner = _call(model, version, False, (), dict(call))
+    return None if isinstance(inner, str) or _model_problem(model, family, version, inner) else inner
 
 
 # ----------------------------------------------------------------------------------------------------- recognizer
@@ -455,8 +529,8 @@ def recognize_decoder_model(name: str, module: nn.Module) -> ModelSpec | Skip | 
         return ModelSpec(module, f"transformers.{cls.__name__}[{version}: head on the kept rows, in place]",
                          run=lambda args, kwargs, chunk: _run_lm(module, family, version, args, kwargs, chunk),
                          can_stream=lambda args, kwargs: _lm_problem(
-                             module, _call(module, version, True, args, kwargs)))
+                             module, _call(module, version, True, args, kwargs)), host_rows=True)
     return ModelSpec(module, f"transformers.{cls.__name__}[{version}: donated layers, norm in row chunks]",
                      run=lambda args, kwargs, chunk: _run_model(module, family, version, args, kwargs, chunk),
                      can_stream=lambda args, kwargs: _model_problem(
-                         module, family, version, _call(module, version, False, args, kwargs)))
+                         module, family, version, _call(module, version, False, args, kwargs)), host_rows=True)
