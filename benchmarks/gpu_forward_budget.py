@@ -15,6 +15,7 @@ then ``--repeat`` calls are timed whole.
 
     python benchmarks/gpu_forward_budget.py --layers 2 --tokens 217088 --budgets-gib 7,8,10 --refuse-gib 4
     python benchmarks/gpu_forward_budget.py --layers 40 --offload --budgets-gib 6 --refuse-gib 4 --repeat 1
+    python benchmarks/gpu_forward_budget.py --model llama --layers 8 --tokens 1048576 --budgets-gib 3 --refuse-gib 1
     python benchmarks/gpu_forward_budget.py --cpu-dry-run      # the same steps on the CPU with a tiny model
 """
 from __future__ import annotations
@@ -51,6 +52,19 @@ def build(layers: int):
         if t.is_floating_point() and not keep & set(name.split(".")):
             t.data = t.data.to(BF16 if DEV == "cuda" else torch.float32)
     return model.eval()
+
+
+def build_llama(layers: int):
+    """Llama-3-8B width (4096 wide, 32 heads over 8 K/V heads, MLP 14336, vocab 128256), ``layers`` layers."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    size = (dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+                 vocab_size=128256) if DEV == "cuda" else
+            dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, vocab_size=256))
+    cfg = LlamaConfig(**size, num_hidden_layers=layers, max_position_embeddings=1 << 21, rope_theta=500000.0,
+                      attn_implementation="sdpa", tie_word_embeddings=False)
+    torch.manual_seed(0)
+    with torch.device(DEV):
+        return LlamaForCausalLM(cfg).to(BF16 if DEV == "cuda" else torch.float32).eval()
 
 
 def offload(model) -> None:
@@ -173,6 +187,7 @@ def accepted(model, call, budget: int, ref, stock_s: float, repeat: int = 1, war
 def main() -> int:
     global DEV, HIDDEN
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="wan", choices=("wan", "llama"))
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--tokens", type=int, default=217088)
     p.add_argument("--budgets-gib", default="7,8,10")
@@ -188,21 +203,35 @@ def main() -> int:
     p.add_argument("--cpu-dry-run", action="store_true")
     a = p.parse_args()
     HIDDEN = a.hidden
+    if a.model == "llama" and a.offload:
+        p.error("--offload is for --model wan (diffusers' group offloading)")
     if a.cpu_dry_run:
         DEV = "cpu"
     faulthandler.dump_traceback_later(900, exit=True)   # a stuck step says where it is
     sys.path.insert(0, os.path.dirname(__file__))
     from common import device_info, write_results
-    model = build(a.layers)
-    args = inputs(a.tokens)
-    call = lambda: model(*args).sample  # noqa: E731
+    if a.model == "llama":   # a prefill: no cache, the last position's logits (as generate asks)
+        model = build_llama(a.layers)
+        g = torch.Generator(device=DEV).manual_seed(1)
+        ids = torch.randint(0, model.config.vocab_size, (1, a.tokens if DEV == "cuda" else 4096), device=DEV,
+                            generator=g)
+        args = (ids,)
+        call = lambda: model(ids, use_cache=False, logits_to_keep=1).logits  # noqa: E731
+    else:
+        model = build(a.layers)
+        args = inputs(a.tokens)
+        call = lambda: model(*args).sample  # noqa: E731
     rows = []
     where = ("in pinned host memory, block-level group offloading with a prefetch stream" if a.offload
              else "on the card")
     payload = {**(device_info() if DEV == "cuda" else {}),
-               "model": f"WanTransformer3DModel, Wan2.1-14B config, {a.layers} layers, random weights, bf16, weights "
-                        f"{where}", "tokens": a.tokens, "allowance_bytes": ALLOWANCE, "rows": rows}
-    name = f"gpu_forward_budget_wan14b_{a.layers}l_{a.tokens}{'_offload' if a.offload else ''}"
+               "model": (f"LlamaForCausalLM, Llama-3-8B width, {a.layers} layers, a prefill (use_cache=False, "
+                         "logits_to_keep=1)" if a.model == "llama" else
+                         f"WanTransformer3DModel, Wan2.1-14B config, {a.layers} layers") + f", random weights, bf16, "
+                        f"weights {where}", "tokens": a.tokens, "allowance_bytes": ALLOWANCE, "rows": rows,
+               "hidden": a.hidden}
+    family = "llama3_8b" if a.model == "llama" else "wan14b"
+    name = f"gpu_forward_budget_{family}_{a.layers}l_{a.tokens}{'_offload' if a.offload else ''}"
 
     def keep(row: dict) -> None:   # written after every row: a run cut short keeps what it measured
         rows.append(row)

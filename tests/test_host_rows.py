@@ -129,3 +129,16 @@ def test_hidden_is_checked():
     model, _, _ = _wan()
     with pytest.raises(ValueError, match="hidden must be one of 'auto', 'device', 'host'"):
         streamplan.apply(model, hidden="gpu")
+
+
+@torch.no_grad()
+def test_a_long_prefill_is_rehearsed_with_the_mask_the_real_call_uses():
+    """Past a few thousand rows the positions a decoder makes itself are fake in the rehearsal; read by the mask
+    functions' packed-sequence check they would look packed, and the rehearsal would plan a mask the real call never
+    builds (and no host K/V store, which takes no mask)."""
+    lm, ids = _lm("llama"), _ids(batch=1, n=12288)   # 96 KiB of ids: past what a rehearsal keeps real
+    call = lambda: lm(ids, use_cache=False, logits_to_keep=1).logits  # noqa: E731
+    ref, stock_peak = streamplan.measure_peak(call)
+    plan, _, report = _held(lm, call, stock_peak // 2, ref)
+    assert "planned ahead" in plan.note, report
+    assert "mask built a Q chunk's rows at a time" not in report, report

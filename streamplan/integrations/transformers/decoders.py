@@ -380,7 +380,9 @@ def _model_forward(model: nn.Module, family: Family, version: str, call: dict, c
     if position_ids is None:
         past_seen_tokens = cache.get_seq_length() if cache is not None else 0
         position_ids = (torch.arange(like.shape[1], device=like.device) + past_seen_tokens).unsqueeze(0)
-    masks = _masks(model, family, cache_name, like, call.get("attention_mask"), cache, position_ids)
+    # positions the forward made itself are one run (never packed): the mask functions are not handed them to check,
+    # which reads their values (in a rehearsal they are fake beyond a few thousand rows, and would read as packed)
+    masks = _masks(model, family, cache_name, like, call.get("attention_mask"), cache, call.get("position_ids"))
     tables = _rope(model, family, like, position_ids)
     if host:
         tables = _tables_on_host(tables, like.shape[1], like.device)
