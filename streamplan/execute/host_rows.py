@@ -66,6 +66,22 @@ def rows(x: torch.Tensor | HostRows, a: int, b: int, dim: int = 1) -> torch.Tens
     return x.narrow(dim, a, b - a)
 
 
+def picked(x: torch.Tensor | HostRows, index: torch.Tensor, dim: int = 1) -> torch.Tensor:
+    """``x.index_select(dim, index)`` on the compute device (host rows picked on the host, then copied)."""
+    if isinstance(x, HostRows):
+        return on_device(x.tensor.index_select(dim, index.to(x.tensor.device)), x.device)
+    return x.index_select(dim, index)
+
+
+def placed(dst: torch.Tensor | HostRows, index: torch.Tensor, src: torch.Tensor, dim: int = 1) -> None:
+    """``dst.index_copy_(dim, index, src)``, into host rows as well (``src`` copied to the host first)."""
+    if isinstance(dst, HostRows):
+        host = dst.tensor.device
+        dst.tensor.index_copy_(dim, index.to(host), src.to(host))
+        return
+    dst.index_copy_(dim, index, src)
+
+
 def kept(out: Any, into: HostRows) -> Any:
     """A block's output back in the host buffer ``into`` (its donated input) when the block handed back device rows
     (it ran stock, or brought its rows to the device whole); as it is otherwise."""

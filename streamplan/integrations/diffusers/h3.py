@@ -5,15 +5,14 @@ partial rotary are all row-local there."""
 from __future__ import annotations
 
 import sys
-from typing import Callable
-
 import torch
 from torch import nn
 
 from ...execute.chunk_loop import for_chunks
 from ...execute.donation import donate
-from ...execute.hook_chains import keeps_output
-from ...specs import ModelSpec, Skip
+from ...execute import host_rows
+from ...execute.hook_chains import keeps_output, takes_described
+from ...specs import HostRows, ModelSpec, RowLoops, Skip, described_whole
 from .parallel import model_config
 from ...recognize.checks import stock_problem
 from .models import KNOWN_FORWARDS, own_forward_problem, call_problem, model_call
@@ -34,18 +33,21 @@ def _call(args: tuple, kwargs: dict) -> dict | str:
     return call
 
 
-def _scatter_rows(dst: torch.Tensor, proj: nn.Module, src: torch.Tensor, index: torch.Tensor, chunk: int) -> None:
+def _scatter_rows(dst: torch.Tensor | HostRows, proj: nn.Module, src: torch.Tensor, index: torch.Tensor,
+                  chunk: int) -> None:
     """``dst[:, index] = proj(src)`` a chunk of source rows at a time (stock projects every row, then copies)."""
     dtype = next(proj.parameters()).dtype
+    dst_dtype = dst.tensor.dtype if isinstance(dst, HostRows) else dst.dtype
 
     def work(a: int, b: int) -> None:
-        dst.index_copy_(1, index[a:b], proj(src[:, a:b].to(dtype)).to(dst.dtype))
+        host_rows.placed(dst, index[a:b], proj(src[:, a:b].to(dtype)).to(dst_dtype))
 
     for_chunks(src.shape[1], chunk, work)
 
 
-def _forward(model, args: tuple, kwargs: dict, chunk: Callable[[], int]):
-    """MiniMaxH3Transformer3DModel.forward (diffusers 0.42.1), streamed."""
+def _forward(model, args: tuple, kwargs: dict, chunk: RowLoops):
+    """MiniMaxH3Transformer3DModel.forward (diffusers 0.42.1), streamed; with ``chunk.host`` (L6) the packed
+    sequence in host memory between blocks."""
     mod = sys.modules[_MODULE]
     call = _call(args, kwargs)
     position_ids, token_tags, timestep_indices = call["position_ids"], call["token_tags"], call["timestep_indices"]
@@ -62,8 +64,13 @@ def _forward(model, args: tuple, kwargs: dict, chunk: Callable[[], int]):
     text = call["encoder_hidden_states"]
     text = model.context_embedder(text.to(next(model.context_embedder.parameters()).dtype))
     text = model.token_refiner(text)
-    hidden_states = text.new_zeros((text.shape[0], n, text.shape[-1]))
-    hidden_states.index_copy_(1, call["text_indices"], text)
+    device = text.device
+    if chunk.host:
+        hidden_states = HostRows(host_rows.host_empty((text.shape[0], n, text.shape[-1]), text.dtype, device), device)
+        hidden_states.tensor.zero_()
+    else:
+        hidden_states = text.new_zeros((text.shape[0], n, text.shape[-1]))
+    host_rows.placed(hidden_states, call["text_indices"], text)
     del text
     _scatter_rows(hidden_states, model.proj_in, call["hidden_states"], video_indices, chunk())
     _scatter_rows(hidden_states, model.audio_proj_in, call["audio_hidden_states"], audio_indices, chunk())
@@ -74,8 +81,14 @@ def _forward(model, args: tuple, kwargs: dict, chunk: Callable[[], int]):
 
     kept = None   # a block whose hook keeps its output (a cache) does not hand it to the next to overwrite
     for block in model.transformer_blocks:
-        with donate(*(() if kept else (hidden_states,))):
-            hidden_states = block(hidden_states, temb, adaln_indices, rotary_emb)
+        inputs = (hidden_states, temb, adaln_indices, rotary_emb)
+        if chunk.host and not takes_described(block):   # a block streamplan does not stream: its rows whole
+            inputs, _ = described_whole(inputs, {})
+        with donate(*(() if kept else (inputs[0],))):
+            out = block(*inputs)
+        del inputs
+        hidden_states = host_rows.kept(out, hidden_states) if chunk.host else out
+        del out
         kept = keeps_output(block)
 
     # each head on the rows it keeps only, a chunk of them at a time, straight into its output (stock runs both
@@ -83,12 +96,12 @@ def _forward(model, args: tuple, kwargs: dict, chunk: Callable[[], int]):
     head_dtype = next(model.proj_out.parameters()).dtype
     heads = []
     for proj, index in ((model.proj_out, video_indices), (model.audio_proj_out, audio_indices)):
-        out = hidden_states.new_empty((hidden_states.shape[0], index.shape[0], proj.out_features),
-                                      dtype=next(proj.parameters()).dtype)
+        out = torch.empty((hidden_states.shape[0], index.shape[0], proj.out_features),
+                          dtype=next(proj.parameters()).dtype, device=device)
 
         def work(a: int, b: int, proj=proj, index=index, out=out) -> None:
             rows = index[a:b]
-            y = model.norm_out(hidden_states.index_select(1, rows), temb, timestep_indices.index_select(0, rows))
+            y = model.norm_out(host_rows.picked(hidden_states, rows), temb, timestep_indices.index_select(0, rows))
             out[:, a:b] = proj(y.to(head_dtype)).to(out.dtype)
 
         for_chunks(index.shape[0], chunk(), work)
@@ -121,4 +134,4 @@ def recognize_h3_model(name: str, module: nn.Module) -> ModelSpec | Skip | None:
             return skip(f"{sub}: {problem}")
     return ModelSpec(module, "diffusers.MiniMaxH3Transformer3DModel[packed in place, donated blocks, streamed heads]",
                      run=lambda args, kwargs, chunk: _forward(module, args, kwargs, chunk),
-                     can_stream=lambda args, kwargs: _can_stream(module, args, kwargs))
+                     can_stream=lambda args, kwargs: _can_stream(module, args, kwargs), host_rows=True)
