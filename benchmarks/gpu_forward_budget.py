@@ -15,6 +15,7 @@ then ``--repeat`` calls are timed whole.
 
     python benchmarks/gpu_forward_budget.py --layers 2 --tokens 217088 --budgets-gib 7,8,10 --refuse-gib 4
     python benchmarks/gpu_forward_budget.py --layers 40 --offload --budgets-gib 6 --refuse-gib 4 --repeat 1
+    python benchmarks/gpu_forward_budget.py --model h3 --layers 50 --offload --tokens 217056 --budgets-gib 8
     python benchmarks/gpu_forward_budget.py --model llama --layers 8 --tokens 1048576 --budgets-gib 3 --refuse-gib 1
     python benchmarks/gpu_forward_budget.py --cpu-dry-run      # the same steps on the CPU with a tiny model
 """
@@ -65,6 +66,46 @@ def build_llama(layers: int):
     torch.manual_seed(0)
     with torch.device(DEV):
         return LlamaForCausalLM(cfg).to(BF16 if DEV == "cuda" else torch.float32).eval()
+
+
+def build_h3(layers: int):
+    """MiniMax-H3 at its real width (5376 wide, 56 heads x 128, SwiGLU 14336), ``layers`` layers, 2 refiners; its
+    input and output projections and time embedder in fp32 as the pipeline keeps them."""
+    from diffusers import MiniMaxH3Transformer3DModel
+    tiny = {} if DEV == "cuda" else dict(num_attention_heads=4, attention_head_dim=16, hidden_size=64, ffn_dim=128,
+                                          in_channels=4, audio_in_channels=8, text_dim=48, freq_dim=32,
+                                          time_embed_hidden_dim=64, time_embed_dim=32, rope_freq_dim=2)
+    torch.manual_seed(0)
+    with torch.device(DEV):
+        model = MiniMaxH3Transformer3DModel(num_layers=layers, num_refiner_layers=2, **tiny)
+    model = model.to(BF16 if DEV == "cuda" else torch.float32)
+    for name in ("proj_in", "audio_proj_in", "time_embedder", "proj_out", "audio_proj_out"):
+        getattr(model, name).float()
+    return model.eval()
+
+
+def h3_inputs(model, tokens: int, text: int = 512, audio: int = 2000, cond: int = 4096) -> dict:
+    """The packed sequence as the pipeline hands it: text, audio, then video rows (the first ``cond`` of them
+    conditioning frames at t=0, the rest at the noisy level); ``tokens`` counts every packed row."""
+    if DEV != "cuda":
+        text, audio, cond = 24, 30, 40
+    cfg = model.config
+    video = tokens - text - audio
+    g = torch.Generator(device=DEV).manual_seed(1)
+    idx = torch.arange(tokens, device=DEV)
+    tags = torch.zeros(tokens, dtype=torch.long, device=DEV)
+    tags[text:text + audio] = 2
+    tags[:text] = 1
+    ts = torch.ones(tokens, dtype=torch.long, device=DEV)
+    ts[text + audio:text + audio + cond] = 0
+    p = cfg.patch_size[0] * cfg.patch_size[1] * cfg.patch_size[2]
+    return dict(hidden_states=torch.randn(1, video, cfg.in_channels * p, device=DEV, generator=g),
+                audio_hidden_states=torch.randn(1, audio, cfg.audio_in_channels, device=DEV, generator=g),
+                encoder_hidden_states=torch.randn(1, text, cfg.text_dim, device=DEV, generator=g,
+                                                  dtype=BF16 if DEV == "cuda" else torch.float32),
+                timestep=torch.tensor([0.0, 0.6], device=DEV), timestep_indices=ts, token_tags=tags,
+                position_ids=torch.randint(0, 64, (tokens, 3), device=DEV, generator=g),
+                video_indices=idx[text + audio:], audio_indices=idx[text:text + audio], text_indices=idx[:text])
 
 
 def offload(model) -> None:
@@ -118,7 +159,13 @@ def peak_of(fn):
     return streamplan.measure_peak(fn, device=DEV)
 
 
+def _h3_out(out):
+    return out.sample, out.audio_sample
+
+
 def _rel(a, b) -> float:
+    if isinstance(a, tuple):
+        return max(_rel(x, y) for x, y in zip(a, b))
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
@@ -187,11 +234,14 @@ def accepted(model, call, budget: int, ref, stock_s: float, repeat: int = 1, war
 def main() -> int:
     global DEV, HIDDEN
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="wan", choices=("wan", "llama"))
+    p.add_argument("--model", default="wan", choices=("wan", "llama", "h3"),
+                   help="wan: Wan2.1-14B; llama: Llama-3-8B width, a prefill; h3: MiniMax-H3 (--tokens: packed rows)")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--tokens", type=int, default=217088)
     p.add_argument("--budgets-gib", default="7,8,10")
-    p.add_argument("--refuse-gib", type=float, default=4.0)
+    p.add_argument("--refuse-gib", type=float, default=4.0, help="a budget expected to be refused (0: none)")
+    p.add_argument("--stock-once", action="store_true", help="stock timed on its reference call (after a small "
+                   "warm-up call) rather than on a second full call: for runs whose stock takes minutes")
     p.add_argument("--run-smallest", action="store_true", help="also run at the refusal's smallest budget (its first "
                    "call timed, the rehearsal taken out)")
     p.add_argument("--offload", action="store_true", help="weights in pinned host memory, block-level group "
@@ -204,7 +254,7 @@ def main() -> int:
     a = p.parse_args()
     HIDDEN = a.hidden
     if a.model == "llama" and a.offload:
-        p.error("--offload is for --model wan (diffusers' group offloading)")
+        p.error("--offload is for the diffusers models (wan, h3: diffusers' group offloading)")
     if a.cpu_dry_run:
         DEV = "cpu"
     faulthandler.dump_traceback_later(900, exit=True)   # a stuck step says where it is
@@ -215,8 +265,12 @@ def main() -> int:
         g = torch.Generator(device=DEV).manual_seed(1)
         ids = torch.randint(0, model.config.vocab_size, (1, a.tokens if DEV == "cuda" else 4096), device=DEV,
                             generator=g)
-        args = (ids,)
         call = lambda: model(ids, use_cache=False, logits_to_keep=1).logits  # noqa: E731
+    elif a.model == "h3":
+        model = build_h3(a.layers)
+        kw = h3_inputs(model, a.tokens if DEV == "cuda" else 400)
+        small_kw = h3_inputs(model, a.warmup_tokens if DEV == "cuda" else 200)
+        call = lambda: _h3_out(model(**kw))  # noqa: E731
     else:
         model = build(a.layers)
         args = inputs(a.tokens)
@@ -227,10 +281,12 @@ def main() -> int:
     payload = {**(device_info() if DEV == "cuda" else {}),
                "model": (f"LlamaForCausalLM, Llama-3-8B width, {a.layers} layers, a prefill (use_cache=False, "
                          "logits_to_keep=1)" if a.model == "llama" else
+                         f"MiniMaxH3Transformer3DModel, real width, {a.layers} layers, 2 refiners, packed text + "
+                         "audio + video rows" if a.model == "h3" else
                          f"WanTransformer3DModel, Wan2.1-14B config, {a.layers} layers") + f", random weights, bf16, "
                         f"weights {where}", "tokens": a.tokens, "allowance_bytes": ALLOWANCE, "rows": rows,
                "hidden": a.hidden}
-    family = "llama3_8b" if a.model == "llama" else "wan14b"
+    family = {"llama": "llama3_8b", "h3": "minimax_h3"}.get(a.model, "wan14b")
     name = f"gpu_forward_budget_{family}_{a.layers}l_{a.tokens}{'_offload' if a.offload else ''}"
 
     def keep(row: dict) -> None:   # written after every row: a run cut short keeps what it measured
@@ -239,13 +295,18 @@ def main() -> int:
         if DEV == "cuda":
             write_results(name, payload)
 
-    small = inputs(a.warmup_tokens)
-    warm = (lambda: model(*small).sample) if a.offload else None  # noqa: E731
+    if a.model == "h3":
+        warm = lambda: model(**small_kw).sample  # noqa: E731
+    elif a.model == "llama":
+        warm = lambda: model(ids[:, :a.warmup_tokens], use_cache=False, logits_to_keep=1).logits  # noqa: E731
+    else:
+        small = inputs(a.warmup_tokens)
+        warm = lambda: model(*small).sample  # noqa: E731
     with torch.inference_mode():
-        if a.offload:   # stock once at the small size: cuBLAS and the kernels' first-call costs out of its time
-            model(*small)
+        if a.offload or a.stock_once:   # stock once at the small size: first-call costs out of its time
+            warm()
         (ref, stock_peak), stock_s = timed(lambda: peak_of(call))
-        if not a.offload:
+        if not (a.offload or a.stock_once):
             _, stock_s = timed(call)
         payload.update(stock_peak_bytes=stock_peak, stock_time_s=stock_s)
         print(f"stock: peak {stock_peak / GIB:.2f} GiB above the weights, {stock_s:.1f} s", flush=True)
@@ -253,10 +314,11 @@ def main() -> int:
             offload(model)
         scale = GIB if DEV == "cuda" else stock_peak / 8   # the dry run's budgets: eighths of stock's peak
         for budget in [int(float(b) * scale) for b in a.budgets_gib.split(",")]:
-            keep(accepted(model, call, budget, ref, stock_s, a.repeat, warm))
-        keep(refused(model, call, int(a.refuse_gib * scale)))   # last: the smallest's search rehearses several times
+            keep(accepted(model, call, budget, ref, stock_s, a.repeat, warm if a.offload else None))
+        if a.refuse_gib > 0:   # last: the smallest's search rehearses several times
+            keep(refused(model, call, int(a.refuse_gib * scale)))
         if a.run_smallest and rows[-1].get("smallest_bytes"):
-            keep(accepted(model, call, rows[-1]["smallest_bytes"], ref, stock_s, 0, warm))   # its first call only
+            keep(accepted(model, call, rows[-1]["smallest_bytes"], ref, stock_s, 0, warm if a.offload else None))   # its first call only
     return 0
 
 

@@ -94,6 +94,16 @@ def test_plan_finds_the_smallest_budget_and_card(capsys):
     assert "the smallest budget that runs it" in capsys.readouterr().err
 
 
+def test_plan_of_a_whole_model_below_the_devices_reach_keeps_its_rows_on_the_host(capsys):
+    # planned on meta tensors: the rehearsal makes every plan, nothing runs in chunks (it once ran them all: minutes)
+    start = time.monotonic()
+    assert main(["plan", "--family", "wan-14b-model", "--tokens", "16384", "--budget", "300MiB"]) == 0
+    out = capsys.readouterr().out
+    root = next(s for s in out.splitlines() if s.strip().startswith("<root>"))
+    assert " L6 " in root, root
+    assert "of host memory at once" in out and " L4 " in out, out[:2000]
+    assert time.monotonic() - start < 120
+
 def test_plan_as_json(capsys):
     assert main(["plan", "--family", "flux-single-block", "--tokens", "65536", "--budget", "4GiB", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)     # progress goes to stderr: stdout is the JSON alone

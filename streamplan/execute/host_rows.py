@@ -32,6 +32,8 @@ def host_empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device)
             t = torch.empty(shape, dtype=dtype, device="cpu")
         REHEARSAL.ledger.count_host(t)
         return t
+    if device.type == "meta":   # a plan on shapes only (`streamplan plan`): nothing to hold
+        return torch.empty(shape, dtype=dtype, device="meta")
     if device.type == "cuda":
         try:
             return torch.empty(shape, dtype=dtype, pin_memory=True)

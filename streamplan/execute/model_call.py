@@ -64,7 +64,10 @@ def run_model(ctx: CallContext, args: tuple, kwargs: dict) -> Any:
                     *counted, tensors[0].device if tensors else None)
     if ahead:
         ahead = _planned_ahead(ctx, sig, plan, run, args, kwargs, tensors[0].device, problem)
-    if plan.tier == Tier.L0:   # the stock forward fits (or every block fitted stock at the first call): as stock
+    shapes_only = ahead and bool(tensors) and tensors[0].device.type == "meta"
+    if plan.tier == Tier.L0 or shapes_only:
+        # the stock forward fits (or every block fitted stock at the first call): as stock; on meta tensors (a plan
+        # on shapes, `streamplan plan`) the rehearsal made every plan and there is nothing to run in chunks
         with bypass() if "planned ahead" in plan.note or ahead else contextlib.nullcontext():
             return entry.stock(*args, **kwargs)
     if plan.tier == Tier.L6 and first:   # the host memory its rows need, had before anything runs
