@@ -184,7 +184,48 @@ class HostRows:
             return self.tensor.clone()
         return self.tensor.to(self.device)
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tensor.dtype
+
+    def part(self, dim: int, start: int, n: int | None) -> torch.Tensor:
+        """Rows [start, start + n) along ``dim`` (``n`` None: all of them) on the compute device."""
+        return to_compute(self.tensor if n is None else self.tensor.narrow(dim, start, n), self.device)
+
     def to(self, *args, **kwargs) -> "HostRows":
+        return self
+
+
+def to_compute(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor's rows on the compute device: an asynchronous copy from pinned memory on the compute stream (a
+    clone where host and device are the same memory, so the copy is a device allocation as on a GPU)."""
+    if t.device == device:
+        return t.clone()
+    return t.to(device, non_blocking=True)
+
+
+@dataclass(eq=False)
+class RowsFrom:
+    """A per-row tensor a model forward builds rows of on demand instead of whole: a per-token modulation table from
+    runs of equal timesteps (one table row each, picked per row), rotary tables from positions. A block streamed from
+    its graph builds each chunk's rows (``make(a, b)``: rows [a, b) along ``dim``, on ``device``); a stock call gets
+    ``whole()``. Its rows must be what the whole tensor's rows are: ``make`` is row-local."""
+
+    make: Callable[[int, int], torch.Tensor]
+    shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+    dim: int = 1
+
+    def whole(self) -> torch.Tensor:
+        return self.make(0, self.shape[self.dim])
+
+    def part(self, dim: int, start: int, n: int | None) -> torch.Tensor:
+        if n is None or dim != self.dim:
+            return self.whole()
+        return self.make(start, start + n)
+
+    def to(self, *args, **kwargs) -> "RowsFrom":
         return self
 
 
@@ -257,7 +298,7 @@ class RowMask:
 STREAMED_MARK = "__streamplan_streamed__"
 # set on a streamplan forward that takes described inputs (RowMask, HostRows): a block streamed from its captured graph
 DESCRIBED_MARK = "_streamplan_takes_described"
-DESCRIBED = (RowMask, HostRows)
+DESCRIBED = (RowMask, HostRows, RowsFrom)
 
 
 def _whole(v):

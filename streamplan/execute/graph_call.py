@@ -4,6 +4,7 @@ from the graph's memory model under the budget, then run (phase KV, or head grou
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, Callable
@@ -148,16 +149,18 @@ def _host_inputs(ctx: CallContext, call: GraphCall, host: dict[int, HostRows]) -
     why = ("it writes into its inputs" if an.input_writes else "under sequence parallelism" if call.par is not None
            else "its K/V go to a cache" if call.adapted is not None else "its attention takes every query row at once"
            if call.whole_q else None)
-    if why is None and not any(donated(t) for t in tree_leaves((call.args, call.kwargs))
-                               if isinstance(t, torch.Tensor) and id(t) in host):
+    kept = [t for t in tree_leaves((call.args, call.kwargs))
+            if isinstance(t, torch.Tensor) and isinstance(host.get(id(t)), HostRows)]
+    if why is None and kept and not any(donated(t) for t in kept):
         why = "its host input is not donated"
     if why:
-        ctx.note(f"its rows kept in host memory brought to the device whole: {why}")
+        ctx.note(f"its {'rows kept in host memory brought to the device' if kept else 'per-row tables built'} "
+                 f"whole: {why}")
         call.args, call.kwargs = host_rows.brought_whole((call.args, call.kwargs), host)
         return
     call.host = host
     rows = call.rows
-    call.host_row_bytes = sum(h.tensor.numel() // rows * h.tensor.element_size() for h in host.values())
+    call.host_row_bytes = sum(math.prod(h.shape) // rows * h.dtype.itemsize for h in host.values())
 
 
 def _take_row_mask(args: tuple, kwargs: dict) -> tuple[RowMask | None, tuple, dict] | str:

@@ -14,7 +14,6 @@ from torch.utils import _pytree as pytree
 
 from .call_state import rehearsing
 from .chunk_loop import MAX_SPLITS, attempt, chunk_bounds
-from .host_rows import on_device
 from .kv_stores import write_rows
 from ..graph.analyze import Analysis, GlobalAttention, Rows
 from ..graph.export import Captured
@@ -107,7 +106,7 @@ class GraphRun:
             else:
                 self.base[node] = cap.program.constants[ref]
         # L6: inputs in host memory (``host_rows``), each chunk's rows copied to the compute device
-        self.host_nodes = {n: host[id(v)].device for n, v in self.base.items() if host and id(v) in host}
+        self.sources = {n: host[id(v)] for n, v in self.base.items() if host and id(v) in host}
         self.kv: dict[fx.Node, tuple[torch.Tensor, torch.Tensor]] = {}
         self.attn_out: dict[fx.Node, torch.Tensor] = {}
         self._base = 0   # the first row of what ``attn_out`` holds
@@ -198,9 +197,10 @@ class GraphRun:
     def _part(self, node: fx.Node, value: Any, dim: int, start: int, n: int | None) -> Any:
         """Rows [start, start + n) of an input along ``dim`` (``n`` None: all of it), on the compute device: a view,
         or for host rows (L6) a copy of them."""
-        part = value if n is None else value.narrow(dim, start, n)
-        device = self.host_nodes.get(node)
-        return part if device is None else on_device(part, device)
+        source = self.sources.get(node)
+        if source is not None:   # host rows (L6) copied, or rows a model forward builds per chunk (``RowsFrom``)
+            return source.part(dim, start, n)
+        return value if n is None else value.narrow(dim, start, n)
 
     def _attention(self, att: GlobalAttention, env: dict, a: int) -> torch.Tensor:
         if att.node in self.attn_out:   # built ahead (L3's head groups, a whole Q, a Q span): its rows from ``_base``

@@ -20,7 +20,7 @@ from .call_state import REHEARSAL, rehearsing
 from .rehearsal import ledger_paused
 from ..plan.budget import fmt_bytes
 from ..plan.planner import HostMemoryError
-from ..specs import HostRows
+from ..specs import HostRows, RowsFrom, to_compute
 
 
 def host_empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -53,12 +53,7 @@ def to_host(t: torch.Tensor, device: torch.device) -> HostRows:
     return HostRows(host, device)
 
 
-def on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Rows of a host tensor on the compute device: an asynchronous copy from pinned memory on the compute stream (a
-    clone where host and device are the same memory, so the copy is a device allocation as on a GPU)."""
-    if t.device == device:
-        return t.clone()
-    return t.to(device, non_blocking=True)
+on_device = to_compute   # rows of a host tensor on the compute device
 
 
 def rows(x: torch.Tensor | HostRows, a: int, b: int, dim: int = 1) -> torch.Tensor:
@@ -95,15 +90,20 @@ def kept(out: Any, into: HostRows) -> Any:
     return to_host(out, into.device)
 
 
-def taken(args: tuple, kwargs: dict) -> tuple[tuple, dict, dict[int, HostRows]]:
-    """The call with each ``HostRows`` (at the top level or in a tuple or list) replaced by its host tensor, and
-    those tensors' HostRows by ``id``."""
-    found: dict[int, HostRows] = {}
+def taken(args: tuple, kwargs: dict) -> tuple[tuple, dict, dict[int, HostRows | RowsFrom]]:
+    """The call with each described row input (at the top level or in a tuple or list) replaced by a tensor of its
+    shape: a ``HostRows`` by its host tensor, a ``RowsFrom`` by a meta placeholder (its rows are built, never read
+    from it); and each of those tensors' description by ``id``."""
+    found: dict[int, HostRows | RowsFrom] = {}
 
     def take(v):
         if isinstance(v, HostRows):
             found[id(v.tensor)] = v
             return v.tensor
+        if isinstance(v, RowsFrom):
+            t = torch.empty(v.shape, dtype=v.dtype, device="meta")
+            found[id(t)] = v
+            return t
         return v
 
     def top(v):

@@ -14,6 +14,7 @@ from .comfy import capture_attention, flux, kitchen_ops  # noqa: F401  (ComfyUI'
 from .diffusers import hooks  # noqa: F401  (diffusers' hook chains)
 from .diffusers.attention import recognize_attention
 from .diffusers.h3 import recognize_h3_model
+from .diffusers.ltx2 import recognize_ltx2_model
 from .diffusers.mlp import recognize_feedforward
 from .diffusers.wan import recognize_wan_model
 from .transformers import graph_calls  # noqa: F401  (transformers layers on the captured path: backend, cache)
@@ -23,7 +24,8 @@ from .transformers.llama import recognize_gated_mlp, recognize_llama_attention
 Recognizer = Callable[[str, nn.Module], "MLPSpec | AttentionSpec | ModelSpec | RowLocalSpec | Skip | None"]
 
 # whole models: their forward is replaced, and their blocks are still recognised on their own
-MODEL_RECOGNIZERS: list[Recognizer] = [recognize_wan_model, recognize_h3_model, recognize_decoder_model]
+MODEL_RECOGNIZERS: list[Recognizer] = [recognize_wan_model, recognize_h3_model, recognize_ltx2_model,
+                                        recognize_decoder_model]
 # parts: what a block's graph cannot take (a cache) or a module outside any block
 RECOGNIZERS: list[Recognizer] = [recognize_feedforward, recognize_gated_mlp, recognize_attention,
                                  recognize_llama_attention, recognize_row_local]
