@@ -16,6 +16,7 @@ then ``--repeat`` calls are timed whole.
     python benchmarks/gpu_forward_budget.py --layers 2 --tokens 217088 --budgets-gib 7,8,10 --refuse-gib 4
     python benchmarks/gpu_forward_budget.py --layers 40 --offload --budgets-gib 6 --refuse-gib 4 --repeat 1
     python benchmarks/gpu_forward_budget.py --model h3 --layers 50 --offload --tokens 217056 --budgets-gib 8
+    python benchmarks/gpu_forward_budget.py --model ltx2 --layers 48 --offload --tokens 206040 --budgets-gib 12
     python benchmarks/gpu_forward_budget.py --model llama --layers 8 --tokens 1048576 --budgets-gib 3 --refuse-gib 1
     python benchmarks/gpu_forward_budget.py --cpu-dry-run      # the same steps on the CPU with a tiny model
 """
@@ -106,6 +107,44 @@ def h3_inputs(model, tokens: int, text: int = 512, audio: int = 2000, cond: int 
                 timestep=torch.tensor([0.0, 0.6], device=DEV), timestep_indices=ts, token_tags=tags,
                 position_ids=torch.randint(0, 64, (tokens, 3), device=DEV, generator=g),
                 video_indices=idx[text + audio:], audio_indices=idx[text:text + audio], text_indices=idx[:text])
+
+
+def build_ltx2(layers: int):
+    """LTX-2 at its real width (4096-wide video over 32 heads, 2048-wide audio, caption 3840), ``layers`` layers."""
+    from diffusers import LTX2VideoTransformer3DModel
+    tiny = {} if DEV == "cuda" else dict(in_channels=8, out_channels=8, num_attention_heads=2, attention_head_dim=16,
+                                          cross_attention_dim=32, audio_in_channels=8, audio_out_channels=8,
+                                          audio_num_attention_heads=2, audio_attention_head_dim=8,
+                                          audio_cross_attention_dim=16, caption_channels=24)
+    torch.manual_seed(0)
+    with torch.device(DEV):
+        model = LTX2VideoTransformer3DModel(num_layers=layers, **tiny)
+    return model.to(BF16 if DEV == "cuda" else torch.float32).eval()
+
+
+LTX2_LATENTS = {206040: (101, 34, 60), 75600: (21, 60, 60), 32768: (8, 64, 64)}   # frames, height, width (1x1x1)
+
+
+def ltx2_inputs(model, tokens: int, text: int = 1024) -> dict:
+    """The image-to-video call: per-token timesteps (the first latent frame clean), 25 audio rows a second of 24 fps
+    video, ``tokens`` video rows."""
+    f, h, w = LTX2_LATENTS.get(tokens, (max(1, tokens // 2040), 34, 60))
+    if DEV != "cuda":
+        f, h, w, text = 3, 8, 10, 7
+    cfg = model.config
+    audio = max(2, round((f - 1) * 8 / 24 * 25) + 1) if DEV == "cuda" else 12
+    dtype = BF16 if DEV == "cuda" else torch.float32
+    g = torch.Generator(device=DEV).manual_seed(1)
+    n = f * h * w
+    timestep = torch.full((1, n), 700.0, device=DEV)
+    timestep[:, :h * w] = 0.0
+    return dict(hidden_states=torch.randn(1, n, cfg.in_channels, device=DEV, dtype=dtype, generator=g),
+                audio_hidden_states=torch.randn(1, audio, cfg.audio_in_channels, device=DEV, dtype=dtype, generator=g),
+                encoder_hidden_states=torch.randn(1, text, cfg.caption_channels, device=DEV, dtype=dtype, generator=g),
+                audio_encoder_hidden_states=torch.randn(1, text, cfg.caption_channels, device=DEV, dtype=dtype,
+                                                        generator=g),
+                timestep=timestep, audio_timestep=torch.tensor([700.0], device=DEV),
+                sigma=torch.tensor([0.7], device=DEV), num_frames=f, height=h, width=w, audio_num_frames=audio)
 
 
 def offload(model) -> None:
@@ -234,8 +273,9 @@ def accepted(model, call, budget: int, ref, stock_s: float, repeat: int = 1, war
 def main() -> int:
     global DEV, HIDDEN
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="wan", choices=("wan", "llama", "h3"),
-                   help="wan: Wan2.1-14B; llama: Llama-3-8B width, a prefill; h3: MiniMax-H3 (--tokens: packed rows)")
+    p.add_argument("--model", default="wan", choices=("wan", "llama", "h3", "ltx2"),
+                   help="wan: Wan2.1-14B; llama: Llama-3-8B width, a prefill; h3: MiniMax-H3 (--tokens: packed rows); "
+                   "ltx2: LTX-2 image-to-video (--tokens: video rows)")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--tokens", type=int, default=217088)
     p.add_argument("--budgets-gib", default="7,8,10")
@@ -254,7 +294,7 @@ def main() -> int:
     a = p.parse_args()
     HIDDEN = a.hidden
     if a.model == "llama" and a.offload:
-        p.error("--offload is for the diffusers models (wan, h3: diffusers' group offloading)")
+        p.error("--offload is for the diffusers models (wan, h3, ltx2: diffusers' group offloading)")
     if a.cpu_dry_run:
         DEV = "cpu"
     faulthandler.dump_traceback_later(900, exit=True)   # a stuck step says where it is
@@ -266,6 +306,11 @@ def main() -> int:
         ids = torch.randint(0, model.config.vocab_size, (1, a.tokens if DEV == "cuda" else 4096), device=DEV,
                             generator=g)
         call = lambda: model(ids, use_cache=False, logits_to_keep=1).logits  # noqa: E731
+    elif a.model == "ltx2":
+        model = build_ltx2(a.layers)
+        kw = ltx2_inputs(model, a.tokens)
+        small_kw = ltx2_inputs(model, a.warmup_tokens if DEV == "cuda" else 200)
+        call = lambda: _h3_out(model(**kw))  # noqa: E731
     elif a.model == "h3":
         model = build_h3(a.layers)
         kw = h3_inputs(model, a.tokens if DEV == "cuda" else 400)
@@ -283,10 +328,12 @@ def main() -> int:
                          "logits_to_keep=1)" if a.model == "llama" else
                          f"MiniMaxH3Transformer3DModel, real width, {a.layers} layers, 2 refiners, packed text + "
                          "audio + video rows" if a.model == "h3" else
+                         f"LTX2VideoTransformer3DModel, real width, {a.layers} layers, per-token timesteps (the "
+                         "first latent frame clean), 1024 text tokens" if a.model == "ltx2" else
                          f"WanTransformer3DModel, Wan2.1-14B config, {a.layers} layers") + f", random weights, bf16, "
                         f"weights {where}", "tokens": a.tokens, "allowance_bytes": ALLOWANCE, "rows": rows,
                "hidden": a.hidden}
-    family = {"llama": "llama3_8b", "h3": "minimax_h3"}.get(a.model, "wan14b")
+    family = {"llama": "llama3_8b", "h3": "minimax_h3", "ltx2": "ltx2"}.get(a.model, "wan14b")
     name = f"gpu_forward_budget_{family}_{a.layers}l_{a.tokens}{'_offload' if a.offload else ''}"
 
     def keep(row: dict) -> None:   # written after every row: a run cut short keeps what it measured
@@ -295,7 +342,7 @@ def main() -> int:
         if DEV == "cuda":
             write_results(name, payload)
 
-    if a.model == "h3":
+    if a.model in ("h3", "ltx2"):
         warm = lambda: model(**small_kw).sample  # noqa: E731
     elif a.model == "llama":
         warm = lambda: model(ids[:, :a.warmup_tokens], use_cache=False, logits_to_keep=1).logits  # noqa: E731

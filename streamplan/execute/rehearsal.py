@@ -168,8 +168,8 @@ def _stand_in(x: Any) -> Any:
 
 def _real_inputs(func, args: tuple, kwargs: dict) -> int | None:
     """The bytes of an op's tensor inputs when it writes nothing and they are all real and at most ``SMALL``."""
-    if func._schema.is_mutable:
-        return None
+    if func._schema.is_mutable or func is torch.ops.aten.lift_fresh.default:   # lifted (``torch.tensor``): fake,
+        return None                                                              # as stock's in-place ops on it need
     ins = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     if any(isinstance(t, FakeTensor) for t in ins):
         return None
