@@ -167,6 +167,37 @@ def test_whole_wan_model_with_per_token_timesteps():
 
 
 @torch.no_grad()
+def test_wan_per_token_modulation_is_never_whole():
+    # Wan2.2 TI2V: the first frame clean (t=0), the rest noisy. Stock builds the 6-row modulation for every token
+    # (six residuals wide) and keeps it through every block; streamed, each chunk picks its rows from the two
+    # distinct timesteps' tables: the peak grows with the rows as under one timestep
+    model = _wan_model()
+    enc = torch.randn(1, 7, 32)
+    handle = streamplan.apply(model, chunk_tokens=80)
+    growth = {}
+    for per_token in (True, False):
+        peaks = []
+        for frames in (5, 10):
+            x = torch.randn(1, 4, frames, 16, 20)          # 80 rows a frame
+            t = torch.full((1, frames * 80), 900) if per_token else torch.tensor([900])
+            if per_token:
+                t[:, :80] = 0
+            out, peak = streamplan.measure_peak(lambda: model(x, t, enc).sample)
+            peaks.append(peak)
+        growth[per_token] = peaks[1] - peaks[0]
+    assert growth[True] <= 1.05 * growth[False], growth
+    handle.remove()
+    t = torch.full((1, 800), 900)
+    t[:, :80] = 0
+    ref, stock_peak = streamplan.measure_peak(lambda: model(x, t, enc).sample)
+    handle = streamplan.apply(model, chunk_tokens=80)
+    out, peak = streamplan.measure_peak(lambda: model(x, t, enc).sample)
+    assert rel_err(out, ref) <= 1e-5 and "built whole" not in handle.report(), handle.report()
+    assert peak < 0.5 * stock_peak, (peak, stock_peak)
+    handle.remove()
+
+
+@torch.no_grad()
 def test_whole_flux_model_streams_its_blocks():
     model = FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=2, num_single_layers=2,
                                    attention_head_dim=16, num_attention_heads=4, joint_attention_dim=32,

@@ -15,10 +15,10 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ...execute.call_state import rehearsing
 from ...execute.chunk_loop import for_chunks
 from ...execute.donation import donate
 from ...execute.hook_chains import keeps_output, takes_described
+from ...execute.row_tables import DistinctRows
 from ...recognize.checks import stock_problem
 from ...specs import ModelSpec, RowLoops, RowsFrom, Skip, described_whole
 from .models import KNOWN_FORWARDS, call_problem, model_call, own_forward_problem
@@ -32,26 +32,6 @@ _ARGS = ("hidden_states", "audio_hidden_states", "encoder_hidden_states", "audio
 KNOWN_FORWARDS["LTX2VideoTransformer3DModel"] = {"ef0e1e9103ed6a95": "diffusers 0.42.1"}
 _PER_CHUNK = ("proj_in", "norm_out", "proj_out", "rope", "cross_attn_rope", "time_embed",
               "av_cross_attn_video_scale_shift", "av_cross_attn_video_a2v_gate")
-
-
-class _Timesteps:
-    """A per-row timestep ``[B, N]`` as its distinct values and each row's index among them: a table computed on the
-    values has one row per distinct timestep, and a chunk's rows are picked from it."""
-
-    def __init__(self, timestep: torch.Tensor):
-        self.batch, self.rows = timestep.shape
-        if rehearsing():   # fake tensors carry no values: one distinct value stands in (the tables are that small)
-            self.values = timestep.flatten()[:1]
-            self.index = torch.zeros_like(timestep, dtype=torch.long)
-        else:
-            self.values, inverse = torch.unique(timestep.flatten(), return_inverse=True)
-            self.index = inverse.view(self.batch, self.rows)
-
-    def rows_of(self, table: torch.Tensor) -> RowsFrom:
-        """``table`` (one row per distinct value, ``[U, C]``) as the per-row ``[B, N, C]`` tensor stock builds."""
-        index = self.index
-        return RowsFrom(lambda a, b: table[index[:, a:b]], torch.Size((self.batch, self.rows, table.shape[-1])),
-                        table.dtype, table.device)
 
 
 def _rotary(rope: nn.Module, coords: torch.Tensor, device: torch.device) -> tuple[RowsFrom, RowsFrom]:
@@ -81,7 +61,7 @@ def _rotary(rope: nn.Module, coords: torch.Tensor, device: torch.device) -> tupl
     return tuple(RowsFrom(half(i), torch.Size(shape), one.dtype, one.device, dim) for i in (0, 1))
 
 
-def _embedded(module: nn.Module, t: torch.Tensor, rows: _Timesteps | None, batch: int, dtype: torch.dtype,
+def _embedded(module: nn.Module, t: torch.Tensor, rows: DistinctRows | None, batch: int, dtype: torch.dtype,
               scale: float = 1.0):
     """``module(t.flatten() * scale)`` as stock calls it, viewed ``[B, -1, C]``; with ``rows`` (per-row timesteps)
     computed on the distinct values and handed back as per-row descriptions."""
@@ -119,7 +99,7 @@ def _head(model, hidden: torch.Tensor, embedded, chunk: int) -> torch.Tensor:
     def work(a: int, b: int) -> None:
         if isinstance(embedded, tuple):   # per-row: this chunk's rows of the distinct timesteps' embeddings
             rows, emb = embedded
-            e = emb[rows.index[:, a:b]]
+            e = rows.pick(emb, a, b)
         else:
             e = embedded if embedded.shape[1] == 1 else embedded[:, a:b]
         values = table[None, None] + e[:, :, None]
@@ -180,7 +160,7 @@ def _forward(model, args: tuple, kwargs: dict, chunk: RowLoops):
     # 3. timestep embeddings and modulation: per-row ones from the distinct timesteps
     gate_factor = cfg.cross_attn_timestep_scale_multiplier / cfg.timestep_scale_multiplier
     per_row = timestep.ndim == 2 and timestep.shape == (batch_size, rows) and rows > 1
-    video_rows = _Timesteps(timestep) if per_row else None
+    video_rows = DistinctRows(timestep) if per_row else None
     dtype, audio_dtype = hidden_states.dtype, audio_hidden_states.dtype
     temb, embedded_timestep = _embedded(model.time_embed, timestep, video_rows, batch_size, dtype)
     temb_audio, audio_embedded_timestep = _embedded(model.audio_time_embed, audio_timestep, None, batch_size,

@@ -11,6 +11,7 @@ from ...execute.chunk_loop import for_chunks
 from ...execute.donation import donate
 from ...execute import host_rows
 from ...execute.hook_chains import keeps_output, takes_described
+from ...execute.row_tables import DistinctRows
 from ...specs import HostRows, ModelSpec, RowLoops, Skip, described_whole
 from ...recognize.checks import stock_problem
 from . import parallel as cp
@@ -53,21 +54,26 @@ def _wan_forward(model, args: tuple, kwargs: dict, chunk: RowLoops):
         hidden_states = _patches(model, hidden_states, *cp.split_rows(total, parallel), chunk())
         # the rope's split hook hands back views of the whole tables: copies of this rank's rows let those go
         rotary_emb = tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in rotary_emb)
-    if timestep.ndim == 2:
-        ts_seq_len = timestep.shape[1]
-        timestep = timestep.flatten()
+    distinct = None
+    if timestep.ndim == 2 and parallel is None and timestep.shape == (batch_size, total) and total > 1:
+        # a timestep per row (Wan 2.2's expand_timesteps): the modulation once per distinct timestep, picked per row
+        distinct = DistinctRows(timestep)
+        temb, timestep_proj, encoder_hidden_states, encoder_hidden_states_image = model.condition_embedder(
+            distinct.values, encoder_hidden_states, encoder_hidden_states_image)
+        timestep_proj = distinct.rows_of(timestep_proj.unflatten(1, (6, -1)))
     else:
-        ts_seq_len = None
-    temb, timestep_proj, encoder_hidden_states, encoder_hidden_states_image = model.condition_embedder(
-        timestep, encoder_hidden_states, encoder_hidden_states_image, timestep_seq_len=ts_seq_len)
-    timestep_proj = timestep_proj.unflatten(2 if ts_seq_len is not None else 1, (6, -1))
+        ts_seq_len = timestep.shape[1] if timestep.ndim == 2 else None
+        temb, timestep_proj, encoder_hidden_states, encoder_hidden_states_image = model.condition_embedder(
+            timestep.flatten() if ts_seq_len else timestep, encoder_hidden_states, encoder_hidden_states_image,
+            timestep_seq_len=ts_seq_len)
+        timestep_proj = timestep_proj.unflatten(2 if ts_seq_len is not None else 1, (6, -1))
     if encoder_hidden_states_image is not None:
         encoder_hidden_states = torch.concat([encoder_hidden_states_image, encoder_hidden_states], dim=1)
 
     kept = None   # a block whose hook keeps its output (a cache) does not hand it to the next to overwrite
     for block in model.blocks:
         inputs = (hidden_states, encoder_hidden_states, timestep_proj, rotary_emb)
-        if chunk.host and not takes_described(block):   # a block streamplan does not stream: its rows whole
+        if not takes_described(block):   # a block streamplan does not stream: host rows and per-row tables whole
             inputs, _ = described_whole(inputs, {})
         with donate(*(() if kept else (inputs[0],))), cp.without_split(block):   # rows split above
             out = block(*inputs)
@@ -76,18 +82,29 @@ def _wan_forward(model, args: tuple, kwargs: dict, chunk: RowLoops):
         del out
         kept = keeps_output(block)
 
-    if temb.ndim == 3:
-        shift, scale = (model.scale_shift_table.unsqueeze(0).to(temb.device) + temb.unsqueeze(2)).chunk(2, dim=2)
-        shift, scale = shift.squeeze(2), scale.squeeze(2)
-    else:
-        shift, scale = (model.scale_shift_table.to(temb.device) + temb.unsqueeze(1)).chunk(2, dim=1)
-    shift, scale = shift.to(hidden_states.device), scale.to(hidden_states.device)
+    def modulation(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head's shift and scale from the time embedding ``t`` (per batch, or per row)."""
+        if t.ndim == 3:
+            shift, scale = (model.scale_shift_table.unsqueeze(0).to(t.device) + t.unsqueeze(2)).chunk(2, dim=2)
+            shift, scale = shift.squeeze(2), scale.squeeze(2)
+        else:
+            shift, scale = (model.scale_shift_table.to(t.device) + t.unsqueeze(1)).chunk(2, dim=1)
+        return shift.to(device), scale.to(device)
+
+    whole = modulation(temb) if distinct is None else None
+
+    def rows_modulation(a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if whole is None:   # per-row timesteps: this chunk's rows of the distinct timesteps' embeddings
+            return modulation(distinct.pick(temb, a, b))
+        return rows_of(whole[0], a, b, 1), rows_of(whole[1], a, b, 1)
+
     rows = hidden_states.shape[1]
     head: list[torch.Tensor] = []
 
     def work(a: int, b: int) -> None:
         r = host_rows.rows(hidden_states, a, b)  # noqa: F821 (deleted after the loop, to free it before the reshape)
-        y = (model.norm_out(r.float()) * (1 + rows_of(scale, a, b, 1)) + rows_of(shift, a, b, 1)).type_as(r)
+        shift, scale = rows_modulation(a, b)
+        y = (model.norm_out(r.float()) * (1 + scale) + shift).type_as(r)
         with cp.without_gather(model.proj_out):   # gathered once, below
             y = model.proj_out(y)
         if not head:  # noqa: F821

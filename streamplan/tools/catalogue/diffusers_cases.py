@@ -88,6 +88,25 @@ _add("ltx_video", T + "transformer_ltx:LTXVideoTransformerBlock",
                                {}),
      row_output=None)
 
+# -- LTX-2: a video stream and an audio stream, cross-attention both ways (audio queries against the video rows'
+#    K/V); per-token timesteps (image-to-video) make the modulation tables per row --------------------------------
+def _ltx2_inputs(n, device, dtype, audio=12):
+    r = lambda *s: _r(*s, device=device, dtype=dtype)  # noqa: E731
+    kw = dict(hidden_states=r(1, n, 64), audio_hidden_states=r(1, audio, 32), encoder_hidden_states=r(1, TEXT, 64),
+              audio_encoder_hidden_states=r(1, TEXT, 32), temb=r(1, n, 6 * 64), temb_audio=r(1, 1, 6 * 32),
+              temb_ca_scale_shift=r(1, n, 4 * 64), temb_ca_audio_scale_shift=r(1, 1, 4 * 32),
+              temb_ca_gate=r(1, n, 64), temb_ca_audio_gate=r(1, 1, 32),
+              video_rotary_emb=_pair(1, n, 64, device=device, dtype=dtype),
+              audio_rotary_emb=_pair(1, audio, 32, device=device, dtype=dtype),
+              ca_video_rotary_emb=_pair(1, n, 32, device=device, dtype=dtype),
+              ca_audio_rotary_emb=_pair(1, audio, 32, device=device, dtype=dtype))
+    return (), kw
+
+
+_add("ltx2", T + "transformer_ltx2:LTX2VideoTransformerBlock",
+     lambda c: c(64, 4, 16, 64, 32, 2, 16, 32),
+     _ltx2_inputs, note="per-token modulation (temb [1, n, 6*dim]), as the image-to-video pipeline's call builds it")
+
 # -- Wan 2.1 ------------------------------------------------------------------------------------------------------
 _add("wan", T + "transformer_wan:WanTransformerBlock",
      lambda c: c(64, 128, 4, cross_attn_norm=True),
