@@ -30,6 +30,7 @@ _SMALLEST_SAID = re.compile(r" \(the smallest budget that runs it: [^)]*\)")
 MARGIN = 0.03          # the smallest budget leaves its parts this much room, as a block plan keeps under its budget
 FORWARD_MARGIN = 0.06  # a forward plans under this much less than its budget: what neither the fake run nor the parts'
 #                        memory models see (docs/budgets-and-tiers.md, Calibration)
+FIT_TRIES = 3          # rehearsals that may lower the parts' budget by what a forward's peak came out over it
 SMALLEST_TRIES = 4     # rehearsals that may raise a found smallest budget before it is said
 
 
@@ -78,7 +79,7 @@ def plan_forward(ctx: CallContext, run: Callable[..., Any], args: tuple, kwargs:
     for host in host_ladder(ctx):
         attempt = functools.partial(_attempt, ctx, run, args, kwargs, device, before, host=host)
         try:
-            figures = attempt(budget=held(budget))
+            figures = _fitted(ctx, attempt, budget, before)
             if figures.predicted <= held(budget):
                 figures.budget = budget
                 if figures.host or (not figures.stock_fits and figures.stock is not None):   # stock cannot fit:
@@ -142,7 +143,7 @@ def _smallest(ctx: CallContext, attempt: Callable[..., ForwardFigures], before: 
     smallest = _above(least.predicted)
     for _ in range(SMALLEST_TRIES):
         try:
-            found = attempt(budget=held(smallest))
+            found = _fitted(ctx, attempt, smallest, before)
             fits = found.predicted <= held(smallest)
             _drop_new(ctx, before)
         except BudgetError:
@@ -151,6 +152,21 @@ def _smallest(ctx: CallContext, attempt: Callable[..., ForwardFigures], before: 
             break
         smallest = max(_above(found.predicted) if found else 0, math.ceil(smallest * 1.05))
     return smallest
+
+
+def _fitted(ctx: CallContext, attempt: Callable[..., ForwardFigures], budget: int, before: set) -> ForwardFigures:
+    """A rehearsal whose parts plan under the held budget; where its peak still comes out over (tensors beside a
+    call that its plan does not see: a per-chunk table's own intermediates, say), again with the parts' budget
+    lowered by the overshoot. The last rehearsal's plans stay."""
+    target = parts = held(budget)
+    for _ in range(FIT_TRIES):
+        figures = attempt(budget=parts)
+        over = figures.predicted - target
+        if over <= 0 or parts - over - target // 100 <= 0:
+            return figures
+        _drop_new(ctx, before)
+        parts -= over + target // 100
+    return attempt(budget=parts)
 
 
 def held(budget: int) -> int:
