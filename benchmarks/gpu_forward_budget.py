@@ -254,7 +254,7 @@ def accepted(model, call, budget: int, ref, stock_s: float, repeat: int = 1, war
                    peak_bytes=peak, peak_GiB=peak / GIB, held=peak <= budget, predicted_bytes=plan.predicted_total,
                    rel_diff_vs_stock=_rel(out, ref), tier=str(plan.tier), note=plan.note[:600],
                    host_bytes=plan.host_bytes,
-                   blocks={k: [p.describe() for p in v] for k, v in handle.plans.items() if k.startswith("blocks.")
+                   blocks={k: [p.describe() for p in v] for k, v in handle.plans.items() if k.startswith(("blocks.", "transformer_blocks.", "model.layers."))
                            and v})
         del out
     except streamplan.BudgetError as exc:
