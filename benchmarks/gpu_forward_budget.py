@@ -254,7 +254,8 @@ def accepted(model, call, budget: int, ref, stock_s: float, repeat: int = 1, war
                    peak_bytes=peak, peak_GiB=peak / GIB, held=peak <= budget, predicted_bytes=plan.predicted_total,
                    rel_diff_vs_stock=_rel(out, ref), tier=str(plan.tier), note=plan.note[:600],
                    host_bytes=plan.host_bytes,
-                   blocks={k: [p.describe() for p in v] for k, v in handle.plans.items() if k.startswith(("blocks.", "transformer_blocks.", "model.layers."))
+                   blocks={k: [p.describe() for p in v] for k, v in handle.plans.items()
+                           if k.startswith(("blocks.", "transformer_blocks.", "model.layers."))
                            and v})
         del out
     except streamplan.BudgetError as exc:
@@ -364,8 +365,8 @@ def main() -> int:
             keep(accepted(model, call, budget, ref, stock_s, a.repeat, warm if a.offload else None))
         if a.refuse_gib > 0:   # last: the smallest's search rehearses several times
             keep(refused(model, call, int(a.refuse_gib * scale)))
-        if a.run_smallest and rows[-1].get("smallest_bytes"):
-            keep(accepted(model, call, rows[-1]["smallest_bytes"], ref, stock_s, 0, warm if a.offload else None))   # its first call only
+        if a.run_smallest and rows[-1].get("smallest_bytes"):   # its first call only
+            keep(accepted(model, call, rows[-1]["smallest_bytes"], ref, stock_s, 0, warm if a.offload else None))
     return 0
 
 

@@ -29,7 +29,8 @@ def _inputs(frames=3, height=8, width=10, per_token=True):
         timestep[:, :height * width] = 0.0
     else:
         timestep = torch.tensor([700.0])
-    return dict(hidden_states=torch.randn(1, n, 8, generator=g), audio_hidden_states=torch.randn(1, AUDIO, 8, generator=g),
+    return dict(hidden_states=torch.randn(1, n, 8, generator=g),
+                audio_hidden_states=torch.randn(1, AUDIO, 8, generator=g),
                 encoder_hidden_states=torch.randn(1, TEXT, 24, generator=g),
                 audio_encoder_hidden_states=torch.randn(1, TEXT, 24, generator=g), timestep=timestep,
                 audio_timestep=torch.tensor([700.0]), sigma=torch.tensor([0.7]), num_frames=frames, height=height,

@@ -113,51 +113,18 @@ def _head(model, hidden: torch.Tensor, embedded, chunk: int) -> torch.Tensor:
     return out[0]
 
 
-def _forward(model, args: tuple, kwargs: dict, chunk: RowLoops):
-    """LTX2VideoTransformer3DModel.forward (diffusers 0.42.1), step for step, with the video rows' tables described."""
-    mod = sys.modules[_MODULE]
-    c = model_call(_ARGS, args, kwargs)
+def _modulation(model, c: dict, timestep: torch.Tensor, hidden_states: torch.Tensor,
+                audio_hidden_states: torch.Tensor) -> dict:
+    """The blocks' modulation inputs as stock computes them (video ones per row described where the timestep is per
+    row), and the heads' embedded timesteps (``embedded``, ``audio_embedded``)."""
     cfg = model.config
-    hidden_states, audio_hidden_states = c["hidden_states"], c["audio_hidden_states"]
-    timestep = c["timestep"]
+    batch_size, rows = hidden_states.shape[0], hidden_states.shape[1]
     audio_timestep = c.get("audio_timestep")
     audio_timestep = audio_timestep if audio_timestep is not None else timestep
     sigma = c.get("sigma")
     audio_sigma = c.get("audio_sigma")
     audio_sigma = audio_sigma if audio_sigma is not None else sigma
     use_cross_timestep = c.get("use_cross_timestep", False)
-    encoder_attention_mask = c.get("encoder_attention_mask")
-    if encoder_attention_mask is not None and encoder_attention_mask.ndim == 2:
-        encoder_attention_mask = ((1 - encoder_attention_mask.to(hidden_states.dtype)) * -10000.0).unsqueeze(1)
-    audio_encoder_attention_mask = c.get("audio_encoder_attention_mask")
-    if audio_encoder_attention_mask is not None and audio_encoder_attention_mask.ndim == 2:
-        audio_encoder_attention_mask = ((1 - audio_encoder_attention_mask.to(audio_hidden_states.dtype))
-                                        * -10000.0).unsqueeze(1)
-    video_self_attention_mask = c.get("video_self_attention_mask")
-    if video_self_attention_mask is not None:
-        video_self_attention_mask = (1 - video_self_attention_mask.to(hidden_states.dtype)) * -10000.0
-    batch_size, rows = hidden_states.shape[0], hidden_states.shape[1]
-    device = hidden_states.device
-
-    # 1. rotary tables: the video rows' described, the audio rows' whole
-    video_coords, audio_coords = c.get("video_coords"), c.get("audio_coords")
-    if video_coords is None:
-        video_coords = model.rope.prepare_video_coords(batch_size, c.get("num_frames"), c.get("height"),
-                                                       c.get("width"), device, fps=c.get("fps", 24.0))
-    if audio_coords is None:
-        audio_coords = model.audio_rope.prepare_audio_coords(batch_size, c.get("audio_num_frames"),
-                                                             audio_hidden_states.device)
-    video_rotary_emb = _rotary(model.rope, video_coords, device)
-    audio_rotary_emb = model.audio_rope(audio_coords, device=audio_hidden_states.device)
-    video_cross_attn_rotary_emb = _rotary(model.cross_attn_rope, video_coords[:, 0:1, :], device)
-    audio_cross_attn_rotary_emb = model.cross_attn_audio_rope(audio_coords[:, 0:1, :],
-                                                              device=audio_hidden_states.device)
-
-    # 2. input projections (the video rows a chunk at a time)
-    hidden_states = _proj_in(model, hidden_states, c.get("video_keyframes_mask"), chunk())
-    audio_hidden_states = model.audio_proj_in(audio_hidden_states)
-
-    # 3. timestep embeddings and modulation: per-row ones from the distinct timesteps
     gate_factor = cfg.cross_attn_timestep_scale_multiplier / cfg.timestep_scale_multiplier
     per_row = timestep.ndim == 2 and timestep.shape == (batch_size, rows) and rows > 1
     video_rows = DistinctRows(timestep) if per_row else None
@@ -181,6 +148,53 @@ def _forward(model, args: tuple, kwargs: dict, chunk: RowLoops):
                                                 batch_size, audio_dtype)
     audio_cross_attn_v2a_gate, _ = _embedded(model.av_cross_attn_audio_v2a_gate, audio_ca_timestep, None,
                                              batch_size, audio_dtype, gate_factor)
+    return dict(temb=temb, temb_audio=temb_audio, temb_ca_scale_shift=video_cross_attn_scale_shift,
+                temb_ca_audio_scale_shift=audio_cross_attn_scale_shift, temb_ca_gate=video_cross_attn_a2v_gate,
+                temb_ca_audio_gate=audio_cross_attn_v2a_gate, temb_prompt=temb_prompt,
+                temb_prompt_audio=temb_prompt_audio, embedded=embedded_timestep,
+                audio_embedded=audio_embedded_timestep)
+
+
+def _forward(model, args: tuple, kwargs: dict, chunk: RowLoops):
+    """LTX2VideoTransformer3DModel.forward (diffusers 0.42.1), step for step, with the video rows' tables described."""
+    mod = sys.modules[_MODULE]
+    c = model_call(_ARGS, args, kwargs)
+    cfg = model.config
+    hidden_states, audio_hidden_states = c["hidden_states"], c["audio_hidden_states"]
+    timestep = c["timestep"]
+    encoder_attention_mask = c.get("encoder_attention_mask")
+    if encoder_attention_mask is not None and encoder_attention_mask.ndim == 2:
+        encoder_attention_mask = ((1 - encoder_attention_mask.to(hidden_states.dtype)) * -10000.0).unsqueeze(1)
+    audio_encoder_attention_mask = c.get("audio_encoder_attention_mask")
+    if audio_encoder_attention_mask is not None and audio_encoder_attention_mask.ndim == 2:
+        audio_encoder_attention_mask = ((1 - audio_encoder_attention_mask.to(audio_hidden_states.dtype))
+                                        * -10000.0).unsqueeze(1)
+    video_self_attention_mask = c.get("video_self_attention_mask")
+    if video_self_attention_mask is not None:
+        video_self_attention_mask = (1 - video_self_attention_mask.to(hidden_states.dtype)) * -10000.0
+    batch_size, device = hidden_states.shape[0], hidden_states.device
+
+    # 1. rotary tables: the video rows' described, the audio rows' whole
+    video_coords, audio_coords = c.get("video_coords"), c.get("audio_coords")
+    if video_coords is None:
+        video_coords = model.rope.prepare_video_coords(batch_size, c.get("num_frames"), c.get("height"),
+                                                       c.get("width"), device, fps=c.get("fps", 24.0))
+    if audio_coords is None:
+        audio_coords = model.audio_rope.prepare_audio_coords(batch_size, c.get("audio_num_frames"),
+                                                             audio_hidden_states.device)
+    video_rotary_emb = _rotary(model.rope, video_coords, device)
+    audio_rotary_emb = model.audio_rope(audio_coords, device=audio_hidden_states.device)
+    video_cross_attn_rotary_emb = _rotary(model.cross_attn_rope, video_coords[:, 0:1, :], device)
+    audio_cross_attn_rotary_emb = model.cross_attn_audio_rope(audio_coords[:, 0:1, :],
+                                                              device=audio_hidden_states.device)
+
+    # 2. input projections (the video rows a chunk at a time)
+    hidden_states = _proj_in(model, hidden_states, c.get("video_keyframes_mask"), chunk())
+    audio_hidden_states = model.audio_proj_in(audio_hidden_states)
+
+    # 3. timestep embeddings and modulation: per-row ones from the distinct timesteps
+    m = _modulation(model, c, timestep, hidden_states, audio_hidden_states)
+    embedded_timestep, audio_embedded_timestep = m.pop("embedded"), m.pop("audio_embedded")
 
     # 4. prompt embeddings
     encoder_hidden_states, audio_encoder_hidden_states = c["encoder_hidden_states"], c["audio_encoder_hidden_states"]
@@ -203,10 +217,7 @@ def _forward(model, args: tuple, kwargs: dict, chunk: RowLoops):
     for block_idx, block in enumerate(model.transformer_blocks):
         kw = dict(hidden_states=hidden_states, audio_hidden_states=audio_hidden_states,
                   encoder_hidden_states=encoder_hidden_states, audio_encoder_hidden_states=audio_encoder_hidden_states,
-                  temb=temb, temb_audio=temb_audio, temb_ca_scale_shift=video_cross_attn_scale_shift,
-                  temb_ca_audio_scale_shift=audio_cross_attn_scale_shift, temb_ca_gate=video_cross_attn_a2v_gate,
-                  temb_ca_audio_gate=audio_cross_attn_v2a_gate, temb_prompt=temb_prompt,
-                  temb_prompt_audio=temb_prompt_audio, video_rotary_emb=video_rotary_emb,
+                  **m, video_rotary_emb=video_rotary_emb,
                   audio_rotary_emb=audio_rotary_emb, ca_video_rotary_emb=video_cross_attn_rotary_emb,
                   ca_audio_rotary_emb=audio_cross_attn_rotary_emb, encoder_attention_mask=encoder_attention_mask,
                   audio_encoder_attention_mask=audio_encoder_attention_mask,
