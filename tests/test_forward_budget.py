@@ -237,3 +237,38 @@ def test_a_rehearsal_runs_each_distinct_block_once_and_predicts_as_if_it_ran_the
     assert replayed == every
     blocks = [str(ps) for name, ps in replayed.items() if name.count(".") == 1]
     assert len(blocks) == 3 and len(set(blocks)) == 1, blocks
+
+
+@torch.no_grad()
+def test_a_rehearsal_over_its_budget_is_planned_again_with_less_for_its_parts(monkeypatch):
+    # tensors beside a call that its plan does not see (a per-chunk table's own intermediates, on LTX-2 at 8 GiB) put
+    # the rehearsal's peak over the budget although every part planned within it: the forward is planned again with
+    # its parts' budget lowered by the overshoot, not refused; the smallest a refusal names still runs
+    from streamplan.execute import forward_plan
+    model, call, _ = _wan()
+    ref, stock_peak = streamplan.measure_peak(call)
+    budget = int(0.5 * stock_peak)
+    handle = streamplan.apply(model, budget=budget)
+    call()
+    plain = handle.plans[""][0].predicted_peak
+    handle.remove()
+    unseen = int(0.1 * budget)   # bytes the parts' plans do not see, in every rehearsal
+    attempt = forward_plan._attempt
+
+    def with_unseen(*a, **k):
+        figures = attempt(*a, **k)
+        figures.predicted += unseen
+        return figures
+
+    monkeypatch.setattr(forward_plan, "_attempt", with_unseen)
+    handle = streamplan.apply(model, budget=budget)
+    out = call()
+    assert rel_err(out, ref) <= 1e-5
+    root = handle.plans[""][0]
+    assert plain + unseen > forward_plan.held(budget)   # the first pick, with what it does not see, is over
+    assert root.predicted_peak <= forward_plan.held(budget), (root.predicted_peak, budget, handle.report())
+    handle.remove()
+    err = _refusal(model, call, budget // 8)
+    handle = streamplan.apply(model, budget=err.smallest_bytes)
+    assert rel_err(call(), ref) <= 1e-5   # planned within it: no refusal at the smallest it named
+    handle.remove()

@@ -93,6 +93,12 @@ def plan_forward(ctx: CallContext, run: Callable[..., Any], args: tuple, kwargs:
     if host:
         why += " (with its hidden state in host memory between blocks)"
     smallest = _smallest(ctx, attempt, before)
+    if smallest <= budget:   # the planner's pick overshot, every part at its smallest fits: a budget at or above the
+        figures = attempt(least=True)   # smallest a refusal names never refuses
+        if figures.predicted <= held(budget):
+            figures.budget = budget
+            return figures
+        _drop_new(ctx, before)
     if ctx.options.smallest_when_short:
         figures = attempt(least=True)
         ctx.note(f"the budget {fmt_bytes(budget)} is below the smallest this forward reaches: planned at that smallest "
