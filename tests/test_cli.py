@@ -287,3 +287,12 @@ def test_the_lazy_package_keeps_its_public_names():
             "print('ok')\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.stdout.strip() == "ok", done.stderr
+
+
+def test_plan_of_ltx2_image_to_video_holds_its_budget_on_meta(capsys):
+    # a timestep per video row: the tables described (no values on meta: one distinct timestep stands in)
+    assert main(["plan", "--family", "ltx2-model", "--tokens", "20400", "--budget", "2GiB", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    (root,) = data["streamed"][""]["plans"]
+    assert root["live_bytes"] + root["predicted_peak"] <= 2 << 30, root
+    assert "per-row tables described" in data["streamed"][""]["recognized_as"], data["streamed"][""]

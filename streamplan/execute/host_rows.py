@@ -101,7 +101,8 @@ def taken(args: tuple, kwargs: dict) -> tuple[tuple, dict, dict[int, HostRows | 
             found[id(v.tensor)] = v
             return v.tensor
         if isinstance(v, RowsFrom):
-            t = torch.empty(v.shape, dtype=v.dtype, device="meta")
+            with ledger_paused():   # no memory (a plan on meta tensors would count it as the device's)
+                t = torch.empty(v.shape, dtype=v.dtype, device="meta")
             found[id(t)] = v
             return t
         return v

@@ -15,7 +15,8 @@ class DistinctRows:
 
     def __init__(self, timestep: torch.Tensor):
         self.batch, self.rows = timestep.shape
-        if rehearsing():   # fake tensors carry no values: one distinct value stands in (the tables are that small)
+        if rehearsing() or timestep.device.type == "meta":   # no values (a rehearsal's fakes, a plan on shapes):
+            #                                                     one distinct value stands in (the tables are small)
             self.values = timestep.flatten()[:1]
             self.index = torch.zeros_like(timestep, dtype=torch.long)
         else:

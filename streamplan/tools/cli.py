@@ -39,6 +39,8 @@ PLAN_FAMILIES = {
     "h3-block": "MiniMax-H3 MiniMaxH3TransformerBlock (diffusers): 5376 wide, 56x128 heads, SwiGLU 14336",
     "h3-model": "MiniMaxH3Transformer3DModel (diffusers) at real width, 2 layers: 512 text and 2,000 audio rows, the "
                 "rest video",
+    "ltx2-model": "LTX2VideoTransformer3DModel (diffusers) at real width, 48 layers, image-to-video (a timestep per "
+                  "video row); --tokens counts video rows (2,040 a latent frame at 1920x1088)",
     "llama3-8b-layer": "Llama-3-8B LlamaDecoderLayer (transformers, sdpa): 4096 hidden, 32/8 heads",
 }
 BENCH_CASES = {
@@ -47,7 +49,7 @@ BENCH_CASES = {
     "llama3-8b-model-2-layers": "LlamaForCausalLM (transformers) at Llama-3-8B width, 2 layers, prefill with logits "
                                 "for the last token",
 }
-del BENCH_CASES["wan-1.3b-block"], BENCH_CASES["wan-14b-model"]
+del BENCH_CASES["wan-1.3b-block"], BENCH_CASES["wan-14b-model"], BENCH_CASES["ltx2-model"]
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 KV_CHOICES = ("device", "host", "int8", "fp8")   # apply's kv= (streamplan.execute.kv_stores.KV_KINDS)
 FUSE_CHOICES = {"auto": None, "on": True, "off": False}   # apply's fuse=

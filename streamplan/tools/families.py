@@ -90,6 +90,32 @@ def _h3_model_inputs(n: int, dev: torch.device, dt: torch.dtype) -> tuple:
             torch.zeros(n, 3, dtype=torch.long, device=dev), idx[text + audio:], idx[text:text + audio], idx[:text])
 
 
+def _ltx2_model_of(layers: int) -> nn.Module:
+    from diffusers import LTX2VideoTransformer3DModel
+    return LTX2VideoTransformer3DModel(num_layers=layers)   # defaults: LTX-2 (4096-wide video, 2048-wide audio)
+
+
+def _ltx2_model() -> nn.Module:
+    return _ltx2_model_of(48)
+
+
+def _ltx2_model_inputs(n: int, dev: torch.device, dt: torch.dtype) -> tuple:
+    """The image-to-video call: a timestep per video row (the first latent frame clean), 1,024 text tokens, 25 audio
+    rows a second of 24 fps video; ``n`` video rows as latent frames of 34 x 60 (1920 x 1088) where they divide."""
+    f, h, w = (n // 2040, 34, 60) if n % 2040 == 0 else (1, 1, n)
+    audio = max(2, round((f - 1) * 8 / 24 * 25) + 1)
+    ts = torch.full((1, n), 700.0, device=dev)
+    ts[:, :h * w] = 0.0
+    with torch.device("meta"):   # the coordinates as the pipeline builds and passes them (its model's ropes)
+        ropes = _ltx2_model_of(1)
+    video_coords = ropes.rope.prepare_video_coords(1, f, h, w, dev)
+    audio_coords = ropes.audio_rope.prepare_audio_coords(1, audio, dev)
+    return (torch.randn(1, n, 128, device=dev, dtype=dt), torch.randn(1, audio, 128, device=dev, dtype=dt),
+            torch.randn(1, 1024, 3840, device=dev, dtype=dt), torch.randn(1, 1024, 3840, device=dev, dtype=dt), ts,
+            torch.tensor([700.0], device=dev), torch.tensor([0.7], device=dev), None, None, None, f, h, w, 24.0,
+            audio, video_coords, audio_coords)
+
+
 def _wan_model() -> nn.Module:
     from diffusers import WanTransformer3DModel
     return WanTransformer3DModel(num_layers=40)   # defaults: Wan2.1-14B T2V (5120 wide, 40 heads, ffn 13824)
@@ -135,6 +161,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
            _h3_block, _h3_block_inputs, _bytes(5376 + 2 * 7168)),
     Family("h3-model", "MiniMaxH3Transformer3DModel (diffusers) at real width, 2 layers: 512 text and 2,000 audio "
            "rows, the rest video", _h3_model, _h3_model_inputs, _bytes(5376 + 2 * 7168)),
+    Family("ltx2-model", "LTX2VideoTransformer3DModel (diffusers) at real width, 48 layers, image-to-video (a "
+           "timestep per video row); --tokens counts video rows (2,040 a latent frame at 1920x1088)", _ltx2_model,
+           _ltx2_model_inputs, _bytes(4096 * 3 + 2048 * 2)),
     Family("llama3-8b-layer", "Llama-3-8B LlamaDecoderLayer (transformers, sdpa): 4096 hidden, 32/8 heads",
            _llama_layer, _llama_inputs, _bytes(4096 + 2 * 1024)),
 ]}
