@@ -1,5 +1,5 @@
 """Per-row tables from a per-row timestep: a model that hands every row its own timestep (image-to-video's clean
-conditioning frames, Wan 2.2's ``expand_timesteps``) builds its modulation for every row in stock, a table as wide as
+conditioning frames, a timestep per token) builds its modulation for every row in stock, a table as wide as
 several residuals. A video has a few distinct timesteps, so the table is computed once per distinct value and each
 chunk of rows picks its own (``specs.RowsFrom``)."""
 from __future__ import annotations

@@ -15,7 +15,7 @@ from ...execute.hook_chains import keeps_output, takes_described
 from ...specs import HostRows, ModelSpec, RowLoops, Skip, described_whole
 from .parallel import model_config
 from ...recognize.checks import stock_problem
-from .models import KNOWN_FORWARDS, own_forward_problem, call_problem, model_call
+from .models import KNOWN_FORWARDS, call_problem, left_stock, model_call, unknown_forward
 
 _MODULE = "diffusers.models.transformers.transformer_minimax_h3"
 _ARGS = ("hidden_states", "audio_hidden_states", "encoder_hidden_states", "timestep", "timestep_indices", "token_tags",
@@ -120,10 +120,10 @@ def recognize_h3_model(name: str, module: nn.Module) -> ModelSpec | Skip | None:
     mod = sys.modules.get(_MODULE)
     if mod is None or not isinstance(module, mod.MiniMaxH3Transformer3DModel):
         return None
-    skip = lambda why: Skip(name, type(module).__name__, f"model forward left stock: {why}")  # noqa: E731
-    problem = own_forward_problem(module, mod.MiniMaxH3Transformer3DModel)
-    if problem:
-        return skip(problem)
+    skip = lambda why: left_stock(name, module, why)  # noqa: E731
+    unknown = unknown_forward(name, module, mod.MiniMaxH3Transformer3DModel)
+    if unknown:
+        return unknown
     if model_config(module) is not None:   # not followed yet: the packed sequence would be built on every rank whole
         return skip("context parallelism is enabled: the model forward runs stock, its blocks stream inside "
                     "diffusers' split and gather hooks")

@@ -21,7 +21,7 @@ from ...execute.hook_chains import keeps_output, takes_described
 from ...execute.row_tables import DistinctRows
 from ...recognize.checks import stock_problem
 from ...specs import ModelSpec, RowLoops, RowsFrom, Skip, described_whole
-from .models import KNOWN_FORWARDS, call_problem, model_call, own_forward_problem
+from .models import KNOWN_FORWARDS, call_problem, left_stock, model_call, unknown_forward
 
 _MODULE = "diffusers.models.transformers.transformer_ltx2"
 _ARGS = ("hidden_states", "audio_hidden_states", "encoder_hidden_states", "audio_encoder_hidden_states", "timestep",
@@ -265,10 +265,10 @@ def recognize_ltx2_model(name: str, module: nn.Module) -> ModelSpec | Skip | Non
     mod = sys.modules.get(_MODULE)
     if mod is None or not isinstance(module, mod.LTX2VideoTransformer3DModel):
         return None
-    skip = lambda why: Skip(name, type(module).__name__, f"model forward left stock: {why}")  # noqa: E731
-    problem = own_forward_problem(module, mod.LTX2VideoTransformer3DModel)
-    if problem:
-        return skip(problem)
+    skip = lambda why: left_stock(name, module, why)  # noqa: E731
+    unknown = unknown_forward(name, module, mod.LTX2VideoTransformer3DModel)
+    if unknown:
+        return unknown
     for sub in _PER_CHUNK:
         # called once per row chunk (the ropes and the per-row embeddings per chunk or per distinct timestep): only
         # weight hooks on them (a cache hook would count chunks as steps)

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from ...recognize.checks import call_args, source_fingerprint, stock_problem
+from ...specs import Skip
 
 
 # The source of each model forward streamplan reimplements, by the library version it was written against. A model
@@ -26,6 +27,17 @@ def own_forward_problem(module: nn.Module, cls: type) -> str | None:
     return stock_problem(module, subtree=False)
 
 
+
+
+def left_stock(name: str, module: nn.Module, why: str) -> Skip:
+    """A model whose forward keeps stock (its blocks still stream), and why."""
+    return Skip(name, type(module).__name__, f"model forward left stock: {why}")
+
+
+def unknown_forward(name: str, module: nn.Module, cls: type) -> Skip | None:
+    """``left_stock`` where the model's forward is not the one streamplan follows (``own_forward_problem``)."""
+    problem = own_forward_problem(module, cls)
+    return left_stock(name, module, problem) if problem else None
 
 
 def model_call(names: tuple[str, ...], args: tuple, kwargs: dict) -> dict | str:

@@ -15,7 +15,7 @@ from ...execute.row_tables import DistinctRows
 from ...specs import HostRows, ModelSpec, RowLoops, Skip, described_whole
 from ...recognize.checks import stock_problem
 from . import parallel as cp
-from .models import KNOWN_FORWARDS, own_forward_problem, call_problem, model_call
+from .models import KNOWN_FORWARDS, call_problem, left_stock, model_call, unknown_forward
 from ...recognize.rows import rows_of
 
 KNOWN_FORWARDS["WanTransformer3DModel"] = {"24661a03f570e853": "diffusers 0.42.1"}
@@ -189,10 +189,10 @@ def recognize_wan_model(name: str, module: nn.Module) -> ModelSpec | Skip | None
     mod = sys.modules.get("diffusers.models.transformers.transformer_wan")
     if mod is None or not isinstance(module, mod.WanTransformer3DModel):
         return None
-    skip = lambda why: Skip(name, type(module).__name__, f"model forward left stock: {why}")  # noqa: E731
-    problem = own_forward_problem(module, mod.WanTransformer3DModel)
-    if problem:
-        return skip(problem)
+    skip = lambda why: left_stock(name, module, why)  # noqa: E731
+    unknown = unknown_forward(name, module, mod.WanTransformer3DModel)
+    if unknown:
+        return unknown
     for sub in ("rope", "patch_embedding", "condition_embedder", "norm_out", "proj_out"):
         # called through their own forwards: weight hooks inside them run as in stock (streamplan.execute.hook_chains);
         # the patch embedding and the head are called once per row chunk, so only weight hooks on them (a cache hook
