@@ -18,6 +18,8 @@ then ``--repeat`` calls are timed whole.
     python benchmarks/gpu_forward_budget.py --model h3 --layers 50 --offload --tokens 217056 --budgets-gib 8
     python benchmarks/gpu_forward_budget.py --model ltx2 --layers 48 --offload --tokens 206040 --budgets-gib 12
     python benchmarks/gpu_forward_budget.py --model llama --layers 8 --tokens 1048576 --budgets-gib 3 --refuse-gib 1
+    python benchmarks/gpu_forward_budget.py --model llama --layers 6 --tokens 1048576 --stock-once --card-budgets-gib 2 \
+        --offload --budgets-gib 2 --refuse-gib 0 --repeat 0
     python benchmarks/gpu_forward_budget.py --cpu-dry-run      # the same steps on the CPU with a tiny model
 """
 from __future__ import annotations
@@ -147,8 +149,23 @@ def ltx2_inputs(model, tokens: int, text: int = 1024) -> dict:
                 sigma=torch.tensor([0.7], device=DEV), num_frames=f, height=h, width=w, audio_num_frames=audio)
 
 
+def offload_layers(model) -> None:
+    """A causal LM's decoder layers to host memory, each brought to the device for its call by accelerate's hook (what
+    ``device_map`` with layers on "cpu" installs); the embedding, final norm and head stay on the card."""
+    from accelerate.hooks import AlignDevicesHook, add_hook_to_module
+    for layer in model.model.layers:
+        weights = {k: v.to("cpu") for k, v in layer.state_dict().items()}
+        add_hook_to_module(layer, AlignDevicesHook(execution_device=torch.device(DEV), offload=True,
+                                                   weights_map=weights, place_submodules=True))
+    gc.collect()
+    if DEV == "cuda":
+        torch.cuda.empty_cache()
+
+
 def offload(model) -> None:
     """The weights to pinned host memory, each block brought back for its call, the next prefetched on a stream."""
+    if hasattr(model, "model") and hasattr(model.model, "layers"):
+        return offload_layers(model)
     from common import send_to_device_without_accelerate
     from diffusers.hooks import apply_group_offloading
     send_to_device_without_accelerate()
@@ -285,8 +302,11 @@ def main() -> int:
                    "warm-up call) rather than on a second full call: for runs whose stock takes minutes")
     p.add_argument("--run-smallest", action="store_true", help="also run at the refusal's smallest budget (its first "
                    "call timed, the rehearsal taken out)")
-    p.add_argument("--offload", action="store_true", help="weights in pinned host memory, block-level group "
-                   "offloading with a prefetch stream, after stock's reference run")
+    p.add_argument("--offload", action="store_true", help="weights in host memory after stock's reference run: "
+                   "diffusers' block-level group offloading with a prefetch stream (pinned); llama: accelerate's hook "
+                   "on each decoder layer")
+    p.add_argument("--card-budgets-gib", default="", help="with --offload: budgets run first with the weights still "
+                   "on the card (one stock run serving both)")
     p.add_argument("--warmup-tokens", type=int, default=8192, help="with --offload: the small first call's length")
     p.add_argument("--repeat", type=int, default=1, help="timed calls after each budget's first")
     p.add_argument("--hidden", default="auto", choices=("auto", "device", "host"),
@@ -294,8 +314,6 @@ def main() -> int:
     p.add_argument("--cpu-dry-run", action="store_true")
     a = p.parse_args()
     HIDDEN = a.hidden
-    if a.model == "llama" and a.offload:
-        p.error("--offload is for the diffusers models (wan, h3, ltx2: diffusers' group offloading)")
     if a.cpu_dry_run:
         DEV = "cpu"
     faulthandler.dump_traceback_later(900, exit=True)   # a stuck step says where it is
@@ -322,8 +340,9 @@ def main() -> int:
         args = inputs(a.tokens)
         call = lambda: model(*args).sample  # noqa: E731
     rows = []
-    where = ("in pinned host memory, block-level group offloading with a prefetch stream" if a.offload
-             else "on the card")
+    where = ("in host memory, each decoder layer brought in by accelerate's AlignDevicesHook" if a.offload and
+             a.model == "llama" else "in pinned host memory, block-level group offloading with a prefetch stream"
+             if a.offload else "on the card")
     payload = {**(device_info() if DEV == "cuda" else {}),
                "model": (f"LlamaForCausalLM, Llama-3-8B width, {a.layers} layers, a prefill (use_cache=False, "
                          "logits_to_keep=1)" if a.model == "llama" else
@@ -358,9 +377,11 @@ def main() -> int:
             _, stock_s = timed(call)
         payload.update(stock_peak_bytes=stock_peak, stock_time_s=stock_s)
         print(f"stock: peak {stock_peak / GIB:.2f} GiB above the weights, {stock_s:.1f} s", flush=True)
+        scale = GIB if DEV == "cuda" else stock_peak / 8   # the dry run's budgets: eighths of stock's peak
+        for budget in [int(float(b) * scale) for b in a.card_budgets_gib.split(",") if b]:
+            keep({**accepted(model, call, budget, ref, stock_s, a.repeat), "weights": "on the card"})
         if a.offload:
             offload(model)
-        scale = GIB if DEV == "cuda" else stock_peak / 8   # the dry run's budgets: eighths of stock's peak
         for budget in [int(float(b) * scale) for b in a.budgets_gib.split(",")]:
             keep(accepted(model, call, budget, ref, stock_s, a.repeat, warm if a.offload else None))
         if a.refuse_gib > 0:   # last: the smallest's search rehearses several times

@@ -154,6 +154,30 @@ def test_a_forward_under_weight_moving_hooks_is_held_to_its_budget_weights_inclu
 
 
 @torch.no_grad()
+def test_a_causal_lm_with_its_layers_offloaded_is_planned_whole_weights_included():
+    """accelerate's hook on each decoder layer (what ``device_map`` with layers on "cpu" installs): the layers are
+    called through their own forwards, so the model forward streams around them and counts the layer in flight."""
+    from accelerate.hooks import AlignDevicesHook, add_hook_to_module
+    model, call, inputs = _llama()
+    ref, stock_peak = streamplan.measure_peak(call)
+    for layer in model.model.layers:
+        weights = {k: v.clone() for k, v in layer.state_dict().items()}
+        add_hook_to_module(layer, AlignDevicesHook(execution_device=torch.device("cpu"), offload=True,
+                                                   weights_map=weights, place_submodules=True))
+    layer_bytes = sum(v.numel() * v.element_size() for v in weights.values())
+    smallest = _refusal(model, call, stock_peak // 50).smallest_bytes
+    assert smallest > layer_bytes, (smallest, layer_bytes)
+    handle = streamplan.apply(model, budget=smallest)
+    out, peak = streamplan.measure_peak(call)
+    assert rel_err(out, ref) <= 1e-5, handle.report()
+    assert peak <= smallest, (peak, smallest, handle.report())
+    (plan,) = handle.plans[""]
+    assert "planned ahead" in plan.note and "of weights its hooks bring in" in plan.note, plan.note
+    handle.remove()
+    assert all(p.device.type == "meta" for p in model.model.layers[0].parameters())
+
+
+@torch.no_grad()
 def test_weights_in_flight_count_the_root_for_the_whole_call_and_the_largest_block_at_once():
     """Sequential offload brings each leaf's weights for its call; inside a streamed block every leaf's come at once
     (the graph reads them all), so the largest unit is the largest block; the model's own parameters stay for the

@@ -105,6 +105,28 @@ def test_a_block_that_cannot_read_host_rows_gets_them_whole():
 
 
 @torch.no_grad()
+def test_with_the_hidden_state_on_the_host_rotary_tables_are_built_a_chunk_at_a_time(monkeypatch):
+    """At 1M tokens a Llama's whole (cos, sin) pair and its fp32 intermediates are 1.5 GiB: on the device they would
+    outweigh everything else L6 keeps there. In host mode each chunk's rows are built from its positions."""
+    lm, ids = _lm("llama"), _ids(batch=1, n=2048)
+    ref = lm(ids, use_cache=False, logits_to_keep=1).logits
+    rope = type(lm.model.rotary_emb)
+    stock_forward, rows = rope.forward, []
+
+    def counted(self, x, position_ids, *args, **kwargs):
+        rows.append(position_ids.shape[-1])
+        return stock_forward(self, x, position_ids, *args, **kwargs)
+
+    monkeypatch.setattr(rope, "forward", counted)
+    handle = streamplan.apply(lm, budget=None, chunk_tokens=256, hidden="host")
+    out = lm(ids, use_cache=False, logits_to_keep=1).logits
+    assert rel_err(out, ref) <= 1e-5, handle.report()
+    assert str(handle.plans[""][0].tier) == "L6"
+    assert rows and max(rows) <= 256, rows
+    handle.remove()
+
+
+@torch.no_grad()
 def test_host_memory_that_cannot_be_had_is_an_error_before_anything_runs(monkeypatch):
     from streamplan.execute import host_rows
     model, call, inputs = _wan()

@@ -69,3 +69,18 @@ def test_causal_chunks_merged_match_whole_attention(kv_heads):
 def test_merge_memory_is_the_pytorch_paths_off_cuda():
     assert lse_merge.fused_kernel("cpu") is None
     assert lse_merge.merge_bytes_per_row(32, 128, "cpu") == 20 * 32 + 4 * 128 * 8
+
+
+def test_a_rehearsal_never_launches_the_fused_kernel(monkeypatch):
+    """A rehearsal runs the forward on fake tensors: a Triton launch on them reads no memory of theirs (on CUDA, an
+    illegal access). The merge stands the kernel in: ``o2`` written in place, nothing allocated."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    launched = []
+    monkeypatch.setattr(lse_merge, "fused_kernel", lambda device_type: lambda *a: launched.append(a))
+    with FakeTensorMode():
+        o1, o2 = torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16)
+        lse1, lse2 = torch.randn(1, 2, 8), torch.randn(1, 2, 8)
+        assert lse_merge.merge_into(o1, lse1, o2, lse2) is o2
+    assert launched == []
+    lse_merge.merge_into(*(torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8)) * 2)   # real tensors: the kernel runs
+    assert len(launched) == 1

@@ -10,7 +10,6 @@ keep stock's path. The blocks stream from their captured graph."""
 from __future__ import annotations
 
 import sys
-from typing import Callable
 
 import torch
 from torch import nn
@@ -18,7 +17,7 @@ from torch import nn
 from ...execute.chunk_loop import for_chunks
 from ...execute.donation import donate
 from ...execute.hook_chains import keeps_output, takes_described
-from ...execute.row_tables import DistinctRows
+from ...execute.row_tables import DistinctRows, described_together
 from ...recognize.checks import stock_problem
 from ...specs import ModelSpec, RowLoops, RowsFrom, Skip, described_whole
 from .models import KNOWN_FORWARDS, call_problem, left_stock, model_call, unknown_forward
@@ -34,31 +33,11 @@ _PER_CHUNK = ("proj_in", "norm_out", "proj_out", "rope", "cross_attn_rope", "tim
               "av_cross_attn_video_scale_shift", "av_cross_attn_video_a2v_gate")
 
 
-def _rotary(rope: nn.Module, coords: torch.Tensor, device: torch.device) -> tuple[RowsFrom, RowsFrom]:
+def _rotary(rope: nn.Module, coords: torch.Tensor, device: torch.device) -> tuple[RowsFrom, ...]:
     """The rotary (cos, sin) pair of every video row, described: a chunk's pair built from its rows' coordinates
-    (the coordinates' rows are dim 2; the tables' dim 1, or 2 for the per-head "split" layout). Both halves of a
-    chunk come from one call of the rope."""
+    (the coordinates' rows are dim 2; the tables' dim 1, or 2 for the per-head "split" layout)."""
     dim = 2 if rope.rope_type == "split" else 1
-    last: dict = {}
-
-    def pair(a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if last.get("rows") != (a, b):
-            last.clear()   # the previous chunk's pair let go before this one is built
-            last["rows"], last["pair"] = (a, b), rope(coords[:, :, a:b], device=device)
-        return last["pair"]
-
-    def half(i: int) -> Callable[[int, int], torch.Tensor]:
-        def make(a: int, b: int) -> torch.Tensor:
-            t = pair(a, b)[i]
-            if i == 1:
-                last.clear()
-            return t
-        return make
-
-    one = rope(coords[:, :, :1], device=device)[0]
-    shape = list(one.shape)
-    shape[dim] = coords.shape[2]
-    return tuple(RowsFrom(half(i), torch.Size(shape), one.dtype, one.device, dim) for i in (0, 1))
+    return described_together(lambda a, b: rope(coords[:, :, a:b], device=device), coords.shape[2], (dim, dim))
 
 
 def _embedded(module: nn.Module, t: torch.Tensor, rows: DistinctRows | None, batch: int, dtype: torch.dtype,

@@ -30,6 +30,7 @@ from ...execute.chunk_loop import for_chunks
 from ...execute.donation import donate
 from ...execute import host_rows
 from ...execute.hook_chains import chain_of, takes_described, torch_hooks
+from ...execute.row_tables import described_together
 from ...specs import HostRows, ModelSpec, RowLoops, RowMask, Skip, described_whole
 from ...recognize.checks import call_args, global_hook_problem, source_fingerprint, stock_problem
 
@@ -293,13 +294,22 @@ def _padding_spans(padding: torch.Tensor | None, keys: int) -> tuple[tuple[int, 
     return tuple(found)
 
 
-def _rope(model: nn.Module, family: Family, hidden: torch.Tensor, position_ids: torch.Tensor) -> list:
+def _rope(model: nn.Module, family: Family, hidden: torch.Tensor, position_ids: torch.Tensor,
+          described: bool = False) -> list:
+    """Each layer's rotary (cos, sin), one per distinct rope type; ``described`` (L6): built a chunk of rows at a
+    time from those rows' positions, never whole on the device."""
     layers = model.config.num_hidden_layers
-    if family.rope_per_type:
-        types = model.config.layer_types
-        tables = {t: model.rotary_emb(hidden, position_ids, t) for t in set(types)}
-        return [tables[types[i]] for i in range(layers)]
-    return [model.rotary_emb(hidden, position_ids)] * layers
+    types = model.config.layer_types if family.rope_per_type else [None] * layers
+
+    def table(kind):
+        extra = () if kind is None else (kind,)
+        if not described:
+            return model.rotary_emb(hidden, position_ids, *extra)
+        return described_together(lambda a, b: model.rotary_emb(hidden, position_ids[..., a:b], *extra),
+                                  position_ids.shape[-1], (1, 1))
+
+    tables = {kind: table(kind) for kind in dict.fromkeys(types)}
+    return [tables[types[i]] for i in range(layers)]
 
 
 def _norm_in_place(norm: nn.Module, hidden: torch.Tensor | HostRows, chunk: int) -> torch.Tensor | HostRows:
@@ -339,16 +349,6 @@ def _embedded_on_host(model: nn.Module, input_ids: torch.Tensor, chunk: int) -> 
     return HostRows(out[0], input_ids.device)
 
 
-def _tables_on_host(tables: list, rows: int, device: torch.device) -> list:
-    """Each layer's rotary tables with their rows in host memory (one host copy per distinct table)."""
-    moved: dict[int, tuple] = {}
-    for t in tables:
-        if id(t) not in moved:
-            moved[id(t)] = tuple(host_rows.to_host(x, device) if isinstance(x, torch.Tensor) and x.dim() > 1
-                                 and x.shape[1] == rows else x for x in t)
-    return [moved[id(t)] for t in tables]
-
-
 def _model_forward(model: nn.Module, family: Family, version: str, call: dict, chunk: RowLoops,
                    hand_host: bool = False):
     """The decoder model's forward (transformers ``version``), with the residual donated to every layer; with
@@ -383,9 +383,7 @@ def _model_forward(model: nn.Module, family: Family, version: str, call: dict, c
     # positions the forward made itself are one run (never packed): the mask functions are not handed them to check,
     # which reads their values (in a rehearsal they are fake beyond a few thousand rows, and would read as packed)
     masks = _masks(model, family, cache_name, like, call.get("attention_mask"), cache, call.get("position_ids"))
-    tables = _rope(model, family, like, position_ids)
-    if host:
-        tables = _tables_on_host(tables, like.shape[1], like.device)
+    tables = _rope(model, family, like, position_ids, described=host)
     layer_kw = {"position_ids": position_ids, cache_name: cache}
     if family.layer_use_cache:
         layer_kw["use_cache"] = use_cache
@@ -502,14 +500,28 @@ def _version(module: nn.Module) -> tuple[str | None, str | None]:
     return version, None
 
 
+MODEL_PARTS = ("embed_tokens", "layers", "norm", "rotary_emb")
+PER_CHUNK = ("embed_tokens", "norm", "lm_head")   # called once per row chunk: a weight hook brings them in per chunk
+
+
 def _parts_problem(module: nn.Module, parts: tuple[str, ...]) -> str | None:
+    """Every part is called through its own forward (never its weights read here), so weight hooks on the parts
+    (accelerate's per-layer offload, as ``device_map`` with layers on "cpu" installs) run as they would in stock."""
     for part in parts:
         sub = getattr(module, part, None)
         if not isinstance(sub, nn.Module):
             return f"no {part} module"
     if not isinstance(getattr(module, "layers", None), nn.ModuleList) and "layers" in parts:
         return "layers is not a ModuleList"
-    return stock_problem(module)
+    problem = stock_problem(module, subtree=False)
+    for part in parts:
+        if problem:
+            return problem
+        sub = getattr(module, part)
+        problem = (_parts_problem(sub, MODEL_PARTS) if part == "model" else
+                   stock_problem(sub, onloads=True, per_chunk=part in PER_CHUNK))
+        problem = problem and (problem if problem.startswith(part) else f"{part}: {problem}")
+    return problem
 
 
 def recognize_decoder_model(name: str, module: nn.Module) -> ModelSpec | Skip | None:
@@ -523,8 +535,7 @@ def recognize_decoder_model(name: str, module: nn.Module) -> ModelSpec | Skip | 
     version, why = _version(module)
     if version is None:
         return skip(why)
-    problem = _parts_problem(module, ("model", "lm_head") if lm else ("embed_tokens", "layers", "norm",
-                                                                        "rotary_emb"))
+    problem = _parts_problem(module, ("model", "lm_head") if lm else MODEL_PARTS)
     if problem:
         return skip(problem)
     if lm:
