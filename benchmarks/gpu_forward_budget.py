@@ -305,6 +305,8 @@ def main() -> int:
     p.add_argument("--offload", action="store_true", help="weights in host memory after stock's reference run: "
                    "diffusers' block-level group offloading with a prefetch stream (pinned); llama: accelerate's hook "
                    "on each decoder layer")
+    p.add_argument("--stock-noise", action="store_true", help="stock again under SDPA's memory-efficient kernel: "
+                   "its difference from the reference is stock's own noise, beside streamplan's")
     p.add_argument("--card-budgets-gib", default="", help="with --offload: budgets run first with the weights still "
                    "on the card (one stock run serving both)")
     p.add_argument("--warmup-tokens", type=int, default=8192, help="with --offload: the small first call's length")
@@ -376,6 +378,11 @@ def main() -> int:
         if not (a.offload or a.stock_once):
             _, stock_s = timed(call)
         payload.update(stock_peak_bytes=stock_peak, stock_time_s=stock_s)
+        if a.stock_noise:
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+            with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+                payload["stock_efficient_vs_default_rel_diff"] = _rel(call(), ref)
+            print(f"stock's own noise: {payload['stock_efficient_vs_default_rel_diff']:.2e}", flush=True)
         print(f"stock: peak {stock_peak / GIB:.2f} GiB above the weights, {stock_s:.1f} s", flush=True)
         scale = GIB if DEV == "cuda" else stock_peak / 8   # the dry run's budgets: eighths of stock's peak
         for budget in [int(float(b) * scale) for b in a.card_budgets_gib.split(",") if b]:
