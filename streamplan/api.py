@@ -21,7 +21,7 @@ from .plan.budget import DEFAULT_RESERVE, auto_budget, fmt_bytes
 from .execute.call_state import BYPASS, REHEARSAL, ROOT, bypass, live_bytes, outermost, rehearsing, within
 from .attention import consumer_for
 from .execute.chunk_loop import drain_retries
-from .specs import (DESCRIBED_MARK, STREAMED_MARK, AttentionSpec, GraphSpec, MLPSpec, ModelSpec, Skip,
+from .specs import (DESCRIBED_MARK, MODEL_MARK, STREAMED_MARK, AttentionSpec, GraphSpec, MLPSpec, ModelSpec, Skip,
                     described_whole)
 from .options import StreamOptions
 from .plan.planner import BudgetError, Plan, Tier
@@ -115,6 +115,7 @@ class StreamHandle:
         setattr(streamed_forward, STREAMED_MARK, True)
         if isinstance(spec, GraphSpec):   # a model forward may hand it masks over rows described (ir.RowMask)
             setattr(streamed_forward, DESCRIBED_MARK, True)
+        setattr(streamed_forward, MODEL_MARK, isinstance(spec, ModelSpec))
         inner = hooks.install(module, streamed_forward)   # inside the module's diffusers hooks, where stock ran
         if inner is None:
             module.forward = streamed_forward
@@ -219,6 +220,15 @@ class StreamHandle:
             return int(auto_budget(device, self.options.reserve) * (1 - PLAN_MARGIN)), live
         return int((budget - live) * (1 - PLAN_MARGIN)), live
 
+    def _budget_said(self) -> str:
+        """The budget a part was planned under, as a refusal names it: in a forward's rehearsal, what was left for
+        its parts (the weights its hooks bring in, and any re-plan's overshoot, taken off the caller's budget)."""
+        given = self.options.budget
+        said = "auto" if given == "auto" else fmt_bytes(given)
+        if REHEARSAL.budget is not None and REHEARSAL.budget != given:
+            return f"{fmt_bytes(REHEARSAL.budget)} (what the forward's budget, {said}, leaves for its parts)"
+        return said
+
     def plan_for(self, entry: Installed, sig: tuple, make: Callable[[int | None], Plan], args: tuple = (),
               kwargs: dict | None = None, device: torch.device | None = None) -> Plan:
         plan = entry.plans.get(sig)
@@ -231,15 +241,14 @@ class StreamHandle:
             elif available is not None and available <= 0:
                 smallest = _smallest_budget(live, _least(make))
                 raise BudgetError(f"{entry.name or type(entry.module).__name__}: the budget "
-                                  f"{fmt_bytes(self.options.budget)} is already taken by the call's inputs "
+                                  f"{self._budget_said()} is already taken by the call's inputs "
                                   f"({fmt_bytes(live)}); nothing is left for its work"
                                   + _smallest_said(smallest), smallest_bytes=smallest)
             try:
                 plan = plan or make(available)
             except BudgetError as exc:
                 smallest = _smallest_budget(live, exc.least)
-                raise BudgetError(f"{entry.name or type(entry.module).__name__}: budget "
-                                  f"{fmt_bytes(self.options.budget) if self.options.budget != 'auto' else 'auto'} "
+                raise BudgetError(f"{entry.name or type(entry.module).__name__}: budget {self._budget_said()} "
                                   f"less its live inputs ({fmt_bytes(live)}) cannot hold it. {exc}. Raise the "
                                   "budget, shorten the sequence, or lower the batch" + _smallest_said(smallest)
                                   + ".", least=exc.least, smallest_bytes=smallest) from None

@@ -298,6 +298,8 @@ class RowMask:
 STREAMED_MARK = "__streamplan_streamed__"
 # set on a streamplan forward that takes described inputs (RowMask, HostRows): a block streamed from its captured graph
 DESCRIBED_MARK = "_streamplan_takes_described"
+# set on a streamplan forward that runs a whole model forward (a ModelSpec): it calls its children one at a time
+MODEL_MARK = "_streamplan_model_forward"
 DESCRIBED = (RowMask, HostRows, RowsFrom)
 
 

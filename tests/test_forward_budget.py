@@ -158,6 +158,7 @@ def test_a_causal_lm_with_its_layers_offloaded_is_planned_whole_weights_included
     """accelerate's hook on each decoder layer (what ``device_map`` with layers on "cpu" installs): the layers are
     called through their own forwards, so the model forward streams around them and counts the layer in flight."""
     from accelerate.hooks import AlignDevicesHook, add_hook_to_module
+    from streamplan.execute.hook_chains import weights_in_flight
     model, call, inputs = _llama()
     ref, stock_peak = streamplan.measure_peak(call)
     for layer in model.model.layers:
@@ -168,6 +169,8 @@ def test_a_causal_lm_with_its_layers_offloaded_is_planned_whole_weights_included
     smallest = _refusal(model, call, stock_peak // 50).smallest_bytes
     assert smallest > layer_bytes, (smallest, layer_bytes)
     handle = streamplan.apply(model, budget=smallest)
+    # the model forward calls its layers one at a time: one layer's weights in flight, never all of them
+    assert weights_in_flight(model) == layer_bytes
     out, peak = streamplan.measure_peak(call)
     assert rel_err(out, ref) <= 1e-5, handle.report()
     assert peak <= smallest, (peak, smallest, handle.report())

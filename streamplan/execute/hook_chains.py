@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterable, Iterator, Protocol
 import torch
 from torch import nn
 
-from ..specs import DESCRIBED_MARK, STREAMED_MARK
+from ..specs import DESCRIBED_MARK, MODEL_MARK, STREAMED_MARK
 
 
 @dataclass(frozen=True)
@@ -285,18 +285,27 @@ def release_all(root: nn.Module) -> None:
 
 
 def _unit(root: nn.Module, m: nn.Module) -> nn.Module:
-    """The streamed module whose call brings ``m``'s weights (the outermost streamed one holding it, below root), or
-    ``m`` itself."""
+    """The streamed module whose call brings ``m``'s weights (the outermost streamed one holding it, below root, that
+    is not a model forward: one calls its children one at a time), or ``m`` itself."""
     for name, sub in root.named_modules():
-        if sub is root or not _streamed(sub):
+        if sub is root or not _marked(sub, STREAMED_MARK) or _marked(sub, MODEL_MARK):
             continue
         if any(x is m for x in sub.modules()):
             return sub
     return m
 
 
-def _streamed(m: nn.Module) -> bool:
-    return bool(getattr(m.__dict__.get("forward"), STREAMED_MARK, False)) or streamed_inside(m)
+def _marked(m: nn.Module, mark: str) -> bool:
+    """Whether ``m``'s streamplan forward (its forward, or the innermost link of its hook chain) carries ``mark``."""
+    return bool(getattr(m.__dict__.get("forward"), mark, False)) or _inner_marked(m, mark)
+
+
+def _inner_marked(m: nn.Module, mark: str) -> bool:
+    found = chain_of(m)
+    if found is None:
+        return False
+    holder, attr = found[0].inner(m)
+    return bool(getattr(getattr(holder, attr), mark, False))
 
 
 @contextlib.contextmanager
@@ -339,11 +348,7 @@ def set_aside(root: nn.Module, stand_in: Callable[[torch.Tensor, torch.device, t
 
 def streamed_inside(module: nn.Module) -> bool:
     """Whether the innermost link of the module's hook chain is already a streamplan forward."""
-    found = chain_of(module)
-    if found is None:
-        return False
-    holder, attr = found[0].inner(module)
-    return bool(getattr(getattr(holder, attr), STREAMED_MARK, False))
+    return _inner_marked(module, STREAMED_MARK)
 
 
 def _first(module: nn.Module, keep: Callable[[HookKind | None], bool]) -> str | None:
