@@ -89,7 +89,8 @@ def plan_forward(ctx: CallContext, run: Callable[..., Any], args: tuple, kwargs:
             why = f"its peak would be {fmt_bytes(figures.predicted)}, {figures.at_peak}"
             _drop_new(ctx, before)
         except BudgetError as exc:   # the forward's smallest follows
-            why = f"a part of it refused: {_SMALLEST_SAID.sub('', str(exc)).rstrip('.')}"
+            said = _SMALLEST_SAID.sub('', str(exc)).rstrip('.')
+            why = said if getattr(exc, "whole_forward", False) else f"a part of it refused: {said}"
     if host:
         why += " (with its hidden state in host memory between blocks)"
     smallest = _smallest(ctx, attempt, before)
@@ -124,6 +125,11 @@ def _attempt(ctx: CallContext, run, args: tuple, kwargs: dict, device: torch.dev
     state in host memory if ``host``; the plans it makes stay when it returns. Its prediction is the larger of the
     ledger's peak and each planned call's predicted peak beside what was live then."""
     weights = hooks.weights_in_flight(ctx.entry.module)   # brought in by offload or casting hooks: beside it all
+    if budget is not None and budget <= weights:
+        exc = BudgetError(f"the weights its hooks bring in at once ({fmt_bytes(weights)}) are more than the budget "
+                          f"leaves for the forward ({fmt_bytes(budget)} after its margin): none is left for its work")
+        exc.whole_forward = True
+        raise exc
     try:
         with rehearsal_settings(budget=None if budget is None else max(1, budget - weights), least=least):
             found = rehearse(functools.partial(run, host=host), args, kwargs, device, ctx.entry.module)
