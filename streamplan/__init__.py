@@ -14,7 +14,8 @@ __version__ = "0.1.0"
 
 # public name -> the submodule that defines it
 _EXPORTS = {
-    "apply": "api", "StreamHandle": "api", "BlockStreamer": "api", "StreamOptions": "options", "verify": "verify",
+    "apply": "api", "StreamHandle": "api", "PipelineHandle": "api", "BlockStreamer": "api",
+    "StreamOptions": "options", "verify": "verify",
     "measure_peak": "meter", "parse_budget": "plan.budget", "BudgetError": "plan.planner",
     "HostMemoryError": "plan.planner",
     "register_consumer": "attention", "unregister_consumer": "attention", "ConsumerCaps": "attention",

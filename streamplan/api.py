@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import json
 import math
 import logging
 import weakref
@@ -26,6 +27,7 @@ from .specs import (DESCRIBED_MARK, MODEL_MARK, STREAMED_MARK, AttentionSpec, Gr
 from .options import StreamOptions
 from .plan.planner import BudgetError, Plan, Tier
 from .integrations.recognizers import recognize
+from .registries import pipeline_parts
 from .execute.context import CallContext
 from .execute.dispatch import run_spec
 from .execute.stock_watch import StockWatch, activation_bytes, watch_candidates
@@ -417,15 +419,19 @@ def apply(module: nn.Module, budget: int | str | None = "auto", chunk_tokens: in
           ffn_slice: int | None = None, head_groups: int | None = None, reserve: int | str = DEFAULT_RESERVE,
           self_check: bool = False, capture: str = "fallback", kv: str = "device",
           row_pieces: int | None = None, q_span: int | None = None, fuse: bool | None = None,
-          hidden: str = "auto", options: StreamOptions | None = None) -> StreamHandle:
+          hidden: str = "auto", options: StreamOptions | None = None) -> "StreamHandle | PipelineHandle":
     """Stream every recognised structure inside ``module`` in place; returns a handle to report and undo.
+
+    ``module`` may be a diffusers pipeline: each of its denoisers (``transformer``, Wan 2.2 A14B's ``transformer_2``,
+    a ``unet``) is streamed under the same options, and one ``PipelineHandle`` reports and undoes them all.
 
     The keywords are ``StreamOptions``' fields (its docstring says what each does); ``options`` passes them as one
     object instead, and then no other keyword may be given. Nothing is installed until every argument is checked,
     and a failure while installing puts back every forward already replaced.
     """
-    if not isinstance(module, nn.Module):
-        raise ValueError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    parts = None if isinstance(module, nn.Module) else pipeline_parts(module)
+    if not isinstance(module, nn.Module) and parts is None:
+        raise ValueError(f"module must be a torch.nn.Module or a diffusers pipeline, got {type(module).__name__}")
     if options is None:
         options = StreamOptions(budget, chunk_tokens, ffn_slice, head_groups, reserve, self_check, capture, kv,
                                 row_pieces, q_span, fuse, hidden=hidden)
@@ -437,6 +443,12 @@ def apply(module: nn.Module, budget: int | str | None = "auto", chunk_tokens: in
         if not isinstance(options, StreamOptions):
             raise ValueError(f"options must be a streamplan.StreamOptions, got {type(options).__name__}")
         options = dataclasses.replace(options)   # checked again: its fields may have been set since it was made
+    if parts is not None:
+        return _apply_pipeline(module, parts, options)
+    return _apply_module(module, options)
+
+
+def _apply_module(module: nn.Module, options: StreamOptions) -> StreamHandle:
     capture = options.capture
     superseded = _supersede(module)
     specs, skipped = recognize(module, capture)
@@ -464,3 +476,62 @@ def apply(module: nn.Module, budget: int | str | None = "auto", chunk_tokens: in
         log.info("streamplan: %r superseded by the new apply on %s", other, type(module).__name__)
     log.info("streamplan: %d module(s) streamed, %d left stock", len(handle.installed), len(skipped))
     return handle
+
+
+def _apply_pipeline(pipe: Any, parts: list[tuple[str, nn.Module]], options: StreamOptions) -> "PipelineHandle":
+    if not parts:
+        raise ValueError(f"{type(pipe).__name__} has no denoiser component (transformer, transformer_2, unet) to "
+                         "stream; pass the module itself, e.g. streamplan.apply(pipe.text_encoder)")
+    handles: dict[str, StreamHandle] = {}
+    try:
+        for name, module in parts:
+            handles[name] = _apply_module(module, dataclasses.replace(options))
+    except BaseException:   # the pipeline left as it was
+        for handle in handles.values():
+            handle.remove()
+        raise
+    return PipelineHandle(pipe, handles)
+
+
+class PipelineHandle:
+    """One ``apply`` over a pipeline's denoisers: each has its own ``StreamHandle`` (``handle["transformer_2"]``),
+    planned for its own calls (a budget holds each denoiser's call; a pipeline calls them one at a time)."""
+
+    def __init__(self, pipe: Any, handles: dict[str, StreamHandle]):
+        self.pipeline_class = type(pipe).__name__
+        self.handles = handles
+
+    def __getitem__(self, component: str) -> StreamHandle:
+        return self.handles[component]
+
+    @property
+    def plans(self) -> dict[str, list[Plan]]:
+        """Every component's plans, named from the pipeline (``transformer_2.blocks.0``; the model itself by its
+        component name)."""
+        return {f"{part}.{name}" if name else part: plans
+                for part, h in self.handles.items() for name, plans in h.plans.items()}
+
+    @property
+    def removed(self) -> bool:
+        return all(h.removed for h in self.handles.values())
+
+    def remove(self) -> None:
+        """Every denoiser's stock forwards back."""
+        for handle in self.handles.values():
+            handle.remove()
+
+    def predicted_peak(self) -> int:
+        return max((h.predicted_peak() for h in self.handles.values()), default=0)
+
+    def to_json(self) -> str:
+        return json.dumps({"pipeline": self.pipeline_class,
+                           "components": {part: json.loads(h.to_json()) for part, h in self.handles.items()}},
+                          indent=2)
+
+    def report(self) -> str:
+        parts = ", ".join(self.handles)
+        return "\n\n".join([f"streamplan report for {self.pipeline_class}: its denoisers {parts}, each its own"]
+                            + [f"[{part}] {h.report()}" for part, h in self.handles.items()])
+
+    def __repr__(self) -> str:  # noqa: D105
+        return f"<PipelineHandle {self.pipeline_class}: {', '.join(self.handles)}>"

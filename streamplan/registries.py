@@ -122,3 +122,22 @@ def state_tensors(value: Any) -> "list[torch.Tensor] | None":
         if found is not None:
             return found
     return None
+
+
+# A library whose models come inside a pipeline object (diffusers' ``DiffusionPipeline``) registers how to find the
+# modules ``apply(pipeline)`` streams: ``(obj) -> [(component name, module), ...] | None`` (None: not its object).
+PIPELINE_READERS: list[Callable[[Any], "list[tuple[str, nn.Module]] | None"]] = []
+
+
+def register_pipeline_reader(reader: Callable[[Any], "list[tuple[str, nn.Module]] | None"]) -> None:
+    if reader not in PIPELINE_READERS:
+        PIPELINE_READERS.append(reader)
+
+
+def pipeline_parts(obj: Any) -> "list[tuple[str, nn.Module]] | None":
+    """The modules of a registered pipeline object that ``apply`` streams, or None when ``obj`` is not one."""
+    for reader in PIPELINE_READERS:
+        found = reader(obj)
+        if found is not None:
+            return found
+    return None

@@ -11,7 +11,7 @@ from ..specs import AttentionSpec, GraphSpec, MLPSpec, ModelSpec, RowLocalSpec, 
 # imported for what they declare at import: hook chains, row-local ops, argument records, capture contexts, state
 from . import accelerate, peft  # noqa: F401  (accelerate's hook chains; the adapter state peft's layers read)
 from .comfy import capture_attention, flux, kitchen_ops  # noqa: F401  (ComfyUI's ops, records, capture attention)
-from .diffusers import hooks  # noqa: F401  (diffusers' hook chains)
+from .diffusers import hooks, pipelines  # noqa: F401  (diffusers' hook chains; its pipelines' denoisers)
 from .diffusers.attention import recognize_attention
 from .diffusers.h3 import recognize_h3_model
 from .diffusers.ltx2 import recognize_ltx2_model
