@@ -296,3 +296,13 @@ def test_plan_of_ltx2_image_to_video_holds_its_budget_on_meta(capsys):
     (root,) = data["streamed"][""]["plans"]
     assert root["live_bytes"] + root["predicted_peak"] <= 2 << 30, root
     assert "per-row tables described" in data["streamed"][""]["recognized_as"], data["streamed"][""]
+
+
+def test_plan_of_a_whole_llama_prefill_holds_its_budget_on_meta(capsys):
+    # the stock forward reads a value (transformers' packed-sequence check) that meta tensors do not have: the plan on
+    # shapes runs the planned forward instead; the call's keywords (no cache, one position's logits) are the family's
+    assert main(["plan", "--family", "llama3-8b-model", "--tokens", "8192", "--budget", "600MiB", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    (root,) = data["streamed"][""]["plans"]
+    assert root["live_bytes"] + root["predicted_peak"] <= 600 << 20, root
+    assert root["shape"].startswith("((1, 8192), ('logits_to_keep'"), root

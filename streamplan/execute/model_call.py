@@ -68,8 +68,12 @@ def run_model(ctx: CallContext, args: tuple, kwargs: dict) -> Any:
     if plan.tier == Tier.L0 or shapes_only:
         # the stock forward fits (or every block fitted stock at the first call): as stock; on meta tensors (a plan
         # on shapes, `streamplan plan`) the rehearsal made every plan and there is nothing to run in chunks
-        with bypass() if "planned ahead" in plan.note or ahead else contextlib.nullcontext():
-            return entry.stock(*args, **kwargs)
+        try:
+            with bypass() if "planned ahead" in plan.note or ahead else contextlib.nullcontext():
+                return entry.stock(*args, **kwargs)
+        except RuntimeError:   # a stock forward that reads a value (no values on meta): the planned run instead
+            if not shapes_only:
+                raise
     if plan.tier == Tier.L6 and first:   # the host memory its rows need, had before anything runs
         _host_checked(ctx, sig, plan)
     with planned_ahead() if ahead else contextlib.nullcontext():

@@ -42,6 +42,8 @@ PLAN_FAMILIES = {
     "ltx2-model": "LTX2VideoTransformer3DModel (diffusers) at real width, 48 layers, image-to-video (a timestep per "
                   "video row); --tokens counts video rows (2,040 a latent frame at 1920x1088)",
     "llama3-8b-layer": "Llama-3-8B LlamaDecoderLayer (transformers, sdpa): 4096 hidden, 32/8 heads",
+    "llama3-8b-model": "Llama-3-8B LlamaForCausalLM (transformers, sdpa), 32 layers: a prefill as generate runs it "
+                       "(no cache, the last position's logits); the whole forward planned",
 }
 BENCH_CASES = {
     **PLAN_FAMILIES,
@@ -226,17 +228,18 @@ def _plan(args: argparse.Namespace) -> int:
     dtype = getattr(torch, DTYPES[args.dtype])
     stages(f"building {family.name} on the meta device (shapes only, nothing allocated)")
     module, inputs = on_meta(family, args.tokens, dtype)
+    call = lambda: module(*inputs, **(family.call_kwargs or {}))  # noqa: E731
     stages(f"planning {args.tokens} tokens")
     handle = streamplan.apply(module, budget=args.budget, chunk_tokens=args.chunk_tokens, kv=args.kv)
     try:
         with torch.inference_mode():
-            module(*inputs)
+            call()
     except streamplan.BudgetError as exc:
         stages.done()
         handle.remove()
         print(f"streamplan: {exc}", file=sys.stderr)
         if args.smallest and args.chunk_tokens is None:
-            _print_smallest(module, inputs, args.kv, file=sys.stderr)
+            _print_smallest(module, call, args.kv, file=sys.stderr)
         return 2
     stages.done()
     if args.json:
@@ -257,14 +260,14 @@ def _plan(args: argparse.Namespace) -> int:
     handle.remove()
     if args.smallest and args.chunk_tokens is None:
         print()
-        _print_smallest(module, inputs, args.kv)
+        _print_smallest(module, call, args.kv)
     return 0
 
 
 SMALLEST_ROUNDS = 8   # refusals followed at most (each names the smallest budget of the operation it refused)
 
 
-def _print_smallest(module, inputs: tuple, kv: str, file=None) -> None:
+def _print_smallest(module, call: Callable[[], object], kv: str, file=None) -> None:
     """The smallest byte budget under which every operation of ``module`` plans at this length, found by following
     each refusal's ``BudgetError.smallest_bytes`` (on meta tensors: planning runs nothing), and the card it needs with
     the module's weights on it."""
@@ -280,7 +283,7 @@ def _print_smallest(module, inputs: tuple, kv: str, file=None) -> None:
         handle = streamplan.apply(module, budget=budget, kv=kv)
         try:
             with torch.inference_mode():
-                module(*inputs)
+                call()
             break
         except streamplan.BudgetError as exc:
             if not exc.smallest_bytes or exc.smallest_bytes <= budget:

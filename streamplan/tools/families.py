@@ -16,6 +16,7 @@ class Family:
     build: Callable[[], nn.Module]
     inputs: Callable[[int, torch.device, torch.dtype], tuple]
     floor_bytes_per_token: Callable[[torch.dtype], float]   # residual + K + V per token
+    call_kwargs: dict | None = None                          # keywords of the call beside the inputs
 
 
 def _wan_block(dim: int, ffn: int, heads: int) -> Callable[[], nn.Module]:
@@ -116,6 +117,18 @@ def _ltx2_model_inputs(n: int, dev: torch.device, dt: torch.dtype) -> tuple:
             audio, video_coords, audio_coords)
 
 
+def _llama_lm() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+                      vocab_size=128256, num_hidden_layers=32, max_position_embeddings=1 << 21, rope_theta=500000.0,
+                      attn_implementation="sdpa", tie_word_embeddings=False)
+    return LlamaForCausalLM(cfg)
+
+
+def _llama_lm_inputs(n: int, dev: torch.device, dt: torch.dtype) -> tuple:
+    return (torch.zeros(1, n, dtype=torch.long, device=dev),)
+
+
 def _wan_model() -> nn.Module:
     from diffusers import WanTransformer3DModel
     return WanTransformer3DModel(num_layers=40)   # defaults: Wan2.1-14B T2V (5120 wide, 40 heads, ffn 13824)
@@ -166,6 +179,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
            _ltx2_model_inputs, _bytes(4096 * 3 + 2048 * 2)),
     Family("llama3-8b-layer", "Llama-3-8B LlamaDecoderLayer (transformers, sdpa): 4096 hidden, 32/8 heads",
            _llama_layer, _llama_inputs, _bytes(4096 + 2 * 1024)),
+    Family("llama3-8b-model", "Llama-3-8B LlamaForCausalLM (transformers, sdpa), 32 layers: a prefill as generate "
+           "runs it (no cache, the last position's logits); the whole forward planned", _llama_lm, _llama_lm_inputs,
+           _bytes(4096 + 2 * 1024), {"use_cache": False, "logits_to_keep": 1}),
 ]}
 
 
