@@ -85,7 +85,8 @@ def test_a_causal_chunk_with_grouped_heads_stays_within_the_declared_workspace()
 def test_the_consumer_declares_what_a_chunk_allocates(heads, kv_heads, causal, dtype):
     """Every chunk of a streamed attention through the SDPA consumer (the first causal one, later ones split into past
     keys and diagonal block, a non-causal one): its measured peak beyond its output is within the whole-call workspace
-    the consumer declares to the captured path's planner, and the declaration is tight for the worst chunk (the CPU
+    the consumer declares to the captured path's planner, and the declaration is tight for the worst chunk where the
+    kernels' allocations are known (fp32; 16-bit where oneDNN runs the matmuls) (the CPU
     flash kernel's per-thread tiles do not scale with the rows: a per-row figure cannot say them)."""
     n, c, d = 1200, 400, 32
     k, v = (torch.randn(1, n, kv_heads, d, dtype=dtype).transpose(1, 2) for _ in range(2))
@@ -99,7 +100,9 @@ def test_the_consumer_declares_what_a_chunk_allocates(heads, kv_heads, causal, d
         out, peak = streamplan.measure_peak(lambda: sdpa.attend(q, k, v, q_offset=a, causal=causal, mask=None,
                                                                 scale=None))
         worst = max(worst, peak - out.numel() * elem)
-    assert 0.9 * declared <= worst <= declared, (worst, declared)
+    assert worst <= declared, (worst, declared)
+    if dtype == torch.float32 or streamplan.attention.sdpa.onednn_16bit_gemm():   # else a bound, not a fit
+        assert 0.9 * declared <= worst, (worst, declared)
 
 
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])

@@ -7,6 +7,8 @@ log-sum-exps; no [c, keys] mask is built. Elsewhere a lower-right causal mask is
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -138,7 +140,21 @@ def _cpu_flash_tiles(q_rows: int, k_rows: int, head_dim: int, elem: int) -> int:
     the splits are fixed sizes cut to the call's rows (``FlashAttentionKernel.cpp``)."""
     qs = min(q_rows, 256 if q_rows >= 768 else 64 if q_rows >= 192 else 32)
     ks = min(k_rows, 512)
-    return torch.get_num_threads() * ((qs * ks + 2 * qs + qs * head_dim) * 4 + (qs * ks * elem if elem < 4 else 0))
+    tiles = (qs * ks + 2 * qs + qs * head_dim) * 4 + (qs * ks * elem if elem < 4 else 0)
+    if elem < 4 and not onednn_16bit_gemm():   # PyTorch's own 16-bit gemm: fp32 copies of a head's keys and values
+        tiles += (2 * k_rows + ks) * head_dim * 4   # (measured on a CPU without AVX-512: a bound, not a fit)
+    return torch.get_num_threads() * tiles
+
+
+@functools.cache
+def onednn_16bit_gemm() -> bool:
+    """Whether the CPU kernels' 16-bit matmuls go to oneDNN (AVX-512 CPUs), which allocates nothing the allocator
+    sees; elsewhere PyTorch's fallback gemm widens its operands to fp32 first (bf16's probe stands for fp16 too)."""
+    probe = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    try:
+        return bool(probe()) if probe is not None else False
+    except RuntimeError:
+        return False
 
 
 def _efficient_with_lse(q, k, v, causal: bool, scale):

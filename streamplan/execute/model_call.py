@@ -36,12 +36,14 @@ def run_model(ctx: CallContext, args: tuple, kwargs: dict) -> Any:
     fixed = o.chunk_tokens or (DEFAULT_CHUNK_TOKENS if o.budget is None else None)
 
     def chunk() -> int:
-        """The model's own row loops: the given chunk, or under a budget its blocks' smallest planned chunk."""
+        """The model's own row loops: the given chunk, or under a budget its blocks' smallest planned chunk, at most
+        the default chunk (a loose budget lets a block take tens of thousands of rows a chunk; a final norm or head
+        in fp32 over that many rows beside the whole hidden state would be what overshoots)."""
         if fixed:
             return fixed
         planned = [p.chunk for e in ctx.installed() if e is not entry for p in e.plans.values()
                    if p.tier != Tier.L0 and p.chunk > 0]   # a model forward's own plan (an outer one) has no chunk
-        return min(planned, default=DEFAULT_CHUNK_TOKENS)
+        return min(planned + [DEFAULT_CHUNK_TOKENS])
 
     def run(a: tuple, k: dict, host: bool = False) -> Any:
         return spec.run(a, k, RowLoops(chunk, host))
