@@ -4,6 +4,7 @@ state objects). Each registry is filled at import by the library's file under ``
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
 import torch
@@ -43,15 +44,30 @@ def register_capture_context(context: Callable[[nn.Module], "AbstractContextMana
         CAPTURE_CONTEXTS.append(context)
 
 
-# Layers a capture takes as one opaque row-local op (``graph.opaque_layers``), run by the layer's own forward on each
-# chunk of rows: ``(module) -> bool``, declared by whoever knows the layer's format (``recognize.generic``, from
-# ``plan.weight_formats.LinearCaps.opaque``: bitsandbytes' linears).
-OPAQUE_LAYERS: list[Callable[[nn.Module], bool]] = []
+# Modules a capture takes as one opaque row-local op (``graph.opaque_layers``), run by the module's own forward on each
+# chunk of rows, declared by whoever knows them: bitsandbytes' linears (``recognize.generic``, from
+# ``plan.weight_formats.LinearCaps.opaque``: their matmul reads the real parameter's quantisation state) and
+# mixture-of-experts feed-forwards (``recognize.experts``: each token is routed by its own row).
+OPAQUE_LAYERS: list["OpaqueKind"] = []
 
 
-def register_opaque_layer(matches: Callable[[nn.Module], bool]) -> None:
-    if matches not in OPAQUE_LAYERS:
-        OPAQUE_LAYERS.append(matches)
+@dataclass(frozen=True)
+class OpaqueKind:
+    """A kind of module a capture takes whole: ``matches(module)``; ``refusal(module)``, why a matching module may not
+    be taken (its block then stays stock, named), or None; ``out_features(module, x)`` of its output rows;
+    ``workspace(module, x)`` -> (bytes per call, bytes per row of the call) it may allocate inside, at most, for an
+    input like ``x`` (a fake tensor at capture)."""
+
+    name: str
+    matches: Callable[[nn.Module], bool]
+    out_features: Callable[[nn.Module, torch.Tensor], int]
+    workspace: Callable[[nn.Module, torch.Tensor], tuple[int, int]]
+    refusal: Callable[[nn.Module], "str | None"] = lambda m: None
+
+
+def register_opaque_layer(kind: OpaqueKind) -> None:
+    if kind not in OPAQUE_LAYERS:
+        OPAQUE_LAYERS.append(kind)
 
 
 # Argument records: dataclasses of tensors a block takes as arguments (ComfyUI Flux's ``ModulationOut``), declared by

@@ -24,16 +24,8 @@ STOCK = {   # layers that stay stock on the generic path, and the reason the rep
     "falcon": "index of a value with rows",
     "bloom": "baddbmm contracts over the rows",
     "mpt": "capture failed",
-    "mixtral": "not the row count plus a constant",
-    "qwen2_moe": "not the row count plus a constant",
-    "qwen3_moe": "not the row count plus a constant",
-    "granitemoe": "not the row count plus a constant",
-    "phimoe": "op gather is not one streamplan knows to be row-local",
-    "gpt_oss": "matmul contracts over the rows (attention written by hand?)",
+    "gpt_oss": "its forward returns more than its rows (router scores beside them)",
     "lfm2_conv": "op conv1d is not one streamplan knows to be row-local",
-    "qwen3_next": "not the row count plus a constant",
-    "minimax": "not the row count plus a constant",
-    "dbrx": "capture failed",
 }
 
 

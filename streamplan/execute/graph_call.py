@@ -208,8 +208,10 @@ def _note_capture(ctx: CallContext, found, fresh: bool) -> None:
     an, cap = found.analysis, found.captured
     static = f"; {found.static_rows} static rows joined (computed once per phase)" if found.static_rows else ""
     opaque = opaque_layers(ctx.entry.module)
-    layers = (f"; {len(opaque)} layer(s) run whole on each chunk's rows as opaque ops ("
-              f"{type(opaque[0][1]).__name__} {opaque[0][0]}, ...): no feature slices") if opaque else ""
+    more = ", ..." if len(opaque) > 1 else ""
+    layers = (f"; {len(opaque)} module(s) run whole on each chunk's rows as opaque ops ("
+              f"{opaque[0][2].name}: {type(opaque[0][1]).__name__} {opaque[0][0]}{more}): no feature slices"
+              ) if opaque else ""
     ctx.note(f"captured in {cap.seconds:.2f} s: {an.ops} ops, {len(an.attentions)} global attention(s){static}"
              f"{layers}")
 

@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from ..registries import ARGUMENT_RECORDS, CAPTURE_CONTEXTS, CAPTURE_STATE_ATTRS
+from .opaque_layers import OpaqueRefused
 
 log = logging.getLogger("streamplan")
 
@@ -180,6 +181,8 @@ def _export(export, module: nn.Module, args: tuple, kwargs: dict, dynamic: dict)
 
 
 def _reason(exc: Exception) -> str:
+    if isinstance(exc, OpaqueRefused):   # a module of a known kind that may not run by chunks: its own reason
+        return str(exc)
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return f"capture failed ({type(exc).__name__}: {text[:200]})"
 

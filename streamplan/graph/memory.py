@@ -43,8 +43,8 @@ class GraphMemory:
         (what the phase hands on) given: its row-local runs in pieces, as ``GraphRun`` runs them."""
         extra = at_attention * rows + workspace
         work = {n: extra for n in self.attention_nodes} if extra else {}
-        for n in nodes:   # what an opaque layer allocates inside its call (a dequantised weight)
-            if (w := opaque_workspace(n)):
+        for n in nodes:   # what an opaque module allocates inside its call (a dequantised weight, routed rows)
+            if (w := opaque_workspace(n, rows)):
                 work[n] = work.get(n, 0) + w
         reads: dict[fx.Node, list[fx.Node]] = {}
         if ffn_slice:

@@ -1,9 +1,10 @@
-"""Linear layers a capture cannot trace but whose format declares them row-local (``registries.OPAQUE_LAYERS``, filled
-from ``plan.weight_formats.LinearCaps.opaque`` by ``recognize.generic``: bitsandbytes' 8-bit and 4-bit linears, whose
-matmul reads the real parameter's quantisation state). While a block is captured, each such layer is one
-``streamplan::opaque_linear`` op (its output shaped from its input), row-local for the analysis; when the graph runs,
-the op calls that layer of the block being run (by its name inside the block: a capture serves every block of its class)
-on the chunk's rows, through the layer's own forward."""
+"""Modules a capture cannot (or should not) trace but whose kind declares them row-local
+(``registries.OPAQUE_LAYERS``): bitsandbytes' 8-bit and 4-bit linears, whose matmul reads the real parameter's
+quantisation state, and mixture-of-experts feed-forwards, whose routing gathers each expert's tokens by value. While a
+block is captured, each such module is one ``streamplan::opaque_module`` op (its output shaped from its input, what it
+allocates inside written into the op's arguments), row-local for the analysis; when the graph runs, the op calls that
+module of the block being run (by its name inside the block: a capture serves every block of its class) on the
+chunk's rows, through its own forward."""
 from __future__ import annotations
 
 import contextlib
@@ -13,46 +14,56 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from ..registries import OPAQUE_LAYERS, register_capture_context, register_row_local_op
+from ..registries import OPAQUE_LAYERS, OpaqueKind, register_capture_context, register_row_local_op
 
 _RUNNING = threading.local()
 
 
-@torch.library.custom_op("streamplan::opaque_linear", mutates_args=())
-def opaque_linear(x: torch.Tensor, name: str, out_features: int) -> torch.Tensor:
+class OpaqueRefused(Exception):
+    """A module of a known opaque kind that may not run on a chunk's rows (a router that drops tokens over capacity):
+    the block's capture fails with this reason, and the block stays stock."""
+
+
+@torch.library.custom_op("streamplan::opaque_module", mutates_args=())
+def opaque_module(x: torch.Tensor, name: str, out_features: int, call_bytes: int, row_bytes: int) -> torch.Tensor:
     stack = getattr(_RUNNING, "blocks", None)
     if not stack:
-        raise RuntimeError(f"streamplan::opaque_linear({name!r}) called outside a streamed block's run")
+        raise RuntimeError(f"streamplan::opaque_module({name!r}) called outside a streamed block's run")
     return stack[-1].get_submodule(name)(x)
 
 
-@opaque_linear.register_fake
-def _(x: torch.Tensor, name: str, out_features: int) -> torch.Tensor:
+@opaque_module.register_fake
+def _(x: torch.Tensor, name: str, out_features: int, call_bytes: int, row_bytes: int) -> torch.Tensor:
     return x.new_empty(x.shape[:-1] + (out_features,))
 
 
-register_row_local_op("streamplan", "opaque_linear", "norm")   # a row's features in, the same row's features out
+register_row_local_op("streamplan", "opaque_module", "norm")   # a row's features in, the same row's features out
 
 
-def workspace_bytes(node: torch.fx.Node) -> int:
-    """What an opaque layer may allocate inside its call besides its output, at most: its weight in the input's dtype
-    (bitsandbytes' 4-bit matmul dequantises the whole weight per call, so per chunk). Row-independent."""
-    if node.target is not torch.ops.streamplan.opaque_linear.default:
+def workspace_bytes(node: torch.fx.Node, rows: int) -> int:
+    """What an opaque module may allocate inside its call on ``rows`` rows besides its output, at most, as its kind
+    declared at capture (a 4-bit linear's dequantised weight; an expert's routed copies of the chunk's rows)."""
+    if node.target is not torch.ops.streamplan.opaque_module.default:
         return 0
-    x = node.args[0].meta.get("val")
-    if not isinstance(x, torch.Tensor):
-        return 0
-    in_features, out_features = x.shape[-1], node.args[2]
-    return int(in_features) * int(out_features) * x.element_size()
+    call_bytes, row_bytes = node.args[3], node.args[4]
+    return int(call_bytes) + int(row_bytes) * rows
 
 
-def opaque_layers(block: nn.Module) -> list[tuple[str, nn.Module]]:
-    return [(name, m) for name, m in block.named_modules() if name and any(match(m) for match in OPAQUE_LAYERS)]
+def opaque_layers(block: nn.Module) -> list[tuple[str, nn.Module, OpaqueKind]]:
+    """The outermost modules inside ``block`` of a registered opaque kind (one inside another runs inside it)."""
+    found: list[tuple[str, nn.Module, OpaqueKind]] = []
+    for name, m in block.named_modules():
+        if not name or any(name.startswith(f"{outer}.") for outer, _, _ in found):
+            continue
+        kind = next((k for k in OPAQUE_LAYERS if k.matches(m)), None)
+        if kind is not None:
+            found.append((name, m, kind))
+    return found
 
 
 @contextlib.contextmanager
 def running(block: nn.Module) -> Iterator[None]:
-    """The block whose layers ``opaque_linear`` calls while its graph runs."""
+    """The block whose modules ``opaque_module`` calls while its graph runs."""
     stack = _RUNNING.__dict__.setdefault("blocks", [])
     stack.append(block)
     try:
@@ -61,19 +72,36 @@ def running(block: nn.Module) -> Iterator[None]:
         stack.pop()
 
 
+def _as_op(name: str, m: nn.Module, kind: OpaqueKind):
+    def forward(x: torch.Tensor, *rest, **kw) -> torch.Tensor:
+        if rest or kw:   # the op takes the rows alone: a call with more cannot be replayed by name
+            raise OpaqueRefused(f"{type(m).__name__} {name} ({kind.name}) called with more than its input rows")
+        call_bytes, per_token = kind.workspace(m, x)
+        batch = 1
+        for d in x.shape[:-2]:
+            batch *= int(d)
+        return torch.ops.streamplan.opaque_module(x, name, int(kind.out_features(m, x)), int(call_bytes),
+                                                  int(per_token) * batch)
+    return forward
+
+
 @contextlib.contextmanager
-def _as_ops(layers: list[tuple[str, nn.Module]]) -> Iterator[None]:
-    for name, m in layers:
-        m.forward = lambda x, _n=name, _o=m.out_features: torch.ops.streamplan.opaque_linear(x, _n, _o)
+def _as_ops(layers: list[tuple[str, nn.Module, OpaqueKind]]) -> Iterator[None]:
+    for name, m, kind in layers:
+        m.forward = _as_op(name, m, kind)
     try:
         yield
     finally:
-        for _, m in layers:
+        for _, m, _ in layers:
             m.__dict__.pop("forward", None)
 
 
 def _while_traced(block: nn.Module):
     layers = opaque_layers(block)
+    for name, m, kind in layers:
+        why = kind.refusal(m)
+        if why:
+            raise OpaqueRefused(f"{type(m).__name__} {name}: {why}")
     return _as_ops(layers) if layers else None
 
 

@@ -6,9 +6,10 @@ from __future__ import annotations
 from torch import nn
 
 from ..specs import GraphSpec, Skip
-from ..registries import register_opaque_layer
+from ..registries import OpaqueKind, register_opaque_layer
 from ..plan.weight_formats import linear_caps
 from .checks import stock_problem
+from . import experts  # noqa: F401  (registers mixture-of-experts feed-forwards as opaque row-local modules)
 
 
 def block_candidates(root: nn.Module) -> set[int]:
@@ -50,4 +51,10 @@ def _opaque_format(module: nn.Module) -> bool:
     return hasattr(module, "weight") and linear_caps(module).opaque
 
 
-register_opaque_layer(_opaque_format)
+def _dequantised_weight(module: nn.Module, x) -> tuple[int, int]:
+    """bitsandbytes' 4-bit matmul dequantises the whole weight per call (so per chunk), in the input's dtype."""
+    return module.in_features * module.out_features * x.element_size(), 0
+
+
+register_opaque_layer(OpaqueKind("quantised linear", _opaque_format, lambda m, x: m.out_features,
+                                 _dequantised_weight))

@@ -122,7 +122,8 @@ def _add(name: str, family: str, cls: str, model_type: str | None = None, overri
     CASES[name] = Case(name, cls_path, build, inputs, note, None, streams)
 
 
-_MOE = "routes each token to experts through a data-dependent gather/scatter over the rows"
+_MOE = ("a mixture of experts (each token routed by its own row): the experts module run whole on each chunk's rows "
+        "as one op")
 _SW = f"sliding window of {WINDOW} tokens: the banded [N, N] mask given, its query rows taken per chunk"
 
 _add("llama", "llama", "LlamaDecoderLayer")
@@ -180,24 +181,24 @@ _add("opt", "opt", "OPTDecoderLayer", overrides=dict(ffn_dim=128, word_embed_pro
 _add("mpt", "mpt", "MptBlock", overrides=dict(d_model=64, n_heads=4, n_layers=2, expansion_ratio=2,
                                              attn_implementation="eager"), streams=False,
      note="no SDPA in transformers 5.24 (ALiBi): eager attention, a [N, N] bias over rows x rows")
-_add("mixtral", "mixtral", "MixtralDecoderLayer", streams=False, note=_MOE,
+_add("mixtral", "mixtral", "MixtralDecoderLayer", note=_MOE,
      overrides=dict(sliding_window=None, num_local_experts=4, num_experts_per_tok=2))
-_add("qwen2_moe", "qwen2_moe", "Qwen2MoeDecoderLayer", streams=False, note=_MOE,
+_add("qwen2_moe", "qwen2_moe", "Qwen2MoeDecoderLayer", note=_MOE,
      overrides=dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64))
-_add("qwen3_moe", "qwen3_moe", "Qwen3MoeDecoderLayer", streams=False, note=_MOE,
+_add("qwen3_moe", "qwen3_moe", "Qwen3MoeDecoderLayer", note=_MOE,
      overrides=dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32))
 _add("gpt_oss", "gpt_oss", "GptOssDecoderLayer", layer=1, streams=False,
      overrides=dict(attn_implementation="eager", num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW,
                     layer_types=["sliding_attention", "full_attention"]),
-     note="attention sinks (eager attention) and a mixture of experts")
+     note="attention sinks (eager attention) and a mixture of experts whose forward returns its router scores too")
 _add("deepseek_v3", "deepseek_v3", "DeepseekV3DecoderLayer", streams=True,
      overrides=dict(first_k_dense_replace=2, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                     q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
                     head_dim=8),
      note="a dense (first_k_dense_replace) layer with multi-head latent attention")
-_add("granitemoe", "granitemoe", "GraniteMoeDecoderLayer", streams=False, note=_MOE,
+_add("granitemoe", "granitemoe", "GraniteMoeDecoderLayer", note=_MOE,
      overrides=dict(num_local_experts=4, num_experts_per_tok=2))
-_add("phimoe", "phimoe", "PhimoeDecoderLayer", streams=False, note=_MOE,
+_add("phimoe", "phimoe", "PhimoeDecoderLayer", note=_MOE,
      overrides=dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None))
 _add("gpt_bigcode", "gpt_bigcode", "GPTBigCodeBlock", overrides=dict(multi_query=True),
      note="multi-query attention (one K/V head)")
@@ -219,14 +220,14 @@ _add("lfm2_attention", "lfm2", "Lfm2DecoderLayer", layer=1, overrides=dict(layer
 _add("lfm2_conv", "lfm2", "Lfm2DecoderLayer", layer=0, streams=False,
      overrides=dict(layer_types=["conv", "full_attention"]),
      note="a short-convolution layer: a causal convolution over the rows")
-_add("qwen3_next", "qwen3_next", "Qwen3NextDecoderLayer", layer=1, streams=False,
+_add("qwen3_next", "qwen3_next", "Qwen3NextDecoderLayer", layer=1,
      overrides=dict(layer_types=["linear_attention", "full_attention"], num_experts=4, num_experts_per_tok=2,
                     moe_intermediate_size=32, shared_expert_intermediate_size=64),
-     note="a full-attention layer with a mixture of experts")
-_add("minimax", "minimax", "MiniMaxDecoderLayer", layer=1, streams=False, note=_MOE,
+     note="a full-attention layer with a mixture of experts (run whole on each chunk's rows)")
+_add("minimax", "minimax", "MiniMaxDecoderLayer", layer=1, note=_MOE,
      overrides=dict(layer_types=["linear_attention", "full_attention"], num_local_experts=4, num_experts_per_tok=2,
                     sliding_window=None))
-_add("dbrx", "dbrx", "DbrxBlock", streams=False, note=_MOE,
+_add("dbrx", "dbrx", "DbrxBlock", note=_MOE,
      overrides=dict(d_model=64, n_heads=4, n_layers=2, ffn_config=dict(ffn_hidden_size=64, moe_num_experts=4,
                                                                       moe_top_k=2),
                     attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0)))
