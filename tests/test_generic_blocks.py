@@ -19,7 +19,7 @@ REQUIRED = ["minimax_h3", "hunyuan_video_double", "hunyuan_video_single", "ltx_v
             "flux_single"]
 STREAMS = [n for n in CASES if CASES[n].streams]
 STOCK = {   # blocks that stay stock on the generic path, and the reason the report gives
-    "hunyuan_video15": "builds per-row values from the row count",
+    "hunyuan_video15": "makes a mask over rows x rows from one built from the row count",
     "mochi": "cat with a symbolic non-row size",
     "zimage": "higher-order op",
     "sana": "capture failed",
@@ -28,8 +28,6 @@ STOCK = {   # blocks that stay stock on the generic path, and the reason the rep
     **{f"{fam}_refiner{part}": "used other than as an attention's mask"   # repeated over heads by diffusers
        for fam in ("hunyuan_video", "hunyuan_video15", "hunyuan_image") for part in ("", "_block")},
     "lumina_next": "expand gives a value with two row dimensions",   # its [B, N] key mask expanded over rows
-    "hidream_double": "experts.0",     # a mixture of experts: the block holds a list of expert MLPs, which the
-    "hidream_single": "experts.0",     # report lists captured on their own; the block is no candidate
 }
 
 

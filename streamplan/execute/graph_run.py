@@ -116,6 +116,22 @@ class GraphRun:
         for node in ph.const:
             env[node] = self._call(node, env)
         self.consts = {n: env[n] for n in ph.const}
+        self._built_whole(env)
+
+    def _built_whole(self, env: dict) -> None:
+        """Values built from the row count alone (a key mask, positions): once per call over every row, then read by
+        the chunks as inputs are (``Analysis.built_whole``). Sizes that count rows count all of them."""
+        if not self.an.built_whole:
+            return
+        need = ancestors(list(self.an.built_whole), set(env), {})
+        for node in (n for n in self.cap.graph.nodes if n in need):
+            val = node.meta.get("val")
+            if isinstance(val, torch.SymInt) and self.cap.row_symbol in val.node.expr.free_symbols:
+                env[node] = int(val.node.expr.subs(self.cap.row_symbol, self.rows))
+            elif node not in self.an.ignored:
+                env[node] = self._call(node, env)
+        for node in self.an.built_whole:
+            self.base[node] = env[node]
 
     # -- static rows once ------------------------------------------------------------------------------------
     def _static_rows_once(self, cap: Captured) -> None:
@@ -381,7 +397,8 @@ class GraphRun:
         return [n for n in self.ph.q if n in ancestors([att.q], self._stop(), self.ph.writes, {})]
 
     def _stop(self) -> set[fx.Node]:
-        return set(self.an.const) | {n for n in self.cap.graph.nodes if n.op == "placeholder"}
+        placeholders = {n for n in self.cap.graph.nodes if n.op == "placeholder"}
+        return set(self.an.const) | set(self.an.built_whole) | placeholders
 
     def run_q(self, chunk: int, donate: dict[int, torch.Tensor], span: int = 0) -> Any:
         """Phase Q; ``donate`` maps an output index to a tensor of the same shape that may be overwritten. ``span``

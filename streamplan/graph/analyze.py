@@ -58,6 +58,8 @@ class Analysis:
     notes: list[str] = field(default_factory=list)
     input_writes: set = field(default_factory=set)   # in-place writes into the block's own inputs (as stock does)
     whole_inputs: set = field(default_factory=set)   # inputs with rows every chunk takes whole (a key mask)
+    built_whole: set = field(default_factory=set)    # values with rows built from the row count alone (a key mask
+    # built inside the block, positions): computed once per call over every row, then read like inputs
 
     @property
     def static_rows(self) -> bool:
@@ -161,6 +163,12 @@ class _Analyzer:
         self.ignored: set[fx.Node] = set()
         self.input_writes: set[fx.Node] = set()
         self.masks: dict[fx.Node, Rows] = {}   # inputs over rows x rows (attention masks): their key dimension
+        # values with rows that depend on no row of any input (built from the row count: a key mask of ones over the
+        # image rows, positions): each can be built once over every row; ``from_count`` those of them a chunk could
+        # not build by itself (arange, pad: values that differ by row), which must be built whole
+        self.row_const: set[fx.Node] = set()
+        self.from_count: dict[fx.Node, str] = {}
+        self.whole_masks: set[fx.Node] = set()
 
     # -- symbolic helpers ---------------------------------------------------------------------------------------
     def expr(self, size) -> sympy.Expr:
@@ -303,8 +311,10 @@ class _Analyzer:
         if not inputs:
             if isinstance(val, torch.Tensor) and self.row_dims(val):
                 if name not in _CREATE and name not in ("expand", "expand_as"):
-                    raise NotRowLocal(f"{name} builds per-row values from the row count (positions?)")
-                self.rows[node] = self.out_rows(node, val, 0, 0)
+                    self.from_count[node] = f"{name} builds per-row values from the row count (positions?)"
+                self.rows[node] = self.out_rows(node, val, 0, 0) if name in _CREATE or name in (
+                    "expand", "expand_as") else self.created_rows(node, val)
+                self.row_const.add(node)
             else:
                 self.rows[node] = None
             return
@@ -321,7 +331,26 @@ class _Analyzer:
                 self.rows[node] = None
                 return
             raise NotRowLocal(f"{name} turns rows into a non-tensor")
-        self.rows[node] = self.single(node, name, args, inputs, val)
+        try:
+            self.rows[node] = self.single(node, name, args, inputs, val)
+        except NotRowLocal as exc:
+            if inputs and all(n in self.row_const for n, _ in inputs) and "two row dimensions" in str(exc):
+                raise NotRowLocal(f"{name} makes a mask over rows x rows from one built from the row count (a key "
+                                  "mask repeated over the query rows): the generic path takes key masks [.., 1, keys] "
+                                  "built inside the block") from None
+            raise
+        if all(n in self.row_const or n in self.const or not isinstance(n.meta.get("val"), torch.Tensor)
+               for n in node.all_input_nodes):
+            self.row_const.add(node)
+
+    def created_rows(self, node: fx.Node, val) -> Rows:
+        """Where the rows of a value built from the row count alone are (static rows beside them: their count, on
+        the side the op's size says; a pad of a text mask by the image rows puts the static rows first)."""
+        dims = self.row_dims(val)
+        if len(dims) > 1:
+            raise NotRowLocal(f"{op_name(node.target)} gives a value with two row dimensions")
+        dim, c = dims[0]
+        return Rows(dim, c, 0)
 
     def in_place(self, node, name, inputs, val) -> Rows | None:
         """An op writing into its first argument (``copy_`` into a slice of a fresh tensor, ``mul_``): row-local when
@@ -619,9 +648,10 @@ class _Analyzer:
         """A mask over the rows' keys the generic path takes (True: its query rows are the rows, chunked with Q): an
         input of the block given straight to the attention, either [.., 1, Nk] over the keys alone (whole for every Q
         chunk: HunyuanVideo's text mask over the joint rows) or [.., N, Nk] over rows x rows (no static rows)."""
-        if not isinstance(mask, fx.Node) or mask.op != "placeholder" or mask not in self.user_inputs:
-            raise NotRowLocal("an attention mask over the rows' keys built inside the block (the generic path takes "
-                              "one given to the block)")
+        built = isinstance(mask, fx.Node) and mask in self.row_const
+        if not built and (not isinstance(mask, fx.Node) or mask.op != "placeholder" or mask not in self.user_inputs):
+            raise NotRowLocal("an attention mask over the rows' keys built inside the block from its rows' values "
+                              "(the generic path takes one given to the block, or built from the row count alone)")
         val, mr = mask.meta["val"], self.rows.get(mask)
         if mask in self.masks:
             if not isinstance(qr, Rows) or (qr.pre, qr.post, kr.pre, kr.post) != (0, 0, 0, 0):
@@ -633,7 +663,54 @@ class _Analyzer:
         if any(op_name(u.target) not in SDPA_OPS or bind(u).get("attn_mask") is not mask for u in mask.users):
             raise NotRowLocal(f"input {mask.name}, an attention mask over the rows' keys, used otherwise too")
         self.masks[mask] = mr   # given whole to every Q chunk
+        if built:   # built once over every key, beside K and V
+            self.whole_masks.add(mask)
         return False
+
+    def built_whole(self) -> set[fx.Node]:
+        """The values built once per call over every row: key masks built from the row count, and the outermost
+        values built from the row count alone that a chunk reads (sliced to its rows, as an input is). A value a chunk
+        could not build by itself (``from_count``) must lie under one of them."""
+        whole = set(self.whole_masks)
+        for n in self.row_const:
+            if n in whole or isinstance(self.rows.get(n), list):
+                continue
+            users = [u for u in n.users if u not in self.ignored]
+            if any(u not in self.row_const for u in users) and (n in self.from_count or any(
+                    m in self.from_count for m in _upstream(n, self.row_const))):
+                whole.add(n)
+        covered = set(whole)
+        for n in whole:
+            covered |= _upstream(n, self.row_const)
+        for n, why in self.from_count.items():
+            if n not in whole and (n not in covered or _read_by_chunks(n, covered, whole, self.ignored)):
+                raise NotRowLocal(why)
+        return whole
+
+
+def _upstream(node: fx.Node, within: set[fx.Node]) -> set[fx.Node]:
+    seen: set[fx.Node] = set()
+    todo = [m for m in node.all_input_nodes if m in within]
+    while todo:
+        m = todo.pop()
+        if m not in seen:
+            seen.add(m)
+            todo.extend(x for x in m.all_input_nodes if x in within)
+    return seen
+
+
+def _read_by_chunks(node: fx.Node, covered: set[fx.Node], whole: set[fx.Node], ignored: set[fx.Node]) -> bool:
+    """Whether anything a chunk runs reads ``node`` other than through a value built whole."""
+    todo, seen = list(node.users), set()
+    while todo:
+        u = todo.pop()
+        if u in seen or u in whole or u in ignored:
+            continue
+        seen.add(u)
+        if u not in covered:
+            return True
+        todo.extend(u.users)
+    return False
 
 
 def analyze(graph: fx.Graph, symbol, user_inputs: set[fx.Node]) -> Analysis | str:
@@ -655,6 +732,11 @@ def analyze(graph: fx.Graph, symbol, user_inputs: set[fx.Node]) -> Analysis | st
     for o in outs:
         if isinstance(o, fx.Node) and isinstance(an.rows.get(o), list):
             return "an output is a tuple with rows"
+    try:
+        built = an.built_whole()
+    except NotRowLocal as exc:
+        return str(exc)
     ops = sum(1 for n in graph.nodes if n.op == "call_function")
     return Analysis(an.rows, an.const, an.ignored, an.attentions, outs, ops, input_writes=an.input_writes,
-                    whole_inputs={a.mask for a in an.attentions if a.mask is not None and not a.mask_query_rows})
+                    whole_inputs={a.mask for a in an.attentions if a.mask is not None and not a.mask_query_rows},
+                    built_whole=built)

@@ -190,6 +190,9 @@ def graph_memory(an: Analysis, ph: Phases, rows: int, donated_outputs: set[int],
             v = t.meta["val"]
             r = att.kv_rows
             kv += numel_besides(v, r.dim) * v.element_size() * (rows + r.pre + r.post)
+    for n in an.built_whole:   # built once over every row, held through the call as K and V are
+        v, r = n.meta["val"], an.rows[n]
+        kv += numel_besides(v, r.dim) * v.element_size() * (rows + r.pre + r.post)
     out = 0
     for i, o in enumerate(an.outputs):
         r = an.rows.get(o) if isinstance(o, fx.Node) else None

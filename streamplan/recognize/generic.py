@@ -14,10 +14,12 @@ from . import experts  # noqa: F401  (registers mixture-of-experts feed-forwards
 
 def block_candidates(root: nn.Module) -> set[int]:
     """ids of the modules the generic path may take: ModuleList elements with at least two children and two linear
-    layers inside (an attention and more); the root itself when it holds no such list."""
+    layers inside (an attention and more), a mixture of experts' own list left out; the root itself when it holds no
+    such list."""
     found: set[int] = set()
+    inside_experts = {id(x) for m in root.modules() if experts.is_experts(m) for x in m.modules()}
     for m in root.modules():
-        if isinstance(m, nn.ModuleList):
+        if isinstance(m, nn.ModuleList) and id(m) not in inside_experts:   # a list of experts is not of blocks
             for child in m:
                 if _block_like(child):
                     found.add(id(child))

@@ -133,6 +133,13 @@ def _x(n, device, dtype, d=64):
     return _r(1, n, d, device=device, dtype=dtype)
 
 
+def _text_mask(device, padding=3):
+    """[1, TEXT] bool: the text tokens a padded prompt holds (its last ``padding`` tokens padding)."""
+    mask = torch.ones(1, TEXT, dtype=torch.bool, device=device)
+    mask[:, TEXT - padding:] = False
+    return mask
+
+
 def _txt(device, dtype, d=64):
     return _r(1, TEXT, d, device=device, dtype=dtype)
 
@@ -180,6 +187,12 @@ _add("qwenimage", T + "transformer_qwenimage:QwenImageTransformerBlock", lambda 
      lambda n, device, dtype: ((_x(n, device, dtype), _txt(device, dtype), None,
                                 _r(1, 64, device=device, dtype=dtype),
                                 (_cplx((n, 8), device), _cplx((TEXT, 8), device))), {}), row_output=1)
+_add("qwenimage_text_mask", T + "transformer_qwenimage:QwenImageTransformerBlock", lambda c: c(64, 4, 16),
+     lambda n, device, dtype: ((_x(n, device, dtype), _txt(device, dtype), _text_mask(device),
+                                _r(1, 64, device=device, dtype=dtype),
+                                (_cplx((n, 8), device), _cplx((TEXT, 8), device))), {}), row_output=1,
+     note="encoder_hidden_states_mask as QwenImagePipeline passes it (the last 3 text tokens padding): the "
+          "processor joins it with ones over the image rows, a key mask built once over every row")
 _add("chroma_double", T + "transformer_chroma:ChromaTransformerBlock", lambda c: c(64, 4, 16),
      lambda n, device, dtype: ((_x(n, device, dtype), _txt(device, dtype), _r(1, 12, 64, device=device, dtype=dtype),
                                 _cs(TEXT + n, 16, device, dtype)), {}), row_output=1)
@@ -453,12 +466,12 @@ _add("kandinsky6_encoder", T + "transformer_kandinsky6:Kandinsky6TransformerEnco
      note="the text encoder block (its rows are text tokens)")
 _add("hidream_double", T + "transformer_hidream_image:HiDreamImageTransformerBlock", lambda c: c(64, 4, 16),
      lambda n, device, dtype: ((_x(n, device, dtype), None, _txt(device, dtype), _r(1, 64, device=device, dtype=dtype),
-                                _k5_rope(TEXT + n, device, dtype)), {}), streams=False,
-     note="a mixture-of-experts MLP: tokens routed to experts through a data-dependent gather over the rows")
+                                _k5_rope(TEXT + n, device, dtype)), {}),
+     note="a mixture-of-experts MLP on the image rows, run whole on each chunk's rows as one op")
 _add("hidream_single", T + "transformer_hidream_image:HiDreamImageSingleTransformerBlock", lambda c: c(64, 4, 16),
      lambda n, device, dtype: ((_x(n, device, dtype), None, None, _r(1, 64, device=device, dtype=dtype),
-                                _k5_rope(n, device, dtype)), {}), row_output=None, streams=False,
-     note="a mixture-of-experts MLP: tokens routed to experts through a data-dependent gather over the rows")
+                                _k5_rope(n, device, dtype)), {}), row_output=None,
+     note="a mixture-of-experts MLP, run whole on each chunk's rows as one op")
 _add("dreamlite", T + "transformer_2d_dreamlite:BasicTransformerBlockDreamLite",
      lambda c: c(64, 4, 16, cross_attention_dim=64),
      lambda n, device, dtype: ((_x(n, device, dtype),), dict(encoder_hidden_states=_txt(device, dtype))),
