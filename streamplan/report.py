@@ -45,13 +45,22 @@ def to_json(handle) -> str:
     }, indent=2)
 
 
+def _budget_line(o) -> str:
+    """What the plans were held to: a budget, or none where ``chunk_tokens`` fixed the chunks."""
+    if o.chunk_tokens and o.budget in (None, "auto"):
+        return f"  budget: none: fixed chunks of {o.chunk_tokens} rows (chunk_tokens)"
+    if o.budget is None:
+        return "  budget: none"
+    b = "auto" if o.budget == "auto" else fmt_bytes(o.budget)
+    held = f"  budget: {b}" + (f" (the free device memory less a reserve of {fmt_bytes(o.reserve)})"
+                               if o.budget == "auto" else "")
+    return held + (f"; chunks fixed at {o.chunk_tokens} rows (chunk_tokens)" if o.chunk_tokens else "")
+
+
 def render(handle) -> str:
     root = type(handle.root).__name__
     lines = [f"streamplan report for {root}"]
-    if handle.options.budget is not None:
-        b = handle.options.budget
-        lines.append(f"  budget: {b if b == 'auto' else fmt_bytes(b)}"
-                     + (f" (reserve {fmt_bytes(handle.options.reserve)})" if b == "auto" else ""))
+    lines.append(_budget_line(handle.options))
     if handle.superseded_by is not None:
         lines.append("  superseded by a later streamplan.apply on these modules: that handle's report is current")
     elif handle.removed:
@@ -91,6 +100,9 @@ def render(handle) -> str:
     if handle.installed:
         lines.append("  (predicted and stock est.: peak bytes with the call's live inputs, from the memory model;"
                      " measured stock may differ: benchmarks/ has measurements)")
+        used = sorted({str(p.tier) for e in handle.installed.values() for p in e.plans.values()})
+        if used:
+            lines.append("  tiers: " + "; ".join(f"{t} {Tier(t).meaning}" for t in used))
     for s in handle.skipped:
         lines.append(f"  stock     {s.name or '<root>'}  ({s.cls}): {s.reason}")
     for w in stock_that_matters(handle):

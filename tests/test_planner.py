@@ -248,3 +248,21 @@ def test_a_narrower_mlp_slice_must_buy_rows_that_survive_wave_rounding():
     per_row.update({7168: 40, 1024: 31.5})   # half the MLP at a time fits 12,672 rows too: the widest is the plan
     plan = plan_graph(65536, 0, lambda c, sl: int(c * per_row[sl]), 10**9, **kw)
     assert (plan.tier, plan.chunk, plan.ffn_slice) == ("L2", 12672, 7168), plan
+
+
+@torch.no_grad()
+def test_the_report_says_what_the_plans_were_held_to_and_what_its_tier_codes_mean():
+    model = _llama(layers=1)
+    ids = torch.randint(0, 100, (1, 256))
+    handle = streamplan.apply(model, chunk_tokens=64)
+    model(ids)
+    text = handle.report()
+    handle.remove()
+    assert "budget: none: fixed chunks of 64 rows (chunk_tokens)" in text and "budget: auto" not in text, text
+    assert "tiers: " in text and "L1 row chunks" in text, text
+    handle = streamplan.apply(model, budget="auto", reserve="1GiB")
+    model(ids)
+    text = handle.report()
+    handle.remove()
+    assert "budget: auto (the free device memory less a reserve of 1.00 GiB)" in text, text
+    assert "tiers: L0 stock (the module's own forward)" in text, text

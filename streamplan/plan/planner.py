@@ -103,8 +103,24 @@ class Tier(str, Enum):
     def __str__(self) -> str:
         return self.value
 
+    @property
+    def meaning(self) -> str:
+        """What the code means, in the report's legend."""
+        return TIER_MEANING[self]
+
     def __format__(self, spec: str) -> str:
         return format(self.value, spec)
+
+
+TIER_MEANING = {
+    Tier.L0: "stock (the module's own forward)",
+    Tier.L1: "row chunks",
+    Tier.L2: "row chunks, the MLP a slice of its hidden features at a time",
+    Tier.L3: "row chunks, K/V built a group of heads at a time",
+    Tier.L4: "K/V staged in host memory (exact)",
+    Tier.L5: "K/V compressed (int8/fp8: approximate, opt-in)",
+    Tier.L6: "the model's hidden state in host memory between blocks",
+}
 
 
 class BudgetError(ValueError):
