@@ -60,10 +60,23 @@ def test_the_plain_block_streams_and_reports_its_capture_time():
     handle.remove()
 
 
+@torch.no_grad()
+def test_positions_built_from_the_row_count_are_built_once_over_every_row_and_read_by_chunks():
+    """``arange(n)`` over the rows differs by row, so a chunk cannot build it by itself: it is built once over every
+    row (``Analysis.built_whole``) and each chunk reads its own rows of it, as it reads an input's."""
+    handle, out, ref = _run(Block("positions").eval())
+    assert torch.allclose(out, ref, rtol=1e-5, atol=1e-6)
+    (plan,) = handle.plans[""]
+    assert plan.tier == "L1" and plan.chunk == 64, handle.report()
+    from streamplan.graph import _CACHE
+    built = [v.analysis.built_whole for v in _CACHE.values() if not isinstance(v, str)]
+    assert any(len(b) == 1 for b in built)
+    handle.remove()
+
+
 @pytest.mark.parametrize("extra, reason", [
     ("mean-over-rows", "mean over the rows"),
     ("cumsum", "cumsum along the rows"),
-    ("positions", "builds per-row values from the row count"),
     ("random", "random op"),
     ("in-place-input", "mul_ writes into the block's input before its attention reads it"),
     ("row-count-branch", "capture failed"),
