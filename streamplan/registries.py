@@ -47,7 +47,7 @@ def register_capture_context(context: Callable[[nn.Module], "AbstractContextMana
 # Modules a capture takes as one opaque row-local op (``graph.opaque_layers``), run by the module's own forward on each
 # chunk of rows, declared by whoever knows them: bitsandbytes' linears (``recognize.generic``, from
 # ``plan.weight_formats.LinearCaps.opaque``: their matmul reads the real parameter's quantisation state) and
-# mixture-of-experts feed-forwards (``recognize.experts``: each token is routed by its own row).
+# mixture-of-experts feed-forwards (``integrations.experts``: each token is routed by its own row).
 OPAQUE_LAYERS: list["OpaqueKind"] = []
 
 

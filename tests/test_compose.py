@@ -453,8 +453,10 @@ def test_bitsandbytes_blocks_stream_in_row_chunks(bits):
     # the memory model charges each opaque call its weight in the input's dtype (4-bit dequantises it per call)
     from streamplan.graph import _CACHE
     from streamplan.graph.opaque_layers import workspace_bytes
-    ops = [n for v in _CACHE.values() if not isinstance(v, str) for n in v.captured.graph.nodes
-           if n.target is torch.ops.streamplan.opaque_module.default]
+    layers = {name for name, m in model.blocks[0].named_modules()
+              if hasattr(m, "weight") and streamplan.plan.weight_formats.linear_caps(m).opaque}
+    ops = [n for v in _CACHE.values() if not isinstance(v, str) for n in v.captured.graph.nodes   # this model's
+           if n.target is torch.ops.streamplan.opaque_module.default and n.args[1] in layers]    # (not other tests')
     assert len(ops) >= 10 and all(workspace_bytes(n, 256) == n.args[0].meta["val"].shape[-1] * n.args[2] * 4
                                   for n in ops)
     handle.remove()

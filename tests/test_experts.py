@@ -1,4 +1,4 @@
-"""Mixture-of-experts feed-forwards taken whole as one row-local op on each chunk's rows (``recognize.experts``,
+"""Mixture-of-experts feed-forwards taken whole as one row-local op on each chunk's rows (``integrations.experts``,
 ``graph.opaque_layers``): transformers' own MoE decoder layers and whole tiny causal LMs against their own forward,
 the memory model's charge for the routed rows against the meter, and the routers that must stay stock, named."""
 import pytest
@@ -7,7 +7,7 @@ import torch
 pytest.importorskip("transformers")
 
 import streamplan  # noqa: E402
-from streamplan.recognize.experts import is_experts, refusal, workspace  # noqa: E402
+from streamplan.integrations.experts import is_experts, refusal, workspace  # noqa: E402
 from streamplan.specs import GraphSpec  # noqa: E402
 from streamplan.tools.catalogue.transformers_cases import CASES  # noqa: E402
 

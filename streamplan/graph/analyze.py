@@ -312,8 +312,10 @@ class _Analyzer:
             if isinstance(val, torch.Tensor) and self.row_dims(val):
                 if name not in _CREATE and name not in ("expand", "expand_as"):
                     self.from_count[node] = f"{name} builds per-row values from the row count (positions?)"
-                self.rows[node] = self.out_rows(node, val, 0, 0) if name in _CREATE or name in (
-                    "expand", "expand_as") else self.created_rows(node, val)
+                # a creation's static rows are none; a value that differs by row may have some first (a text mask
+                # padded by the image rows)
+                pre = 0 if node not in self.from_count else self.row_dims(val)[0][1]
+                self.rows[node] = self.out_rows(node, val, pre, 0)
                 self.row_const.add(node)
             else:
                 self.rows[node] = None
@@ -331,26 +333,14 @@ class _Analyzer:
                 self.rows[node] = None
                 return
             raise NotRowLocal(f"{name} turns rows into a non-tensor")
-        try:
-            self.rows[node] = self.single(node, name, args, inputs, val)
-        except NotRowLocal as exc:
-            if inputs and all(n in self.row_const for n, _ in inputs) and "two row dimensions" in str(exc):
-                raise NotRowLocal(f"{name} makes a mask over rows x rows from one built from the row count (a key "
-                                  "mask repeated over the query rows): the generic path takes key masks [.., 1, keys] "
-                                  "built inside the block") from None
-            raise
+        if all(n in self.row_const for n, _ in inputs) and len(self.row_dims(val)) > 1:
+            raise NotRowLocal(f"{name} makes a mask over rows x rows from one built from the row count (a key mask "
+                              "repeated over the query rows): the generic path takes key masks [.., 1, keys] built "
+                              "inside the block")
+        self.rows[node] = self.single(node, name, args, inputs, val)
         if all(n in self.row_const or n in self.const or not isinstance(n.meta.get("val"), torch.Tensor)
                for n in node.all_input_nodes):
             self.row_const.add(node)
-
-    def created_rows(self, node: fx.Node, val) -> Rows:
-        """Where the rows of a value built from the row count alone are (static rows beside them: their count, on
-        the side the op's size says; a pad of a text mask by the image rows puts the static rows first)."""
-        dims = self.row_dims(val)
-        if len(dims) > 1:
-            raise NotRowLocal(f"{op_name(node.target)} gives a value with two row dimensions")
-        dim, c = dims[0]
-        return Rows(dim, c, 0)
 
     def in_place(self, node, name, inputs, val) -> Rows | None:
         """An op writing into its first argument (``copy_`` into a slice of a fresh tensor, ``mul_``): row-local when

@@ -8,6 +8,7 @@ chunk's rows, through its own forward."""
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 from typing import Iterator
 
@@ -77,9 +78,7 @@ def _as_op(name: str, m: nn.Module, kind: OpaqueKind):
         if rest or kw:   # the op takes the rows alone: a call with more cannot be replayed by name
             raise OpaqueRefused(f"{type(m).__name__} {name} ({kind.name}) called with more than its input rows")
         call_bytes, per_token = kind.workspace(m, x)
-        batch = 1
-        for d in x.shape[:-2]:
-            batch *= int(d)
+        batch = math.prod(int(d) for d in x.shape[:-2])   # per row of the call: every batch element's token
         return torch.ops.streamplan.opaque_module(x, name, int(kind.out_features(m, x)), int(call_bytes),
                                                   int(per_token) * batch)
     return forward

@@ -10,6 +10,7 @@ from ..recognize.row_local import recognize_row_local
 from ..specs import AttentionSpec, GraphSpec, MLPSpec, ModelSpec, RowLocalSpec, Skip
 # imported for what they declare at import: hook chains, row-local ops, argument records, capture contexts, state
 from . import accelerate, peft  # noqa: F401  (accelerate's hook chains; the adapter state peft's layers read)
+from . import experts  # noqa: F401  (mixture-of-experts feed-forwards, taken whole by a capture)
 from .comfy import capture_attention, flux, kitchen_ops  # noqa: F401  (ComfyUI's ops, records, capture attention)
 from .diffusers import hooks, pipelines  # noqa: F401  (diffusers' hook chains; its pipelines' denoisers)
 from .diffusers.attention import recognize_attention

@@ -6,20 +6,19 @@ from __future__ import annotations
 from torch import nn
 
 from ..specs import GraphSpec, Skip
-from ..registries import OpaqueKind, register_opaque_layer
+from ..registries import OPAQUE_LAYERS, OpaqueKind, register_opaque_layer
 from ..plan.weight_formats import linear_caps
 from .checks import stock_problem
-from . import experts  # noqa: F401  (registers mixture-of-experts feed-forwards as opaque row-local modules)
 
 
 def block_candidates(root: nn.Module) -> set[int]:
     """ids of the modules the generic path may take: ModuleList elements with at least two children and two linear
-    layers inside (an attention and more), a mixture of experts' own list left out; the root itself when it holds no
-    such list."""
+    layers inside (an attention and more), none inside a module a capture takes whole (a mixture of experts' list of
+    experts); the root itself when it holds no such list."""
     found: set[int] = set()
-    inside_experts = {id(x) for m in root.modules() if experts.is_experts(m) for x in m.modules()}
+    opaque = {id(x) for m in root.modules() if any(k.matches(m) for k in OPAQUE_LAYERS) for x in m.modules()}
     for m in root.modules():
-        if isinstance(m, nn.ModuleList) and id(m) not in inside_experts:   # a list of experts is not of blocks
+        if isinstance(m, nn.ModuleList) and id(m) not in opaque:
             for child in m:
                 if _block_like(child):
                     found.add(id(child))

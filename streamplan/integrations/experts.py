@@ -4,7 +4,8 @@ rows gives those rows' stock values; only the gather of each expert's tokens is 
 trace over a symbolic row count. A capture takes the module whole (``graph.opaque_layers``) and the graph runs it on
 each chunk. Routers that drop tokens over an expert's capacity choose which tokens to keep from every row of the
 call: their blocks stay stock, named. Recognised by structure (an ``experts`` part beside a ``gate`` or ``router``),
-which transformers' sparse-MoE blocks and diffusers' MoE feed-forwards share."""
+which transformers' sparse-MoE blocks and diffusers' MoE feed-forwards share; their settings by the names the two
+libraries give them. One file for both: the convention is theirs in common."""
 from __future__ import annotations
 
 import ast
