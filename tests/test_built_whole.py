@@ -41,6 +41,7 @@ def test_a_key_mask_built_inside_the_block_is_built_once_and_the_block_streams_n
         block(*args, **kwargs)   # the capture, outside the measurement
         out, peak = streamplan.measure_peak(lambda: block(*args, **kwargs))
         assert all(p.tier == "L1" for p in handle.plans[""]), handle.report()
+        assert "1 value(s) built from the row count once over every row" in handle.report(), handle.report()
         for o, r in zip(out, ref):
             assert _rel(o, r) <= 1e-5
         assert peak <= 1.6 * floor, (peak / floor, stock_peak / floor)

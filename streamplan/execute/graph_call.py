@@ -212,8 +212,11 @@ def _note_capture(ctx: CallContext, found, fresh: bool) -> None:
     layers = (f"; {len(opaque)} module(s) run whole on each chunk's rows as opaque ops ("
               f"{opaque[0][2].name}: {type(opaque[0][1]).__name__} {opaque[0][0]}{more}): no feature slices"
               ) if opaque else ""
+    masks = len(an.built_whole & an.whole_inputs)
+    built = (f"; {len(an.built_whole)} value(s) built from the row count once over every row ({masks} key mask(s), "
+             f"{len(an.built_whole) - masks} read by rows)") if an.built_whole else ""
     ctx.note(f"captured in {cap.seconds:.2f} s: {an.ops} ops, {len(an.attentions)} global attention(s){static}"
-             f"{layers}")
+             f"{layers}{built}")
 
 
 def _attention_problem(call: GraphCall) -> str | None:
