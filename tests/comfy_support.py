@@ -168,7 +168,7 @@ def comfy_api_io():
     ``protocol.py``, which ``comfy_execution.progress`` imports for one name (the binary event type of image
     previews sent to the browser, never sent here): a stand-in module supplies that name only."""
     comfyui()
-    if importlib.util.find_spec("protocol") is None and "protocol" not in sys.modules:
+    if "protocol" not in sys.modules and importlib.util.find_spec("protocol") is None:
         stand_in = types.ModuleType("protocol")
         stand_in.BinaryEventTypes = type("BinaryEventTypes", (), {"PREVIEW_IMAGE_WITH_METADATA": 4})
         sys.modules["protocol"] = stand_in

@@ -10,7 +10,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from . import flux as comfy_flux, h3 as comfy_h3
+from . import flux as comfy_flux, forwards_ltxav as comfy_ltxav, h3 as comfy_h3
 
 
 class HostOptions(nn.Module):
@@ -136,3 +136,6 @@ register_block_calls(comfy_h3.CLASS_PATH, BlockCalls(comfy_h3.PackedRows, _h3_ca
 # Flux's (and HunyuanVideo's, Chroma's) single-stream blocks attend once over their own joint rows: an opaque override
 # can get that call with the whole Q; double blocks join text rows the whole-Q path cannot take, and stay stock
 register_block_calls(comfy_flux.SINGLE_BLOCK_PATH, BlockCalls(whole_attention=comfy_flux.whole_attention))
+# LTX-2's audio-video block updates its (video, audio) inputs in place before an attention over every video row reads
+# them: captured on copies (``forwards_ltxav.CopiedInputs``), the stock forward's per-frame tables described
+register_block_calls(comfy_ltxav.BLOCK_PATH, BlockCalls(comfy_ltxav.CopiedInputs, comfy_ltxav.streamed_call))

@@ -1,8 +1,8 @@
 """The ``DIFFUSION_MODEL`` wrapper ``patch`` installs (ComfyUI's ``patcher_extension``): what a block replacement cannot
 see. Each model call goes through it, so it keeps the per-call facts (the run a call belongs to, which resets the
 blocks' plans; the memory room under the budget) and, for the models whose forward streamplan follows (ComfyUI 0.33.0's
-MiniMax-H3 and Wan here, Flux and HunyuanVideo in ``forwards_joint``, LTX-Video in ``forwards_ltxv``; each registered
-with ``register_forward``, gated by ``models``), runs the forward streamed:
+MiniMax-H3 and Wan here, Flux and HunyuanVideo in ``forwards_joint``, LTX-Video in ``forwards_ltxv``, LTX-2 in
+``forwards_ltxav``; each registered with ``register_forward``, gated by ``models``), runs the forward streamed:
 
 - the input projection (Wan's patch embedding, H3's video and audio patch projections, both fp32) runs on row chunks
   written into one hidden-state buffer of the model's dtype, so no fp32 ``[rows, hidden]`` tensor exists;
@@ -31,6 +31,7 @@ from .embed import grid_chunk_bounds  # noqa: F401 -- forwards' own
 from .embed import grid_chunks, project_into, row_chunks
 from .forward_loops import block_call, chunk_rows, row_loop
 from .forwards_joint import Chroma, Flux, HunyuanVideo
+from .forwards_ltxav import LTXAV
 from .forwards_ltxv import LTXV
 
 @dataclass(eq=False)
@@ -343,4 +344,5 @@ FORWARDS: dict[str, Any] = {
     comfy_models.CHROMA_PATH: Chroma,
     comfy_models.HUNYUAN_VIDEO_PATH: HunyuanVideo,
     comfy_models.LTXV_PATH: LTXV,
+    comfy_models.LTXAV_PATH: LTXAV,
 }

@@ -6,8 +6,9 @@ per block) and runs its output head (norm, scale-shift modulation, projection) o
 stock forward does; each block's input is donated to streamplan's own block replacement (the residual updated in
 place); the head runs on row chunks into its small output, which the model's patchifier lays out.
 
-Keyframe (guide) conditioning keeps the stock forward (its rows are filtered and its head output scattered back), as
-does the audio-video model (``LTXAVModel``, a subclass with its own forward)."""
+Keyframe (guide) conditioning keeps the stock forward (its rows are filtered and its head output scattered back). The
+audio-video model (LTX-2's ``LTXAVModel``, a subclass with its own forward) has its own streamed forward
+(``forwards_ltxav``)."""
 from __future__ import annotations
 
 import math

@@ -18,6 +18,7 @@ WAN_PATH = "comfy.ldm.wan.model.WanModel"
 FLUX_PATH = "comfy.ldm.flux.model.Flux"
 HUNYUAN_VIDEO_PATH = "comfy.ldm.hunyuan_video.model.HunyuanVideo"
 LTXV_PATH = "comfy.ldm.lightricks.model.LTXVModel"
+LTXAV_PATH = "comfy.ldm.lightricks.av_model.LTXAVModel"
 CHROMA_PATH = "comfy.ldm.chroma.model.Chroma"
 
 # class path -> {what: fingerprint}, ComfyUI 0.33.0. ``what`` names a function the streamed forward follows (the model
@@ -44,6 +45,19 @@ KNOWN: dict[str, dict[str, str]] = {
     LTXV_PATH: {"LTXVModel.forward": "818dbbc43fdbd690", "LTXVModel._forward": "1cd3eae65657c393",
                 "LTXVModel._process_transformer_blocks": "4761ee12958818ee",
                 "LTXVModel._process_output": "0795d1667bbc4784"},
+    # LTX-2: the timestep helper is handed the distinct video timesteps, the rotary helpers are called on row chunks,
+    # and the blocks read plain tensors where stock hands them CompressedTimestep records
+    LTXAV_PATH: {"LTXAVModel.forward": "00b3597ab871285d", "LTXAVModel._forward": "1cd3eae65657c393",
+                 "LTXAVModel._prepare_timestep": "fe7f5370dd87255f",
+                 "LTXAVModel._prepare_positional_embeddings": "6864527d7c9af80e",
+                 "LTXAVModel._process_transformer_blocks": "2895669cb2a3ccd0",
+                 "LTXAVModel._process_output": "8675f4b4a21e4351", "LTXVModel._process_output": "0795d1667bbc4784",
+                 "CompressedTimestep.expand_for_computation": "7cfd6f5d4f922c98",
+                 "BasicAVTransformerBlock.get_ada_values": "20bf3b6252d00fa0",
+                 "comfy.ldm.lightricks.model:LTXBaseModel._prepare_positional_embeddings": "67601538fccc9583",
+                 "comfy.ldm.lightricks.model:LTXBaseModel._precompute_freqs_cis": "5940284f1ff0b6b9",
+                 "comfy.ldm.lightricks.model:generate_freqs": "2a703132c71bbc94",
+                 "comfy.ldm.lightricks.model:freqs_cis_matrix": "c4fcdaef6068ccbc"},
 }
 _SEEN: dict[Any, str | None] = {}
 

@@ -1,7 +1,8 @@
 """The ComfyUI nodes (V3 schema, ``comfy_api.latest``): "Stream Blocks" patches a MODEL so its diffusion-model blocks
 stream (``streamplan.integrations.comfy.patch``) and returns the patched MODEL with a report of the settings and blocks;
 "Stream Report" reads, after a sampler has run, what each block did (streamed, with which plan and whose attention, or
-stock and why).
+stock and why). Both hand their report out as a STRING output (index 1, after the MODEL or LATENT they pass on): the
+frontend shows text only in text nodes, so a workflow wires it to ComfyUI's core "Preview as Text" (``PreviewAny``).
 
 ``stream_blocks`` and ``stream_report`` are the nodes' whole behaviour as plain functions; the node classes are built
 when ComfyUI's ``comfy_api`` imports (``comfy_entrypoint``, ``node_classes``)."""
@@ -14,6 +15,7 @@ DISPLAY_NAME = "Stream Blocks (streamplan)"
 REPORT_NODE_ID = "StreamplanStreamReport"
 REPORT_DISPLAY_NAME = "Stream Report (streamplan)"
 CATEGORY = "advanced/model"
+REPORT_TOOLTIP = 'the report as text: wire it to "Preview as Text" (PreviewAny) to read it in the browser'
 
 
 DESCRIPTION = (
@@ -89,7 +91,8 @@ def node_classes():
                     io.Boolean.Input("self_check", default=False,
                                      tooltip="run the first streamed call stock too and report the difference"),
                 ],
-                outputs=[io.Model.Output(display_name="model"), io.String.Output(display_name="report")],
+                outputs=[io.Model.Output(display_name="model"),
+                         io.String.Output(display_name="report", tooltip=REPORT_TOOLTIP)],
             )
 
         @classmethod
@@ -106,10 +109,12 @@ def node_classes():
                 category=CATEGORY,
                 description=("What each block of a streamed MODEL did in the runs so far: streamed (plan, chunk, "
                              "predicted peak, who attended the chunks) or stock and why. Wire the sampler's output "
-                             "through it so it runs after the sampler."),
+                             "through it so it runs after the sampler, and its report output to \"Preview as Text\" "
+                             "to read it."),
                 inputs=[io.Model.Input("model", tooltip='the MODEL output of "Stream Blocks"'),
                         io.Latent.Input("samples", tooltip="the sampler's output (passed through unchanged)")],
-                outputs=[io.Latent.Output(display_name="samples"), io.String.Output(display_name="report")],
+                outputs=[io.Latent.Output(display_name="samples"),
+                         io.String.Output(display_name="report", tooltip=REPORT_TOOLTIP)],
                 is_output_node=True,
                 not_idempotent=True,
             )
@@ -117,6 +122,8 @@ def node_classes():
         @classmethod
         def execute(cls, model, samples):
             samples, text = stream_report(model, samples)
+            # ui: the text in the prompt's history (/history) for API clients; the browser shows it through the
+            # report output and "Preview as Text"
             return io.NodeOutput(samples, text, ui={"text": [text]})
 
     return [StreamBlocks, StreamReport]

@@ -21,6 +21,7 @@ from torch import nn
 from ...api import BlockStreamer
 from ...attention import ConsumerCaps, graph_consumer_scope
 from ...plan.budget import parse_budget
+from ...specs import described_whole
 from .attention import OVERRIDE_KEY, ComfyAttention, override_problem
 from .blocks import BlockCalls, block_calls
 from .forwards import ModelCalls, ModelForward
@@ -119,8 +120,15 @@ class PatchState:
         self.last_sigma = sigma
 
 
-def _rows(args: dict) -> int | None:
+def _img(args: dict) -> Any:
+    """The hidden states whose rows a block call streams: ``args["img"]``, or its first entry where the host hands a
+    pair (LTX-2's (video, audio): the video rows stream, the audio rows are the block's small static side)."""
     x = args.get("img")
+    return x[0] if isinstance(x, (tuple, list)) and x else x
+
+
+def _rows(args: dict) -> int | None:
+    x = _img(args)
     if x is None or not hasattr(x, "dim") or x.dim() < 2:
         return None
     return int(x.shape[1]) if x.dim() == 3 else int(x.shape[-2])
@@ -189,6 +197,7 @@ class _StreamedCall:
                     out = self.calls.call(self.block.streamer, self.block.streamed, args, kwargs)
         if isinstance(out, str):
             self.block.stock(out)
+            args, kwargs = described_whole(args, kwargs)   # tables a streamed forward described, built whole
             return self.module(*args, **kwargs)
         self.block.streamed_calls += 1
         self.block.consumer = consumer.phrase
@@ -236,10 +245,10 @@ class StreamedBlock:
         if why is None:
             swapped, calls = swapped
             why = _unsupported_options(args.get("transformer_options") or {}, calls)
-            if why is None and args["img"].dim() != calls.img_dims:
+            if why is None and _img(args).dim() != calls.img_dims:
                 # the streamer's capture takes the rows from a [batch, rows, features] input and would run such a
                 # call stock without a word; a family with other hidden states registers its calls (``blocks``)
-                why = (f"the block's hidden states are {args['img'].dim()}-D {tuple(args['img'].shape)}, not "
+                why = (f"the block's hidden states are {_img(args).dim()}-D {tuple(_img(args).shape)}, not "
                        f"[batch, rows, features], and its class registered no adapter: the capture cannot find "
                        f"the rows")
         if why is not None:
@@ -305,10 +314,11 @@ def patch(model_patcher, budget: int | str | None = "auto", chunk_tokens: int | 
     replacement another node already holds is left to it. Weights ComfyUI casts per call (lowvram offload, DynamicVRAM,
     LoRA applied per call, manual casting) are taken once per block call through comfy.ops' own cast path and held for
     its chunks (``weights``). A ``DIFFUSION_MODEL`` wrapper (``forwards``) sees every model call: a new sampling run
-    re-plans the blocks, and ComfyUI 0.33.0's Wan, MiniMax-H3, Flux, HunyuanVideo and LTX-Video forwards run streamed
-    (input projection and head in row chunks, block inputs donated; Flux and HunyuanVideo on one joint text+image
-    buffer). ``budget``: "auto" (ComfyUI's free memory less ``--reserve-vram`` and ``reserve``; never refuses: with too
-    little free, the smallest reachable peak, reported), bytes (activation room above what a block call holds at entry,
+    re-plans the blocks, and ComfyUI 0.33.0's Wan, MiniMax-H3, Flux, HunyuanVideo, LTX-Video and LTX-2 forwards run
+    streamed (input projection and head in row chunks, block inputs donated; Flux and HunyuanVideo on one joint
+    text+image buffer; LTX-2's per-token tables per chunk). ``budget``: "auto" (ComfyUI's free memory less
+    ``--reserve-vram`` and ``reserve``; never refuses: with too little free, the smallest reachable peak, reported),
+    bytes (activation room above what a block call holds at entry,
     its cast weights paid from it; ``BudgetError`` below the smallest peak) or None (``memory``); ``chunk_tokens`` and
     ``self_check`` are ``BlockStreamer``'s. The input patcher and the shared modules are not changed.
     ``report(patched)`` says what happened.
