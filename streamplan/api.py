@@ -19,6 +19,7 @@ from torch import nn
 from .execute import hook_chains as hooks
 from . import report as _report
 from .plan.budget import DEFAULT_RESERVE, auto_budget, fmt_bytes
+from .execute import call_ledger
 from .execute.call_state import BYPASS, REHEARSAL, ROOT, bypass, live_bytes, outermost, rehearsing, within
 from .attention import consumer_for
 from .execute.chunk_loop import drain_retries
@@ -31,7 +32,7 @@ from .registries import pipeline_parts
 from .execute.context import CallContext
 from .execute.dispatch import run_spec
 from .execute.stock_watch import StockWatch, activation_bytes, watch_candidates
-from .execute.compare import compare_outputs, private_copy
+from .execute.compare import _tensors, compare_outputs, private_copy
 
 __all__ = ["apply", "bypass", "BlockStreamer", "StreamHandle", "StreamOptions"]
 
@@ -88,6 +89,10 @@ class StreamHandle:
         self.self_checked = False
         self.superseded_by: StreamHandle | None = None
         self.watched: dict[str, StockWatch] = {}
+        self.calls: list = []      # ``call_ledger.CallRecord`` of each streamed module call of the last call
+        self._calls_of = -1        # the outermost call those records belong to (``ROOT.calls``)
+        self.call_inputs = 0       # bytes of that outermost call's inputs
+        self.checks: list[str] = []   # what checks run beside the streamed calls took (``verify``), for the report
         self._root_previous: Any = None
         self._root_wrapper: Any = None
 
@@ -174,36 +179,71 @@ class StreamHandle:
         self._root_wrapper = tracked_forward
 
     def _run(self, entry: Installed, args: tuple, kwargs: dict) -> Any:
+        record = self._record(entry, args, kwargs)
+        with call_ledger.recorded(record):
+            return self._run_recorded(entry, args, kwargs, record)
+
+    def _run_recorded(self, entry: Installed, args: tuple, kwargs: dict, record: Any) -> Any:
         checking = (self.options.self_check and not self.self_checked and not isinstance(entry.spec, ModelSpec)
                     and not rehearsing())
         if checking:  # the reference runs stock on private copies: the caller's inputs and caches stay as they are
-            ref_args, ref_kwargs = private_copy(args), private_copy(kwargs)
-            with bypass():
-                ref_args, ref_kwargs = described_whole(ref_args, ref_kwargs)
-                ref = entry.stock(*ref_args, **ref_kwargs)
-            del ref_args, ref_kwargs
+            with call_ledger.phase("self-check: stock"):
+                ref_args, ref_kwargs = private_copy(args), private_copy(kwargs)
+                with bypass():
+                    ref_args, ref_kwargs = described_whole(ref_args, ref_kwargs)
+                    ref = entry.stock(*ref_args, **ref_kwargs)
+                del ref_args, ref_kwargs
         with within(entry.name or "<root>"):
-            out = run_spec(self._context(entry), args, kwargs)
+            out = run_spec(self._context(entry, record), args, kwargs)
         for a, b in drain_retries():
             self.note(entry, f"out of memory on rows [{a}:{b}): retried in halves")
         if checking and any(p.tier != Tier.L0 for p in entry.plans.values()):
             self._self_check(entry, out, ref)
         return out
 
-    def _context(self, entry: Installed) -> CallContext:
-        """What a handler gets: this entry, the options, the entry's notes as a sink, planning under the budget."""
-        return CallContext(entry, self.options, functools.partial(self.note, entry),
-                           functools.partial(self.plan_for, entry), lambda: list(self.installed.values()))
+    def _record(self, entry: Installed, args: tuple, kwargs: dict) -> Any:
+        """A record of this call in the handle's ledger of its last call (``timeline``), or None in a rehearsal (fake
+        tensors, no memory). The first record of a new outermost call starts the ledger anew."""
+        if rehearsing():
+            return None
+        if self._calls_of != ROOT.calls or len(self.calls) >= call_ledger.MAX_RECORDS:
+            self.calls, self._calls_of, self.call_inputs = [], ROOT.calls, ROOT.inputs
+        # its inputs counted only while the meter's profiler runs (a plan knows them already; a cache's tensors are
+        # many, and decoding calls every layer once a token)
+        inputs = live_bytes(args, kwargs) if call_ledger.profiling() else 0
+        record = call_ledger.new_record(entry.name, type(entry.module).__name__, inputs)
+        self.calls.append(record)
+        return record
+
+    def _context(self, entry: Installed, record: Any = None) -> CallContext:
+        """What a handler gets: this entry, the options, the entry's notes as a sink, planning under the budget (the
+        plan a call runs kept in its ledger record)."""
+        plan = functools.partial(self.plan_for, entry)
+        if record is not None:
+            def plan(sig: tuple, *rest: Any, **kw: Any) -> Plan:
+                made = self.plan_for(entry, sig, *rest, **kw)
+                if not rehearsing():
+                    record.saw(made, sig)
+                return made
+        return CallContext(entry, self.options, functools.partial(self.note, entry), plan,
+                           lambda: list(self.installed.values()))
 
     def _self_check(self, entry: Installed, out: Any, ref: Any) -> None:
-        """Once per handle: the first streamed call is also run stock, and the difference is logged and kept."""
+        """Once per handle: the first streamed call is also run stock, and the difference is logged and kept, with
+        the extra memory the check took (stock's peak first, then stock's output held beside the streamed call)."""
         self.self_checked = True
         diffs = compare_outputs(out, ref)
         worst = max((d["rel"] for d in diffs.values()), default=0.0)
-        note = f"self-check against stock on the first call: max relative difference {worst:.2e}"
+        held = sum(t.numel() * t.element_size() for t in _tensors(ref).values())
+        plans = list(entry.plans.values())
+        stock = max((p.live_bytes + p.stock_peak for p in plans), default=0)
+        note = (f"self-check against stock on the first call: max relative difference {worst:.2e} (its extra memory: "
+                f"that call ran stock first, at stock's peak, est. {fmt_bytes(stock)} with its inputs, then held "
+                f"stock's output, {fmt_bytes(held)}, beside the streamed call)")
         if note not in entry.runtime_notes:   # noted here and logged once, at the level the difference calls for
             entry.runtime_notes.append(note)
-        (log.warning if worst > 1e-2 else log.info)("streamplan: %s: %s", entry.name, note)
+        (log.warning if worst > 1e-2 else log.info)("streamplan: %s: %s", entry.name or type(entry.module).__name__,
+                                                    note)
 
     def _available(self, args: tuple, kwargs: dict, device: torch.device | None) -> tuple[int | None, int]:
         """(bytes this call may use, bytes alive around it). A byte budget covers the model's inputs and what the
@@ -256,8 +296,9 @@ class StreamHandle:
                                   + ".", least=exc.least, smallest_bytes=smallest) from None
             plan.live_bytes, plan.budget = live, available
             entry.plans[sig] = plan
-            log.info("streamplan: %s planned for %s: %s", entry.name or type(entry.module).__name__, sig[0],
-                     plan.describe())
+            log.info("streamplan: %s planned for %s: %s; predicted %s with its inputs (%s), stock est. %s",
+                     entry.name or type(entry.module).__name__, sig[0], plan.describe(figures=False),
+                     fmt_bytes(plan.predicted_total), fmt_bytes(live), fmt_bytes(live + plan.stock_peak))
         return plan
 
     @staticmethod
@@ -299,6 +340,19 @@ class StreamHandle:
     def report(self) -> str:
         """What was streamed and how (a table per input signature), and what was left stock and why."""
         return _report.render(self)
+
+    def timeline(self, path: str | None = None, *, stock_peak: int | None = None, title: str = "") -> Any:
+        """The memory picture of the last call: per streamed module call and phase, the predicted peak and its parts
+        (inputs, K/V, whole buffers such as the residual's next value, a chunk's transient), the stock estimate, and
+        the measured peaks where the call ran under the profiler-based meter (``streamplan.measure_peak`` on CPU,
+        ``meter.profiler_peak`` on CUDA). ``path``: also written there as one self-contained HTML file (inline SVG,
+        no network); ``stock_peak``: stock's measured peak for the same call, above its inputs, drawn beside it.
+        Returns the ``timeline.Timeline`` (its figures, as drawn)."""
+        from . import timeline as _timeline
+        found = _timeline.from_handle(self, stock_peak=stock_peak, title=title)
+        if path is not None:
+            _timeline.write_html([found], path)
+        return found
 
     def __repr__(self) -> str:  # noqa: D105
         return f"<StreamHandle {len(self.installed)} streamed, {len(self.skipped)} left stock>"
@@ -527,6 +581,16 @@ class PipelineHandle:
         return json.dumps({"pipeline": self.pipeline_class,
                            "components": {part: json.loads(h.to_json()) for part, h in self.handles.items()}},
                           indent=2)
+
+    def timeline(self, path: str | None = None, *, title: str = "") -> list:
+        """Each denoiser's memory picture of its last call (``StreamHandle.timeline``), written to ``path`` as one
+        HTML file, a section each, one scale."""
+        from . import timeline as _timeline
+        found = [h.timeline(title=f"{title or self.pipeline_class}: {part}, its last call")
+                 for part, h in self.handles.items()]
+        if path is not None:
+            _timeline.write_html(found, path)
+        return found
 
     def report(self) -> str:
         parts = ", ".join(self.handles)

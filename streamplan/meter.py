@@ -7,11 +7,13 @@ import os
 import re
 import sys
 import tempfile
+from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
-__all__ = ["measure_peak"]
+__all__ = ["measure_peak", "range_peak", "RangePeak"]
 
 logger = logging.getLogger(__name__)
 
@@ -91,21 +93,90 @@ def profiler_peak(fn: Callable[..., Any], args: tuple, kwargs: dict, device_type
         result = fn(*args, **kwargs)
         if device_type == "cuda":
             torch.cuda.synchronize()
-    return result, _window_peak(_allocations(prof, device_type))
+    allocations, ranges = _events(prof, device_type)
+    peak = _window_peak(allocations)
+    _publish(_range_peaks(allocations, ranges, peak))
+    return result, peak
 
 
-def _allocations(prof, device_type: str) -> list[tuple[int, int, int]]:
-    """(time, address, bytes; negative: freed) of every allocation event on ``device_type`` in the window, from the
-    profiler's event tree (every torch this project supports has it)."""
+def _events(prof, device_type: str) -> tuple[list[tuple[int, int, int]], list[tuple[str, int, int]]]:
+    """(time, address, bytes; negative: freed) of every allocation event on ``device_type`` in the window, and
+    (name, start, end) of every streamplan range in it (``execute.call_ledger``), from the profiler's event tree
+    (every torch this project supports has it)."""
     from torch._C._profiler import _EventType
-    found, todo = [], list(prof.profiler.kineto_results.experimental_event_tree())
+
+    from .execute.call_ledger import RANGE_PREFIX
+    found, ranges, todo = [], [], list(prof.profiler.kineto_results.experimental_event_tree())
     while todo:
         e = todo.pop()
         todo.extend(e.children)
         if e.tag == _EventType.Allocation and e.extra_fields.device.type == device_type:
             found.append((e.start_time_ns, e.extra_fields.ptr, e.extra_fields.alloc_size))
+        elif e.tag == _EventType.TorchOp and e.name.startswith(RANGE_PREFIX):
+            ranges.append((e.name, e.start_time_ns, e.end_time_ns))
     found.sort(key=lambda a: a[0])
-    return found
+    return found, ranges
+
+
+@dataclass(frozen=True)
+class RangePeak:
+    """A streamed call's (or one of its phases') memory as the meter saw it, in bytes above what was live when the
+    measurement began: ``start`` when the range began, ``peak`` the most alive at once within it (at least
+    ``start``); ``own`` is what the call added above what was live when it began (its inputs were already live).
+    ``call_peak``: the whole measured call's peak, what ``measure_peak`` returned for it."""
+
+    start: int
+    peak: int
+    call_peak: int
+
+    @property
+    def own(self) -> int:
+        return self.peak - self.start
+
+
+def _range_peaks(allocations: list[tuple[int, int, int]], ranges: list[tuple[str, int, int]],
+                 call_peak: int) -> dict[str, RangePeak]:
+    """Each range's ``RangePeak`` from the window's allocations, counted as ``_window_peak`` counts them."""
+    if not ranges:
+        return {}
+    import bisect
+
+    import numpy as np
+    times, lives = [], []
+    mine: dict[int, int] = {}
+    live = 0
+    for t, ptr, size in allocations:
+        if size > 0:
+            mine[ptr] = size
+            live += size
+        elif ptr in mine:
+            live -= mine.pop(ptr)
+        times.append(t)
+        lives.append(live)
+    curve = np.asarray(lives, dtype=np.int64)
+    out = {}
+    for name, t0, t1 in ranges:
+        i0, i1 = bisect.bisect_left(times, t0), bisect.bisect_right(times, t1)
+        start = int(curve[i0 - 1]) if i0 > 0 else 0
+        peak = max(start, int(curve[i0:i1].max())) if i1 > i0 else start
+        out[name] = RangePeak(start, peak, call_peak)
+    return out
+
+
+MAX_RANGES = 50_000   # ranges kept from the latest measurements (older ones dropped first)
+_RANGES: "OrderedDict[str, RangePeak]" = OrderedDict()
+
+
+def _publish(found: dict[str, RangePeak]) -> None:
+    _RANGES.update(found)
+    while len(_RANGES) > MAX_RANGES:
+        _RANGES.popitem(last=False)
+
+
+def range_peak(name: str) -> RangePeak | None:
+    """What the profiler-based meter measured for a streamed call's range (``execute.call_ledger``: each call's
+    ``tag``, and ``tag/phase``), or None where that call was not measured so."""
+    return _RANGES.get(name)
 
 
 def _window_peak(allocations: list[tuple[int, int, int]]) -> int:

@@ -29,15 +29,18 @@ class StreamOptions:
         head_groups: groups the K/V heads are split into, forced (tier L3: the attention output built a head group
             at a time).
         reserve: bytes (or a size string) ``budget="auto"`` leaves free.
-        self_check: run the first streamed call stock as well, and log and report the difference.
+        self_check: run the first streamed call stock as well, and log and report the difference (a check, not a
+            streamed run: that call also takes stock's peak, and holds stock's output beside the streamed call; the
+            report says how much).
         capture: the way in for blocks: ``"fallback"`` (default: every block from its captured graph unless a part
             recognizer knows the block itself), ``"prefer"`` (capture every block), ``"off"`` (hand-written parts
             and model forwards only).
         kv: where a captured block's K and V live between its phases: ``"device"`` (default, exact; below the floor
             the planner may still stage them on the host, L4), ``"host"`` (forces L4: pinned host memory, attended
             block by block, exact up to a log-sum-exp merge in fp32), ``"int8"`` or ``"fp8"`` (L5: compressed on
-            the device, approximate, opt-in; the first call per input shape also runs exact K/V and the report
-            gives the error).
+            the device, approximate, opt-in; the first call per input shape measures the error where it enters the
+            block, on its last query rows against exact K/V attended as phase KV makes them, never held whole, so
+            that call stays below the exact tier too; the report gives the error and the check's extra bytes).
         row_pieces: a captured block's row-local chains (norms, rotary, modulation) run in this many row pieces of
             each chunk: a lower peak per row, more and smaller kernels (1: whole chunks).
         q_span: with K/V in a store and ``chunk_tokens``: query rows built and attended in one pass over the store

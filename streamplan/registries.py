@@ -56,13 +56,16 @@ class OpaqueKind:
     """A kind of module a capture takes whole: ``matches(module)``; ``refusal(module)``, why a matching module may not
     be taken (its block then stays stock, named), or None; ``out_features(module, x)`` of its output rows;
     ``workspace(module, x)`` -> (bytes per call, bytes per row of the call) it may allocate inside, at most, for an
-    input like ``x`` (a fake tensor at capture)."""
+    input like ``x`` (a fake tensor at capture); ``second(module)``, where its forward returns a per-token tensor
+    beside its rows (GPT-OSS's router scores), that tensor's (features, dtype, whether its tokens are flattened
+    [batch * rows, features]), else None."""
 
     name: str
     matches: Callable[[nn.Module], bool]
     out_features: Callable[[nn.Module, torch.Tensor], int]
     workspace: Callable[[nn.Module, torch.Tensor], tuple[int, int]]
     refusal: Callable[[nn.Module], "str | None"] = lambda m: None
+    second: Callable[[nn.Module], "tuple[int, torch.dtype, bool] | None"] = lambda m: None
 
 
 def register_opaque_layer(kind: OpaqueKind) -> None:

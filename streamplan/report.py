@@ -92,17 +92,20 @@ def render(handle) -> str:
             lines.append(f"  {name or '<root>':<{nw}} {label:<{lw}} {plan.tier:<4} {chunk:>6} {ffn:>6} "
                          f"{fmt_bytes(plan.predicted_total):>11} "
                          f"{fmt_bytes(plan.live_bytes + plan.stock_peak):>11}")
-            lines.append(f"      input {describe_sig(sig)}: {plan.describe()}")
+            lines.append(f"      input {describe_sig(sig)}: {plan.describe(figures=False)}")
             if sig in e.kv_errors:
                 lines.append(f"      {e.kv_errors[sig].describe()}")
         for note in e.runtime_notes:
             lines.append(f"      note: {note}")
     if handle.installed:
-        lines.append("  (predicted and stock est.: peak bytes with the call's live inputs, from the memory model;"
-                     " measured stock may differ: benchmarks/ has measurements)")
+        lines.append("  (predicted and stock est.: the call's peak bytes with its live inputs counted, as a budget "
+                     "holds them; from the memory model, not measured: streamplan.measure_peak measures a call, "
+                     "handle.timeline() draws both)")
         used = sorted({str(p.tier) for e in handle.installed.values() for p in e.plans.values()})
         if used:
             lines.append("  tiers: " + "; ".join(f"{t} {Tier(t).meaning}" for t in used))
+    for check in getattr(handle, "checks", ()):
+        lines.append(f"  check: {check}")
     for s in handle.skipped:
         lines.append(f"  stock     {s.name or '<root>'}  ({s.cls}): {s.reason}")
     for w in stock_that_matters(handle):

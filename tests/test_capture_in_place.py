@@ -168,3 +168,29 @@ def test_the_memory_model_prices_what_runs_in_place(donated):
     plan = handle.plans[""][-1]
     assert 0.95 * peak <= plan.predicted_peak <= 1.05 * peak, (plan.predicted_peak, peak)
     handle.remove()
+
+
+class _StaticUpdatedFromEveryRow(torch.nn.Module):
+    """Static rows (an audio stream beside the video rows) updated in place from an attention over every row: the
+    update runs in every chunk, so it must not write into a value the call computes once."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v, self.o, self.f = (torch.nn.Linear(16, 16) for _ in range(5))
+
+    def forward(self, x, a):
+        a = a.clone()
+        a.mul_(2.0)
+        out = torch.nn.functional.scaled_dot_product_attention(self.q(a), self.k(x), self.v(x))
+        a.add_(self.o(out))
+        return self.f(x), a
+
+
+@torch.no_grad()
+def test_an_in_place_update_of_a_value_computed_once_from_every_row_stays_stock_named():
+    from streamplan.graph import streamable
+    torch.manual_seed(0)
+    block = _StaticUpdatedFromEveryRow().eval()
+    x, a = torch.randn(1, 300, 16), torch.randn(1, 5, 16)
+    found, _ = streamable(block, (x, a), {}, 300)
+    assert isinstance(found, str) and "add_ writes into a value computed once per call" in found, found

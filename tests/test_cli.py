@@ -24,17 +24,30 @@ def _one_line_error(err: str, *words: str) -> None:
 
 # --- runs ------------------------------------------------------------------------------------------------------------
 
-def test_demo_runs_and_reports(capsys):
+def test_demo_runs_and_reports(capsys, tmp_path):
+    import xml.etree.ElementTree as ET
     start = time.monotonic()
-    assert main(["demo"]) == 0
+    assert main(["demo", "--plot", str(tmp_path / "timeline.html")]) == 0
     captured = capsys.readouterr()
     out, err = captured.out, captured.err
     assert "stock peak" in out and "streamed peak" in out and "max relative difference" in out
-    # every number says what it is: measured or predicted, memory and time
-    assert "above the inputs" in out
+    # every number says what it is: measured or predicted, memory and time, on one stated baseline
+    assert "with its inputs" in out and "the report's baseline" in out
     assert "stock peak      (measured)" in out and "streamed peak   (measured)" in out
-    assert "streamed peak   (predicted)" in out
     assert "stock time      (measured)" in out and "streamed time   (measured)" in out and "x stock" in out
+    # one predicted figure: the report's (its table's "predicted" column), the same in the summary
+    (predicted_line,) = [line for line in out.splitlines() if "(predicted)" in line]
+    predicted = predicted_line.split("(predicted)")[1].split()[0:2]
+    row = next(line for line in out.splitlines() if line.lstrip().startswith("<root>"))
+    assert " ".join(predicted) in row and "peak~" not in out
+    # the picture was written, and the last line says what the demo showed, in measured figures
+    assert ET.parse(tmp_path / "timeline.html").getroot() is not None and "timeline.html" in out
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("Measured on cpu: streamed,") and "the same output as stock" in last
+    assert "x less peak memory than stock" in last and "x stock's time" in last and "inputs included" in last
+    stock, streamed = (line.split("(measured)")[1].split()[:2] for line in out.splitlines()
+                       if line.lstrip().startswith(("stock peak", "streamed peak   (measured)")))
+    assert f"({' '.join(streamed)} against {' '.join(stock)}" in last
     # progress on stderr, stage by stage, with times
     for stage in ("[1/3] building", "[2/3] stock run", "[3/3] streamed run"):
         assert stage in err
@@ -55,8 +68,12 @@ def test_run_demo_reports_progress_and_times_and_prints_nothing(capfd):
     assert out == "" and err == ""          # library code reports through the callback (and logging) only
     assert [m[:5] for m in seen if m.startswith("[")] == ["[1/3]", "[2/3]", "[3/3]"]
     assert r.stock_time_s > 0 and r.streamed_time_s > 0 and r.time_ratio == r.streamed_time_s / r.stock_time_s
-    assert r.predicted_peak is not None and r.predicted_peak > 0
+    assert r.predicted_peak is not None and r.predicted_peak > r.input_bytes > 0   # with the inputs, as reported
     assert 0 < r.streamed_peak < r.stock_peak
+    assert r.streamed_total == r.streamed_peak + r.input_bytes and r.stock_total == r.stock_peak + r.input_bytes
+    # the memory picture of the metered streamed call: its measured peak is the meter's
+    assert r.timeline is not None and r.timeline.call_own == r.streamed_peak
+    assert r.summary().startswith("Measured on cpu: streamed, Wan2.1 FeedForward at 2048 tokens")
 
 
 @pytest.mark.parametrize("tokens", [0, -5])
@@ -156,6 +173,9 @@ def no_demo_run(monkeypatch):
     (["bench", "--tokens", "4096,0"], ["--tokens", "at least 1"]),
     (["bench", "--modes", "stock,fast"], ["--modes", "'fast'", "streamplan-<rows>"]),
     (["bench", "--repeats", "0"], ["--repeats", "at least 1"]),
+    (["demo", "--plot", "/no/such/folder/t.html"], ["--plot", "does not exist"]),
+    (["demo", "--plot", "."], ["--plot", "a file to write"]),
+    (["bench", "--plot", "/no/such/folder/t.html"], ["--plot", "does not exist"]),
 ])
 def test_bad_values_are_one_line_and_exit_2(argv, words, capsys, no_demo_run):
     assert main(argv) == 2

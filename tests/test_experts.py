@@ -138,3 +138,44 @@ def test_a_router_that_drops_tokens_over_capacity_keeps_its_block_stock_named():
     finally:
         handle.remove()
     assert refusal(block.layer[1].mlp) is not None and refusal(_experts_module(CASES["mixtral"].build())[1]) is None
+
+
+class _AttentionThenGptOssMLP(torch.nn.Module):
+    """Self-attention, then GPT-OSS's own experts feed-forward, returning its router scores beside the rows as the
+    real ``GptOssMLP`` does (GPT-OSS's decoder layer itself stays stock for its attention sinks)."""
+
+    def __init__(self, mlp):
+        super().__init__()
+        self.qkv, self.out, self.mlp = torch.nn.Linear(64, 192), torch.nn.Linear(64, 64), mlp
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).unflatten(-1, (3, 4, 16)).permute(2, 0, 3, 1, 4)
+        x = x + self.out(torch.nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2))
+        y, scores = self.mlp(x)
+        return x + y, scores
+
+
+@torch.no_grad()
+def test_experts_that_return_router_scores_beside_their_rows_stream_both():
+    """GPT-OSS's ``GptOssMLP`` returns (rows, router scores per token): learnt by running it on three tokens before
+    the capture, the op gives both, each chunk's rows of them, equal to the module's own."""
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+    cfg = GptOssConfig(hidden_size=64, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=1)
+    torch.manual_seed(0)
+    mlp = GptOssMLP(cfg).eval()
+    for p in mlp.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    block = _AttentionThenGptOssMLP(mlp).eval()
+    x = torch.randn(1, 300, 64)
+    ref = block(x)
+    handle = streamplan.apply(block, chunk_tokens=64)
+    try:
+        out = block(x)
+        assert handle.plans[""][0].tier == "L1", handle.report()
+        assert "mixture of experts: GptOssMLP mlp" in handle.report(), handle.report()
+        assert out[1].shape == ref[1].shape == (300, 2)
+        assert _rel(out[0], ref[0]) <= 1e-5 and _rel(out[1], ref[1]) <= 1e-5
+    finally:
+        handle.remove()

@@ -19,16 +19,33 @@ REQUIRED = ["minimax_h3", "hunyuan_video_double", "hunyuan_video_single", "ltx_v
             "flux_single"]
 STREAMS = [n for n in CASES if CASES[n].streams]
 STOCK = {   # blocks that stay stock on the generic path, and the reason the report gives
-    "hunyuan_video15": "makes a mask over rows x rows from one built from the row count",
     "mochi": "cat with a symbolic non-row size",
-    "zimage": "higher-order op",
     "sana": "capture failed",
     "hunyuan_video_i2v_double": "capture failed",      # the first frame's rows sliced off at a fixed count
     "hunyuan_video_i2v_single": "capture failed",
-    **{f"{fam}_refiner{part}": "used other than as an attention's mask"   # repeated over heads by diffusers
-       for fam in ("hunyuan_video", "hunyuan_video15", "hunyuan_image") for part in ("", "_block")},
-    "lumina_next": "expand gives a value with two row dimensions",   # its [B, N] key mask expanded over rows
+    "t5_film_decoder": "empty gives a value with two row dimensions",   # a [B*H, N, N] score buffer (baddbmm)
+    "anyflow_far": "attention backend 'flex' has no streamplan consumer",
+    "cosmos3": "no [batch, rows, features] input",                      # unbatched packed sequences
+    "ernie_image": "sequence-first [rows, batch, features] layout",
+    "glm_image": "GlmImageLayerKVCache",                                # the pipeline's cache object
+    "qwenimage21": "QwenImage21KVLayerCache",
+    "sana_wm_refiner": "SanaWMRefinerKVLayerCache",
+    "wan_animate2": "WanAnimate2KVLayerCache",
+    "helios": "capture failed",             # the history/current split at a fixed count ties the rows to a constant
+    "kandinsky6_sr": "capture failed",      # NABLA's 64-row blocks fix the row count
+    "sana_video": "capture failed",         # the rows unflattened into (frames, height, width)
+    "sana_wm": "capture failed",
+    "rfd4_proteina": "2 row dimensions",    # the [B, N, N, C] pair representation
+    # the whole text refiner pools its rows for its timestep embedding: its blocks stream, the rest stays stock
+    **{f"{fam}_refiner": "IndividualTokenRefinerBlock (else its parts) L1"
+       for fam in ("hunyuan_video", "hunyuan_video15", "hunyuan_image")},
 }
+
+
+# blocks whose chunk also builds its rows of a mask over rows x rows for every head (the refiners' blocks repeat the
+# given [B, 1, N, N] mask over the heads: a 64-row chunk's [B, H, 64, 400] mask and the kernel's additive copy of it
+# are 1.7x the floor at width 64; stock holds the whole of it, 12.8x)
+FLOOR_BOUND = {f"{fam}_refiner_block": 3.5 for fam in ("hunyuan_video", "hunyuan_video15", "hunyuan_image")}
 
 
 def _rel(out, ref):
@@ -88,7 +105,7 @@ def test_block_streams_exactly(name):
         # largest; stock is 2.0-7.0x), so 2.25x bounds it with a little margin. At real widths and longer N the
         # chunk term shrinks towards nothing next to the floor.
         assert streamed_peak < stock_peak, (name, streamed_peak, stock_peak)
-        assert streamed_peak <= 2.25 * floor, (name, streamed_peak, floor, stock_peak)
+        assert streamed_peak <= FLOOR_BOUND.get(name, 2.25) * floor, (name, streamed_peak, floor, stock_peak)
     finally:
         handle.remove()
     after = module(*args, **kwargs)

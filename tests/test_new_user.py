@@ -56,6 +56,30 @@ def test_self_check_and_verify_leave_an_explicit_cache_untouched():
     assert untouched.get_seq_length() == 0 and max(d["rel"] for d in diffs.values()) < 1e-5
 
 
+@torch.no_grad()
+def test_self_check_logs_once_and_the_report_says_what_the_checks_took(caplog):
+    """self_check on a whole model (blocks inside a model forward): its line logged once, named, and its note says
+    the extra memory the check took; verify on a streamed model puts its own extra memory in the report."""
+    model = _causal_lm()
+    ids = torch.randint(0, 100, (1, 300))
+    handle = streamplan.apply(model, chunk_tokens=64, self_check=True)
+    try:
+        with caplog.at_level("INFO", logger="streamplan"):
+            model(ids)
+            model(ids)
+        logged = [r.getMessage() for r in caplog.records if "self-check against stock" in r.getMessage()]
+        assert len(logged) == 1 and logged[0].startswith("streamplan: model.layers.0: "), logged
+        assert "its extra memory" in logged[0] and "stock's peak" in logged[0] and "stock's output" in logged[0]
+        text = handle.report()
+        assert text.count("self-check against stock") == 1 and "check: verify" not in text
+        streamplan.verify(model, ids)
+        text = handle.report()
+        assert "check: verify ran stock after the streamed call: its extra memory is stock's peak" in text
+        assert "a copy of the inputs" in text and "the streamed outputs" in text
+    finally:
+        handle.remove()
+
+
 def test_verify_leaves_donated_inputs_as_they_were():
     from diffusers.models.transformers.transformer_wan import WanTransformerBlock
     block = WanTransformerBlock(64, 128, 4, cross_attn_norm=True).eval()

@@ -17,6 +17,7 @@ class _Root(threading.local):
     depth = 0
     base = 0      # CUDA bytes allocated when the outermost streamed or tracked call began
     inputs = 0    # bytes of that call's inputs
+    calls = 0     # outermost calls begun so far (a handle's ledger of its last call starts anew at each)
 
 
 ROOT = _Root()
@@ -25,6 +26,7 @@ ROOT = _Root()
 @contextlib.contextmanager
 def outermost(args: tuple, kwargs: dict):
     if ROOT.depth == 0:
+        ROOT.calls += 1
         ROOT.inputs = live_bytes(args, kwargs)
         ROOT.base = torch.cuda.memory_allocated() if torch.cuda.is_available() and torch.cuda.is_initialized() else 0
     ROOT.depth += 1

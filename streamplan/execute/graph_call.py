@@ -15,6 +15,7 @@ from torch.utils._pytree import tree_leaves
 from . import hook_chains as hooks, host_rows, kv_tiers, sequence_parallel as parallel
 from ..attention import graph_consumer, unsupported
 from ..graph import fused_chains as fuse, rows_of_call, rows_problem, running, streamable
+from ..graph.autocast_regions import autocast_problem
 from ..graph.analyze import numel_besides
 from ..graph.memory import graph_memory
 from ..graph.opaque_layers import opaque_layers
@@ -22,6 +23,7 @@ from ..graph.sliced_mlp import row_dim
 from ..plan.planner import META_MULTIPROCESSORS, SLICED_TIERS, UTILISATION_FLOOR, Plan, Tier, Waves, plan_graph
 from ..registries import adapt_call, block_backend
 from ..specs import AdaptedCall, HostRows, RowMask, described_whole
+from .call_ledger import phase
 from .call_state import bypass, needs_grad, shapes
 from .chunk_attention import ChunkAttention
 from .context import CallContext
@@ -118,6 +120,9 @@ def check_call(ctx: CallContext, args: tuple, kwargs: dict) -> GraphCall | str:
         found, fresh = streamable(module, *host_rows.stand_ins((args, kwargs), host), rows)
     if isinstance(found, str):
         return f"ran stock: {found}"
+    why = autocast_problem(found.captured.autocast_off)
+    if why is not None:
+        return f"ran stock: {why}"
     _note_capture(ctx, found, fresh)
     device = next(iter(host.values())).device if host else tensors[0].device
     call = GraphCall(args, kwargs, rows, device, found, consumer, par, adapted, row_mask)
@@ -193,7 +198,7 @@ def _consumer_for(module, row_mask: RowMask | None) -> tuple[Any, Any] | str:
     backend = block_backend(module)
     consumer = graph_consumer(backend)
     if consumer is None:
-        return f"attention backend {backend!r} has no streamplan consumer: ran stock"
+        return f"ran stock: attention backend {backend!r} has no streamplan consumer"
     par = parallel.block_parallel(module)   # sequence parallelism: every rank holds its own rows
     if par is not None and par.problem:
         return f"ran stock: {par.problem}"
@@ -213,10 +218,16 @@ def _note_capture(ctx: CallContext, found, fresh: bool) -> None:
               f"{opaque[0][2].name}: {type(opaque[0][1]).__name__} {opaque[0][0]}{more}): no feature slices"
               ) if opaque else ""
     masks = len(an.built_whole & an.whole_inputs)
+    leaves = {n for pm in an.pair_masks.values() for n in pm.leaves} & an.built_whole - an.whole_inputs
     built = (f"; {len(an.built_whole)} value(s) built from the row count once over every row ({masks} key mask(s), "
-             f"{len(an.built_whole) - masks} read by rows)") if an.built_whole else ""
+             f"{len(leaves)} read by masks over rows x rows, {len(an.built_whole) - masks - len(leaves)} read by rows)"
+             ) if an.built_whole else ""
+    made = len(set(an.pair_masks) & an.whole_inputs)
+    pairs = (f"; {len(an.pair_masks) - made} mask(s) over rows x rows built inside the block, each Q chunk's rows "
+             f"built alone" if len(an.pair_masks) > made else "") + (
+        f"; {made} key mask(s) made inside the block from its inputs, built whole for each Q chunk" if made else "")
     ctx.note(f"captured in {cap.seconds:.2f} s: {an.ops} ops, {len(an.attentions)} global attention(s){static}"
-             f"{layers}{built}")
+             f"{layers}{built}{pairs}")
 
 
 def _attention_problem(call: GraphCall) -> str | None:
@@ -275,6 +286,8 @@ def _donation(ctx: CallContext, module, call: GraphCall, tensors: list) -> dict:
     out0 = an.outputs[0] if an.outputs else None
     r0 = an.rows.get(out0) if out0 is not None else None
     if getattr(r0, "dim", None) != 1 or r0.pre + r0.post != 0:   # only an output with the input's rows
+        return {}
+    if an.halo != (0, 0):   # a later chunk reads its halo of input rows an earlier chunk's output would overwrite
         return {}
     x = next((t for t in tensors if donated(t)), None)
     held = hooks.holding_inputs(module) if x is not None else None
@@ -388,8 +401,13 @@ def attention_costs(call: GraphCall) -> AttentionCosts:
             elem) if call.row_mask.spans is not None else 0
         costs.mask_bytes = functools.partial(_row_mask_bytes, call.row_mask, elem, qv.shape[1] * qv.shape[-1] * elem,
                                              causal_ws, rows)
-    elif att.mask_query_rows:   # a given mask's chunk rows are views; the kernel's additive copy is not
-        costs.mask_bytes = functools.partial(_given_mask_bytes, att.mask.meta["val"], qv.element_size(), rows)
+    elif att.mask_query_rows:   # a given mask's chunk rows are views; the kernel's additive copy is not, nor are a
+        # mask built inside the block's chunk rows (``pair_masks``)
+        pm = call.found.analysis.pair_masks.get(att.mask)
+        at = functools.partial(call.found.captured.size_at, rows=rows)
+        built = functools.partial(pm.chunk_bytes, at) if pm else None
+        costs.mask_bytes = functools.partial(_given_mask_bytes, att.mask.meta["val"], qv.element_size(), rows,
+                                             built=built)
     out_val = att.node.meta["val"]
     if call.groups or call.whole_q:
         costs.attn_out = numel_besides(out_val, 2) * rows * out_val.element_size()
@@ -416,7 +434,8 @@ def plan_for_budget(call: GraphCall, o, budget: int | None) -> Plan:
     def transient(c: int, sl: int) -> int:   # a whole-Q call: its workspace for every row, not the chunk's
         if call.whole_q:
             return max(mem.transient(c, sl, regions), ws(rows))
-        return mem.transient(c, sl, regions, workspace=ws(c)) + mask_bytes(c) + host_in(c)
+        wide = min(rows, c + sum(an.halo))   # a chunk runs on its rows and their halo
+        return mem.transient(wide, sl, regions, workspace=ws(c)) + mask_bytes(c) + host_in(wide)
 
     return plan_graph(rows, mem.kv_bytes + mem.out_bytes, transient,
                       # stock's one call has its workspace too, and its host rows brought whole
@@ -456,16 +475,18 @@ def run_call(ctx: CallContext, call: GraphCall, plan: Plan) -> Any:
     if call.par is not None:
         run.no_retries()   # a chunk retried alone would leave the other ranks waiting in its exchanges
     if plan.kv != "device" and run.kv_store is None:   # L4/L5: K/V into a store, attended block by block
-        out = kv_tiers.run_stored(ctx, call.sig, run, plan, call.device, call.consumer, call.donate,
-                                  lambda: graph_run(run.ffn_slice, run.fuse_rows))
+        out = kv_tiers.run_stored(ctx, call.sig, run, plan, call.device, call.consumer, call.donate)
         _note_chains(ctx.note, run)
         return out
     if plan.tier == Tier.L3 or plan.q == "whole":   # the attention output whole, read by rows in phase Q
-        run.build_grouped(plan.chunk, plan.head_groups, whole_q=plan.q == "whole")
+        with phase("phase KV + attention"):
+            run.build_grouped(plan.chunk, plan.head_groups, whole_q=plan.q == "whole")
     else:
-        run.build_kv(plan.chunk)
+        with phase("phase KV"):
+            run.build_kv(plan.chunk)
     kv = run.kv[att.node] if call.adapted is not None else None   # phase Q lets go of its buffers: keep them
-    out = run.run_q(plan.chunk, call.donate)
+    with phase("phase Q"):
+        out = run.run_q(plan.chunk, call.donate)
     _note_chains(ctx.note, run)
     if kv is not None:
         call.adapted.fill(*kv)
@@ -493,13 +514,14 @@ def _workspace(consumer, call, elem: int, rows: int, q_static: int, keys: int, c
     return workspace_bytes(consumer, call, elem, min(chunk, rows) + q_static, keys)
 
 
-def _given_mask_bytes(mask, elem: int, rows: int, chunk: int) -> int:
-    """Per chunk of a mask input over rows x rows: the kernel's additive copy of its rows."""
+def _given_mask_bytes(mask, elem: int, rows: int, chunk: int, built: Callable[[int], int] | None = None) -> int:
+    """Per chunk of a mask over rows x rows: the kernel's additive copy of its rows, and where the block builds the
+    mask, the chunk rows it builds (``built``)."""
     keys = mask.shape[-1]
     lead = 1
     for size in mask.shape[:-2]:
         lead *= size if isinstance(size, int) else 1
-    return lead * min(chunk, rows) * (keys if isinstance(keys, int) else rows) * elem
+    return lead * min(chunk, rows) * (keys if isinstance(keys, int) else rows) * elem + (built(chunk) if built else 0)
 
 
 def _row_mask_bytes(row_mask: RowMask, elem: int, row_bytes: int, causal_ws: int, rows: int, chunk: int) -> int:

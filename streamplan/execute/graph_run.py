@@ -21,6 +21,7 @@ from ..graph.fused_chains import FusedChain, run_chain
 from ..graph.direct_writes import Into, Made, call_into, found
 from ..graph.joins_in_place import run_join
 from ..graph.sliced_mlp import MLPRegion, row_dim, run_region
+from ..graph.pair_masks import PairRows
 from ..graph.row_pieces import run_pieces
 from ..graph.schedule import ATTENTION, CHAIN, PIECES, REGION, Schedule, phase_schedule
 from ..graph.in_place import run_over
@@ -55,7 +56,12 @@ def _attend_kwargs(att: GlobalAttention, env: dict) -> dict:
     mask (a key mask whole, a mask over rows x rows as the chunk's query rows, which ``GraphRun._inputs`` took) and
     its soft-capping (hand-written attention, ``eager_attention``)."""
     extra = {"softcap": att.softcap} if att.softcap else {}
-    return extra if att.mask is None else {"mask": env[att.mask], **extra}
+    if att.mask is None:
+        return extra
+    mask = env[att.mask]
+    if mask.dim() >= 2 and mask.shape[-2] > 1 and mask.stride(-2) == 0:   # the same for every query row: as a key
+        mask = mask.narrow(-2, 0, 1)                                         # mask, with no [chunk, keys] copy
+    return {"mask": mask, **extra}
 
 
 def _whole(like: torch.Tensor, r: Rows, total: int) -> torch.Tensor:
@@ -117,6 +123,7 @@ class GraphRun:
             env[node] = self._call(node, env)
         self.consts = {n: env[n] for n in ph.const}
         self._built_whole(env)
+        self._pair_masks(env)
 
     def _built_whole(self, env: dict) -> None:
         """Values built from the row count alone (a key mask, positions): once per call over every row, then read by
@@ -127,11 +134,19 @@ class GraphRun:
         for node in (n for n in self.cap.graph.nodes if n in need):
             val = node.meta.get("val")
             if isinstance(val, torch.SymInt) and self.cap.row_symbol in val.node.expr.free_symbols:
-                env[node] = int(val.node.expr.subs(self.cap.row_symbol, self.rows))
+                env[node] = self.cap.size_at(val, self.rows)
             elif node not in self.an.ignored:
                 env[node] = self._call(node, env)
         for node in self.an.built_whole:
             self.base[node] = env[node]
+
+    def _pair_masks(self, env: dict) -> None:
+        """Masks over rows x rows built inside the block: each chunk's query rows built alone when it reads them, from
+        values read whole (``graph.pair_masks``)."""
+        for node, pm in self.an.pair_masks.items():
+            self.base[node] = None
+            self.sources[node] = PairRows(pm, {n: env[n] for n in pm.leaves},
+                                          functools.partial(self.cap.size_at, rows=self.rows))
 
     # -- static rows once ------------------------------------------------------------------------------------
     def _static_rows_once(self, cap: Captured) -> None:
@@ -393,12 +408,21 @@ class GraphRun:
             del q
         return q_all
 
+    def query_rows(self, att: GlobalAttention, a: int, b: int) -> torch.Tensor:
+        """The attention's Q over rows [a, b) (with any static rows, as a first chunk has them), from the inputs
+        alone: what an approximate store's error check attends, built before phase KV. Run as phase Q runs a chunk:
+        on its rows and their halo where convolutions read neighbouring rows."""
+        halo = getattr(self.an, "halo", (0, 0))
+        lo, hi = max(0, a - halo[0]), min(self.rows, b + halo[1])
+        q = self._run(self._q_nodes(att), self._inputs(lo, hi), lo, {att.q})[att.q]
+        return q if (lo, hi) == (a, b) else q.narrow(att.q_rows.dim, att.q_rows.pre + a - lo, b - a)
+
     def _q_nodes(self, att: GlobalAttention) -> list[fx.Node]:
         return [n for n in self.ph.q if n in ancestors([att.q], self._stop(), self.ph.writes, {})]
 
     def _stop(self) -> set[fx.Node]:
         placeholders = {n for n in self.cap.graph.nodes if n.op == "placeholder"}
-        return set(self.an.const) | set(self.an.built_whole) | placeholders
+        return set(self.an.const) | self.an.read_as_inputs | placeholders
 
     def run_q(self, chunk: int, donate: dict[int, torch.Tensor], span: int = 0) -> Any:
         """Phase Q; ``donate`` maps an output index to a tensor of the same shape that may be overwritten. ``span``
@@ -416,15 +440,17 @@ class GraphRun:
             nodes = [n for n in nodes if n in need]
 
         rowed = rowed_outputs(self.an)
+        widened = self.an.halo != (0, 0)   # convolutions along the rows: a chunk runs on its rows and their halo
 
         def work(a: int, b: int) -> None:
             dyn = self.static_mode and a > 0
             self._chunk = (a, b)
+            lo, hi = max(0, a - self.an.halo[0]), min(self.rows, b + self.an.halo[1])
             first = outs[self.an.outputs.index(rowed[0])] is None if rowed else False
-            watch = set().union(*(self._watch([o], i in donate)
-                                  for i, o in enumerate(self.an.outputs) if o in rowed)) if first else set()
-            env = self._run(nodes, self._inputs(a, b, dyn), a, keep, b - a if dyn else None,
-                            self._dests(rowed, a, b), watch)
+            watch = set().union(*(self._watch([o], i in donate) for i, o in enumerate(self.an.outputs)
+                                  if o in rowed)) if first and not widened else set()
+            env = self._run(nodes, self._inputs(lo, hi, dyn), lo, keep, b - a if dyn else None,
+                            {} if widened else self._dests(rowed, a, b), watch)
             for i, o in enumerate(self.an.outputs):
                 if not isinstance(o, fx.Node):
                     outs[i] = o
@@ -434,9 +460,12 @@ class GraphRun:
                     val = self.cache[o]
                 r = self.an.rows.get(o)
                 if isinstance(r, Rows):
+                    if widened:   # its own rows of the widened chunk's (no static rows beside them)
+                        val = val.narrow(r.dim, a - lo, b - a)
                     if outs[i] is None:
                         outs[i] = donate.get(i) if i in donate else _whole(val, r, self.rows)
-                        self._found(o, env, outs[i], r)
+                        if not widened:
+                            self._found(o, env, outs[i], r)
                     _write_rows(outs[i], val, r, self.rows, a, b, a == 0)
                 else:
                     outs[i] = val

@@ -62,6 +62,7 @@ class KVStore:
 
     kind = "device"
     exact = True
+    probe: "KVProbe | None" = None   # an approximate store's first call: exact rows attended as they are written
 
     def __init__(self, device: torch.device, block_rows: int, groups: int = 1):
         self.device = torch.device(device)
@@ -437,12 +438,18 @@ def write_rows(store: KVStore, k: torch.Tensor, v: torch.Tensor, pre: int, post:
     as ``graph_run._write_rows`` does into a whole buffer."""
     if first and store.rows == 0:
         store.allocate(k, pre + total + post)
+
+    def put(start: int, kk: torch.Tensor, vv: torch.Tensor) -> None:
+        store.write(start, kk, vv)
+        if store.probe is not None:   # the exact rows, before they are compressed and let go
+            store.probe.add(start, kk, vv)
+
     off = pre if first else 0
-    store.write(pre + a, k[:, :, off:off + b - a], v[:, :, off:off + b - a])
+    put(pre + a, k[:, :, off:off + b - a], v[:, :, off:off + b - a])
     if first and pre:
-        store.write(0, k[:, :, :pre], v[:, :, :pre])
+        put(0, k[:, :, :pre], v[:, :, :pre])
     if first and post:
-        store.write(pre + total, k[:, :, pre + b - a:pre + b - a + post], v[:, :, pre + b - a:pre + b - a + post])
+        put(pre + total, k[:, :, pre + b - a:pre + b - a + post], v[:, :, pre + b - a:pre + b - a + post])
 
 
 def attend_blocks(consumer: Any, q: torch.Tensor, store: KVStore, *, q_offset: int, causal: bool,
@@ -477,21 +484,82 @@ def _attend_group(consumer: Any, q: torch.Tensor, store: KVStore, g: int, q_offs
     stop = min(store.rows, q_offset + c) if causal else store.rows
     merge = LseAccumulator(q)
     for s, k, v in store.blocks(stop, g):
-        e = s + k.shape[2]
-        cut = q_offset - s if causal and s < q_offset < e else (0 if causal and s >= q_offset else k.shape[2])
-        if cut > 0:   # keys every row of the chunk sees whole
-            m = mask[..., s:s + cut] if mask is not None else None
-            o, lse = consumer.attend_lse(q, k[:, :, :cut], v[:, :, :cut], causal=False, mask=m, scale=scale)
-            merge.add(o, lse, masked=m is not None)
-        if cut < k.shape[2]:   # keys on the chunk's diagonal: row r0 + i sees keys ds .. ds + i
-            ds = s + cut
-            r0 = ds - q_offset
-            m = mask[..., r0:, ds:e] if mask is not None else None
-            o, lse = consumer.attend_lse(q[:, :, r0:], k[:, :, cut:], v[:, :, cut:], causal=True, mask=m, scale=scale)
-            merge.add(o, lse, r0, masked=m is not None)
+        attend_rows(consumer, q, s, k, v, merge, q_offset, causal, scale, mask)
         del k, v
     return merge
 
 
+def attend_rows(consumer: Any, q: torch.Tensor, s: int, k: torch.Tensor, v: torch.Tensor, merge: LseAccumulator,
+                q_offset: int, causal: bool, scale: float | None, mask: torch.Tensor | None = None) -> None:
+    """Q rows ``q_offset``.. against K/V rows [s, s + n) of the store's rows, merged into ``merge``; causal: the keys
+    past the last query row left out, the diagonal attended top-left causal."""
+    if causal:
+        stop = q_offset + q.shape[2]
+        if s >= stop:
+            return
+        if s + k.shape[2] > stop:
+            k, v = k[:, :, :stop - s], v[:, :, :stop - s]
+    e = s + k.shape[2]
+    cut = q_offset - s if causal and s < q_offset < e else (0 if causal and s >= q_offset else k.shape[2])
+    if cut > 0:   # keys every row of the chunk sees whole
+        m = mask[..., s:s + cut] if mask is not None else None
+        o, lse = consumer.attend_lse(q, k[:, :, :cut], v[:, :, :cut], causal=False, mask=m, scale=scale)
+        merge.add(o, lse, masked=m is not None)
+    if cut < k.shape[2]:   # keys on the chunk's diagonal: row r0 + i sees keys ds .. ds + i
+        ds = s + cut
+        r0 = ds - q_offset
+        m = mask[..., r0:, ds:e] if mask is not None else None
+        o, lse = consumer.attend_lse(q[:, :, r0:], k[:, :, cut:], v[:, :, cut:], causal=True, mask=m, scale=scale)
+        merge.add(o, lse, r0, masked=m is not None)
+
+
+class KVProbe:
+    """An approximate store's error, checked in a chunk's memory: a few query rows (``q``, at ``q_offset``) attended
+    against the exact K/V rows as phase KV writes them (``add``: each written piece merged by log-sum-exp, then let
+    go, so exact K/V are never held whole), then against the store (``error``). Their difference is the compression's
+    error where it enters the block, at a fraction of a chunk's attention in time and its query rows in memory."""
+
+    def __init__(self, consumer: Any, q: torch.Tensor, q_offset: int, causal: bool, scale: float | None,
+                 groups: int = 1, block_rows: int = 0):
+        H = q.shape[1]
+        self.consumer, self.q_offset, self.causal, self.scale = consumer, q_offset, causal, scale
+        self.groups = max(1, groups)
+        hq = H // self.groups
+        self.qs = [q[:, g * hq:(g + 1) * hq] for g in range(self.groups)]
+        self.block_rows = max(1, block_rows or q.shape[2])
+        self.merges = [LseAccumulator(qg) for qg in self.qs]
+
+    @property
+    def rows(self) -> int:
+        return self.qs[0].shape[2]
+
+    def nbytes(self) -> int:
+        """What the probe holds through phase KV: its query rows and their fp32 accumulators."""
+        return sum(t.numel() * t.element_size() for qg, m in zip(self.qs, self.merges) for t in (qg, m.acc, m.lse))
+
+    def add(self, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Exact K/V rows [start, start + n), [B, Hkv, n, D]: attended now, a head group and a block at a time."""
+        hk = k.shape[1] // self.groups
+        for a in range(0, k.shape[2], self.block_rows):
+            b = min(a + self.block_rows, k.shape[2])
+            for g, (qg, merge) in enumerate(zip(self.qs, self.merges)):
+                attend_rows(self.consumer, qg, start + a, k[:, g * hk:(g + 1) * hk, a:b],
+                            v[:, g * hk:(g + 1) * hk, a:b], merge, self.q_offset, self.causal, self.scale)
+
+    def error(self, store: KVStore) -> dict[str, float]:
+        """``{"max_abs", "rel", "nan_mismatch"}`` of the same rows attended against ``store`` (held in the probe's
+        head groups), in fp32 both, over every head."""
+        from .compare import compare_outputs
+        if store.groups != self.groups:
+            raise ValueError(f"a probe in {self.groups} head groups checks a store in as many, not {store.groups}")
+        got = torch.cat([_attend_group(self.consumer, qg, store, g, self.q_offset, self.causal, self.scale, None)
+                         .result(torch.float32) for g, qg in enumerate(self.qs)], 1)
+        exact = torch.cat([m.result(torch.float32) for m in self.merges], 1)
+        return compare_outputs(got, exact)["output"]
+
+    def release(self) -> None:
+        self.qs, self.merges = [], []
+
+
 __all__ = ["KV_KINDS", "APPROXIMATE", "KVStore", "DeviceStore", "HostStore", "Int8Store", "Fp8Store", "StoreKind",
-           "register_kv_store", "store_kind", "make_store", "write_rows", "attend_blocks"]
+           "register_kv_store", "store_kind", "make_store", "write_rows", "attend_blocks", "attend_rows", "KVProbe"]

@@ -1,6 +1,8 @@
 """Below the floor on the captured-graph path: what ``apply(..., kv=...)`` asks for, which K/V stores a captured block
 can use, their memory model for the planner (``planner.KVOption``), and running a block with its K/V in a store
-(``execute.kv_stores``), the error of an approximate store measured against the exact run on its first call.
+(``execute.kv_stores``), the error of an approximate store measured on its first call in a chunk's memory (a few
+query rows attended against exact K/V as phase KV makes them: a compressed tier is chosen because exact K/V do not fit,
+so no call of it, the first included, may hold them).
 
 ``kv="device"`` (the default) is exact: K/V stay whole on the device wherever the budget allows; below the floor the
 planner takes the faster of L3 (head groups) and, on CUDA, L4 (host-staged K/V, in head groups of its own) by estimated
@@ -17,9 +19,10 @@ from typing import Any, Callable
 import torch
 
 from .call_state import rehearsing
-from .compare import compare_outputs
 from .context import CallContext
-from .kv_stores import APPROXIMATE, KV_KINDS, WRITE_ROWS, attend_blocks, make_store, store_kind
+from .call_ledger import phase
+from .kv_stores import APPROXIMATE, KV_KINDS, WRITE_ROWS, KVProbe, attend_blocks, make_store, store_kind
+from ..plan.budget import fmt_bytes
 from ..plan.planner import ATTENTION_RATE, Costs, KVOption, Tier
 
 log = logging.getLogger("streamplan")
@@ -160,40 +163,95 @@ def store_attend(consumer) -> Callable[..., torch.Tensor]:
     return attend
 
 
+PROBE_ROWS = 256   # query rows an approximate store's error check attends against exact K/V (at most a chunk's)
+
+
 @dataclass
 class KVError:
-    """An approximate store's output error against the exact run of the same call (the first call per shape)."""
+    """An approximate store's error on the first call per shape: its last ``rows`` query rows (every head) attended
+    against the store and against exact K/V, the attention outputs compared (where the compression enters the block).
+    Exact K/V are attended chunk by chunk as phase KV makes them, never held whole: the check's extra memory is
+    ``extra_bytes`` (those query rows and their fp32 accumulators), not a second K/V."""
 
     kind: str
     rel: float
     max_abs: float
+    rows: int = 0
+    extra_bytes: int = 0
 
     def describe(self) -> str:
-        return (f"kv={self.kind} (L5, approximate): output error against exact K/V on the first call: "
-                f"rel {self.rel:.2e}, max abs {self.max_abs:.2e}")
+        return (f"kv={self.kind} (L5, approximate): attention output error against exact K/V, first call, its last "
+                f"{self.rows} query rows, every head: rel {self.rel:.2e}, max abs {self.max_abs:.2e} (checked in a "
+                f"chunk's memory: exact K/V attended as phase KV made them, never whole; {fmt_bytes(self.extra_bytes)} "
+                f"extra. The block's output against stock: self_check=True, at stock's peak)")
 
 
-def measure_error(kind: str, streamed: Any, exact: Any) -> KVError:
-    diffs = compare_outputs(streamed, exact)
-    rel = max((d["rel"] for d in diffs.values()), default=0.0)
-    max_abs = max((d["max_abs"] for d in diffs.values()), default=0.0)
-    return KVError(kind, rel, max_abs)
+def _probes(run, plan, consumer) -> dict:
+    """A ``KVProbe`` per global attention: its Q over the last rows of phase Q's last chunk (at most ``PROBE_ROWS``),
+    built before phase KV (later, a donated input may have been written over)."""
+    from .chunk_loop import chunk_bounds
+    a, b = list(chunk_bounds(run.rows, plan.chunk, run.cap.min_rows))[-1]
+    probes = {}
+    for att in run.an.attentions:
+        r = att.q_rows
+        if r is None or r.dim != 2:
+            continue
+        q = run.query_rows(att, a, b)
+        m = min(PROBE_ROWS, b - a)
+        q = q.narrow(2, r.pre + (b - a) - m, m).clone()   # only these rows are kept: the chunk's Q let go
+        probes[att.node] = KVProbe(consumer, q, b - m, att.causal, att.scale, plan.head_groups, plan.kv_block)
+    return probes
 
 
-def run_with_store(run, plan, device: torch.device, consumer, donate: dict, exact_run: Callable[[], Any] | None):
-    """Phase KV into the plan's store, phase Q against its blocks. ``exact_run`` (an approximate store's first call):
-    the same call with exact K/V first, into its own outputs (nothing donated), for the error; returns
-    ``(output, KVError | None)``."""
-    error = None
-    ref = exact_run() if exact_run is not None and plan.kv in APPROXIMATE else None
-    run.kv_store = store_factory(plan.kv, device, plan.kv_block, plan.head_groups)
+def run_with_store(run, plan, device: torch.device, consumer, donate: dict, check: bool = False):
+    """Phase KV into the plan's store, phase Q against its blocks. ``check`` (an approximate store's first call):
+    the store's error measured in a chunk's memory (``KVProbe``) between the phases. Returns ``(output, KVError or
+    None)``."""
+    make = store_factory(plan.kv, device, plan.kv_block, plan.head_groups)
+    probes = _probes(run, plan, consumer) if check and plan.kv in APPROXIMATE else {}
+
+    def kv_store(att):
+        store = make(att)
+        store.probe = probes.get(att.node)
+        return store
+
+    run.kv_store = kv_store
     run.attend_store = store_attend(consumer)
-    run.build_kv(plan.chunk)
-    out = run.run_q(plan.chunk, donate, span=plan.q_span)
-    if ref is not None:
-        error = measure_error(plan.kv, out, ref)
-        del ref
+    with phase("phase KV"):
+        run.build_kv(plan.chunk)
+    error = None
+    if probes:
+        extra, rows = sum(p.nbytes() for p in probes.values()), min(p.rows for p in probes.values())
+        worst = {"max_abs": 0.0, "rel": 0.0}
+        for node, probe in probes.items():
+            store = run.stores[node]
+            store.probe = None
+            d = probe.error(store)
+            worst = {key: max(worst[key], d[key]) for key in worst}
+            probe.release()
+        error = KVError(plan.kv, worst["rel"], worst["max_abs"], rows, extra)
+        probes.clear()
+    with phase("phase Q"):
+        out = run.run_q(plan.chunk, donate, span=plan.q_span)
     return out, error
+
+
+def run_stored(ctx: CallContext, sig: tuple, run, plan, device: torch.device, consumer, donate: dict) -> Any:
+    """Run a planned L4/L5 call; an approximate store's first call per signature also measures its error
+    (``run_with_store``), unless the block writes into its inputs (its Q, built ahead for the check, would read them
+    before phase KV changed them)."""
+    entry = ctx.entry
+    measure = plan.kv in APPROXIMATE and sig not in entry.kv_errors and device.type != "meta" and not rehearsing()
+    if measure and run.an.input_writes:
+        ctx.note(f"kv={plan.kv}: error not measured (the block writes into its inputs)")
+        measure = False
+    out, error = run_with_store(run, plan, device, consumer, donate, measure)
+    if measure and error is None:
+        ctx.note(f"kv={plan.kv}: error not measured (no global attention's Q is [batch, heads, rows, head_dim])")
+    if error is not None:
+        entry.kv_errors[sig] = error
+        log.info("streamplan: %s: %s", entry.name or type(entry.module).__name__, error.describe())
+    return out
 
 
 def plan_args(ctx: CallContext, found, rows: int, device: torch.device, consumer, adapted: Any = None,
@@ -210,27 +268,5 @@ def plan_args(ctx: CallContext, found, rows: int, device: torch.device, consumer
     return {"kv_options": opts, "kv_store": kv, "costs": costs(found, rows, device)}
 
 
-def run_stored(ctx: CallContext, sig: tuple, run, plan, device: torch.device, consumer, donate: dict,
-               exact: Callable[[], Any]) -> Any:
-    """Run a planned L4/L5 call; an approximate store's first call per signature runs ``exact()`` (a GraphRun with
-    whole device K/V) first for the error, unless the block writes into its inputs (the exact run would change them)."""
-    entry = ctx.entry
-    measure = plan.kv in APPROXIMATE and sig not in entry.kv_errors and device.type != "meta" and not rehearsing()
-    if measure and run.an.input_writes:
-        ctx.note(f"kv={plan.kv}: error not measured (the block writes into its inputs)")
-        measure = False
-
-    def exact_run():
-        ref = exact()
-        ref.build_kv(plan.chunk)
-        return ref.run_q(plan.chunk, {})
-
-    out, error = run_with_store(run, plan, device, consumer, donate, exact_run if measure else None)
-    if error is not None:
-        entry.kv_errors[sig] = error
-        log.info("streamplan: %s: %s", entry.name, error.describe())
-    return out
-
-
 __all__ = ["check_kv", "kv_problem", "kv_options", "costs", "options_for", "plan_args", "run_stored", "run_with_store",
-           "KVError"]
+           "KVError", "PROBE_ROWS"]

@@ -95,7 +95,7 @@ def _bind(ctx: CallContext, attn: AttentionSpec, args: tuple, kwargs: dict):
     entry = ctx.entry
     consumer = consumer_for(attn.backend())
     if consumer is None:
-        ctx.note(f"attention backend {attn.backend()!r} has no streamplan consumer: ran stock")
+        ctx.note(f"ran stock: attention backend {attn.backend()!r} has no streamplan consumer")
         return None
     tensors = [t for t in list(args) + list(kwargs.values()) if isinstance(t, torch.Tensor)]
     if tensors and needs_grad(entry.module, tensors[0]):

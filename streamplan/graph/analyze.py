@@ -17,6 +17,8 @@ import torch
 from torch import fx
 
 from ..registries import ROW_LOCAL_CUSTOM_OPS
+from .op_names import op_name, pointwise
+from .pair_masks import NotSliceable, PairMask, is_pair_op, pair_mask
 
 aten = torch.ops.aten
 
@@ -60,6 +62,15 @@ class Analysis:
     whole_inputs: set = field(default_factory=set)   # inputs with rows every chunk takes whole (a key mask)
     built_whole: set = field(default_factory=set)    # values with rows built from the row count alone (a key mask
     # built inside the block, positions): computed once per call over every row, then read like inputs
+    pair_masks: dict = field(default_factory=dict)   # masks over rows x rows built inside the block: each Q chunk's
+    # rows built alone from values read whole (``pair_masks.PairMask``), then read like a mask input's rows
+    halo: tuple[int, int] = (0, 0)   # rows before and after its own that a chunk reads (convolutions along the rows):
+    # each chunk runs on its rows widened by them, and keeps its own
+
+    @property
+    def read_as_inputs(self) -> set:
+        """Values the chunks read as they read the block's inputs, never computing them in a phase."""
+        return set(self.built_whole) | set(self.pair_masks)
 
     @property
     def static_rows(self) -> bool:
@@ -76,13 +87,14 @@ class NotRowLocal(Exception):
 IGNORED_OPS = {aten._assert_tensor_metadata.default, aten._assert_scalar.default,
             aten.sym_constrain_range_for_size.default}
 _PASS = {"view", "reshape", "_unsafe_view", "unflatten", "flatten", "permute", "transpose", "t", "unsqueeze", "squeeze",
-         "expand", "expand_as", "alias", "clone", "contiguous", "_to_copy", "to", "type_as", "detach",
+         "expand", "expand_as", "broadcast_to", "alias", "clone", "contiguous", "_to_copy", "to", "type_as", "detach",
          "lift_fresh_copy",
          "view_as_complex", "view_as_real", "movedim", "dropout", "native_dropout", "fill", "zeros_like", "ones_like",
          "empty_like", "full_like", "masked_fill", "where", "real", "imag", "conj", "_conj", "resolve_conj",
          "resolve_neg", "stack", "repeat_interleave", "copy"}
 # ops whose output shares its input's storage (a write into one reaches the other; the memory model counts no bytes)
-VIEW_OPS = {"view", "_unsafe_view", "permute", "transpose", "t", "unsqueeze", "squeeze", "expand", "expand_as", "alias",
+VIEW_OPS = {"view", "_unsafe_view", "permute", "transpose", "t", "unsqueeze", "squeeze", "expand", "expand_as",
+            "broadcast_to", "alias",
             "slice", "select", "narrow", "split", "split_with_sizes", "chunk", "unbind", "unflatten", "detach",
             "movedim", "view_as_complex", "view_as_real", "flatten", "reshape", "contiguous", "dropout",
             "lift_fresh_copy"}
@@ -109,16 +121,6 @@ def numel_besides(val, dim: int | None) -> int:
             return 0
         n *= int(e)
     return n
-
-
-def pointwise(target) -> bool:
-    """An elementwise op (torch's own tag): each output element from the inputs' elements at its place."""
-    return torch.Tag.pointwise in getattr(target, "tags", ())
-
-
-def op_name(target) -> str:
-    packet = getattr(target, "_overloadpacket", None)
-    return packet.__name__ if packet is not None else getattr(target, "__name__", str(target))
 
 
 def written_args(node: fx.Node) -> list[fx.Node]:
@@ -169,6 +171,14 @@ class _Analyzer:
         self.row_const: set[fx.Node] = set()
         self.from_count: dict[fx.Node, str] = {}
         self.whole_masks: set[fx.Node] = set()
+        self.pair_nodes: set[fx.Node] = set()        # values with two row dimensions on the way to an attention mask
+        self.pair_masks: dict[fx.Node, PairMask] = {}
+        # convolutions along the rows: each output row reads a reach of input rows around its own (a halo), so a chunk
+        # runs on its rows and the halo's; ``halo`` the reach of the whole block (left, right), every such op's added.
+        # ``halo_wide`` a padded convolution's output longer than the rows, and how much, until a slice takes them
+        self.halo = (0, 0)
+        self.shared_writes: list[str] = []   # in-place ops writing per-chunk values into values computed once
+        self.halo_wide: dict[fx.Node, tuple[int, int, int]] = {}   # node -> (padding, dilation * (kernel - 1), extra)
 
     # -- symbolic helpers ---------------------------------------------------------------------------------------
     def expr(self, size) -> sympy.Expr:
@@ -190,6 +200,14 @@ class _Analyzer:
                     raise NotRowLocal(f"a dimension of size {e} (not the row count plus a constant)")
                 found.append((i, int(c)))
         return found
+
+    def two_row_dims(self, val) -> bool:
+        """Whether ``val`` has two dimensions that hold the row count (a size other than rows + a constant is the
+        op's own check to name)."""
+        try:
+            return len(self.row_dims(val)) == 2
+        except NotRowLocal:
+            return False
 
     def out_rows(self, node: fx.Node, val, pre: int, post: int) -> Rows | None:
         dims = self.row_dims(val)
@@ -258,6 +276,11 @@ class _Analyzer:
             self.ignored.add(node)
             return
         masks = [a for a in node.all_input_nodes if a in self.masks]
+        pairs = [a for a in node.all_input_nodes if a in self.pair_nodes or a in self.masks]
+        if pairs and op_name(target) != "sym_size" and (op_name(target) not in SDPA_OPS
+                                                        or pairs != [bind(node).get("attn_mask")]):
+            self.pair(node)   # a mask over rows x rows on its way to an attention
+            return
         if masks and op_name(target) == "sym_size":
             # export may read the row count off a mask (OmniGen): off its key dimension, which a Q chunk keeps
             # whole, it is read off the query dimension instead (the same symbol), so it counts the chunk's rows
@@ -308,6 +331,8 @@ class _Analyzer:
         if name in SDPA_OPS:
             self.rows[node] = self.attention(node, val)
             return
+        if not inputs and node not in self.const and written_args(node):
+            self.shared_write(node, name)
         if not inputs:
             if isinstance(val, torch.Tensor) and self.row_dims(val):
                 if name not in _CREATE and name not in ("expand", "expand_as"):
@@ -333,14 +358,88 @@ class _Analyzer:
                 self.rows[node] = None
                 return
             raise NotRowLocal(f"{name} turns rows into a non-tensor")
-        if all(n in self.row_const for n, _ in inputs) and len(self.row_dims(val)) > 1:
-            raise NotRowLocal(f"{name} makes a mask over rows x rows from one built from the row count (a key mask "
-                              "repeated over the query rows): the generic path takes key masks [.., 1, keys] built "
-                              "inside the block")
+        if is_pair_op(node) and self.two_row_dims(val):   # a key mask over the rows spread over rows x rows
+            self.pair(node)
+            return
+        if name in ("conv1d", "convolution"):
+            self.rows[node] = self.halo_conv(node, name, args, inputs, val)
+            return
+        if any(n in self.halo_wide for n, _ in inputs):
+            self.rows[node] = self.halo_crop(node, name, args, inputs, val)
+            return
         self.rows[node] = self.single(node, name, args, inputs, val)
         if all(n in self.row_const or n in self.const or not isinstance(n.meta.get("val"), torch.Tensor)
                for n in node.all_input_nodes):
             self.row_const.add(node)
+
+    def pair(self, node: fx.Node) -> None:
+        """A value with two row dimensions: element-wise or a layout change of values over the rows, on its way to be
+        an attention's mask over rows x rows (``attention`` checks where it ends)."""
+        val, name = node.meta.get("val"), op_name(node.target)
+        if not isinstance(val, torch.Tensor) or not is_pair_op(node) or len(self.row_dims(val)) != 2:
+            raise NotRowLocal(f"{name} on a mask over rows x rows, other than to make an attention's mask of it")
+        self.pair_nodes.add(node)
+        self.rows[node] = None
+
+    def halo_conv(self, node: fx.Node, name: str, args: dict, inputs, val) -> Rows:
+        """A 1-D convolution along the rows (LFM2's short causal convolution): stride 1, zero padding; its reach
+        from the kernel size, padding and dilation, never guessed."""
+        x_node, x = inputs[0]
+        xv = x_node.meta["val"]
+        if x_node is not args.get("input") or len(inputs) > 1 or xv.dim() != 3 or x.dim != 2 or x.pre or x.post:
+            raise NotRowLocal(f"{name} over the rows other than a 1-D convolution along them (its input "
+                              "[batch, channels, rows], the rows alone)")
+        if args.get("transposed") or list(args.get("stride") or [1]) != [1]:
+            raise NotRowLocal(f"{name} along the rows with a stride or transposed")
+        w = args["weight"].meta["val"]
+        reach = int(list(args.get("dilation") or [1])[0]) * (int(w.shape[-1]) - 1)
+        padding = args.get("padding", [0])
+        if padding == "same":
+            left = reach // 2
+        elif isinstance(padding, (list, tuple)) and len(padding) == 1 and isinstance(padding[0], int):
+            left = int(padding[0])
+        else:
+            raise NotRowLocal(f"{name} along the rows with padding {padding!r}")
+        extra = 2 * left - reach if padding != "same" else 0
+        if extra < 0:
+            raise NotRowLocal(f"{name} along the rows gives fewer rows than it reads (padding {left}, reach {reach})")
+        out = self.out_rows(node, val, 0, extra)
+        if out is None or out.dim != 2:
+            raise NotRowLocal(f"{name} moves the rows")
+        if extra:   # padded both sides: longer than the rows until a slice keeps the rows' count of them
+            self.halo_wide[node] = (left, reach, extra)
+        else:
+            self.add_halo(left, reach - left)
+        return Rows(2)
+
+    def halo_crop(self, node: fx.Node, name: str, args: dict, inputs, val) -> Rows:
+        """The slice that keeps the row count of a padded convolution's longer output (``x[..., :rows]``: causal)."""
+        x_node, _ = inputs[0]
+        left, reach, extra = self.halo_wide[x_node]
+        start = self.expr(args.get("start") or 0)
+        dims = self.row_dims(val) if isinstance(val, torch.Tensor) else []
+        if name != "slice" or x_node is not args.get("self") or len(inputs) > 1 or \
+                self.norm_dim(args.get("dim", 0), val.dim()) != 2 or (args.get("step") or 1) != 1 or \
+                not start.is_Integer or not 0 <= int(start) <= extra or dims != [(2, 0)]:
+            raise NotRowLocal(f"{name} of a padded convolution's output other than a slice of the rows' count")
+        self.add_halo(left - int(start), reach - left + int(start))
+        return Rows(2)
+
+    def add_halo(self, left: int, right: int) -> None:
+        self.halo = (self.halo[0] + left, self.halo[1] + right)
+
+    def shared_write(self, node: fx.Node, name: str) -> None:
+        """An in-place op on values without rows that runs in every chunk (it reads an attention's output over
+        static queries, say) must not write into a value computed once per call: each chunk would write it again.
+        Where static rows are joined to the rows, such values are computed by the first chunk alone: ``analyze``
+        refuses the write only without them."""
+        for target in written_args(node):
+            root = target
+            while root.op == "call_function" and root.all_input_nodes and (
+                    op_name(root.target) in VIEW_OPS or root.target is operator.getitem):
+                root = root.all_input_nodes[0]
+            if target in self.const or root in self.const:
+                self.shared_writes.append(name)
 
     def in_place(self, node, name, inputs, val) -> Rows | None:
         """An op writing into its first argument (``copy_`` into a slice of a fresh tensor, ``mul_``): row-local when
@@ -480,7 +579,14 @@ class _Analyzer:
         """``table[idx]`` (``aten.index`` with one integer index tensor): rows of a table without rows picked per row
         (MiniMax-H3's AdaLN rows by each row's segment, ``scale[mod_rows]``) is row-local, like ``embedding``."""
         indices = list(args["indices"] or [])
-        if isinstance(self.rows.get(args["self"]), Rows):
+        src = self.rows.get(args["self"])
+        if isinstance(src, Rows):   # ``x[..., [-2], :]``: constant indices into dimensions after the rows pick
+            at = [i for i, t in enumerate(indices) if t is not None]   # features (Falcon's K out of its fused QKV)
+            if at and at[0] > src.dim and at == list(range(at[0], at[-1] + 1)) and all(
+                    indices[i] in self.const for i in at):
+                out = self.out_rows(args["self"], val, src.pre, src.post)
+                if out is not None and out.dim == src.dim:
+                    return out
             raise NotRowLocal("index of a value with rows (a gather across rows)")
         if any(isinstance(self.rows.get(i), Rows) for i in indices[1:]) or not indices or \
                 not isinstance(self.rows.get(indices[0]), Rows):
@@ -550,8 +656,9 @@ class _Analyzer:
             if (args.get("step") or 1) != 1:
                 raise NotRowLocal("a strided slice of the rows")
             start = self.expr(args.get("start") or 0)
-            if start.is_Integer and int(start) < 0:
-                start = size + start
+            if (start.is_Integer and int(start) < 0) or (not start.is_Integer and bool(
+                    start.subs(self.s, 10 ** 9) < 0)):   # from the end: ``freqs[-rows:]`` keeps every row
+                start = sympy.expand(size + start)
             out_size = self.expr(val.shape[x.dim])
             return self.span_ok(x, start, out_size, self.out_rows_slice(node, val, x), name)
         if name == "narrow":
@@ -638,10 +745,11 @@ class _Analyzer:
         """A mask over the rows' keys the generic path takes (True: its query rows are the rows, chunked with Q): an
         input of the block given straight to the attention, either [.., 1, Nk] over the keys alone (whole for every Q
         chunk: HunyuanVideo's text mask over the joint rows) or [.., N, Nk] over rows x rows (no static rows)."""
+        if isinstance(mask, fx.Node) and mask in self.pair_nodes:
+            return self.pair_root(mask, qr, kr)
         built = isinstance(mask, fx.Node) and mask in self.row_const
         if not built and (not isinstance(mask, fx.Node) or mask.op != "placeholder" or mask not in self.user_inputs):
-            raise NotRowLocal("an attention mask over the rows' keys built inside the block from its rows' values "
-                              "(the generic path takes one given to the block, or built from the row count alone)")
+            return self.key_mask_made(mask, kr)
         val, mr = mask.meta["val"], self.rows.get(mask)
         if mask in self.masks:
             if not isinstance(qr, Rows) or (qr.pre, qr.post, kr.pre, kr.post) != (0, 0, 0, 0):
@@ -657,11 +765,46 @@ class _Analyzer:
             self.whole_masks.add(mask)
         return False
 
+    def key_mask_made(self, mask, kr) -> bool:
+        """A key mask [.., 1, keys] the block makes from values read whole (the pipeline's [B, N] mask unsqueezed and
+        cast): built whole for each Q chunk by its element-wise and layout ops alone (``pair_masks``), or refused."""
+        val = mask.meta.get("val") if isinstance(mask, fx.Node) else None
+        mr = self.rows.get(mask) if isinstance(mask, fx.Node) else None
+        if val is None or not isinstance(mr, Rows) or mr.dim != val.dim() - 1 or val.dim() < 2 or \
+                val.shape[-2] != 1 or (mr.pre, mr.post) != (kr.pre, kr.post):
+            raise NotRowLocal("an attention mask over the rows' keys built inside the block from its rows' values "
+                              "(the generic path takes one given to the block, or built from the row count alone)")
+        if any(op_name(u.target) not in SDPA_OPS or bind(u).get("attn_mask") is not mask for u in mask.users):
+            raise NotRowLocal("an attention mask over the rows' keys made inside the block and used otherwise too")
+        try:
+            self.pair_masks[mask] = pair_mask(mask, lambda n: n.op == "placeholder" or n in self.const or (
+                n in self.row_const and isinstance(self.rows.get(n), Rows)))
+        except NotSliceable as exc:
+            raise NotRowLocal(f"an attention mask over the rows' keys built inside the block: {exc}") from None
+        self.masks[mask] = mr   # given whole to every Q chunk
+        return False
+
+    def pair_root(self, mask: fx.Node, qr, kr) -> bool:
+        """A mask over rows x rows built inside the block, its query rows those of Q and its keys those of K: each Q
+        chunk's rows are built alone (``pair_masks``) from values read whole."""
+        val = mask.meta["val"]
+        dims = self.row_dims(val)
+        if not isinstance(qr, Rows) or [d for d, _ in dims] != [val.dim() - 2, val.dim() - 1] or \
+                (dims[0][1], dims[1][1]) != (qr.pre + qr.post, kr.pre + kr.post):
+            raise NotRowLocal("a mask over rows x rows whose dimensions are not the queries' and the keys' rows")
+        try:
+            self.pair_masks[mask] = pair_mask(mask, lambda n: n.op == "placeholder" or n in self.const or (
+                n in self.row_const and isinstance(self.rows.get(n), Rows)))
+        except NotSliceable as exc:
+            raise NotRowLocal(str(exc)) from None
+        self.rows[mask] = Rows(val.dim() - 2, qr.pre, qr.post)
+        return True
+
     def built_whole(self) -> set[fx.Node]:
         """The values built once per call over every row: key masks built from the row count, and the outermost
         values built from the row count alone that a chunk reads (sliced to its rows, as an input is). A value a chunk
         could not build by itself (``from_count``) must lie under one of them."""
-        whole = set(self.whole_masks)
+        whole = set(self.whole_masks) | {n for pm in self.pair_masks.values() for n in pm.leaves if n in self.row_const}
         for n in self.row_const:
             if n in whole or isinstance(self.rows.get(n), list):
                 continue
@@ -726,7 +869,17 @@ def analyze(graph: fx.Graph, symbol, user_inputs: set[fx.Node]) -> Analysis | st
         built = an.built_whole()
     except NotRowLocal as exc:
         return str(exc)
+    if any(o in an.halo_wide for o in outs):
+        return "a padded convolution's output, longer than the rows, is an output"
     ops = sum(1 for n in graph.nodes if n.op == "call_function")
-    return Analysis(an.rows, an.const, an.ignored, an.attentions, outs, ops, input_writes=an.input_writes,
-                    whole_inputs={a.mask for a in an.attentions if a.mask is not None and not a.mask_query_rows},
-                    built_whole=built)
+    result = Analysis(an.rows, an.const, an.ignored, an.attentions, outs, ops, input_writes=an.input_writes,
+                      whole_inputs={a.mask for a in an.attentions if a.mask is not None and not a.mask_query_rows},
+                      built_whole=built, pair_masks=an.pair_masks, halo=an.halo)
+    if an.shared_writes and not result.static_rows:
+        return (f"{an.shared_writes[0]} writes into a value computed once per call (no rows) from values each chunk "
+                "computes: every chunk would write it again")
+    if an.halo != (0, 0) and (result.static_rows or an.input_writes or an.attentions):
+        return ("a convolution along the rows in a block with " + ("static rows joined" if result.static_rows else
+                "writes into its inputs" if an.input_writes else "a global attention") +
+                ": a chunk widened by its halo is run only where it reads nothing but its rows")
+    return result

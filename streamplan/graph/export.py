@@ -16,6 +16,7 @@ from torch.utils import _pytree as pytree
 
 from ..registries import ARGUMENT_RECORDS, CAPTURE_CONTEXTS, CAPTURE_STATE_ATTRS
 from .opaque_layers import OpaqueRefused
+from .autocast_regions import inline_autocast_off
 
 log = logging.getLogger("streamplan")
 
@@ -35,6 +36,11 @@ class Captured:
     row_symbol: Any                   # the sympy symbol of the row count
     seconds: float
     min_rows: int = 2                 # the fewest rows the capture is valid for: no chunk is smaller
+    autocast_off: frozenset = frozenset()   # device types whose autocast regions that turn it off were inlined
+
+    def size_at(self, size: Any, rows: int) -> int:
+        """A size of the graph (an int, or a SymInt of the row count) at a call of ``rows`` rows."""
+        return int(size.node.expr.subs(self.row_symbol, rows)) if isinstance(size, torch.SymInt) else int(size)
 
 
 def rows_of_call(args: tuple, kwargs: dict) -> int | None:
@@ -368,10 +374,14 @@ def _captured(module: nn.Module, program: Any, seconds: float, min_rows: int) ->
     symbol = _row_symbol(program.graph)
     if symbol is None or not getattr(symbol, "is_Symbol", False):
         return "no input dimension became the symbolic row count"
+    try:
+        autocast_off = inline_autocast_off(program.graph, program.graph_module)
+    except RuntimeError as exc:
+        return str(exc)
     log.info("streamplan: captured %s in %.2f s (%d graph nodes)", type(module).__name__, seconds,
              len(program.graph.nodes))
     return Captured(program, program.graph, inputs, program.call_spec.in_spec, program.call_spec.out_spec, symbol,
-                    seconds, min_rows=min_rows)
+                    seconds, min_rows=min_rows, autocast_off=autocast_off)
 
 
 def _placeholder_kinds(program: Any) -> list[tuple[str, str]] | str:

@@ -25,12 +25,17 @@ class OpaqueRefused(Exception):
     the block's capture fails with this reason, and the block stays stock."""
 
 
-@torch.library.custom_op("streamplan::opaque_module", mutates_args=())
-def opaque_module(x: torch.Tensor, name: str, out_features: int, call_bytes: int, row_bytes: int) -> torch.Tensor:
+def _call(name: str, x: torch.Tensor):
+    """The module ``name`` of the block being run, through its own forward."""
     stack = getattr(_RUNNING, "blocks", None)
     if not stack:
         raise RuntimeError(f"streamplan::opaque_module({name!r}) called outside a streamed block's run")
     return stack[-1].get_submodule(name)(x)
+
+
+@torch.library.custom_op("streamplan::opaque_module", mutates_args=())
+def opaque_module(x: torch.Tensor, name: str, out_features: int, call_bytes: int, row_bytes: int) -> torch.Tensor:
+    return _call(name, x)
 
 
 @opaque_module.register_fake
@@ -41,10 +46,30 @@ def _(x: torch.Tensor, name: str, out_features: int, call_bytes: int, row_bytes:
 register_row_local_op("streamplan", "opaque_module", "norm")   # a row's features in, the same row's features out
 
 
+@torch.library.custom_op("streamplan::opaque_module_pair", mutates_args=())
+def opaque_module_pair(x: torch.Tensor, name: str, out_features: int, call_bytes: int, row_bytes: int,
+                       second_features: int, second_dtype: torch.dtype,
+                       flat: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A module whose forward returns its rows and a per-token tensor beside them (router scores)."""
+    out, second = _call(name, x)
+    return out, second
+
+
+@opaque_module_pair.register_fake
+def _(x: torch.Tensor, name: str, out_features: int, call_bytes: int, row_bytes: int, second_features: int,
+      second_dtype: torch.dtype, flat: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = (math.prod(x.shape[:-1]),) if flat else tuple(x.shape[:-1])
+    return x.new_empty(x.shape[:-1] + (out_features,)), x.new_empty(tokens + (second_features,), dtype=second_dtype)
+
+
+register_row_local_op("streamplan", "opaque_module_pair", "rows")   # both outputs per token
+OPS = (torch.ops.streamplan.opaque_module.default, torch.ops.streamplan.opaque_module_pair.default)
+
+
 def workspace_bytes(node: torch.fx.Node, rows: int) -> int:
     """What an opaque module may allocate inside its call on ``rows`` rows besides its output, at most, as its kind
     declared at capture (a 4-bit linear's dequantised weight; an expert's routed copies of the chunk's rows)."""
-    if node.target is not torch.ops.streamplan.opaque_module.default:
+    if node.target not in OPS:
         return 0
     call_bytes, row_bytes = node.args[3], node.args[4]
     return int(call_bytes) + int(row_bytes) * rows
@@ -73,21 +98,24 @@ def running(block: nn.Module) -> Iterator[None]:
         stack.pop()
 
 
-def _as_op(name: str, m: nn.Module, kind: OpaqueKind):
+def _as_op(name: str, m: nn.Module, kind: OpaqueKind, second: tuple | None):
     def forward(x: torch.Tensor, *rest, **kw) -> torch.Tensor:
         if rest or kw:   # the op takes the rows alone: a call with more cannot be replayed by name
             raise OpaqueRefused(f"{type(m).__name__} {name} ({kind.name}) called with more than its input rows")
         call_bytes, per_token = kind.workspace(m, x)
         batch = math.prod(int(d) for d in x.shape[:-2])   # per row of the call: every batch element's token
-        return torch.ops.streamplan.opaque_module(x, name, int(kind.out_features(m, x)), int(call_bytes),
-                                                  int(per_token) * batch)
+        common = (x, name, int(kind.out_features(m, x)), int(call_bytes), int(per_token) * batch)
+        if second is None:
+            return torch.ops.streamplan.opaque_module(*common)
+        return torch.ops.streamplan.opaque_module_pair(*common, *second)
     return forward
 
 
 @contextlib.contextmanager
 def _as_ops(layers: list[tuple[str, nn.Module, OpaqueKind]]) -> Iterator[None]:
-    for name, m, kind in layers:
-        m.forward = _as_op(name, m, kind)
+    seconds = [kind.second(m) for _, m, kind in layers]   # learnt before the trace: a kind may run the module
+    for (name, m, kind), second in zip(layers, seconds):
+        m.forward = _as_op(name, m, kind, second)
     try:
         yield
     finally:

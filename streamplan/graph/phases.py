@@ -74,7 +74,7 @@ def ancestors(roots: list[fx.Node], stop: set[fx.Node], extra: dict[fx.Node, set
 def phases_of(cap: Captured, an: Analysis) -> Phases:
     order = [n for n in cap.graph.nodes if n.op == "call_function" and n not in an.ignored]
     const = [n for n in order if n in an.const]
-    stop = set(an.const) | set(an.built_whole) | {n for n in cap.graph.nodes if n.op == "placeholder"}
+    stop = set(an.const) | an.read_as_inputs | {n for n in cap.graph.nodes if n.op == "placeholder"}
     base: dict[fx.Node, fx.Node] = {}
     output = next(n for n in cap.graph.nodes if n.op == "output")
     extra = writes_before(order + [output], base)

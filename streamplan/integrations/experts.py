@@ -64,10 +64,33 @@ def refusal(m: nn.Module) -> str | None:
                     "depends on every row of the call, not each row alone")
     if _attr(m, "drop_tokens") is True:
         return "a router that drops tokens (drop_tokens=True): not each row alone"
-    if _returns_tuple(type(m)):
-        return ("its forward returns more than its rows (router scores beside them): a chunk's op gives its rows "
-                "alone")
+    if _returns_tuple(type(m)) and second(m) is None:
+        return ("its forward returns more than its rows and one per-token tensor beside them (router scores), or "
+                "could not be run on three tokens to see what it returns")
     return None
+
+
+def second(m: nn.Module) -> tuple[int, torch.dtype, bool] | None:
+    """For a forward that returns a per-token tensor beside its rows (GPT-OSS's router scores): its features, dtype,
+    and whether its tokens are flattened; learnt by running the module once on three zero tokens on its own device
+    (before the capture traces), since the two libraries return scores, logits or their top-k in varying layouts."""
+    if not _returns_tuple(type(m)):
+        return None
+    p = next(m.parameters(), None)
+    w = getattr(_router(m), "weight", None)
+    if p is None or p.device.type == "meta" or not isinstance(w, torch.Tensor):
+        return None
+    try:
+        with torch.no_grad():
+            out = m(torch.zeros(1, 3, int(w.shape[-1]), dtype=p.dtype, device=p.device))
+    except Exception:  # noqa: BLE001 -- a module that cannot run alone stays stock, named by ``refusal``
+        return None
+    if not (isinstance(out, tuple) and len(out) == 2 and all(isinstance(t, torch.Tensor) for t in out)):
+        return None
+    tokens = tuple(out[1].shape[:-1])
+    if tokens not in ((3,), (1, 3)):
+        return None
+    return int(out[1].shape[-1]), out[1].dtype, tokens == (3,)
 
 
 @functools.cache
@@ -105,4 +128,4 @@ def workspace(m: nn.Module, x: torch.Tensor) -> tuple[int, int]:
 
 
 register_opaque_layer(OpaqueKind("mixture of experts", is_experts, lambda m, x: int(x.shape[-1]), workspace,
-                                 refusal))
+                                 refusal, second))

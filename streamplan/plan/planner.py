@@ -155,6 +155,24 @@ SLICED_TIERS = (Tier.L2, Tier.L3, Tier.L4, Tier.L5)
 
 
 @dataclass
+class PeakParts:
+    """What a plan's predicted peak is made of, in bytes above the call's inputs (``StreamHandle.timeline`` draws
+    them): where the memory goes at the call's worst moment."""
+
+    kv: int = 0          # K and V kept on the device between the phases: whole, one head group's, or a store's rows
+                         # and the block it reads back
+    held: int = 0        # other buffers built whole: the outputs (the residual stream's next value), an attention
+                         # output built ahead (L3), a whole Q
+    transient: int = 0   # one chunk's values at their worst moment (its phase's projections, MLP, attention)
+
+
+def peak_parts(peak: int, kv: int, held: int) -> PeakParts:
+    """A streamed plan's peak as K/V, other whole buffers and the chunk's transient (what is left of it)."""
+    kv, held = max(0, kv), max(0, held)
+    return PeakParts(kv, held, max(0, peak - kv - held))
+
+
+@dataclass
 class Plan:
     """One operation's schedule for one input signature: data, printable, serialisable."""
 
@@ -176,6 +194,7 @@ class Plan:
     q_span: int = 0      # L4/L5: query rows attended per pass over the store (several chunks' Q built into one buffer,
                          # the rest of the block run over rows of its output); 0: each chunk's Q alone
     host_bytes: int = 0  # host memory the plan needs at once (L4's K/V stores, L6's rows), pinned on CUDA
+    parts: PeakParts | None = None   # what ``predicted_peak`` is made of, where the planner's model says
 
     @property
     def predicted_total(self) -> int:
@@ -184,11 +203,14 @@ class Plan:
     def to_dict(self) -> dict:
         return {**asdict(self), "tier": str(self.tier)}
 
-    def describe(self) -> str:
+    def describe(self, figures: bool = True) -> str:
+        """The schedule in one line; ``figures=False`` leaves out the peaks (the report shows them in its table, on
+        one baseline: the call's inputs included)."""
         if self.note:
             return f"{self.tier} {self.note}"
         if self.tier == Tier.L0:
-            return f"L0 stock  rows={self.rows}  peak~{fmt_bytes(self.predicted_peak)}"
+            return f"L0 stock  rows={self.rows}" + (f"  peak~{fmt_bytes(self.predicted_peak)} above its inputs"
+                                                    if figures else "")
         sl = f"  ffn_slice={self.ffn_slice}" if self.ffn_slice and self.tier in SLICED_TIERS else ""
         hg = f"  head_groups={self.head_groups}" if self.head_groups > 1 else ""
         kv = "  q=whole (one attention call)" if self.q == "whole" else ""
@@ -197,8 +219,10 @@ class Plan:
             kv += f" q_span={self.q_span}" if self.q_span > self.chunk else ""
             kv += f" host traffic~{fmt_bytes(self.host_traffic)}" if self.host_traffic else ""
             kv += " (approximate)" if self.tier == Tier.L5 else ""
+        if not figures:
+            return f"{self.tier} rows={self.rows} chunk={self.chunk}{sl}{hg}{kv}"
         return (f"{self.tier} rows={self.rows} chunk={self.chunk}{sl}{hg}{kv}  peak~{fmt_bytes(self.predicted_peak)}"
-                f" (stock {fmt_bytes(self.stock_peak)})")
+                f" above its inputs (stock {fmt_bytes(self.stock_peak)})")
 
 
 def mlp_row_elems(spec: MLPSpec, width: int) -> int:
@@ -232,7 +256,9 @@ def plan_mlp(spec: MLPSpec, rows: int, elem: int, *, chunk_tokens: int | None = 
 
     def make(tier: Tier, chunk: int, sl: int) -> Plan:
         chunk = min(chunk, rows)
-        return Plan(tier, rows, chunk, sl, mlp_peak(spec, rows, elem, tier, chunk, sl), stock)
+        peak = mlp_peak(spec, rows, elem, tier, chunk, sl)
+        return Plan(tier, rows, chunk, sl, peak, stock,
+                    parts=None if tier == Tier.L0 else peak_parts(peak, 0, rows * spec.dim_out * elem))
 
     if ffn_slice is not None and can_feature_slice(spec):
         sl = _align_slice(min(ffn_slice, spec.ffn), spec)
@@ -327,7 +353,11 @@ def plan_attention(d: AttentionDims, *, chunk_tokens: int | None = None, budget:
 
     def make(tier: Tier, chunk: int, groups: int = 1) -> Plan:
         chunk = min(chunk, d.rows)
-        return Plan(tier, d.rows, chunk, 0, attention_peak(d, tier, chunk, groups), stock, head_groups=groups)
+        peak = attention_peak(d, tier, chunk, groups)
+        kv = 2 * d.batch * d.kv_rows * d.kv_heads * d.head_dim * d.elem // groups
+        held = d.batch * d.rows * (d.dim_out + (d.heads * d.head_dim if groups > 1 else 0)) * d.elem
+        return Plan(tier, d.rows, chunk, 0, peak, stock, head_groups=groups,
+                    parts=None if tier == Tier.L0 else peak_parts(peak, kv, held))
 
     if head_groups is not None and head_groups > 1 and can_group and d.kv_heads % head_groups == 0:
         return make(Tier.L3, chunk_tokens or DEFAULT_CHUNK_TOKENS, head_groups)
@@ -367,7 +397,8 @@ def plan_rows(rows: int, row_bytes: int, transient_per_elem: int, *, chunk_token
     def make(tier: Tier, chunk: int) -> Plan:
         chunk = min(chunk, rows)
         peak = stock if tier == Tier.L0 else rows * row_bytes + chunk * row_bytes * transient_per_elem
-        return Plan(tier, rows, chunk, 0, peak, stock)
+        return Plan(tier, rows, chunk, 0, peak, stock,
+                    parts=None if tier == Tier.L0 else peak_parts(peak, 0, rows * row_bytes))
 
     if chunk_tokens is not None or budget is None:
         return _fixed(rows, chunk_tokens, make)
@@ -565,11 +596,15 @@ class GraphPlanRequest:
         if opt is not None:   # a forced chunk reads K/V in blocks of its pass's rows (at most the default block
             span = min(span, rows) if span > chunk else 0   # per group)
             blk = min(blk or min(DEFAULT_KV_BLOCK * g, max(span or chunk, MIN_CHUNK_TOKENS)), rows)
-            return Plan(opt.tier, rows, chunk, sl, self.peak_kv(opt, chunk, sl, blk, g, span), stock, kv=opt.kind,
+            peak = self.peak_kv(opt, chunk, sl, blk, g, span)
+            kv = opt.resident + min(blk, rows) * opt.block_row // g
+            return Plan(opt.tier, rows, chunk, sl, peak, stock, kv=opt.kind,
                         kv_block=blk, host_traffic=host_traffic(opt, rows, span or chunk), head_groups=g,
-                        q_span=span)
-        return Plan(tier, rows, chunk, sl, self.peak(chunk, sl, g), stock, head_groups=g,
-                    q="whole" if self.whole_q else "chunks")
+                        q_span=span, parts=peak_parts(peak, kv, self.fixed - self.kv))
+        peak = self.peak(chunk, sl, g)
+        kv, held = (self.kv // g, self.fixed - self.kv + self.attn_out) if g > 1 else (self.kv, self.fixed - self.kv)
+        return Plan(tier, rows, chunk, sl, peak, stock, head_groups=g,
+                    q="whole" if self.whole_q else "chunks", parts=peak_parts(peak, kv, held))
 
     def staged_seconds(self, opt: KVOption, q_rows: int, blk: int, g: int) -> float:
         """A store's extra time (``l4_extra_seconds``) with the waves its passes leave part empty: each pass's calls

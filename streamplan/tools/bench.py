@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ..api import apply
-from ..meter import measure_peak
+from ..meter import measure_peak, profiler_peak
 from .families import FAMILIES
 from ..verify import compare_outputs
 
@@ -169,11 +169,13 @@ class _NaiveChunkedFFN:
 
 def run_case(case: Case, tokens_list: list[int], modes: list[str], repeats: int = 3,
              progress: Callable[[str], None] | None = None, kv: str = "device",
-             fuse: bool | None = None) -> Iterator[Row]:
+             fuse: bool | None = None, timelines: list | None = None) -> Iterator[Row]:
     """Yield one row per (tokens, mode). Modes: stock, naive-chunked-ffn, forward-chunking, streamplan-<rows>
     (forced chunk), streamplan-<N>GiB (the planner given what an N GiB card leaves after the weights),
     streamplan-floor<x> (the planner given the inputs plus x times the floor). ``progress``, if given, is called
-    with a line of text as each stage starts. ``kv``: where the streamplan modes keep K/V (``apply``'s ``kv``)."""
+    with a line of text as each stage starts. ``kv``: where the streamplan modes keep K/V (``apply``'s ``kv``).
+    ``timelines``: a list each streamplan row's memory picture is appended to (``StreamHandle.timeline``), from one
+    more call metered by the profiler's allocation events (the allocator's counters give no per-call peaks)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     say = progress or (lambda message: None)
@@ -191,6 +193,7 @@ def run_case(case: Case, tokens_list: list[int], modes: list[str], repeats: int 
         with torch.inference_mode():
             say(f"{elapsed()} {case.name}, {tokens} tokens: stock (peak, {repeats} timed runs) ...")
             ref, peak, reserved = _measure(lambda: case.call(model, args))
+            stock_peak = peak
             ref = _first_tensor(ref).float()
             stock_t = cuda_time(lambda: case.call(model, args), repeats)
             with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
@@ -229,6 +232,11 @@ def run_case(case: Case, tokens_list: list[int], modes: list[str], repeats: int 
                     diff = compare_outputs(_first_tensor(out), ref)["output"]["rel"]
                     del out
                     t = cuda_time(lambda: case.call(model, args), repeats)
+                    if timelines is not None and handle is not None:
+                        say(f"{elapsed()} {case.name}, {tokens} tokens: {mode}: one more call for the timeline ...")
+                        profiler_peak(lambda: case.call(model, args), (), {}, "cuda")
+                        timelines.append(handle.timeline(stock_peak=stock_peak, title=f"{case.name}, {tokens} "
+                                                         f"tokens, {mode} (bf16, {torch.cuda.get_device_name()})"))
                     tiers = ""
                     if handle is not None:
                         plans = [p for ps in handle.plans.values() for p in ps if not p.note]

@@ -103,6 +103,20 @@ def _budget(text: str) -> str:
     return text
 
 
+def _html_path(text: str) -> str:
+    """A file to write: its folder must exist (checked now, before minutes of work), and it must not be a folder."""
+    import os
+    path = os.path.expanduser(text.strip())
+    folder = os.path.dirname(os.path.abspath(path))
+    if not path or os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"must be a file to write (e.g. timeline.html), got {text!r}")
+    if not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"the folder {folder!r} does not exist (for {text!r})")
+    if not os.access(folder, os.W_OK):
+        raise argparse.ArgumentTypeError(f"the folder {folder!r} cannot be written to (for {text!r})")
+    return path
+
+
 def _device(text: str) -> str:
     if not re.fullmatch(r"cpu|cuda(:[0-9]+)?", text.strip()):
         raise argparse.ArgumentTypeError(f"must be cpu, cuda or cuda:N, got {text!r}")
@@ -204,16 +218,23 @@ def _demo(args: argparse.Namespace) -> int:
                  budget=args.budget, chunk_tokens=args.chunk_tokens, ffn_slice=args.ffn_slice,
                  fuse=FUSE_CHOICES[args.fuse], progress=_progress_printer())
     print(r.report)
-    print(f"\n{r.case}: {r.tokens} tokens, {r.dtype} on {r.device}; peak tensor memory above the inputs and weights")
-    print(f"  stock peak      (measured)  {fmt_bytes(r.stock_peak):>12}")
-    print(f"  streamed peak   (measured)  {fmt_bytes(r.streamed_peak):>12}   "
-          f"({r.streamed_peak / max(r.stock_peak, 1):.1%} of stock)")
+    print(f"\n{r.case}: {r.tokens} tokens, {r.dtype} on {r.device}; peak tensor memory of the call with its inputs "
+          f"({fmt_bytes(r.input_bytes)}), weights not counted (the report's baseline)")
+    print(f"  stock peak      (measured)  {fmt_bytes(r.stock_total):>12}")
+    print(f"  streamed peak   (measured)  {fmt_bytes(r.streamed_total):>12}   "
+          f"({r.streamed_total / max(r.stock_total, 1):.1%} of stock)")
     if r.predicted_peak is not None:
-        print(f"  streamed peak   (predicted) {fmt_bytes(r.predicted_peak):>12}   by the planner, before running")
+        print(f"  streamed peak   (predicted) {fmt_bytes(r.predicted_peak):>12}   the report's figure, by the planner "
+              f"before running")
     print(f"  stock time      (measured)  {r.stock_time_s:>10.2f} s")
     print(f"  streamed time   (measured)  {r.streamed_time_s:>10.2f} s   ({r.time_ratio:.2f}x stock; "
           f"the first streamed call includes planning{' and compiling' if r.fusing else ''})")
     print(f"  max relative difference to stock: {r.max_rel_diff:.2e}")
+    if args.plot:
+        from ..timeline import write_html
+        path = write_html([r.timeline], args.plot)
+        print(f"  memory timeline: {path} (open it in a browser: a row per streamed call, predicted beside measured)")
+    print(f"\n{r.summary()}")
     return 0
 
 
@@ -314,13 +335,14 @@ def _bench(args: argparse.Namespace) -> int:
     from .bench import CASES, as_dicts, header, plot, run_case, to_markdown
 
     rows = []
+    timelines = [] if args.plot else None
     total = len(args.cases) * len(args.tokens) * len(args.modes)
     progress = _progress_printer()
     print(to_markdown([]), flush=True)
     for i, name in enumerate(args.cases, 1):
         progress(f"[case {i}/{len(args.cases)}] {name}: {BENCH_CASES[name]}")
         for row in run_case(CASES[name](), args.tokens, args.modes, args.repeats, progress=progress, kv=args.kv,
-                            fuse=FUSE_CHOICES[args.fuse]):
+                            fuse=FUSE_CHOICES[args.fuse], timelines=timelines):
             rows.append(row)
             print(f"{to_markdown([row]).splitlines()[-1]}   [{len(rows)}/{total}]", flush=True)
     os.makedirs(args.out, exist_ok=True)
@@ -332,6 +354,9 @@ def _bench(args: argparse.Namespace) -> int:
         plot(as_dicts(rows), os.path.join(args.out, "bench.png"))
     except ImportError:
         print("matplotlib is not installed: no plot (pip install 'streamplan[bench]')", file=sys.stderr)
+    if timelines:
+        from ..timeline import write_html
+        print(f"memory timeline of each streamplan row: {write_html(timelines, args.plot)} (open it in a browser)")
     print(f"results in {args.out}")
     return 0
 
@@ -360,9 +385,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="run a small embedded model stock, then streamed, on this machine (CPU, or CUDA when available), and "
              "compare the measured peak memory, time and outputs",
         description=_wrap("Build a real diffusers module with random weights, run it stock and then streamed by "
-                          "streamplan on the same input, and print the peak memory each measured (above the inputs "
-                          "and weights), the planner's prediction, both wall times and the largest output "
-                          "difference. The wan-block case takes about half a minute on a laptop CPU."),
+                          "streamplan on the same input, and print the peak memory each measured (the call with its "
+                          "inputs, weights not counted: the report's baseline), the planner's prediction on the same "
+                          "baseline, both wall times and the largest output difference, then what it showed in one "
+                          "sentence. --plot PATH also writes the memory timeline. The wan-block case takes about "
+                          "half a minute on a laptop CPU."),
         epilog=_catalogue("cases", DEMO_CASES, {k: f" (default {v} tokens)" for k, v in DEMO_DEFAULT_TOKENS.items()}))
     demo.add_argument("--case", choices=list(DEMO_CASES), default="wan-block",
                       help="which module, listed below (default: wan-block)")
@@ -378,6 +405,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--ffn-slice", type=_positive_int, default=None, metavar="N",
                       help="force sliced MLPs holding this many hidden features' worth at a time")
     demo.add_argument("--fuse", choices=list(FUSE_CHOICES), default="auto", help=FUSE_HELP)
+    demo.add_argument("--plot", type=_html_path, default=None, metavar="PATH",
+                      help="also write the streamed call's memory timeline to PATH, one self-contained HTML file "
+                           "(a row per streamed call and phase: predicted peak and its parts, measured peaks, stock)")
     demo.set_defaults(func=_demo, _parser=demo)
 
     plan = sub.add_parser(
@@ -428,6 +458,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="timed runs per row, the median reported (default: 3)")
     bench.add_argument("--out", default="streamplan-bench", metavar="DIR",
                        help="output folder (default: streamplan-bench)")
+    bench.add_argument("--plot", type=_html_path, default=None, metavar="PATH",
+                       help="also write each streamplan row's memory timeline to PATH, one self-contained HTML file "
+                            "(a row per streamed call and phase: predicted peak and its parts, measured peaks, stock; "
+                            "one more call per row, metered by the profiler)")
     bench.set_defaults(func=_bench, _parser=bench)
     parser.value_options = {s for p in (parser, demo, plan, bench) for a in p._actions if a.nargs is None
                             for s in a.option_strings if s.startswith("--")}   # options that take one value

@@ -215,8 +215,10 @@ _add("skyreels_v2_per_token", T + "transformer_skyreels_v2:SkyReelsV2Transformer
                                 None), {}), row_output=None, note="diffusion forcing: a timestep embedding per row")
 _add("hunyuan_video15", T + "transformer_hunyuan_video15:HunyuanVideo15TransformerBlock", lambda c: c(4, 16, 2.0),
      lambda n, device, dtype: ((_x(n, device, dtype), _txt(device, dtype), _r(1, 64, device=device, dtype=dtype),
-                                torch.ones(1, TEXT, dtype=torch.bool, device=device), _cs(n, 16, device, dtype)), {}),
-     streams=False, note="its processor always pads the text mask over the image rows: a key mask over the rows")
+                                _text_mask(device), _cs(n, 16, device, dtype)), {}),
+     note="its processor pads the text mask (the last 3 tokens padding, as the model's reordering leaves them) over "
+          "the image rows, repeats it over every query row and ands it with its transpose: each Q chunk's rows of "
+          "that [S, S] mask built alone")
 _add("flux2_double", T + "transformer_flux2:Flux2TransformerBlock", lambda c: c(64, 4, 16),
      lambda n, device, dtype: ((_x(n, device, dtype), _txt(device, dtype), _r(1, 6 * 64, device=device, dtype=dtype),
                                 _r(1, 6 * 64, device=device, dtype=dtype), _cs(TEXT + n, 16, device, dtype)), {}),
@@ -227,8 +229,8 @@ _add("flux2_single", T + "transformer_flux2:Flux2SingleTransformerBlock", lambda
      note="returns the joined text + image rows")
 _add("zimage", T + "transformer_z_image:ZImageTransformerBlock", lambda c: c(0, 64, 4, 4, 1e-5, True),
      lambda n, device, dtype: ((_x(n, device, dtype), None, _cplx((1, n, 8), device),
-                                _r(1, 64, device=device, dtype=dtype)), {}), row_output=None, streams=False,
-     note="rotary inside torch.amp.autocast(enabled=False): a higher-order op the generic path does not run")
+                                _r(1, 64, device=device, dtype=dtype)), {}), row_output=None,
+     note="rotary inside torch.amp.autocast(enabled=False): its ops taken into the graph (autocast is off)")
 _add("easyanimate", T + "transformer_easyanimate:EasyAnimateTransformerBlock", lambda c: c(64, 4, 16, 64),
      lambda n, device, dtype: ((_x(n, device, dtype), _txt(device, dtype), _r(1, 64, device=device, dtype=dtype),
                                 _cs(n, 16, device, dtype)), {}))
@@ -355,10 +357,10 @@ for _fam, _mod in (("hunyuan_video", "transformer_hunyuan_video:HunyuanVideo"),
                    ("hunyuan_video15", "transformer_hunyuan_video15:HunyuanVideo15"),
                    ("hunyuan_image", "transformer_hunyuanimage:HunyuanImage")):
     _add(f"{_fam}_refiner_block", T + _mod + "IndividualTokenRefinerBlock", lambda c: c(4, 16), _refiner_block_inputs,
-         row_output=None, streams=False,
+         row_output=None,
          note="the text token refiner's block (its rows are text tokens) with the refiner's [B, 1, N, N] padding "
               "mask, which diffusers' prepare_attention_mask repeats over heads (repeat_interleave + view) before "
-              "SDPA: the captured path does not follow a mask through that; its attention and MLP stream by hand")
+              "SDPA: each Q chunk's rows of it built alone")
     _add(f"{_fam}_refiner", T + _mod + "TokenRefiner", lambda c: c(32, 4, 16, 2), _refiner_inputs, row_output=None,
          streams=False, note="the whole text refiner: pools the text over its rows (a masked mean) for its timestep "
                              "embedding, then runs its refiner blocks (see the _refiner_block case)")
@@ -370,9 +372,9 @@ _add("lumina_next", T + "lumina_nextdit2d:LuminaNextDiTBlock", lambda c: c(64, 4
                                 _cplx((1, n, 8), device), _txt(device, dtype, 32),
                                 torch.ones(1, TEXT, dtype=torch.bool, device=device),
                                 _r(1, 64, device=device, dtype=dtype)), dict(cross_attention_kwargs={})),
-     row_output=None, streams=False,
+     row_output=None,
      note="the patch embedder's all-ones [B, N] key mask over the image rows, which its processor expands to "
-          "[B, H, N, N] before SDPA: the captured path does not follow a key mask over the rows through that")
+          "[B, H, N, N] before SDPA: each Q chunk's rows of it built alone")
 
 
 def _omnigen_mask(n, device, dtype, cond=16):
@@ -487,3 +489,278 @@ _add("nucleus_image_dense", T + "transformer_nucleusmoe_image:NucleusMoEImageTra
      lambda n, device, dtype: ((_x(n, device, dtype), _txt(device, dtype), _r(1, 64, device=device, dtype=dtype),
                                 (_cplx((n, 8), device), _cplx((TEXT, 8), device))), {}), row_output=None,
      note="a dense layer (moe_enabled=False)")
+
+
+# -- the rest of diffusers' block classes --------------------------------------------------------------------------
+def _pad_mask(rows, device, dtype, padding=3):
+    """[1, 1, rows, TEXT] of ones over the decoder rows x the text tokens, the last ``padding`` tokens zero."""
+    mask = torch.ones(1, 1, rows, TEXT, device=device, dtype=dtype)
+    mask[..., TEXT - padding:] = 0
+    return mask
+
+
+_add("t5_film_decoder", T + "t5_film_transformer:DecoderLayer", lambda c: c(64, 16, 4, 128, 0.0),
+     lambda n, device, dtype: ((_x(n, device, dtype),), dict(
+         conditioning_emb=_r(1, 1, 4 * 64, device=device, dtype=dtype), encoder_hidden_states=_txt(device, dtype),
+         encoder_attention_mask=_pad_mask(n, device, dtype))),
+     streams=False,
+     note="spectrogram diffusion's FiLM decoder layer, with the [B, 1, N, T] encoder-decoder mask its model builds "
+          "(ones over the decoder rows x the encoders' token masks, the last 3 tokens padding)")
+
+
+def _anyflow_inputs(n, device, dtype):
+    freqs = _cplx((1, 1, n, 8), device).to(torch.complex128)
+    return ((_x(n, device, dtype), _txt(device, dtype), _r(1, n, 6, 64, device=device, dtype=dtype),
+             {"query": freqs, "key": freqs}, None), {})
+
+
+_add("anyflow", T + "transformer_anyflow:AnyFlowTransformerBlock", lambda c: c(64, 128, 4, True), _anyflow_inputs,
+     row_output=None, note="per-token modulation (each frame's timestep repeated over its tokens), complex128 rotary; "
+                           "attention_mask=None")
+
+_FAR_CACHED = (16, 48)   # compressed and full-resolution tokens of the earlier chunks in the KV cache
+
+
+def _anyflow_far_inputs(n, device, dtype):
+    compressed, full = _FAR_CACHED
+    cache = {"compressed_cache": _r(2, 1, 4, 2 * compressed, 16, device=device, dtype=dtype),
+             "full_cache": _r(2, 1, 4, 2 * full, 16, device=device, dtype=dtype)}
+    flag = {"num_cached_chunks": 2, "is_cache_step": False, "num_cached_compressed_tokens": compressed,
+            "num_cached_full_tokens": full}
+    freqs = _cplx((1, 1, compressed + full + n, 8), device).to(torch.complex128)
+    return ((_x(n, device, dtype), _txt(device, dtype), _r(1, n, 6, 64, device=device, dtype=dtype),
+             {"query": freqs[:, :, -n:], "key": freqs}, None, cache, flag), {})
+
+
+_add("anyflow_far", T + "transformer_anyflow_far:AnyFlowTransformerBlock", lambda c: c(64, 128, 4, True, 1e-6, True),
+     _anyflow_far_inputs, row_output=None, streams=False,
+     note="FAR causal generation's denoising step: the chunk's rows attend to the KV cache of the earlier chunks "
+          "(16 compressed + 48 full-resolution tokens) and themselves, on the flex backend (rows padded to a "
+          "multiple of 128)")
+
+_add("bria_fibo2_perceiver", T + "transformer_bria_fibo2:BriaFibo2PerceiverLayer", lambda c: c(64, 4, 32, 1e-5),
+     lambda n, device, dtype: ((_x(n, device, dtype), _txt(device, dtype, 32), _text_mask(device), None), {}),
+     row_output=None,
+     note="the Perceiver resampler's layer (its rows are gist queries): cross-attention to the text with the padded "
+          "text mask the pipeline passes for a batch of prompts (the last 3 tokens padding)")
+
+_GIST = 16   # gist tokens ahead of the image rows in Bria Fibo 2's joint sequence
+
+
+def _bria_fibo2_inputs(n, device, dtype):
+    noise_mask = torch.ones(1, n, dtype=torch.long, device=device)
+    noise_mask[:, :_GIST] = 0
+    return ((_x(n, device, dtype), None, _cplx((1, n, 8), device)), dict(
+        noise_mask=noise_mask, adaln_noisy=_r(1, 64, device=device, dtype=dtype),
+        adaln_clean=_r(1, 64, device=device, dtype=dtype), encoder_hidden_states=_txt(device, dtype, 32),
+        encoder_attention_mask=_text_mask(device)))
+
+
+_add("bria_fibo2", T + "transformer_bria_fibo2:BriaFibo2TransformerBlock",
+     lambda c: c(64, 4, 1e-5, cross_attention_dim=32), _bria_fibo2_inputs, row_output=None,
+     note="an injection block: 16 gist tokens then the image rows, per-token modulation picked by the noise mask, "
+          "gated cross-attention to the text with a padded text mask (the last 3 tokens padding)")
+
+_add("cosmos3", T + "transformer_cosmos3:Cosmos3VLTextMoTDecoderLayer", lambda c: c(64, 16, 4, 2, 128, False, 1e-6),
+     lambda n, device, dtype: ((_r(TEXT, 64, device=device, dtype=dtype), _r(n, 64, device=device, dtype=dtype),
+                                (*_cs(TEXT, 16, device, dtype), *_cs(n, 16, device, dtype))), {}),
+     row_output=1, streams=False,
+     note="packed, unbatched [tokens, C] streams: a causal text (understanding) prefix, the generation rows attending "
+          "to the text and themselves; GQA")
+
+
+def _ernie_inputs(n, device, dtype):
+    mask = torch.ones(1, 1, 1, n, dtype=torch.bool, device=device)
+    mask[..., n - 3:] = False
+    temb = [_r(1, 1, 64, device=device, dtype=dtype).expand(n, 1, 64).contiguous() for _ in range(6)]
+    return ((_r(n, 1, 64, device=device, dtype=dtype), _r(1, n, 1, 16, device=device, dtype=dtype), temb, mask), {})
+
+
+_add("ernie_image", T + "transformer_ernie_image:ErnieImageSharedAdaLNBlock", lambda c: c(64, 4, 128, 1e-6),
+     _ernie_inputs, row_output=None, streams=False,
+     note="sequence-first [S, B, C]: image rows then text rows joined (every row dynamic), the model's key mask "
+          "over them (the last 3 text tokens padding), modulation expanded over the rows")
+
+
+def _glm_image_inputs(n, device, dtype):
+    cache = _cls(T + "transformer_glm_image:GlmImageLayerKVCache")()
+    return ((_x(n, device, dtype), _txt(device, dtype), _r(1, 32, device=device, dtype=dtype),
+             _cs(n, 16, device, dtype), None, None), dict(kv_cache=cache))
+
+
+_add("glm_image", T + "transformer_glm_image:GlmImageTransformerBlock", lambda c: c(64, 4, 16, 32), _glm_image_inputs,
+     streams=False,
+     note="text-to-image: the pipeline's per-layer KV cache with no mode set (no condition images); "
+          "attention_mask=None")
+_add("glm_image_no_cache", T + "transformer_glm_image:GlmImageTransformerBlock", lambda c: c(64, 4, 16, 32),
+     lambda n, device, dtype: (_glm_image_inputs(n, device, dtype)[0], dict(kv_cache=None)),
+     note="the model called without the pipeline's KV caches (kv_caches=None); attention_mask=None")
+
+_HISTORY = 48   # Helios' history rows (short, mid and long memory) ahead of the current chunk
+
+
+def _helios_inputs(n, device, dtype):
+    temb = torch.cat([_r(1, 1, 6, 64, device=device, dtype=dtype).expand(1, _HISTORY, 6, 64),
+                      _r(1, 1, 6, 64, device=device, dtype=dtype).expand(1, n - _HISTORY, 6, 64)], dim=1)
+    return ((_x(n, device, dtype), _txt(device, dtype), temb, _r(1, n, 32, device=device, dtype=dtype),
+             n - _HISTORY), {})
+
+
+_add("helios", T + "transformer_helios:HeliosTransformerBlock",
+     lambda c: c(64, 128, 4, "rms_norm_across_heads", True, 1e-6, guidance_cross_attn=True), _helios_inputs,
+     row_output=None, streams=False,
+     note="48 history rows then the current chunk's rows (original_context_length): the history, split off at that "
+          "count, skips the cross-attention and takes the t=0 modulation")
+
+_add("kandinsky6_fused", T + "transformer_kandinsky6:Kandinsky6FusedTransformerDecoderBlock",
+     lambda c: c(64, 32, 128, 16, 32, 32, 64, 16, True, True, True),
+     lambda n, device, dtype: ((_x(n, device, dtype), _x(24, device, dtype, 32), _txt(device, dtype),
+                                _txt(device, dtype, 32), (_r(1, 32, device=device, dtype=dtype),
+                                                          _r(1, 32, device=device, dtype=dtype)),
+                                _k5_rope(n, device, dtype)[0], _k5_rope(24, device, dtype)[0], None), {}),
+     note="video rows and 24 audio tokens, cross-attention both ways with rotary (ca_rope, cross_gates, "
+          "fix_modulation as released); attention_mask=None (one prompt)")
+
+
+def _k6_sr_inputs(n, device, dtype):
+    rows = n - n % 64   # NABLA attends in 8x8-token blocks: whole blocks only
+    sta = _cls(T + "transformer_kandinsky6_sr:sliding_tile_mask")(rows // 64, 1, 1, (11, 7, 7), device)
+    return ((_x(rows, device, dtype), _r(1, 32, device=device, dtype=dtype), _k5_rope(rows, device, dtype)[0],
+             {"sta_mask": sta, "threshold": 0.8}), {})
+
+
+_add("kandinsky6_sr", T + "transformer_kandinsky6_sr:Kandinsky6SRTransformerBlock", lambda c: c(64, 32, 128, 16),
+     _k6_sr_inputs, row_output=None, streams=False,
+     note="NABLA sparse attention on the flex backend, its block mask chosen from the mean Q and K of every 64-row "
+          "block; rows rounded down to whole 64-row (8x8 token) blocks")
+
+_add("longcat_audio_dit", T + "transformer_longcat_audio_dit:AudioDiTBlock", lambda c: c(64, 64, 4, 16, qk_norm=True),
+     lambda n, device, dtype: ((_x(n, device, dtype), _r(1, 64, device=device, dtype=dtype), _txt(device, dtype)),
+                               dict(mask=torch.ones(1, n, dtype=torch.bool, device=device),
+                                    cond_mask=_text_mask(device), rope=_cs(n, 16, device, dtype),
+                                    cond_rope=_cs(TEXT, 16, device, dtype),
+                                    adaln_global_out=_r(1, 6 * 64, device=device, dtype=dtype))),
+     row_output=None,
+     note="the pipeline's [B, N] audio mask (all rows valid) as the self-attention's key mask (unsqueezed in the "
+          "block: built whole for each Q chunk) and a per-row output mask; a padded text mask (the last 3 tokens "
+          "padding); global AdaLN")
+
+
+def _qwenimage21_inputs(n, device, dtype):
+    cache = _cls(T + "transformer_qwenimage21:QwenImage21KVLayerCache")()
+    cache.store(_r(1, TEXT, 4, 16, device=device, dtype=dtype), _r(1, TEXT, 4, 16, device=device, dtype=dtype))
+    return ((_x(n, device, dtype), _r(2, 4 * 64, device=device, dtype=dtype)), dict(
+        rotary_emb=_cplx((n, 8), device), target_token_mask=torch.ones(n, dtype=torch.bool, device=device),
+        layer_cache=cache, kv_cache_mode="cached"))
+
+
+_add("qwenimage21", T + "transformer_qwenimage21:QwenImage21TransformerBlock", lambda c: c(64, 4, 16),
+     _qwenimage21_inputs, row_output=None, streams=False,
+     note="a decode step (kv_cache_mode='cached', every step after the first): the target image's rows attend to the "
+          "cached text prefix K/V and themselves; modulation rows picked by the target-token mask")
+
+_add("rfd4_proteina", T + "transformer_rfd4_proteina:RFD4ProteinaTrunkLayer",
+     lambda c: c(64, 16, 4, 32, "rms_norm", True),
+     lambda n, device, dtype: ((_x(n, device, dtype), _r(1, n, n, 16, device=device, dtype=dtype),
+                                _x(n, device, dtype, 32), torch.ones(1, n, dtype=torch.bool, device=device)), {}),
+     row_output=None, streams=False,
+     note="a protein trunk layer (its rows are residues): the attention bias comes from the [B, N, N, C] pair "
+          "representation; padding mask all true (one protein)")
+
+
+def _sana_video_inputs(n, device, dtype):
+    bias = torch.zeros(1, 1, TEXT, device=device, dtype=dtype)
+    bias[..., TEXT - 3:] = -10000.0
+    cos, sin = _pair(1, n, 1, 16, device=device, dtype=torch.float64)
+    return ((_x(n, device, dtype),), dict(encoder_hidden_states=_txt(device, dtype), encoder_attention_mask=bias,
+                                          timestep=_r(1, 1, 6 * 64, device=device, dtype=dtype), frames=4,
+                                          height=n // 80, width=20, rotary_emb=(cos, sin)))
+
+
+_add("sana_video", T + "transformer_sana_video:SanaVideoTransformerBlock",
+     lambda c: c(64, 4, 16, 0.0, 4, 16, 64, False, mlp_ratio=2.5), _sana_video_inputs, row_output=None,
+     streams=False,
+     note="linear attention (sums over every row) and a 3x3 + temporal convolution MLP; the text key bias the model "
+          "makes of the padded prompt mask (the last 3 tokens padding); float64 rotary tables")
+
+
+def _sana_wm_block(c):
+    return c(64, 4, _cls(T + "transformer_sana_wm:_SoftmaxUCPESinglePathLiteLA"), mlp_ratio=3.0, qk_norm=True,
+             ffn_type="GLUMBConvTemp", linear_head_dim=16, cross_norm=True, patch_size=(1, 1, 1), cam_attn_compress=1,
+             use_chunk_plucker_post_attn=True, conv_kernel_size=4, k_conv_only=True)
+
+
+def _sana_wm_inputs(n, device, dtype):
+    frames, height, width = 4, n // 80, 20
+    rope = _cls(T + "transformer_sana_wm:SanaWMRotaryPosEmbed")(16, (1, 1, 1), 1024)((frames, height, width), device)
+    c2w = torch.eye(4, device=device).repeat(frames, 1, 1)
+    c2w[:, 2, 3] = torch.arange(frames, device=device) * 0.1          # the camera moving forward
+    intrinsics = torch.tensor([width, width, width / 2, height / 2], device=device).expand(frames, 4)
+    camera = torch.cat([c2w.flatten(1), intrinsics], dim=1)[None].to(dtype)
+    rays = _cls(T + "transformer_sana_wm:_prepare_ucpe_ray_transforms")(16, camera, (frames, height, width),
+                                                                        (1, 1, 1), rotary_emb=rope)
+    mask = torch.ones(1, TEXT, dtype=torch.int16, device=device)
+    mask[:, TEXT - 3:] = 0
+    return ((_x(n, device, dtype), _r(1, 1, TEXT, 64, device=device, dtype=dtype),
+             _r(1, 1, frames, 6 * 64, device=device, dtype=dtype), mask, (frames, height, width), rope, None, camera,
+             rays, _x(n, device, dtype), None, None), {})
+
+
+_add("sana_wm", T + "transformer_sana_wm:SanaVideoMSCamCtrlBlock", _sana_wm_block, _sana_wm_inputs, row_output=None,
+     streams=False,
+     note="a softmax-attention layer (every 4th; the others run a gated delta-rule recurrence over the frames) with "
+          "its camera (UCPE) branch from a moving camera, per-frame modulation, a 3x3 + temporal convolution MLP; "
+          "padded text mask")
+
+
+def _sana_wm_refiner_block(c):
+    block = c(64, 4, 16, 64, 32, 2, 16, 32)
+    block.attn1.set_processor(_cls(T + "transformer_sana_wm_refiner:SanaWMLTX2RefinerAttnProcessor")())
+    return block   # the refiner model swaps in this processor for its sliding-window KV cache
+
+
+def _sana_wm_refiner_inputs(n, device, dtype, sink=16, history=32):
+    cache = _cls(T + "transformer_sana_wm_refiner:SanaWMRefinerKVLayerCache")()
+    cache.store_sink(_x(sink, device, dtype), _x(sink, device, dtype))
+    cache.store_history(_x(history, device, dtype), _x(history, device, dtype))
+    bias = torch.zeros(1, 1, TEXT, device=device, dtype=dtype)
+    bias[..., TEXT - 3:] = -10000.0
+    return ((_x(n, device, dtype), _txt(device, dtype), _r(1, 1, 6 * 64, device=device, dtype=dtype).expand(1, n, -1),
+             _pair(1, n, 64, device=device, dtype=dtype)),
+            dict(encoder_attention_mask=bias, sink_rotary_emb=_pair(1, sink, 64, device=device, dtype=dtype),
+                 kv_cache=cache, kv_cache_mode="inject"))
+
+
+_add("sana_wm_refiner", T + "transformer_sana_wm_refiner:SanaWMLTX2RefinerTransformerBlock", _sana_wm_refiner_block,
+     _sana_wm_refiner_inputs, row_output=None, streams=False,
+     note="a denoising step of the sliding-window refiner (kv_cache_mode='inject'): the block's rows attend to the "
+          "cached sink (16, re-rotated) and history (32) K/V and themselves; the text key bias of a padded prompt")
+
+_add("stable_audio3", T + "transformer_stable_audio3:StableAudio3DiTBlock", lambda c: c(64, 64, 16),
+     lambda n, device, dtype: ((_x(n, device, dtype), _txt(device, dtype), _r(1, 6 * 64, device=device, dtype=dtype),
+                                _r(n, 8, device=device, dtype=dtype)), dict(num_memory_tokens=64)),
+     row_output=None,
+     note="differential attention (two softmax attentions subtracted), partial rotary; the 64 memory tokens joined "
+          "to the audio rows; context_mask=None (the model drops it)")
+
+
+def _wan_animate2_inputs(n, device, dtype):
+    frames, hw = 4, n // 4   # generation frames: the reference frame plus those conditioned on the reference video
+    cache = _cls(T + "transformer_wan_animate_2:WanAnimate2KVLayerCache")()
+    cache.store(_r(1, (frames - 1) * hw, 4, 16, device=device, dtype=dtype),
+                _r(1, (frames - 1) * hw, 4, 16, device=device, dtype=dtype))
+    model = _cls(T + "transformer_wan_animate_2:WanAnimate2Transformer3DModel")
+    grid = torch.tensor([[frames, hw // 10, 10]])
+    return ((_x(n, device, dtype), _r(1, 6, 64, device=device, dtype=dtype), _txt(device, dtype), cache, "cached",
+             _cplx((512, 8), device).to(torch.complex128), grid),
+            dict(encoder_hidden_states_image=_r(1, 257, 64, device=device, dtype=dtype),
+                 reference_rotary_emb=_cplx((512, 8), device).to(torch.complex128),
+                 reference_grid_sizes=torch.tensor([[frames - 1, hw // 10, 10]]),
+                 attention_mask=model.create_mask(None, frames - 1, hw, device), origin_latent_frames=frames - 1,
+                 origin_latent_hw=hw))
+
+
+_add("wan_animate2", T + "transformer_wan_animate_2:WanAnimate2TransformerBlock", lambda c: c(64, 128, 4, True),
+     _wan_animate2_inputs, row_output=None, streams=False,
+     note="a generation step (kv_cache_mode='cached'): the rows packed with the cached reference K/V into 128-aligned "
+          "buffers for one flex attention under the model's in-context block mask")

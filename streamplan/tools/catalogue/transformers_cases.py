@@ -6,7 +6,8 @@ Every ``Case`` has ``build()`` (a fresh layer in eval mode; seed before calling 
 each case builds the tiny whole model (hidden 64, 4 heads, 2 KV heads where the family has them, SDPA attention),
 runs it on ``n`` random token ids without a cache and without padding, and records with a forward pre-hook what the
 model passes the layer (attention mask, rotary cos/sin, position ids, ...); the hidden states are then replaced by
-random ones of unit scale. transformers is imported inside the builders only, so this module imports without it.
+random ones of unit scale (Llama 4's vision encoder layer: recorded from Llama4VisionModel on a random image).
+transformers is imported inside the builders only, so this module imports without it.
 """
 from __future__ import annotations
 
@@ -56,18 +57,23 @@ def _model(name: str, model_type: str, overrides: dict) -> tuple[nn.Module, nn.M
 
 def _record(name: str, model_type: str, overrides: dict, layer: int, n: int) -> tuple[tuple, dict]:
     model, layers = _model(name, model_type, overrides)
+    gen = torch.Generator().manual_seed(n)
+    return _record_call(model, layers[layer], dict(input_ids=torch.randint(3, VOCAB, (1, n), generator=gen),
+                                                   use_cache=False))
+
+
+def _record_call(model: nn.Module, target: nn.Module, feed: dict) -> tuple[tuple, dict]:
+    """What ``model(**feed)`` passes ``target`` (its forward stopped there)."""
     seen: dict[str, Any] = {}
 
     def hook(module, args, kwargs):
         seen["args"], seen["kwargs"] = args, dict(kwargs)
         raise _Recorded
 
-    handle = layers[layer].register_forward_pre_hook(hook, with_kwargs=True)
-    gen = torch.Generator().manual_seed(n)
-    ids = torch.randint(3, VOCAB, (1, n), generator=gen)
+    handle = target.register_forward_pre_hook(hook, with_kwargs=True)
     try:
         with torch.no_grad():
-            model(input_ids=ids, use_cache=False)
+            model(**feed)
     except _Recorded:
         pass
     finally:
@@ -89,6 +95,18 @@ def _move(value: Any, device: torch.device, dtype: torch.dtype) -> Any:
     return value
 
 
+def _fresh(name: str, layer: nn.Module, cls: str) -> nn.Module:
+    """A copy of the model's layer with fresh weights from the caller's seed (the model's init leaves norms at one)."""
+    found = copy.deepcopy(layer).eval()
+    if type(found).__name__ != cls:
+        raise TypeError(f"{name}: the layer is a {type(found).__name__}, not {cls}")
+    with torch.no_grad():
+        for pname, p in found.named_parameters():
+            norm_like = p.dim() == 1 and not pname.endswith("bias")
+            p.copy_(torch.randn_like(p) * (0.2 if p.dim() == 1 else 0.1) + (1.0 if norm_like else 0.0))
+    return found
+
+
 CASES: dict[str, Case] = {}
 
 
@@ -100,14 +118,7 @@ def _add(name: str, family: str, cls: str, model_type: str | None = None, overri
 
     def build() -> nn.Module:
         _, layers = _model(name, model_type, overrides)
-        found = copy.deepcopy(layers[layer]).eval()
-        if type(found).__name__ != cls:
-            raise TypeError(f"{name}: layer {layer} is a {type(found).__name__}, not {cls}")
-        with torch.no_grad():   # fresh weights from the caller's seed (the model's init leaves norms at one)
-            for pname, p in found.named_parameters():
-                norm_like = p.dim() == 1 and not pname.endswith("bias")
-                p.copy_(torch.randn_like(p) * (0.2 if p.dim() == 1 else 0.1) + (1.0 if norm_like else 0.0))
-        return found
+        return _fresh(name, layers[layer], cls)
 
     def inputs(n: int, device: torch.device, dtype: torch.dtype) -> tuple[tuple, dict]:
         args, kwargs = _record(name, model_type, overrides, layer, n)
@@ -158,8 +169,9 @@ _add("cohere2", "cohere2", "Cohere2DecoderLayer", layer=1,
 _add("stablelm", "stablelm", "StableLmDecoderLayer")
 _add("gpt_neox", "gpt_neox", "GPTNeoXLayer")
 _add("falcon", "falcon", "FalconDecoderLayer", overrides=dict(new_decoder_architecture=True, num_kv_heads=2,
-                                                              head_dim=None), streams=False,
-     note="FalconModel hands its layers a materialised [N, N] causal mask even for SDPA without padding")
+                                                              head_dim=None),
+     note="FalconModel hands its layers a materialised [N, N] causal mask even for SDPA without padding (each Q "
+          "chunk takes its rows of it); K and V picked out of the fused projection by constant indices")
 _add("starcoder2", "starcoder2", "Starcoder2DecoderLayer", overrides=dict(sliding_window=None))
 _add("glm", "glm", "GlmDecoderLayer")
 _add("glm4", "glm4", "Glm4DecoderLayer")
@@ -190,7 +202,9 @@ _add("qwen3_moe", "qwen3_moe", "Qwen3MoeDecoderLayer", note=_MOE,
 _add("gpt_oss", "gpt_oss", "GptOssDecoderLayer", layer=1, streams=False,
      overrides=dict(attn_implementation="eager", num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW,
                     layer_types=["sliding_attention", "full_attention"]),
-     note="attention sinks (eager attention) and a mixture of experts whose forward returns its router scores too")
+     note="attention sinks (eager attention: a per-head logit joined to the scores, which the generic path does not "
+          "chunk) and a mixture of experts whose forward returns its router scores too (run whole on each chunk's "
+          "rows, both outputs)")
 _add("deepseek_v3", "deepseek_v3", "DeepseekV3DecoderLayer", streams=True,
      overrides=dict(first_k_dense_replace=2, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                     q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
@@ -217,9 +231,10 @@ _add("jamba_attention", "jamba", "JambaAttentionDecoderLayer",
      note="an attention layer with a dense MLP (num_experts=1)")
 _add("lfm2_attention", "lfm2", "Lfm2DecoderLayer", layer=1, overrides=dict(layer_types=["conv", "full_attention"]),
      note="a full-attention layer")
-_add("lfm2_conv", "lfm2", "Lfm2DecoderLayer", layer=0, streams=False,
+_add("lfm2_conv", "lfm2", "Lfm2DecoderLayer", layer=0,
      overrides=dict(layer_types=["conv", "full_attention"]),
-     note="a short-convolution layer: a causal convolution over the rows")
+     note="a short-convolution layer: a causal convolution over the rows (each chunk reads its kernel's reach of "
+          "rows before it)")
 _add("qwen3_next", "qwen3_next", "Qwen3NextDecoderLayer", layer=1,
      overrides=dict(layer_types=["linear_attention", "full_attention"], num_experts=4, num_experts_per_tok=2,
                     moe_intermediate_size=32, shared_expert_intermediate_size=64),
@@ -231,3 +246,57 @@ _add("dbrx", "dbrx", "DbrxBlock", note=_MOE,
      overrides=dict(d_model=64, n_heads=4, n_layers=2, ffn_config=dict(ffn_hidden_size=64, moe_num_experts=4,
                                                                       moe_top_k=2),
                     attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0)))
+_add("jamba_mamba", "jamba", "JambaMambaDecoderLayer", layer=0, streams=False,
+     overrides=dict(num_experts=1, attn_layer_period=2, attn_layer_offset=1, mamba_d_state=16),
+     note="a Mamba layer (its PyTorch path without mamba-ssm): a causal convolution over the rows and a selective "
+          "scan written as a Python loop over every row")
+_add("falcon_h1", "falcon_h1", "FalconH1DecoderLayer", streams=False,
+     overrides=dict(mamba_d_ssm=64, mamba_n_heads=4, mamba_d_state=16, mamba_chunk_size=64),
+     note="attention and a Mamba-2 mixer side by side (its PyTorch path without mamba-ssm): a causal convolution "
+          "over the rows and a scan over chunks of mamba_chunk_size rows (the rows padded to a whole chunk)")
+
+
+# -- Llama 4's vision encoder: its rows are one image's patches and the CLS token -------------------------------------
+_VISION_PATCH = 8
+
+
+def _llama4_vision(side: int) -> tuple[nn.Module, nn.ModuleList]:
+    """Llama4VisionModel for a ``side`` x ``side`` patch grid (its rotary table is sized by the image), built once."""
+    name = f"llama4_vision@{side}"
+    if name not in _MODELS:
+        from transformers import Llama4VisionConfig
+        from transformers.models.llama4.modeling_llama4 import Llama4VisionModel
+        cfg = Llama4VisionConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_hidden_layers=2,
+                                 image_size=side * _VISION_PATCH, patch_size=_VISION_PATCH, vision_output_dim=64,
+                                 projector_input_dim=64, projector_output_dim=64)
+        state = torch.random.get_rng_state()
+        torch.manual_seed(1234)
+        try:
+            model = Llama4VisionModel(cfg).eval()
+        finally:
+            torch.random.set_rng_state(state)
+        _MODELS[name] = (model, _layers(model))
+    return _MODELS[name]
+
+
+def _llama4_vision_side(n: int) -> int:
+    """The largest even patch grid (the pixel-shuffle adapter halves it) whose patches and CLS token fit in n rows."""
+    side = int((n - 1) ** 0.5)
+    return side - side % 2
+
+
+def _llama4_vision_inputs(n: int, device: torch.device, dtype: torch.dtype) -> tuple[tuple, dict]:
+    side = _llama4_vision_side(n)
+    model, layers = _llama4_vision(side)
+    gen = torch.Generator().manual_seed(n)
+    pixels = torch.randn(1, 3, side * _VISION_PATCH, side * _VISION_PATCH, generator=gen)
+    args, kwargs = _move(_record_call(model, layers[0], dict(pixel_values=pixels)), device, dtype)
+    kwargs["hidden_state"] = torch.randn(1, side * side + 1, 64, device=device, dtype=dtype)
+    return args, kwargs
+
+
+CASES["llama4_vision"] = Case(
+    "llama4_vision", "transformers.models.llama4.modeling_llama4:Llama4VisionEncoderLayer",
+    lambda: _fresh("llama4_vision", _llama4_vision(4)[1][0], "Llama4VisionEncoderLayer"), _llama4_vision_inputs,
+    "the vision encoder's layer: its rows are an image's patches and the CLS token, side x side + 1 <= n of them "
+    "(the model's rotary table fixes the grid); 2-D complex rotary, attention_mask=None", None, True)
