@@ -32,7 +32,7 @@ from .registries import pipeline_parts
 from .execute.context import CallContext
 from .execute.dispatch import run_spec
 from .execute.stock_watch import StockWatch, activation_bytes, watch_candidates
-from .execute.compare import _tensors, compare_outputs, private_copy
+from .execute.compare import compare_outputs, output_tensors, private_copy
 
 __all__ = ["apply", "bypass", "BlockStreamer", "StreamHandle", "StreamOptions"]
 
@@ -75,6 +75,11 @@ def _restore(module: nn.Module, wrapper: Any, previous: Any) -> None:
 
 # every handle still in force, by its root: a later ``apply`` over the same modules supersedes it
 _LIVE: "weakref.WeakKeyDictionary[nn.Module, StreamHandle]" = weakref.WeakKeyDictionary()
+
+
+def live_handle(model: nn.Module) -> "StreamHandle | None":
+    """The handle streaming ``model`` now, if any (``verify`` notes its extra memory there)."""
+    return _LIVE.get(model)
 
 
 class StreamHandle:
@@ -234,7 +239,7 @@ class StreamHandle:
         self.self_checked = True
         diffs = compare_outputs(out, ref)
         worst = max((d["rel"] for d in diffs.values()), default=0.0)
-        held = sum(t.numel() * t.element_size() for t in _tensors(ref).values())
+        held = sum(t.numel() * t.element_size() for t in output_tensors(ref).values())
         plans = list(entry.plans.values())
         stock = max((p.live_bytes + p.stock_peak for p in plans), default=0)
         note = (f"self-check against stock on the first call: max relative difference {worst:.2e} (its extra memory: "

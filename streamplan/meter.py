@@ -17,6 +17,8 @@ __all__ = ["measure_peak", "range_peak", "RangePeak"]
 
 logger = logging.getLogger(__name__)
 
+RANGE_PREFIX = "streamplan/"   # profiler ranges named so are streamplan's (``execute.call_ledger``): the meter's peaks
+
 
 def _infer_device(args: tuple, kwargs: dict) -> torch.device:
     for value in list(args) + list(kwargs.values()):
@@ -105,7 +107,6 @@ def _events(prof, device_type: str) -> tuple[list[tuple[int, int, int]], list[tu
     (every torch this project supports has it)."""
     from torch._C._profiler import _EventType
 
-    from .execute.call_ledger import RANGE_PREFIX
     found, ranges, todo = [], [], list(prof.profiler.kineto_results.experimental_event_tree())
     while todo:
         e = todo.pop()

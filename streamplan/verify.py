@@ -45,13 +45,13 @@ def verify(model: nn.Module, *args: Any, **kwargs: Any) -> dict[str, dict[str, f
 
 def _say_extra(model: nn.Module, temporary: Any, args: tuple, kwargs: dict, out: Any) -> None:
     """What verify's stock run held beyond a streamed call: logged, and noted on the handle streaming ``model``."""
-    from .api import _LIVE
+    from .api import live_handle
     from .execute.call_state import live_bytes
-    from .execute.compare import _tensors
+    from .execute.compare import output_tensors
     from .plan.budget import fmt_bytes
     inputs = live_bytes(args, kwargs)
-    held = sum(t.numel() * t.element_size() for t in _tensors(out).values())
-    handle = temporary or _LIVE.get(model)
+    held = sum(t.numel() * t.element_size() for t in output_tensors(out).values())
+    handle = temporary or live_handle(model)
     plans = [p for ps in handle.plans.values() for p in ps] if handle is not None else []
     stock = max((p.live_bytes + p.stock_peak for p in plans if p.stock_peak), default=0)
     text = ("verify ran stock after the streamed call: its extra memory is stock's peak"

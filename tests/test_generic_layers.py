@@ -23,7 +23,6 @@ STREAMS = [n for n in CASES if CASES[n].streams]
 STOCK = {   # layers that stay stock on the generic path, and the reason the report gives
     "bloom": "baddbmm contracts over the rows",
     "mpt": "capture failed",
-    "gpt_oss": "matmul contracts over the rows (attention written by hand?)",   # its attention sinks
     "jamba_mamba": "capture failed",            # the selective scan, a Python loop over every row
     "falcon_h1": "capture failed",              # the Mamba-2 scan pads the rows to whole chunks
 }

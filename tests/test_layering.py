@@ -14,7 +14,7 @@ RANK = {
     "execute": 4,
     "recognize": 5,
     "integrations": 6,
-    "options": 7, "report": 7,
+    "options": 7, "report": 7, "timeline": 7,
     "api": 8,
     "verify": 9,
     "tools": 10, "__main__": 11,

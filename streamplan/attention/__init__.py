@@ -26,6 +26,7 @@ class ConsumerCaps:
     max_head_dim: int | None = None
     q_align: int = 1                       # chunk starts must be multiples of this
     softcap: bool = False                  # takes ``softcap=c``: scores soft-capped as c * tanh(s / c) (Gemma 2)
+    sinks: bool = False                    # takes ``sinks=[H]``: a logit per head in each row's softmax (GPT-OSS)
 
 
 class AttentionConsumer(Protocol):
@@ -94,7 +95,7 @@ def graph_consumer_scope(consumer: AttentionConsumer) -> Iterator[None]:
 
 def unsupported(consumer: AttentionConsumer, *, heads: int, kv_heads: int, head_dim: int, causal: bool,
                 mask: torch.Tensor | None, dtype: torch.dtype, whole_q: bool = False,
-                softcap: bool = False) -> str | None:
+                softcap: bool = False, sinks: bool = False) -> str | None:
     """Why this consumer cannot take this call in bounded Q chunks (``whole_q``: in one call with every query row),
     or None."""
     caps = consumer.caps
@@ -112,11 +113,14 @@ def unsupported(consumer: AttentionConsumer, *, heads: int, kv_heads: int, head_
         return f"attention backend {consumer.name} does not take head_dim {head_dim}"
     if softcap and not caps.softcap:
         return f"attention backend {consumer.name} does not soft-cap attention scores"
+    if sinks and not caps.sinks:
+        return f"attention backend {consumer.name} does not take attention sinks"
     return None
 
 
-# attend_lse: K/V in blocks, merged by log-sum-exp; softcap: soft-capped scores by its fp32 math, in bounded pieces
-SDPA = SDPAConsumer(ConsumerCaps(kv_blocks_lse=True, softcap=True))
+# attend_lse: K/V in blocks, merged by log-sum-exp; softcap: soft-capped scores by its fp32 math, in bounded pieces;
+# sinks: the attention's log-sum-exp merged with each head's sink
+SDPA = SDPAConsumer(ConsumerCaps(kv_blocks_lse=True, softcap=True, sinks=True))
 for _name in ("sdpa", "eager", "native"):   # eager attention is the same math as SDPA's
     register_consumer(_name, SDPA)
 

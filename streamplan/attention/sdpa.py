@@ -332,6 +332,22 @@ class SDPAConsumer:
         merge = out + merge_bytes_per_row(heads, head_dim, device_type) * rows
         return max(diag, past, merge)
 
+    def _with_sinks(self, q, k, v, q_offset: int, causal: bool, mask, scale, sinks: torch.Tensor) -> torch.Tensor:
+        """Attention sinks (GPT-OSS): a logit per head in every row's softmax that has no value. Merged by
+        log-sum-exps it is one more block of keys whose output is nothing, so the attention over the real keys
+        (``attend_lse``) times ``sigmoid(lse - sink)``; a row that sees no key gives zeros, as eager's does."""
+        rows = q.shape[-2]
+        if causal and not (q_offset == 0 and mask is None):   # a chunk past the first: its rows' keys, masked
+            keys = q_offset + rows
+            k, v = k[..., :keys, :], v[..., :keys, :]
+            allowed = _causal_rows(rows, keys, q_offset, q.device)
+            mask = allowed if mask is None else (mask[..., :keys] & allowed if mask.dtype == torch.bool
+                                                 else mask[..., :keys].masked_fill(~allowed, float("-inf")))
+            causal = False
+        out, lse = self.attend_lse(q, k, v, causal=causal, mask=mask, scale=scale)
+        w = torch.sigmoid(lse - sinks.float().view(1, -1, 1)).unsqueeze(-1)
+        return torch.where(torch.isneginf(lse).unsqueeze(-1), 0.0, out.float() * w).to(q.dtype)
+
     def attend_lse(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
                    mask: torch.Tensor | None, scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
         """One K/V block (``kv_blocks_lse``): q [B, H, c, D] against k, v [B, Hkv, n, D] -> (output in q's dtype,
@@ -355,9 +371,12 @@ class SDPAConsumer:
         return _math_with_lse(q, k, v, causal, mask, scale)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_offset: int, causal: bool,
-               mask: torch.Tensor | None, scale: float | None, softcap: float = 0.0) -> torch.Tensor:
+               mask: torch.Tensor | None, scale: float | None, softcap: float = 0.0,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
         if softcap:
             return _softcapped(q, k, v, q_offset, causal, mask, scale, softcap)
+        if sinks is not None:
+            return self._with_sinks(q, k, v, q_offset, causal, mask, scale, sinks)
         gqa = q.shape[1] != k.shape[1]
         if causal and mask is None and q_offset > 0:
             out = _causal_by_parts(q, k, v, q_offset, scale)

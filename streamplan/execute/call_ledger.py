@@ -14,9 +14,9 @@ from typing import Any, Iterator
 
 import torch
 
+from ..meter import RANGE_PREFIX
 from .call_state import rehearsing
 
-RANGE_PREFIX = "streamplan/"   # the meter attributes allocations to ranges named so
 MAX_RECORDS = 20_000           # records a handle keeps of its last call (a long generate loop's calls each start anew)
 _TAGS = itertools.count(1)
 

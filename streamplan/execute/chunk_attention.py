@@ -18,8 +18,10 @@ class ChunkAttention:
         self.consumer, self.row_mask = consumer, row_mask
         self.mean_of: dict = {}   # V's mean over every key, once per call (eager masks' rows that see no key)
 
-    def __call__(self, q, k, v, *, q_offset, causal, scale, mask=None, softcap=0.0):
+    def __call__(self, q, k, v, *, q_offset, causal, scale, mask=None, softcap=0.0, sinks=None):
         cap = {"softcap": softcap} if softcap else {}   # soft-capped scores (hand-written attention): said only then
+        if sinks is not None:                            # attention sinks (GPT-OSS): likewise
+            cap["sinks"] = sinks
         consumer, row_mask = self.consumer, self.row_mask
         if row_mask is None:   # a mask the block was given: its chunk rows (or whole, over the keys alone)
             return consumer.attend(q, k, v, q_offset=q_offset, causal=causal, mask=mask, scale=scale, **cap)

@@ -11,18 +11,18 @@ import torch
 from ..registries import state_tensors
 
 
-def _tensors(out: Any, prefix: str = "output") -> dict[str, torch.Tensor]:
+def output_tensors(out: Any, prefix: str = "output") -> dict[str, torch.Tensor]:
     if isinstance(out, torch.Tensor):
         return {prefix: out}
     found: dict[str, torch.Tensor] = {}
     if isinstance(out, dict):  # includes transformers' ModelOutput
         for k, v in out.items():
-            found.update(_tensors(v, f"{prefix}.{k}"))
+            found.update(output_tensors(v, f"{prefix}.{k}"))
     elif isinstance(out, (tuple, list)):
         for i, v in enumerate(out):
-            found.update(_tensors(v, f"{prefix}[{i}]"))
+            found.update(output_tensors(v, f"{prefix}[{i}]"))
     elif hasattr(out, "to_tuple"):
-        found.update(_tensors(out.to_tuple(), prefix))
+        found.update(output_tensors(out.to_tuple(), prefix))
     return found
 
 
@@ -47,7 +47,7 @@ def compare_outputs(streamed: Any, stock: Any) -> dict[str, dict[str, float]]:
 
     NaN-aware: a NaN where stock has a NaN counts as equal (as do equal infinities); NaNs in one output only are
     counted in ``nan_mismatch`` and make ``rel`` infinite, so a check cannot pass over them."""
-    a, b = _tensors(streamed), _tensors(stock)
+    a, b = output_tensors(streamed), output_tensors(stock)
     result = {}
     for name, ref in b.items():
         out = a.get(name)

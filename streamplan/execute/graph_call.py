@@ -251,7 +251,8 @@ def _attention_problem(call: GraphCall) -> str | None:
         given = att.mask.meta["val"] if att.mask is not None else None   # a mask input the graph attends with
         why = unsupported(consumer, heads=qv.shape[1], kv_heads=kv.shape[1], head_dim=qv.shape[-1],
                           causal=att.causal, mask=_BOOL_MASK if call.row_mask is not None else given, dtype=qv.dtype,
-                          whole_q=call.whole_q, softcap=any(a.softcap for a in an.attentions))
+                          whole_q=call.whole_q, softcap=any(a.softcap for a in an.attentions),
+                          sinks=any(a.sinks is not None for a in an.attentions))
         if why:
             return f"ran stock: {why}"
     if call.par is not None and att is not None:   # attention across the ranks' rows: K/V and Q chunks exchanged
@@ -262,6 +263,8 @@ def _attention_problem(call: GraphCall) -> str | None:
         call.consumer = parallel.consumer(consumer, call.par)
         if any(a.softcap for a in an.attentions) and not call.consumer.caps.softcap:
             return f"ran stock: soft-capped attention through {call.consumer.name}, which does not soft-cap"
+        if any(a.sinks is not None for a in an.attentions) and not call.consumer.caps.sinks:
+            return f"ran stock: attention sinks through {call.consumer.name}, which does not take them"
     return None
 
 
@@ -347,7 +350,7 @@ def head_groups_allowed(found, whole_problem: str | None) -> tuple[int, ...]:
     ``whole_output_problem``), no writes into the block's inputs (each group reruns the projections), and groups
     dividing the K/V heads."""
     an = found.analysis
-    if whole_problem or an.input_writes:
+    if whole_problem or an.input_writes or any(a.sinks is not None for a in an.attentions):   # sinks: every head's
         return ()
     att = an.attentions[0]
     kv_heads, heads = att.k.meta["val"].shape[1], att.q.meta["val"].shape[1]

@@ -56,6 +56,8 @@ def _attend_kwargs(att: GlobalAttention, env: dict) -> dict:
     mask (a key mask whole, a mask over rows x rows as the chunk's query rows, which ``GraphRun._inputs`` took) and
     its soft-capping (hand-written attention, ``eager_attention``)."""
     extra = {"softcap": att.softcap} if att.softcap else {}
+    if att.sinks is not None:
+        extra["sinks"] = env[att.sinks]
     if att.mask is None:
         return extra
     mask = env[att.mask]

@@ -52,6 +52,8 @@ def kv_problem(found, consumer, adapted: Any = None) -> str | None:
             return "a masked attention: its chunks attend K/V whole on the device"
         if getattr(att, "softcap", 0.0):
             return "a soft-capped attention: its chunks attend K/V whole on the device"
+        if getattr(att, "sinks", None) is not None:
+            return "an attention with sinks: its chunks attend K/V whole on the device"
         k = att.k.meta["val"]
         if k.dim() != 4 or att.kv_rows.dim != 2 or att.causal and (att.kv_rows.pre or att.kv_rows.post):
             return "a global attention's K/V are not [batch, heads, rows, head_dim] over the rows alone"

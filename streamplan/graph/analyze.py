@@ -47,6 +47,7 @@ class GlobalAttention:
     mask: fx.Node | None = None      # an input mask over the rows' keys: [.., 1, Nk] whole per chunk, or [.., N, Nk]
     mask_query_rows: bool = False    # its query rows are the rows (each Q chunk takes its own), keys whole
     softcap: float = 0.0             # scores soft-capped as c * tanh(s / c) (hand-written attention; 0: none)
+    sinks: fx.Node | None = None     # a logit per head in each row's softmax, no value (GPT-OSS; no rows)
 
 
 @dataclass(eq=False)
@@ -736,9 +737,12 @@ class _Analyzer:
         causal = bool(a.get("is_causal"))
         if causal and (not isinstance(qr, Rows) or (qr.pre, qr.post, kr.pre, kr.post) != (0, 0, 0, 0)):
             raise NotRowLocal("causal attention over rows joined with static rows")
+        sinks = a.get("sinks")
+        if sinks is not None and (not isinstance(sinks, fx.Node) or sinks not in self.const):
+            raise NotRowLocal("attention sinks that depend on the rows")
         self.attentions.append(GlobalAttention(node, q, k, v, causal, a.get("scale"), kr,
                                                qr if isinstance(qr, Rows) else None, mask, by_query,
-                                               float(a.get("softcap") or 0.0)))
+                                               float(a.get("softcap") or 0.0), sinks))
         return self.out_rows(node, val, qr.pre, qr.post) if isinstance(qr, Rows) else None
 
     def global_mask(self, mask, qr, kr) -> bool:

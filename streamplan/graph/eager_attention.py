@@ -16,6 +16,7 @@ the block stock, named by the analysis).
 from __future__ import annotations
 
 import numbers
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -26,9 +27,10 @@ from .analyze import IGNORED_OPS, op_name
 
 @torch.library.custom_op("streamplan::eager_attention", mutates_args=())
 def eager_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
-                    scale: float, softcap: float) -> torch.Tensor:
+                    scale: float, softcap: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Whole attention as the matched chain computes it (reference and fallback; streamed chunks go through the
-    attention consumer): scores in fp32, soft-capped where ``softcap`` > 0, the mask added, softmax in fp32."""
+    attention consumer): scores in fp32, soft-capped where ``softcap`` > 0, the mask added, softmax in fp32 (with a
+    column per head's sink, dropped after, where ``sinks`` is given)."""
     B, H, n, D = query.shape
     rep = H // key.shape[1]
     k, v = key.repeat_interleave(rep, 1), value.repeat_interleave(rep, 1)
@@ -37,11 +39,15 @@ def eager_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         s = torch.tanh(s / softcap) * softcap
     if attn_mask is not None:
         s = s.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else s + attn_mask.float()
-    return torch.matmul(torch.softmax(s, dim=-1), v.float()).to(query.dtype)
+    if sinks is not None:
+        p = torch.softmax(torch.cat([s, sinks.float().view(1, H, 1, 1).expand(B, H, n, 1)], -1), dim=-1)[..., :-1]
+    else:
+        p = torch.softmax(s, dim=-1)
+    return torch.matmul(p, v.float()).to(query.dtype)
 
 
 @eager_attention.register_fake
-def _(query, key, value, attn_mask, scale, softcap):
+def _(query, key, value, attn_mask, scale, softcap, sinks=None):
     return torch.empty_like(query, memory_format=torch.contiguous_format)
 
 
@@ -58,6 +64,7 @@ class _Match:
     softcap: float
     chain: list[fx.Node]     # the nodes replaced (erased once the new op has their uses)
     out: fx.Node             # the second matmul
+    sinks: fx.Node | None = None   # a [heads] value joined to the scores as one more column (GPT-OSS's sinks)
 
 
 def _only_user(n: fx.Node) -> fx.Node | None:
@@ -97,8 +104,11 @@ def _match(sm: fx.Node) -> _Match | None:
     chain = [sm]
     x = sm.args[0]
     mask = None
+    sinks = _sinks(x, chain)
+    if sinks is not None:
+        x = chain[-1].args[0][0]   # the scores beside the sinks' column
     if op_name(x.target) == "add" and len(x.args) == 2 and all(isinstance(a, fx.Node) for a in x.args) \
-            and _only_user(x) is sm:
+            and _only_user(x) is chain[-1]:
         chain.append(x)
         left, right = x.args
         x, mask = (left, right) if op_name(right.target) not in _SCALARS | {"tanh", "matmul"} else (right, left)
@@ -134,8 +144,14 @@ def _match(sm: fx.Node) -> _Match | None:
         if op_name(o.target) == "div" and not f:
             return None
         scale = scale * f if op_name(o.target) == "mul" else scale / f
-    # after the softmax: an optional cast, an optional dropout that is off, then the matmul with V
+    # after the softmax: the sinks' column cut off, an optional cast, an optional dropout that is off, then the matmul
     y = _only_user(sm)
+    if sinks is not None:
+        if y is None or op_name(y.target) != "slice" or y.args[1] % 4 != 3 or (y.args[2] or 0) != 0 or \
+                y.args[3] != -1:
+            return None
+        chain.append(y)
+        y = _only_user(y)
     while y is not None and op_name(y.target) in ("to", "_to_copy", "type_as", "dropout"):
         if op_name(y.target) == "dropout" and (float(y.args[1]) > 0 and bool(y.args[2] if len(y.args) > 2 else True)):
             return None
@@ -151,7 +167,35 @@ def _match(sm: fx.Node) -> _Match | None:
         chain.append(y.args[1])
     if mask is not None and (mask.meta.get("val") is None or mask.meta["val"].dim() != 4):
         return None
-    return _Match(q, k, v, mask, scale, softcap, chain, y)
+    if sinks is not None and softcap:
+        return None
+    return _Match(q, k, v, mask, scale, softcap, chain, y, sinks)
+
+
+def _sinks(x: fx.Node, chain: list[fx.Node]) -> fx.Node | None:
+    """GPT-OSS's sinks before the softmax: ``cat([scores, sinks.reshape(1, H, 1, 1).expand(..)], -1)`` less its row
+    maxima; the [heads] sinks value, the chain extended by those nodes (the ``cat`` last), or None."""
+    if op_name(x.target) != "sub" or len(x.args) != 2 or not all(isinstance(a, fx.Node) for a in x.args):
+        return None
+    cat, top = x.args
+    if op_name(cat.target) != "cat" or len(cat.args[0]) != 2 or (cat.args[1] if len(cat.args) > 1 else 0) % 4 != 3:
+        return None
+    if top.target is not operator.getitem or top.args[1] != 0 or op_name(top.args[0].target) != "max" or \
+            top.args[0].args[0] is not cat:
+        return None
+    mx = top.args[0]
+    if set(cat.users) != {x, mx} or any(u.target is not operator.getitem or (u is not top and u.users)
+                                        for u in mx.users):
+        return None
+    src, views = cat.args[0][1], []
+    while isinstance(src, fx.Node) and op_name(src.target) in ("expand", "reshape", "view", "unsqueeze"):
+        views.append(src)
+        src = src.args[0]
+    val = src.meta.get("val") if isinstance(src, fx.Node) else None
+    if val is None or val.dim() != 1:
+        return None
+    chain.extend([x, *mx.users, mx, *views, cat])
+    return src
 
 
 def fuse_eager_attention(graph: fx.Graph) -> int:
@@ -164,7 +208,7 @@ def fuse_eager_attention(graph: fx.Graph) -> int:
             continue
         with graph.inserting_before(m.out):
             new = graph.call_function(torch.ops.streamplan.eager_attention.default,
-                                      (m.q, m.k, m.v, m.mask, m.scale, m.softcap))
+                                      (m.q, m.k, m.v, m.mask, m.scale, m.softcap, m.sinks))
         new.meta = dict(m.out.meta)
         m.out.replace_all_uses_with(new)
         for n in [m.out, *m.chain]:

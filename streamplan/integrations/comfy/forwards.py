@@ -10,6 +10,8 @@ MiniMax-H3 and Wan here, Flux and HunyuanVideo in ``forwards_joint``, LTX-Video 
   replacement at that index is streamplan's own; a foreign replacement gets the stock call (its input kept);
 - the output head (final norm and modulation, projection) runs on row chunks straight into the head's small output,
   which the model's own unpatchify then lays out;
+- Wan 2.2 TI2V's timestep per latent frame: the per-frame modulation table stock's ``repeat_e`` lays over every row
+  reaches streamplan's blocks as a per-row table described per chunk (``_per_row``), the head's picked per chunk;
 - in those row loops a comfy.ops layer that casts its weights per call (lowvram, DynamicVRAM, LoRA patches applied
   per call) casts them once per loop, not once per chunk (``forward_loops.row_loop``, ``weights.once_per_loop``).
 
@@ -24,8 +26,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import nn
 
 from ...execute.chunk_loop import chunk_bounds
+from ...specs import RowsFrom
 from . import models as comfy_models
 from .embed import grid_chunk_bounds  # noqa: F401 -- forwards' own
 from .embed import grid_chunks, project_into, row_chunks
@@ -92,11 +96,16 @@ class ModelForward:
         return None, FORWARDS[comfy_models.class_path(type(model))]
 
 
-def _wan_block_wrap(block, context_img_len):
+def _wan_block_wrap(block, context_img_len, frames=None):
     """The "original_block" a Wan block replacement gets: the block called with the host's arguments (a closure over
-    the block module, as the stock forward's, so a replacement may swap the module it calls)."""
+    the block module, as the stock forward's, so a replacement may swap the module it calls). The block module itself
+    (a call that stays stock) is handed ``frames``, the per-frame table the stock forward hands it, in place of the
+    per-row table described for streamplan's streamed call (``_per_row``)."""
     def block_wrap(args):
-        return {"img": block(args["img"], context=args["txt"], e=args["vec"], freqs=args["pe"],
+        e = args["vec"]
+        if isinstance(e, RowsFrom) and isinstance(block, nn.Module):
+            e = frames
+        return {"img": block(args["img"], context=args["txt"], e=e, freqs=args["pe"],
                              context_img_len=context_img_len, transformer_options=args["transformer_options"])}
     return block_wrap
 
@@ -109,6 +118,23 @@ def _h3_block_wrap(block):
 
 
 # --- Wan (comfy.ldm.wan.model.WanModel._forward and forward_orig, ComfyUI 0.33.0) ---------------------------------
+
+def _row_step(entries: int, rows: int) -> int:
+    """Rows per timestep entry as ``repeat_e`` (comfy.ldm.wan.model) lays a per-frame table over the rows: row ``i``
+    reads entry ``i // step`` (``rows // entries``, or one more where that does not divide: it repeats each entry one
+    row more and cuts the tail)."""
+    step = rows // entries
+    return step if step * entries == rows else step + 1
+
+
+def _per_row(table: torch.Tensor, step: int, rows: int) -> RowsFrom:
+    """A per-frame table ``[B, F, ...]`` as the per-row ``[B, rows, ...]`` one ``repeat_e`` makes of it, described: a
+    chunk's rows picked from their frames' entries, so a streamed block reads a table with a row per row (its own
+    ``repeat_e`` then leaves it as it is) and no chunk of it is ever over every row."""
+    def make(a: int, b: int) -> torch.Tensor:
+        return table[:, torch.arange(a, b, device=table.device) // step]
+    return RowsFrom(make, torch.Size((table.shape[0], rows, *table.shape[2:])), table.dtype, table.device)
+
 
 class _Wan:
     @staticmethod
@@ -123,13 +149,27 @@ class _Wan:
         x, t = call.get("x"), call.get("timestep")
         if not isinstance(x, torch.Tensor) or x.dim() != 5 or not isinstance(t, torch.Tensor):
             return "x is not [batch, channels, frames, height, width]"
-        if t.dim() > 1 and t.shape[-1] != 1:
-            return "per-token timesteps (the head's modulation over all rows is the stock forward's)"
+        if t.dim() == 0:
+            return "the timestep is a scalar (the stock forward takes [batch] or [batch, frames])"
+        entries = t.numel() // max(1, t.shape[0])
+        if entries > 1:   # Wan 2.2 TI2V (model_base.WAN22): a timestep per latent frame, the first 0 under a mask
+            grid = [-(-n // p) for n, p in zip(x.shape[2:], model.patch_size)]
+            rows = grid[0] * grid[1] * grid[2]
+            if t.shape[0] != x.shape[0]:
+                return (f"the per-frame timesteps' batch ({t.shape[0]}) is not the latent's ({x.shape[0]}): the "
+                        f"stock forward broadcasts its tables")
+            if entries > grid[0]:
+                return (f"{entries} timesteps per entry, more than the {grid[0]} latent frames (a time embedding "
+                        f"over every row is the stock forward's)")
+            if rows // entries == 1 and rows != entries:
+                return (f"{entries} timesteps over {rows} rows: repeat_e leaves such a table as it is (the stock "
+                        f"forward's)")
         return None
 
     @staticmethod
     def forward(model: Any, call: dict, state: Any) -> torch.Tensor:
         import comfy.ldm.common_dit as common_dit
+        import comfy.model_management as mm
         from comfy.ldm.wan.model import sinusoidal_embedding_1d
 
         x, timestep, context = call["x"], call["timestep"], call["context"]
@@ -150,9 +190,14 @@ class _Wan:
                          lambda p: model.patch_embedding(p.float()).flatten(2).transpose(1, 2))
         options["grid_sizes"] = torch.Size(grid)
 
+        # the time tables as stock computes them: [B, 1, ...], or [B, F, ...] for a timestep per latent frame
         e = model.time_embedding(sinusoidal_embedding_1d(model.freq_dim, timestep.flatten()).to(dtype=hidden.dtype))
         e = e.reshape(timestep.shape[0], -1, e.shape[-1])
         e0 = model.time_projection(e).unflatten(2, (6, model.dim))
+        # per frame: stock's repeat_e makes each block's six modulations a table over every row; streamplan's
+        # streamed blocks get it described (a chunk's rows built as they are read), a stock block the frames' table
+        step = _row_step(e0.shape[1], rows) if e0.shape[1] > 1 else None
+        streamed_e0 = e0 if step is None else _per_row(e0, step, rows)
         context = model.text_embedding(context)
         context_img_len = None
         if clip_fea is not None:
@@ -167,10 +212,13 @@ class _Wan:
         donated = 0
         for i, block in enumerate(model.blocks):
             options["block_index"] = i
-            if ("double_block", i) in blocks_replace:
-                block_wrap = _wan_block_wrap(block, context_img_len)
-                args = {"img": hidden, "txt": context, "vec": e0, "pe": freqs, "transformer_options": options}
-                hidden, gave = block_call(blocks_replace, ("double_block", i), hidden, args, block_wrap)
+            key = ("double_block", i)
+            if key in blocks_replace:
+                block_wrap = _wan_block_wrap(block, context_img_len, e0)
+                ours = getattr(blocks_replace[key], "streamplan_donates", False)
+                args = {"img": hidden, "txt": context, "vec": streamed_e0 if ours else e0, "pe": freqs,
+                        "transformer_options": options}
+                hidden, gave = block_call(blocks_replace, key, hidden, args, block_wrap)
                 del args
                 donated += gave
             else:
@@ -181,23 +229,27 @@ class _Wan:
                 hidden = p({"img": hidden, "x": x, "vec": e, "block_index": i, "img_offset": 0,
                             "transformer_options": options})["img"]
         state.forward.donated_blocks = donated
+        del streamed_e0
 
-        # the head: modulated norm and projection on row chunks into its (small) output, then the model's unpatchify
+        # the head: modulated norm and projection on row chunks into its (small) output, then the model's unpatchify;
+        # its shift and scale per frame as stock's, each chunk's rows picked from their frames' (repeat_e's layout)
         head = model.head
-        import comfy.model_management as mm
         mod = mm.cast_to(head.modulation, dtype=hidden.dtype, device=hidden.device)
         shift, scale = (mod.unsqueeze(0) + e.unsqueeze(2)).unbind(2)
         out = None
         with row_loop(state, head):
             for a, b in chunk_bounds(rows, chunk):
                 r = hidden[:, a:b]
-                sh = shift if shift.shape[1] == 1 else shift[:, a:b]
-                sc = scale if scale.shape[1] == 1 else scale[:, a:b]
+                if step is None:
+                    sh, sc = shift, scale
+                else:
+                    frame = torch.arange(a, b, device=hidden.device) // step
+                    sh, sc = shift[:, frame], scale[:, frame]
                 y = head.head(torch.addcmul(sh, head.norm(r), 1 + sc))
                 if out is None:
                     out = y.new_empty(batch, rows, y.shape[-1])
                 out[:, a:b] = y
-                del r, y
+                del r, y, sh, sc
         del hidden
         return model.unpatchify(out, torch.Size(grid))[:, :, :frames_in, :height, :width]
 

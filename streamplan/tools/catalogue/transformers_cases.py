@@ -199,12 +199,12 @@ _add("qwen2_moe", "qwen2_moe", "Qwen2MoeDecoderLayer", note=_MOE,
      overrides=dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64))
 _add("qwen3_moe", "qwen3_moe", "Qwen3MoeDecoderLayer", note=_MOE,
      overrides=dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32))
-_add("gpt_oss", "gpt_oss", "GptOssDecoderLayer", layer=1, streams=False,
+_add("gpt_oss", "gpt_oss", "GptOssDecoderLayer", layer=1,
      overrides=dict(attn_implementation="eager", num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW,
                     layer_types=["sliding_attention", "full_attention"]),
-     note="attention sinks (eager attention: a per-head logit joined to the scores, which the generic path does not "
-          "chunk) and a mixture of experts whose forward returns its router scores too (run whole on each chunk's "
-          "rows, both outputs)")
+     note="attention sinks (eager attention: a per-head logit joined to the scores, merged with each Q chunk's "
+          "attention by log-sum-exp) and a mixture of experts whose forward returns its router scores too (run whole "
+          "on each chunk's rows, both outputs)")
 _add("deepseek_v3", "deepseek_v3", "DeepseekV3DecoderLayer", streams=True,
      overrides=dict(first_k_dense_replace=2, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                     q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,

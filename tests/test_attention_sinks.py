@@ -1,0 +1,60 @@
+"""Attention sinks (GPT-OSS: a logit per head joined to every row's scores, with no value): the hand-written chain
+found in the graph with its sinks, each Q chunk attended over the real keys and merged with the sinks by log-sum-exp.
+Against transformers' own GPT-OSS, fp32 on CPU: its sliding-window and full-attention layers, a whole prefill."""
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import streamplan  # noqa: E402
+from streamplan.graph import streamable  # noqa: E402
+
+
+def _rel(out, ref) -> float:
+    return ((out - ref).abs().max() / ref.abs().max()).item()
+
+
+def _model(layers=("sliding_attention", "full_attention")):
+    from transformers import GptOssConfig, GptOssForCausalLM
+    cfg = GptOssConfig(hidden_size=64, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=len(layers),
+                       vocab_size=128, sliding_window=64, layer_types=list(layers), attn_implementation="eager")
+    torch.manual_seed(0)
+    model = GptOssForCausalLM(cfg).eval()
+    for p in model.parameters():   # sinks and experts away from their zero initialisation
+        torch.nn.init.normal_(p, std=0.1)
+    return model
+
+
+@torch.no_grad()
+def test_the_sinks_are_found_with_the_attention_and_change_its_output():
+    from streamplan.tools.catalogue.transformers_cases import CASES
+    case = CASES["gpt_oss"]
+    torch.manual_seed(0)
+    layer = case.build()
+    args, kwargs = case.inputs(256, torch.device("cpu"), torch.float32)
+    found, _ = streamable(layer, args, kwargs, 256)
+    att = found.analysis.attentions[0]
+    assert att.sinks is not None and att.sinks.meta["val"].shape == (layer.self_attn.sinks.shape[0],)
+    ref = layer(*args, **kwargs)
+    layer.self_attn.sinks.data.fill_(-1e4)   # sinks that take nothing: a different output, so they are applied
+    assert _rel(layer(*args, **kwargs)[0] if isinstance(ref, tuple) else layer(*args, **kwargs),
+                ref[0] if isinstance(ref, tuple) else ref) > 1e-4
+
+
+@torch.no_grad()
+def test_a_gpt_oss_prefill_streams_its_layers_exactly():
+    model = _model()
+    ids = torch.randint(0, 128, (1, 300))
+    ref, stock_peak = streamplan.measure_peak(lambda: model(ids, use_cache=False).logits)
+    handle = streamplan.apply(model, chunk_tokens=64)
+    try:
+        model(ids, use_cache=False)   # the captures, outside the measurement
+        out, peak = streamplan.measure_peak(lambda: model(ids, use_cache=False).logits)
+        for i in (0, 1):
+            plans = handle.plans.get(f"model.layers.{i}") or []
+            assert plans and all(p.tier == "L1" for p in plans), handle.report()
+        assert _rel(out, ref) <= 1e-5
+        assert peak < stock_peak, (peak, stock_peak)
+    finally:
+        handle.remove()
