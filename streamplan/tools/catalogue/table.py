@@ -79,7 +79,8 @@ def diffusers_classes() -> list[tuple[type, str]]:
         cands = [getattr(mod, n, None) for n in sorted(named)]
         cands += [c for n, c in _defined(mod) if n.endswith(("Block", "Layer"))]
         for c in cands:
-            if inspect.isclass(c) and issubclass(c, nn.Module) and c not in found and _builds_attention(c):
+            if inspect.isclass(c) and issubclass(c, nn.Module) and c not in found and _builds_attention(c) and \
+                    c.forward is not nn.Module.forward:   # a holder of parts another block runs is not a block
                 found[c] = c.__module__
     return sorted(found.items(), key=lambda kv: (kv[1], kv[0].__name__))
 
