@@ -23,7 +23,9 @@ STOCK = {   # blocks that stay stock on the generic path, and the reason the rep
     "sana": "capture failed",
     "hunyuan_video_i2v_double": "capture failed",      # the first frame's rows sliced off at a fixed count
     "hunyuan_video_i2v_single": "capture failed",
-    "t5_film_decoder": "empty gives a value with two row dimensions",   # a [B*H, N, N] score buffer (baddbmm)
+    # its three layers stream (the self-attention's classic processor found as one attention); the layer itself holds
+    # them in a ModuleList, so the parts are what is captured
+    "t5_film_decoder": "captured diffusers.T5LayerSelfAttentionCond L1",
     "anyflow_far": "attention backend 'flex' has no streamplan consumer",
     "cosmos3": "no [batch, rows, features] input",                      # unbatched packed sequences
     "ernie_image": "sequence-first [rows, batch, features] layout",
@@ -123,7 +125,8 @@ def test_block_stays_stock_with_reason(name):
         out = module(*args, **kwargs)
         assert not [p for p in handle.plans.get("", []) if p.tier != "L0"], handle.report()
         assert STOCK[name] in handle.report(), handle.report()
+        parts = any(p.tier != "L0" for ps in handle.plans.values() for p in ps)   # streamed parts: within 1e-5
         for o, r in zip(pytree.tree_leaves(out), pytree.tree_leaves(ref)):
-            assert torch.equal(o, r)
+            assert _rel(o, r) <= 1e-5 if parts else torch.equal(o, r)
     finally:
         handle.remove()

@@ -65,6 +65,7 @@ class _Match:
     chain: list[fx.Node]     # the nodes replaced (erased once the new op has their uses)
     out: fx.Node             # the second matmul
     sinks: fx.Node | None = None   # a [heads] value joined to the scores as one more column (GPT-OSS's sinks)
+    batched: bool = False    # [batch * heads, rows, D] (baddbmm and bmm): taken as one batch of that many heads
 
 
 def _only_user(n: fx.Node) -> fx.Node | None:
@@ -99,7 +100,7 @@ def _unrepeat(n: fx.Node) -> fx.Node:
 def _match(sm: fx.Node) -> _Match | None:
     val = sm.meta.get("val")
     dim = sm.args[1] if len(sm.args) > 1 else sm.kwargs.get("dim")
-    if val is None or val.dim() != 4 or dim not in (-1, 3):
+    if val is None or val.dim() not in (3, 4) or not isinstance(dim, int) or dim % val.dim() != val.dim() - 1:
         return None
     chain = [sm]
     x = sm.args[0]
@@ -119,16 +120,31 @@ def _match(sm: fx.Node) -> _Match | None:
         chain.append(x)
         ops.append(x)
         x = x.args[0]
-    if not isinstance(x, fx.Node) or op_name(x.target) != "matmul" or _only_user(x) is not chain[-1]:
+    while isinstance(x, fx.Node) and op_name(x.target) in ("to", "_to_copy") and _only_user(x) is chain[-1] \
+            and not ops:   # diffusers' upcast of the scores before the softmax
+        chain.append(x)
+        x = x.args[0]
+    if not isinstance(x, fx.Node) or op_name(x.target) not in ("matmul", "baddbmm") or _only_user(x) is not chain[-1]:
         return None
     chain.append(x)
-    q, kt = x.args
-    if op_name(kt.target) != "transpose" or sorted(d % 4 for d in kt.args[1:3]) != [2, 3] or _only_user(kt) is not x:
+    batched = op_name(x.target) == "baddbmm"   # diffusers' classic processor: [B * H, rows, D], scaled by alpha
+    scale, softcap = 1.0, 0.0
+    if batched:
+        if mask is not None:
+            return None
+        mask, scale = _baddbmm_base(x, chain)
+        if scale is None:
+            return None
+        q, kt = x.args[1], x.args[2]
+    else:
+        q, kt = x.args
+    nd = 3 if batched else 4
+    if op_name(kt.target) != "transpose" or sorted(d % nd for d in kt.args[1:3]) != [nd - 2, nd - 1] or \
+            _only_user(kt) is not x:
         return None
     chain.append(kt)
     # the scalar ops from the matmul outward: factors, then an optional c * tanh(s / c)
     ops.reverse()
-    scale, softcap = 1.0, 0.0
     tanh = [i for i, o in enumerate(ops) if op_name(o.target) == "tanh"]
     if len(tanh) > 1:
         return None
@@ -157,19 +173,35 @@ def _match(sm: fx.Node) -> _Match | None:
             return None
         chain.append(y)
         y = _only_user(y)
-    if y is None or op_name(y.target) != "matmul" or y.args[0] is not chain[-1]:
+    if y is None or op_name(y.target) != ("bmm" if batched else "matmul") or y.args[0] is not chain[-1]:
         return None
-    k = _unrepeat(kt.args[0])
-    v = _unrepeat(y.args[1])
+    k = _unrepeat(kt.args[0]) if not batched else kt.args[0]
+    v = _unrepeat(y.args[1]) if not batched else y.args[1]
     if k is not kt.args[0]:
         chain.append(kt.args[0])
     if v is not y.args[1]:
         chain.append(y.args[1])
-    if mask is not None and (mask.meta.get("val") is None or mask.meta["val"].dim() != 4):
+    if mask is not None and (mask.meta.get("val") is None or mask.meta["val"].dim() != nd):
         return None
     if sinks is not None and softcap:
         return None
-    return _Match(q, k, v, mask, scale, softcap, chain, y, sinks)
+    return _Match(q, k, v, mask, scale, softcap, chain, y, sinks, batched)
+
+
+def _baddbmm_base(x: fx.Node, chain: list[fx.Node]) -> tuple[fx.Node | None, float | None]:
+    """``baddbmm(base, q, k^T, beta, alpha)`` as diffusers' ``get_attention_scores`` calls it: beta 0 over an
+    ``empty`` base (no mask; the base joins the chain), or beta 1 over the mask. (mask, alpha); alpha None: neither."""
+    base = x.args[0]
+    beta = x.kwargs.get("beta", x.args[3] if len(x.args) > 3 else 1)
+    alpha = x.kwargs.get("alpha", x.args[4] if len(x.args) > 4 else 1)
+    if not isinstance(alpha, numbers.Number) or isinstance(alpha, bool) or not isinstance(base, fx.Node):
+        return None, None
+    if beta == 0:
+        if op_name(base.target) not in ("empty", "zeros", "new_empty", "new_zeros") or _only_user(base) is not x:
+            return None, None
+        chain.append(base)
+        return None, float(alpha)
+    return (base, float(alpha)) if beta == 1 else (None, None)
 
 
 def _sinks(x: fx.Node, chain: list[fx.Node]) -> fx.Node | None:
@@ -207,9 +239,15 @@ def fuse_eager_attention(graph: fx.Graph) -> int:
         if m is None:
             continue
         with graph.inserting_before(m.out):
+            q, k, v, mask = (_unsqueezed(graph, t) if m.batched and t is not None else t
+                             for t in (m.q, m.k, m.v, m.mask))
             new = graph.call_function(torch.ops.streamplan.eager_attention.default,
-                                      (m.q, m.k, m.v, m.mask, m.scale, m.softcap, m.sinks))
-        new.meta = dict(m.out.meta)
+                                      (q, k, v, mask, m.scale, m.softcap, m.sinks))
+            new.meta = {**m.out.meta, "val": q.meta["val"].new_empty(q.meta["val"].shape[:-1] + (
+                v.meta["val"].shape[-1],))} if m.batched else dict(m.out.meta)
+            if m.batched:   # back to [batch * heads, rows, D]
+                new = graph.call_function(torch.ops.aten.squeeze.dim, (new, 0))
+                new.meta = dict(m.out.meta)
         m.out.replace_all_uses_with(new)
         for n in [m.out, *m.chain]:
             for u in list(n.users):
@@ -222,6 +260,13 @@ def fuse_eager_attention(graph: fx.Graph) -> int:
     if found:
         graph.lint()
     return found
+
+
+def _unsqueezed(graph: fx.Graph, t: fx.Node) -> fx.Node:
+    """``t`` [batch * heads, rows, ...] as one batch of that many heads, [1, batch * heads, rows, ...]."""
+    node = graph.call_function(torch.ops.aten.unsqueeze.default, (t, 0))
+    node.meta = {"val": t.meta["val"].unsqueeze(0)}
+    return node
 
 
 def _order(graph: fx.Graph):

@@ -505,7 +505,8 @@ _add("t5_film_decoder", T + "t5_film_transformer:DecoderLayer", lambda c: c(64, 
          encoder_attention_mask=_pad_mask(n, device, dtype))),
      streams=False,
      note="spectrogram diffusion's FiLM decoder layer, with the [B, 1, N, T] encoder-decoder mask its model builds "
-          "(ones over the decoder rows x the encoders' token masks, the last 3 tokens padding)")
+          "(ones over the decoder rows x the encoders' token masks, the last 3 tokens padding); its self-attention on "
+          "diffusers' classic processor (baddbmm over an empty base, softmax, bmm) found as one attention")
 
 
 def _anyflow_inputs(n, device, dtype):
