@@ -128,6 +128,8 @@ def _match(sm: fx.Node) -> _Match | None:
         return None
     chain.append(x)
     batched = op_name(x.target) == "baddbmm"   # diffusers' classic processor: [B * H, rows, D], scaled by alpha
+    if batched != (val.dim() == 3):   # a 3-D chain is the classic processor's alone
+        return None
     scale, softcap = 1.0, 0.0
     if batched:
         if mask is not None:
