@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import inspect
 import logging
+import re
 import time
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, fields, is_dataclass
@@ -190,6 +191,8 @@ def _reason(exc: Exception) -> str:
     if isinstance(exc, OpaqueRefused):   # a module of a known kind that may not run by chunks: its own reason
         return str(exc)
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if re.fullmatch(r"[-+0-9./e ]+", text):   # a bare number out of torch's own guard code: nothing a user can read
+        text = "inside torch.export's guard on the row count, with no message (a shape that holds for some counts)"
     return f"capture failed ({type(exc).__name__}: {text[:200]})"
 
 
