@@ -57,7 +57,7 @@ class OpaqueKind:
     be taken (its block then stays stock, named), or None; ``out_features(module, x)`` of its output rows;
     ``workspace(module, x)`` -> (bytes per call, bytes per row of the call) it may allocate inside, at most, for an
     input like ``x`` (a fake tensor at capture); ``second(module)``, where its forward returns a per-token tensor
-    beside its rows (GPT-OSS's router scores), that tensor's (features, dtype, whether its tokens are flattened
+    beside its rows (router scores), that tensor's (features, dtype, whether its tokens are flattened
     [batch * rows, features]), else None."""
 
     name: str

@@ -1,3 +1,5 @@
+import contextlib
+
 import pytest
 import torch
 
@@ -27,6 +29,17 @@ class OpCounter:
 
     def __exit__(self, *exc):
         return self._mode.__exit__(*exc)
+
+
+@contextlib.contextmanager
+def streamed(module, **options):
+    """``streamplan.apply(module, **options)`` for a ``with`` block's calls: the handle, removed after."""
+    import streamplan
+    handle = streamplan.apply(module, **options)
+    try:
+        yield handle
+    finally:
+        handle.remove()
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

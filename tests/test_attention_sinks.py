@@ -7,11 +7,9 @@ import torch
 pytest.importorskip("transformers")
 
 import streamplan  # noqa: E402
+from conftest import rel_err, streamed  # noqa: E402
 from streamplan.graph import streamable  # noqa: E402
 
-
-def _rel(out, ref) -> float:
-    return ((out - ref).abs().max() / ref.abs().max()).item()
 
 
 def _model(layers=("sliding_attention", "full_attention")):
@@ -38,7 +36,7 @@ def test_the_sinks_are_found_with_the_attention_and_change_its_output():
     assert att.sinks is not None and att.sinks.meta["val"].shape == (layer.self_attn.sinks.shape[0],)
     ref = layer(*args, **kwargs)
     layer.self_attn.sinks.data.fill_(-1e4)   # sinks that take nothing: a different output, so they are applied
-    assert _rel(layer(*args, **kwargs)[0] if isinstance(ref, tuple) else layer(*args, **kwargs),
+    assert rel_err(layer(*args, **kwargs)[0] if isinstance(ref, tuple) else layer(*args, **kwargs),
                 ref[0] if isinstance(ref, tuple) else ref) > 1e-4
 
 
@@ -47,14 +45,11 @@ def test_a_gpt_oss_prefill_streams_its_layers_exactly():
     model = _model()
     ids = torch.randint(0, 128, (1, 300))
     ref, stock_peak = streamplan.measure_peak(lambda: model(ids, use_cache=False).logits)
-    handle = streamplan.apply(model, chunk_tokens=64)
-    try:
+    with streamed(model, chunk_tokens=64) as handle:
         model(ids, use_cache=False)   # the captures, outside the measurement
         out, peak = streamplan.measure_peak(lambda: model(ids, use_cache=False).logits)
         for i in (0, 1):
             plans = handle.plans.get(f"model.layers.{i}") or []
             assert plans and all(p.tier == "L1" for p in plans), handle.report()
-        assert _rel(out, ref) <= 1e-5
+        assert rel_err(out, ref) <= 1e-5
         assert peak < stock_peak, (peak, stock_peak)
-    finally:
-        handle.remove()

@@ -6,13 +6,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import streamplan
+from conftest import rel_err, streamed  # noqa: E402
 
 CPU = torch.device("cpu")
 
-
-def _rel(out, ref) -> float:
-    return ((out - ref).abs().max() / ref.abs().max()).item()
 
 
 @torch.no_grad()
@@ -24,13 +21,10 @@ def test_zimage_streams_with_its_rotary_autocast_region():
     block = case.build()
     args, kwargs = case.inputs(400, CPU, torch.float32)
     ref = block(*args, **kwargs)
-    handle = streamplan.apply(block, chunk_tokens=64)
-    try:
+    with streamed(block, chunk_tokens=64) as handle:
         out = block(*args, **kwargs)
         assert handle.plans[""][0].tier == "L1", handle.report()
-        assert _rel(out, ref) <= 1e-5
-    finally:
-        handle.remove()
+        assert rel_err(out, ref) <= 1e-5
 
 
 class _RegionBlock(nn.Module):
@@ -57,14 +51,11 @@ def test_a_region_turning_autocast_off_streams_and_under_autocast_stays_stock_na
     ref = block(x)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         ref_autocast = block(x)
-    handle = streamplan.apply(block, chunk_tokens=64)
-    try:
+    with streamed(block, chunk_tokens=64) as handle:
         out = block(x)
         assert handle.plans[""][0].tier == "L1", handle.report()
-        assert _rel(out, ref) <= 1e-5
+        assert rel_err(out, ref) <= 1e-5
         with torch.autocast("cpu", dtype=torch.bfloat16):
             out_autocast = block(x)
         assert torch.equal(out_autocast, ref_autocast)
         assert "runs under an enabled autocast for cpu" in handle.report(), handle.report()
-    finally:
-        handle.remove()

@@ -6,13 +6,10 @@ import torch
 
 pytest.importorskip("diffusers")
 
-import streamplan  # noqa: E402
+from conftest import rel_err, streamed  # noqa: E402
 from streamplan.graph import streamable  # noqa: E402
 from streamplan.tools.catalogue.diffusers_cases import CASES  # noqa: E402
 
-
-def _rel(out, ref) -> float:
-    return ((out - ref).abs().max() / ref.abs().max()).item()
 
 
 @pytest.mark.parametrize("name", ["pixart", "t5_film_decoder"])
@@ -28,17 +25,14 @@ def test_blocks_on_the_classic_processor_stream_exactly(name):
     args, kwargs = case.inputs(400, torch.device("cpu"), torch.float32)
     ref = block(*args, **kwargs)
     ref = ref[0] if isinstance(ref, tuple) else ref
-    handle = streamplan.apply(block, chunk_tokens=64, capture="prefer")
-    try:
+    with streamed(block, chunk_tokens=64, capture="prefer") as handle:
         out = block(*args, **kwargs)
         out = out[0] if isinstance(out, tuple) else out
-        streamed = [n for n, ps in handle.plans.items() if any(p.tier == "L1" for p in ps)]
+        streaming = [n for n, ps in handle.plans.items() if any(p.tier == "L1" for p in ps)]
         attention = [n for n, e in handle.installed.items()
                      if any("1 global attention(s)" in note for note in e.runtime_notes)]
-        assert attention and set(attention) <= set(streamed), handle.report()
-        assert _rel(out, ref) <= 1e-5
-    finally:
-        handle.remove()
+        assert attention and set(attention) <= set(streaming), handle.report()
+        assert rel_err(out, ref) <= 1e-5
 
 
 @torch.no_grad()

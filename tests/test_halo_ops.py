@@ -7,15 +7,13 @@ import torch.nn.functional as F
 from torch import nn
 
 import streamplan
+from conftest import rel_err, streamed  # noqa: E402
 from streamplan.graph import streamable
 
 pytest.importorskip("transformers")
 
 CPU = torch.device("cpu")
 
-
-def _rel(out, ref) -> float:
-    return ((out - ref).abs().max() / ref.abs().max()).item()
 
 
 @torch.no_grad()
@@ -29,15 +27,12 @@ def test_lfm2_short_convolution_layer_streams_exactly_with_its_causal_halo():
     found, _ = streamable(layer, args, kwargs, 1000)
     kernel = layer.conv.conv_kernel_size
     assert found.analysis.halo == (kernel - 1, 0)   # causal: the kernel's reach before each row, none after
-    handle = streamplan.apply(layer, chunk_tokens=64)
-    try:
+    with streamed(layer, chunk_tokens=64) as handle:
         out, peak = streamplan.measure_peak(lambda: layer(*args, **kwargs))
         assert handle.plans[""][0].tier == "L1", handle.report()
         o, r = (out[0], ref[0]) if isinstance(ref, tuple) else (out, ref)
-        assert _rel(o, r) <= 1e-5
+        assert rel_err(o, r) <= 1e-5
         assert peak < 0.5 * stock_peak, (peak, stock_peak)
-    finally:
-        handle.remove()
 
 
 @torch.no_grad()
@@ -50,15 +45,12 @@ def test_a_whole_lfm2_prefill_streams_its_convolution_layers_exactly():
     model = Lfm2ForCausalLM(cfg).eval()
     ids = torch.randint(0, 128, (1, 600))
     ref = model(ids, use_cache=False).logits
-    handle = streamplan.apply(model, chunk_tokens=64)
-    try:
+    with streamed(model, chunk_tokens=64) as handle:
         out = model(ids, use_cache=False).logits
-        assert _rel(out, ref) <= 1e-5
+        assert rel_err(out, ref) <= 1e-5
         for i in (0, 2, 3):
             plans = handle.plans.get(f"model.layers.{i}") or []
             assert plans and all(p.tier == "L1" for p in plans), handle.report()
-    finally:
-        handle.remove()
 
 
 class _ConvBlock(nn.Module):
@@ -85,13 +77,10 @@ def test_the_halo_is_read_off_the_convolution(kernel, padding, dilation, halo):
     ref = block(x)
     found, _ = streamable(block, (x,), {}, 300)
     assert found.analysis.halo == halo
-    handle = streamplan.apply(block, chunk_tokens=32)
-    try:
+    with streamed(block, chunk_tokens=32) as handle:
         out = block(x)
         assert handle.plans[""][0].tier == "L1", handle.report()
-        assert _rel(out, ref) <= 1e-5
-    finally:
-        handle.remove()
+        assert rel_err(out, ref) <= 1e-5
 
 
 class _ConvThenAttention(_ConvBlock):

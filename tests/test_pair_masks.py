@@ -11,6 +11,7 @@ from torch.utils import _pytree as pytree
 pytest.importorskip("diffusers")
 
 import streamplan  # noqa: E402
+from conftest import streamed  # noqa: E402
 from streamplan.graph import streamable  # noqa: E402
 from streamplan.tools.catalogue.diffusers_cases import CASES  # noqa: E402
 
@@ -49,8 +50,7 @@ def test_hunyuan_video15_streams_with_its_padded_text_mask_exactly_and_far_below
 
     found, _ = streamable(block, args, kwargs, n)
     assert len(found.analysis.pair_masks) == 1, found.analysis.pair_masks
-    handle = streamplan.apply(block, chunk_tokens=chunk)
-    try:
+    with streamed(block, chunk_tokens=chunk) as handle:
         block(*args, **kwargs)   # the capture, outside the measurement
         out, peak = streamplan.measure_peak(lambda: block(*args, **kwargs))
         plan = handle.plans[""][0]
@@ -60,8 +60,6 @@ def test_hunyuan_video15_streams_with_its_padded_text_mask_exactly_and_far_below
         # stock holds the [S, S] mask (and its copies); a chunk holds its rows of it at most
         assert peak <= 0.2 * stock_peak, (peak, stock_peak)
         assert peak <= plan.predicted_peak, (peak, plan.predicted_peak)
-    finally:
-        handle.remove()
 
 
 @torch.no_grad()
@@ -72,12 +70,9 @@ def test_a_chunks_mask_rows_do_not_grow_with_the_rows_squared():
     for n in (1024, 2048):
         block, args, kwargs = _hunyuan15(n)
         stock.append(streamplan.measure_peak(lambda: block(*args, **kwargs))[1])
-        handle = streamplan.apply(block, chunk_tokens=128)
-        try:
+        with streamed(block, chunk_tokens=128):
             block(*args, **kwargs)
             peaks.append(streamplan.measure_peak(lambda: block(*args, **kwargs))[1])
-        finally:
-            handle.remove()
     assert stock[1] / stock[0] > 3.0, stock
     assert peaks[1] / peaks[0] < 2.3, peaks
 
@@ -94,13 +89,10 @@ def test_masks_spread_over_rows_x_rows_stream_exactly(name):
     ref = block(*args, **kwargs)
     found, _ = streamable(block, args, kwargs, 300)
     assert len(found.analysis.pair_masks) == 1
-    handle = streamplan.apply(block, chunk_tokens=64, capture="prefer")
-    try:
+    with streamed(block, chunk_tokens=64, capture="prefer") as handle:
         out = block(*args, **kwargs)
         assert handle.plans[""][0].tier == "L1", handle.report()
         assert _rel(out, ref) <= 1e-5
-    finally:
-        handle.remove()
 
 
 class _MaskFromTheRows(nn.Module):
@@ -140,10 +132,7 @@ def test_a_key_mask_the_block_unsqueezes_from_its_input_is_built_whole_for_each_
     assert _rel(block(*args, **dict(kwargs, mask=torch.ones_like(kwargs["mask"]))), ref) > 1e-4   # it is applied
     found, _ = streamable(block, args, kwargs, 300)
     assert len(found.analysis.pair_masks) == 1 and found.analysis.whole_inputs, found.analysis
-    handle = streamplan.apply(block, chunk_tokens=64)
-    try:
+    with streamed(block, chunk_tokens=64) as handle:
         out = block(*args, **kwargs)
         assert handle.plans[""][0].tier == "L1", handle.report()
         assert _rel(out, ref) <= 1e-5
-    finally:
-        handle.remove()

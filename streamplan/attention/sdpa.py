@@ -23,6 +23,16 @@ def _causal_rows(rows: int, keys: int, offset: int, device: torch.device) -> tor
     return torch.arange(keys, device=device) <= q
 
 
+def _with_causal_rows(mask, rows: int, keys: int, offset: int, device: torch.device) -> torch.Tensor:
+    """A chunk's mask (None, boolean or additive, cut to its ``keys``) with causality from row ``offset`` added."""
+    allowed = _causal_rows(rows, keys, offset, device)
+    if mask is None:
+        return allowed
+    if mask.dtype == torch.bool:
+        return mask[..., :keys] & allowed
+    return mask[..., :keys].masked_fill(~allowed, float("-inf"))
+
+
 # PyTorch's SDPA backends by their ``SDPBackend`` values (``torch._C._get_sdp_priority_order``)
 _MATH, _FLASH, _EFFICIENT, _CUDNN = 0, 1, 2, 3
 _DEFAULT_ORDER = (_FLASH, _EFFICIENT, _MATH, _CUDNN)
@@ -340,10 +350,7 @@ class SDPAConsumer:
         if causal and not (q_offset == 0 and mask is None):   # a chunk past the first: its rows' keys, masked
             keys = q_offset + rows
             k, v = k[..., :keys, :], v[..., :keys, :]
-            allowed = _causal_rows(rows, keys, q_offset, q.device)
-            mask = allowed if mask is None else (mask[..., :keys] & allowed if mask.dtype == torch.bool
-                                                 else mask[..., :keys].masked_fill(~allowed, float("-inf")))
-            causal = False
+            mask, causal = _with_causal_rows(mask, rows, keys, q_offset, q.device), False
         out, lse = self.attend_lse(q, k, v, causal=causal, mask=mask, scale=scale)
         w = torch.sigmoid(lse - sinks.float().view(1, -1, 1)).unsqueeze(-1)
         return torch.where(torch.isneginf(lse).unsqueeze(-1), 0.0, out.float() * w).to(q.dtype)
@@ -397,11 +404,5 @@ class SDPAConsumer:
                 from torch.nn.attention.bias import causal_lower_right
                 return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(rows, keys),
                                                       scale=scale, **kw)
-            allowed = _causal_rows(rows, keys, q_offset, q.device)
-            if mask is None:
-                mask = allowed
-            elif mask.dtype == torch.bool:
-                mask = mask[..., :keys] & allowed
-            else:
-                mask = mask[..., :keys].masked_fill(~allowed, float("-inf"))
+            mask = _with_causal_rows(mask, rows, keys, q_offset, q.device)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, **kw)

@@ -20,7 +20,7 @@ class ChunkAttention:
 
     def __call__(self, q, k, v, *, q_offset, causal, scale, mask=None, softcap=0.0, sinks=None):
         cap = {"softcap": softcap} if softcap else {}   # soft-capped scores (hand-written attention): said only then
-        if sinks is not None:                            # attention sinks (GPT-OSS): likewise
+        if sinks is not None:                            # attention sinks: likewise
             cap["sinks"] = sinks
         consumer, row_mask = self.consumer, self.row_mask
         if row_mask is None:   # a mask the block was given: its chunk rows (or whole, over the keys alone)

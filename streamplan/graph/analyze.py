@@ -47,7 +47,7 @@ class GlobalAttention:
     mask: fx.Node | None = None      # an input mask over the rows' keys: [.., 1, Nk] whole per chunk, or [.., N, Nk]
     mask_query_rows: bool = False    # its query rows are the rows (each Q chunk takes its own), keys whole
     softcap: float = 0.0             # scores soft-capped as c * tanh(s / c) (hand-written attention; 0: none)
-    sinks: fx.Node | None = None     # a logit per head in each row's softmax, no value (GPT-OSS; no rows)
+    sinks: fx.Node | None = None     # a logit per head in each row's softmax, no value (no rows)
 
 
 @dataclass(eq=False)
@@ -383,7 +383,7 @@ class _Analyzer:
         self.rows[node] = None
 
     def halo_conv(self, node: fx.Node, name: str, args: dict, inputs, val) -> Rows:
-        """A 1-D convolution along the rows (LFM2's short causal convolution): stride 1, zero padding; its reach
+        """A 1-D convolution along the rows (a short causal convolution): stride 1, zero padding; its reach
         from the kernel size, padding and dilation, never guessed."""
         x_node, x = inputs[0]
         xv = x_node.meta["val"]
@@ -582,7 +582,7 @@ class _Analyzer:
         indices = list(args["indices"] or [])
         src = self.rows.get(args["self"])
         if isinstance(src, Rows):   # ``x[..., [-2], :]``: constant indices into dimensions after the rows pick
-            at = [i for i, t in enumerate(indices) if t is not None]   # features (Falcon's K out of its fused QKV)
+            at = [i for i, t in enumerate(indices) if t is not None]   # features (K out of a fused QKV)
             if at and at[0] > src.dim and at == list(range(at[0], at[-1] + 1)) and all(
                     indices[i] in self.const for i in at):
                 out = self.out_rows(args["self"], val, src.pre, src.post)
@@ -748,23 +748,18 @@ class _Analyzer:
     def global_mask(self, mask, qr, kr) -> bool:
         """A mask over the rows' keys the generic path takes (True: its query rows are the rows, chunked with Q): an
         input of the block given straight to the attention, either [.., 1, Nk] over the keys alone (whole for every Q
-        chunk: HunyuanVideo's text mask over the joint rows) or [.., N, Nk] over rows x rows (no static rows)."""
+        chunk: a text mask over the joint rows) or [.., N, Nk] over rows x rows (no static rows)."""
         if isinstance(mask, fx.Node) and mask in self.pair_nodes:
             return self.pair_root(mask, qr, kr)
         built = isinstance(mask, fx.Node) and mask in self.row_const
         if not built and (not isinstance(mask, fx.Node) or mask.op != "placeholder" or mask not in self.user_inputs):
             return self.key_mask_made(mask, kr)
-        val, mr = mask.meta["val"], self.rows.get(mask)
         if mask in self.masks:
             if not isinstance(qr, Rows) or (qr.pre, qr.post, kr.pre, kr.post) != (0, 0, 0, 0):
                 raise NotRowLocal("a mask over rows x rows with static rows joined")
             return True
-        if not isinstance(mr, Rows) or mr.dim != val.dim() - 1 or val.dim() < 2 or val.shape[-2] != 1 or \
-                (mr.pre, mr.post) != (kr.pre, kr.post):
-            raise NotRowLocal("an attention mask over the rows' keys whose layout is not [.., 1, keys] as K's rows")
-        if any(op_name(u.target) not in SDPA_OPS or bind(u).get("attn_mask") is not mask for u in mask.users):
-            raise NotRowLocal(f"input {mask.name}, an attention mask over the rows' keys, used otherwise too")
-        self.masks[mask] = mr   # given whole to every Q chunk
+        self.key_mask(mask, kr, "an attention mask over the rows' keys whose layout is not [.., 1, keys] as K's rows",
+                      f"input {mask.name}, an attention mask over the rows' keys, used otherwise too")
         if built:   # built once over every key, beside K and V
             self.whole_masks.add(mask)
         return False
@@ -772,21 +767,30 @@ class _Analyzer:
     def key_mask_made(self, mask, kr) -> bool:
         """A key mask [.., 1, keys] the block makes from values read whole (the pipeline's [B, N] mask unsqueezed and
         cast): built whole for each Q chunk by its element-wise and layout ops alone (``pair_masks``), or refused."""
-        val = mask.meta.get("val") if isinstance(mask, fx.Node) else None
-        mr = self.rows.get(mask) if isinstance(mask, fx.Node) else None
-        if val is None or not isinstance(mr, Rows) or mr.dim != val.dim() - 1 or val.dim() < 2 or \
-                val.shape[-2] != 1 or (mr.pre, mr.post) != (kr.pre, kr.post):
-            raise NotRowLocal("an attention mask over the rows' keys built inside the block from its rows' values "
-                              "(the generic path takes one given to the block, or built from the row count alone)")
-        if any(op_name(u.target) not in SDPA_OPS or bind(u).get("attn_mask") is not mask for u in mask.users):
-            raise NotRowLocal("an attention mask over the rows' keys made inside the block and used otherwise too")
+        if not isinstance(mask, fx.Node):
+            raise NotRowLocal("an attention mask over the rows' keys that is not a tensor of the graph")
+        self.key_mask(mask, kr, "an attention mask over the rows' keys built inside the block from its rows' values "
+                                "(the generic path takes one given to the block, or built from the row count alone)",
+                      "an attention mask over the rows' keys made inside the block and used otherwise too")
         try:
-            self.pair_masks[mask] = pair_mask(mask, lambda n: n.op == "placeholder" or n in self.const or (
-                n in self.row_const and isinstance(self.rows.get(n), Rows)))
+            self.pair_masks[mask] = pair_mask(mask, self.read_whole)
         except NotSliceable as exc:
             raise NotRowLocal(f"an attention mask over the rows' keys built inside the block: {exc}") from None
-        self.masks[mask] = mr   # given whole to every Q chunk
         return False
+
+    def key_mask(self, mask: fx.Node, kr: Rows, layout: str, elsewhere: str) -> None:
+        """A mask [.., 1, keys] over K's rows, every use of it an attention's mask: given whole to every Q chunk."""
+        val, mr = mask.meta.get("val"), self.rows.get(mask)
+        if val is None or not isinstance(mr, Rows) or mr.dim != val.dim() - 1 or val.dim() < 2 or \
+                val.shape[-2] != 1 or (mr.pre, mr.post) != (kr.pre, kr.post):
+            raise NotRowLocal(layout)
+        if any(op_name(u.target) not in SDPA_OPS or bind(u).get("attn_mask") is not mask for u in mask.users):
+            raise NotRowLocal(elsewhere)
+        self.masks[mask] = mr
+
+    def read_whole(self, n: fx.Node) -> bool:
+        """Whether a mask built per chunk reads ``n`` whole: an input, a constant, a value built over every row."""
+        return n.op == "placeholder" or n in self.const or (n in self.row_const and isinstance(self.rows.get(n), Rows))
 
     def pair_root(self, mask: fx.Node, qr, kr) -> bool:
         """A mask over rows x rows built inside the block, its query rows those of Q and its keys those of K: each Q
@@ -797,8 +801,7 @@ class _Analyzer:
                 (dims[0][1], dims[1][1]) != (qr.pre + qr.post, kr.pre + kr.post):
             raise NotRowLocal("a mask over rows x rows whose dimensions are not the queries' and the keys' rows")
         try:
-            self.pair_masks[mask] = pair_mask(mask, lambda n: n.op == "placeholder" or n in self.const or (
-                n in self.row_const and isinstance(self.rows.get(n), Rows)))
+            self.pair_masks[mask] = pair_mask(mask, self.read_whole)
         except NotSliceable as exc:
             raise NotRowLocal(str(exc)) from None
         self.rows[mask] = Rows(val.dim() - 2, qr.pre, qr.post)

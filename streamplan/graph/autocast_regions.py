@@ -1,4 +1,4 @@
-"""Autocast regions that turn autocast off (``torch.amp.autocast(device, enabled=False)`` around Z-Image's rotary),
+"""Autocast regions that turn autocast off (``torch.amp.autocast(device, enabled=False)`` around a rotary),
 taken into the graph as plain ops.
 
 Export keeps such a region as a higher-order op over a subgraph, which the analysis cannot see into. Where autocast is

@@ -64,7 +64,7 @@ class _Match:
     softcap: float
     chain: list[fx.Node]     # the nodes replaced (erased once the new op has their uses)
     out: fx.Node             # the second matmul
-    sinks: fx.Node | None = None   # a [heads] value joined to the scores as one more column (GPT-OSS's sinks)
+    sinks: fx.Node | None = None   # a [heads] value joined to the scores as one more column (attention sinks)
     batched: bool = False    # [batch * heads, rows, D] (baddbmm and bmm): taken as one batch of that many heads
 
 
@@ -207,7 +207,7 @@ def _baddbmm_base(x: fx.Node, chain: list[fx.Node]) -> tuple[fx.Node | None, flo
 
 
 def _sinks(x: fx.Node, chain: list[fx.Node]) -> fx.Node | None:
-    """GPT-OSS's sinks before the softmax: ``cat([scores, sinks.reshape(1, H, 1, 1).expand(..)], -1)`` less its row
+    """Attention sinks before the softmax: ``cat([scores, sinks.reshape(1, H, 1, 1).expand(..)], -1)`` less its row
     maxima; the [heads] sinks value, the chain extended by those nodes (the ``cat`` last), or None."""
     if op_name(x.target) != "sub" or len(x.args) != 2 or not all(isinstance(a, fx.Node) for a in x.args):
         return None

@@ -1,8 +1,8 @@
 """Masks over rows x rows built inside a block, each Q chunk's rows built alone.
 
 A block may build its attention mask over rows x rows from values over the rows: a key mask repeated over the query
-rows and ANDed with its transpose (HunyuanVideo 1.5), a [B, N] key mask expanded to [B, H, N, N] (Lumina-Next), a
-given [B, 1, N, N] mask repeated over the heads (token refiners). Built whole such a mask is quadratic in the rows.
+rows and ANDed with its transpose, a [B, N] key mask expanded to [B, H, N, N], a given [B, 1, N, N] mask repeated
+over the heads. Built whole such a mask is quadratic in the rows.
 Every op between the values over the rows and the attention is element-wise or a change of layout, so a Q chunk's
 rows of the mask come from slices of those values alone: the ops are run again on the slices, and the chunk gets
 [.., chunk, keys]. Anything else on the way (a reduction, a matmul, a gather) keeps the block stock, named.
