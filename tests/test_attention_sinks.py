@@ -53,3 +53,4 @@ def test_a_gpt_oss_prefill_streams_its_layers_exactly():
             assert plans and all(p.tier == "L1" for p in plans), handle.report()
         assert rel_err(out, ref) <= 1e-5
         assert peak < stock_peak, (peak, stock_peak)
+

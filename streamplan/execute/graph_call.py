@@ -392,8 +392,10 @@ def attention_costs(call: GraphCall) -> AttentionCosts:
         costs.waves = Waves(META_MULTIPROCESSORS, qv.shape[0] * qv.shape[1])
     # the consumer's own allocations, charged while the chunk's attention runs (its Q chunk and static rows against
     # every key)
+    # sinks are merged with a log-sum-exp the consumer computes as for a masked chunk (fp32 math in pieces)
     spec = SimpleNamespace(heads=qv.shape[1], kv_heads=kv.shape[1], head_dim=qv.shape[-1], causal=att.causal,
-                           mask=call.row_mask, device_type=device.type, softcap=att.softcap)
+                           mask=call.row_mask if att.sinks is None else (call.row_mask or "sinks"),
+                           device_type=device.type, softcap=att.softcap)
     q_static = att.q_rows.pre + att.q_rows.post if att.q_rows is not None else 0
     keys = rows + att.kv_rows.pre + att.kv_rows.post
     costs.workspace = functools.partial(_workspace, call.consumer, spec, qv.element_size(), rows, q_static, keys)
@@ -442,7 +444,7 @@ def plan_for_budget(call: GraphCall, o, budget: int | None) -> Plan:
 
     return plan_graph(rows, mem.kv_bytes + mem.out_bytes, transient,
                       # stock's one call has its workspace too, and its host rows brought whole
-                      mem.stock(order) + mask_bytes(rows) + ws(rows) + host_in(rows),
+                      mem.stock(order) + mask_bytes(rows) + ws(rows) + host_in(rows) + _eager_scores(an, rows),
                       chunk_tokens=o.chunk_tokens, budget=budget,
                       min_chunk=UTILISATION_FLOOR.get(call.device.type, 0), waves=costs.waves,
                       ffn=max((r.ffn for r in regions), default=0), ffn_slice=o.ffn_slice,
@@ -515,6 +517,26 @@ def _note_chains(note: Callable[[str], None], run: GraphRun) -> None:
 
 def _workspace(consumer, call, elem: int, rows: int, q_static: int, keys: int, chunk: int) -> int:
     return workspace_bytes(consumer, call, elem, min(chunk, rows) + q_static, keys)
+
+
+EAGER_SCORES_HELD = 3   # score tensors over rows x keys a hand-written attention holds at once in stock (measured on
+#                        CPU, 2026-12-05, 2,048 rows: Gemma 2's layer 2, GPT-OSS's with its sinks 3; Python's names keep
+#                        the chain's earlier values alive, which its graph does not show)
+
+
+def _eager_scores(an, rows: int) -> int:
+    """Stock runs a hand-written attention as written (``graph.eager_attention`` found it): its scores over every
+    query row and key, fp32, several at once; the fused op the graph holds instead shows none of them."""
+    total = 0
+    for att in an.attentions:
+        if att.node.target is torch.ops.streamplan.eager_attention.default:
+            qv = att.q.meta["val"]
+            lead = 1
+            for size in qv.shape[:-2]:
+                lead *= size if isinstance(size, int) else 1
+            q_rows = rows + (att.q_rows.pre + att.q_rows.post if att.q_rows is not None else 0)
+            total += EAGER_SCORES_HELD * lead * q_rows * (rows + att.kv_rows.pre + att.kv_rows.post) * 4
+    return total
 
 
 def _given_mask_bytes(mask, elem: int, rows: int, chunk: int, built: Callable[[int], int] | None = None) -> int:
