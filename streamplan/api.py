@@ -40,6 +40,7 @@ log = logging.getLogger("streamplan")
 
 _MISSING = object()
 PLAN_MARGIN = 0.03   # plans aim this far under the budget: allocator rounding and what the memory model misses
+SLOW_PLAN = 1.5     # a plan the time model predicts slower than this against stock is logged as slow when planned
 
 @dataclass(eq=False)
 class Installed:
@@ -304,6 +305,10 @@ class StreamHandle:
             log.info("streamplan: %s planned for %s: %s; predicted %s with its inputs (%s), stock est. %s",
                      entry.name or type(entry.module).__name__, sig[0], plan.describe(figures=False),
                      fmt_bytes(plan.predicted_total), fmt_bytes(live), fmt_bytes(live + plan.stock_peak))
+            if (plan.predicted_time_ratio or 0) > SLOW_PLAN and available is not None:
+                log.warning("streamplan: %s: the fastest plan under this budget is predicted at %.2fx stock's time "
+                            "(%s); a larger budget runs faster", entry.name or type(entry.module).__name__,
+                            plan.predicted_time_ratio, plan.describe(figures=False))
         return plan
 
     @staticmethod

@@ -71,7 +71,7 @@ def render(handle) -> str:
     lw = max([len(e.spec.label) for e in handle.installed.values()] + [2])
     if handle.installed:
         header = (f"  {'module':<{nw}} {'as':<{lw}} {'tier':<4} {'chunk':>6} {'ffn':>6} {'predicted':>11} "
-                  f"{'stock est.':>11}")
+                  f"{'stock est.':>11} {'time':>6}")
         lines += [header, "  " + "-" * (len(header) - 2)]
     graphs = [n for n, e in handle.installed.items() if isinstance(e.spec, GraphSpec)]
     for name, e in handle.installed.items():
@@ -91,7 +91,7 @@ def render(handle) -> str:
             chunk = str(plan.chunk) if plan.tier != Tier.L0 and plan.chunk else "-"
             lines.append(f"  {name or '<root>':<{nw}} {label:<{lw}} {plan.tier:<4} {chunk:>6} {ffn:>6} "
                          f"{fmt_bytes(plan.predicted_total):>11} "
-                         f"{fmt_bytes(plan.live_bytes + plan.stock_peak):>11}")
+                         f"{fmt_bytes(plan.live_bytes + plan.stock_peak):>11} {_time(plan):>6}")
             lines.append(f"      input {describe_sig(sig)}: {plan.describe(figures=False)}")
             if sig in e.kv_errors:
                 lines.append(f"      {e.kv_errors[sig].describe()}")
@@ -100,7 +100,8 @@ def render(handle) -> str:
     if handle.installed:
         lines.append("  (predicted and stock est.: the call's peak bytes with its live inputs counted, as a budget "
                      "holds them; from the memory model, not measured: streamplan.measure_peak measures a call, "
-                     "handle.timeline() draws both)")
+                     "handle.timeline() draws both; time: the time model's call time against stock's, on the "
+                     "device's fitted rates, '-' where none are fitted (the CPU))")
         used = sorted({str(p.tier) for e in handle.installed.values() for p in e.plans.values()})
         if used:
             lines.append("  tiers: " + "; ".join(f"{t} {Tier(t).meaning}" for t in used))
@@ -112,3 +113,7 @@ def render(handle) -> str:
         lines.append(f"  stock     {w.name}  ({type(w.module).__name__}): {STOCK_WHY}; output "
                      f"{fmt_bytes(w.largest)} for input {list(w.shape or ())} (+{fmt_bytes(w.live)} live inputs)")
     return "\n".join(lines)
+
+
+def _time(plan) -> str:
+    return "-" if plan.predicted_time_ratio is None else f"{plan.predicted_time_ratio:.2f}x"

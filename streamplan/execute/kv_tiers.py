@@ -22,7 +22,9 @@ from .call_state import rehearsing
 from .context import CallContext
 from .call_ledger import phase
 from .kv_stores import APPROXIMATE, KV_KINDS, WRITE_ROWS, KVProbe, attend_blocks, make_store, store_kind
+from ..graph.work import block_work
 from ..plan.budget import fmt_bytes
+from ..plan.time_model import rates_for
 from ..plan.planner import ATTENTION_RATE, Costs, KVOption, Tier
 
 log = logging.getLogger("streamplan")
@@ -128,19 +130,13 @@ def head_groups(an) -> tuple[int, ...]:
 
 
 def costs(found, rows: int, device: torch.device) -> Costs:
-    """Estimated attention time (FLOPs at the device's ``ATTENTION_RATE``) for weighing L3 against L4."""
-    rate = ATTENTION_RATE.get(device.type)
+    """What the planner knows of the block's time on this device: its work (``graph.work``) and the device's fitted
+    rates where there are some (the time model), the attention's seconds from its FLOPs where the rate is known."""
+    rate, rates = ATTENTION_RATE.get(device.type), rates_for(device.type)
     if not rate:
         return Costs(0.0, device.type)
-    flops = 0.0
-    for att in found.analysis.attentions:
-        q = _ints(att.q.meta["val"].shape[:2] + att.q.meta["val"].shape[-1:])
-        if q is None:
-            continue
-        B, H, D = q
-        keys = rows + att.kv_rows.pre + att.kv_rows.post
-        flops += 4.0 * B * H * D * rows * keys * (0.5 if att.causal else 1.0)
-    return Costs(flops / rate, device.type)
+    work = block_work(found, rows)
+    return Costs(work.attention_flops / rate, device.type, work=work if rates else None, rates=rates)
 
 
 def options_for(found, rows: int, device: torch.device, kv: str, consumer, adapted: Any = None, spans: bool = False

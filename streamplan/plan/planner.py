@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import functools
 from dataclasses import asdict, dataclass, field, replace
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 from enum import Enum
 
 from .budget import fmt_bytes
+from .time_model import Rates, Streamed, time_ratio
 from ..specs import MLPSpec
 from .weight_formats import can_slice_in, can_slice_out, slice_align
 
@@ -195,6 +196,8 @@ class Plan:
                          # the rest of the block run over rows of its output); 0: each chunk's Q alone
     host_bytes: int = 0  # host memory the plan needs at once (L4's K/V stores, L6's rows), pinned on CUDA
     parts: PeakParts | None = None   # what ``predicted_peak`` is made of, where the planner's model says
+    predicted_time_ratio: float | None = None   # the time model's call time against stock's (None: not modelled
+    # on this device or for this operation)
 
     @property
     def predicted_total(self) -> int:
@@ -425,7 +428,7 @@ ATTENTION_RATE = {"cuda": 5.5e14, "meta": 5.5e14}   # FLOP/s of bf16 fused atten
 # (a share of the peak, an estimate), and the fixed cost of one block's attention call and merge (launches, a short
 # block's tail)
 MERGE_BANDWIDTH = {"cuda": 3.0e12, "meta": 3.0e12}
-BLOCK_STEP_S = 5e-5
+BLOCK_STEP_S = 1.5e-4
 # copies back hide under the attention up to this share of its time (they share the memory bandwidth with it, so
 # not all of it); an estimate calibrated on the benchmark device (docs/budgets-and-tiers.md, Calibration)
 HIDDEN_UNDER_ATTENTION = 0.75
@@ -471,10 +474,13 @@ class KVOption:
 
 @dataclass(frozen=True)
 class Costs:
-    """What the planner knows of a block's time when it weighs L3 against L4 (seconds; 0: unknown)."""
+    """What the planner knows of a block's time (seconds; 0: unknown): the attention's, for a store's copies to hide
+    under, and the block's work with the device's rates (``time_model``), by which legal plans are compared."""
 
     attention_s: float = 0.0   # all global attentions over all rows
     device: str = "cuda"
+    work: Any = None           # ``graph.work.BlockWork``: None, not known
+    rates: Rates | None = None  # None: no rates fitted for the device (plans chosen by memory, no predicted time)
 
 
 def host_traffic(option: KVOption, rows: int, chunk: int) -> int:
@@ -606,6 +612,30 @@ class GraphPlanRequest:
         return Plan(tier, rows, chunk, sl, peak, stock, head_groups=g,
                     q="whole" if self.whole_q else "chunks", parts=peak_parts(peak, kv, held))
 
+    @property
+    def timed(self) -> bool:
+        """Whether plans can be compared by the time model (the block's work and the device's rates known)."""
+        return self.costs.work is not None and self.costs.rates is not None
+
+    def time_ratio(self, plan: Plan) -> float | None:
+        """The time model's ratio of ``plan``'s call to stock's (None: not modelled here)."""
+        if plan.tier == Tier.L0:
+            return 1.0
+        if not self.timed:
+            return None
+        store = 0.0
+        if plan.kv != "device":   # the copies and merges in the share of them that shows; every block's call whole
+            opt = next(o for o in self.kv_options if o.kind == plan.kv)
+            q_rows = plan.q_span or plan.chunk
+            steps = -(-self.rows // q_rows) * -(-self.rows // max(1, plan.kv_block)) * plan.head_groups * BLOCK_STEP_S
+            store = (self.staged_seconds(opt, q_rows, plan.kv_block, plan.head_groups) - steps) \
+                * self.costs.rates.store_share + steps
+        slices = -(-self.ffn // plan.ffn_slice) if self.ffn and plan.ffn_slice and plan.ffn_slice < self.ffn else 1
+        waste = max(0.0, wave_waste(self.waves, plan.chunk, plan.head_groups) - wave_waste(self.waves, self.rows))
+        # a store's head groups read its K/V back a group at a time (priced in ``store``); phase KV runs once
+        groups = plan.head_groups if plan.kv == "device" else 1
+        return time_ratio(self.costs.work, self.costs.rates, Streamed(plan.chunk, slices, groups, waste, store))
+
     def staged_seconds(self, opt: KVOption, q_rows: int, blk: int, g: int) -> float:
         """A store's extra time (``l4_extra_seconds``) with the waves its passes leave part empty: each pass's calls
         over ``q_rows`` query rows and a ``g``-th of the heads fill fewer waves than stock's one call."""
@@ -638,6 +668,13 @@ def plan_graph(rows: int, fixed: int, transient, stock: int, *, chunk_tokens: in
         ffn=ffn, ffn_slice=ffn_slice, kv=kv, attn_out=attn_out, groups=groups, head_groups=head_groups,
         kv_options=kv_options, kv_store=kv_store, costs=costs, transient_kv=transient_kv, whole_q=whole_q,
         q_span=q_span).normalised()
+    plan = _chosen(request)
+    plan.predicted_time_ratio = request.time_ratio(plan)
+    return plan
+
+
+def _chosen(request: GraphPlanRequest) -> Plan:
+    """The store asked for, the plan forced, stock where it fits, else the fastest legal plan under the budget."""
     if request.kv_store != "device":
         return _store_plan(request)
     forced = _forced_plan(request)
@@ -645,6 +682,10 @@ def plan_graph(rows: int, fixed: int, transient, stock: int, *, chunk_tokens: in
         return forced
     if stock_fits(request.stock, request.budget):
         return request.make(Tier.L0, request.rows)
+    if request.timed:   # every floor's candidates, the fastest by the time model
+        legal = [p for floor in request.floors for p in _candidates(request, floor)]
+        if legal:
+            return min(legal, key=request.time_ratio)
     for floor in request.floors:
         plan = _fastest_under_budget(request, floor)
         if plan is not None:
@@ -701,6 +742,34 @@ def _fastest_under_budget(request: GraphPlanRequest, floor: int) -> Plan | None:
     legal = [p for p in (_grouped_plan(request, floor), *(_fit_store(request, o, floor) for o in request.exact_kv))
              if p is not None]
     return min(legal, key=lambda p: _extra_seconds(request, p)) if legal else None
+
+
+def _candidates(request: GraphPlanRequest, floor: int) -> list[Plan]:
+    """Every tier's best-fitting plan with chunks of at least ``floor`` rows: row chunks (L1), the MLP sliced (L2:
+    the widest slice that fits, and each narrower one that buys rows), head groups (L3), K/V staged on the host
+    (L4). The time model picks among them: at short lengths small chunks cost more than at long ones, and head
+    groups or a store can be slower than narrower chunks."""
+    r = request
+    out = []
+    chunk = _largest_chunk(lambda c: r.fixed + r.transient(c, 0), r.rows, r.budget, floor)
+    if chunk is not None:
+        out.append(r.make(Tier.L1, chunk))
+    for sl in sorted({-(-r.ffn // 2), *SLICES, 512, 256} if r.ffn else (), reverse=True):
+        if sl >= r.ffn or sl < MIN_FFN_SLICE:
+            continue
+        c = _largest_chunk(lambda c: r.fixed + r.transient(c, sl), r.rows, r.budget, floor)
+        if c is not None:
+            out.append(r.make(Tier.L2, c, sl))
+    for g in r.groups:
+        for sl in (0, 4096, 1024, 256) if r.ffn else (0,):
+            if sl >= r.ffn and sl:
+                continue
+            c = _largest_chunk(lambda c: r.peak(c, sl, g), r.rows, r.budget, floor)
+            if c is not None:
+                out.append(r.make(Tier.L3, c, sl, g))
+                break
+    out += [p for p in (_fit_store(r, o, floor) for o in r.exact_kv) if p is not None]
+    return out
 
 
 def _row_chunk_plan(request: GraphPlanRequest, floor: int) -> Plan | None:

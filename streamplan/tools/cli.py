@@ -36,6 +36,11 @@ PLAN_FAMILIES = {
     "wan-1.3b-block": "Wan2.1-1.3B WanTransformerBlock (diffusers): dim 1536, ffn 8960, 12 heads",
     "flux-double-block": "Flux.1 FluxTransformerBlock (diffusers): dim 3072, 24 heads, 512 text tokens",
     "flux-single-block": "Flux.1 FluxSingleTransformerBlock (diffusers): dim 3072, 24 heads, 512 text tokens",
+    "flux2-double-block": "FLUX.2 Flux2TransformerBlock (diffusers): dim 6144, 48 heads, 512 text tokens",
+    "flux2-single-block": "FLUX.2 Flux2SingleTransformerBlock (diffusers): dim 6144, 48 heads, 512 text tokens",
+    "ltx-video-block": "LTX-Video LTXVideoTransformerBlock (diffusers): dim 2048, 32x64 heads, 128 text tokens",
+    "hunyuan-double-block": "HunyuanVideo HunyuanVideoTransformerBlock (diffusers): dim 3072, 24x128 heads, 256 text "
+                            "tokens",
     "h3-block": "MiniMax-H3 MiniMaxH3TransformerBlock (diffusers): 5376 wide, 56x128 heads, SwiGLU 14336",
     "h3-model": "MiniMaxH3Transformer3DModel (diffusers) at real width, 2 layers: 512 text and 2,000 audio rows, the "
                 "rest video",

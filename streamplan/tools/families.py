@@ -47,6 +47,44 @@ def _flux_inputs(n: int, dev: torch.device, dt: torch.dtype) -> tuple:
             torch.randn(1, 3072, device=dev, dtype=dt), (freqs.cos(), freqs.sin()))
 
 
+def _flux2(single: bool) -> Callable[[], nn.Module]:
+    def build() -> nn.Module:
+        from diffusers.models.transformers.transformer_flux2 import Flux2SingleTransformerBlock, Flux2TransformerBlock
+        return (Flux2SingleTransformerBlock if single else Flux2TransformerBlock)(6144, 48, 128)
+    return build
+
+
+def _flux2_inputs(single: bool) -> Callable:
+    def inputs(n: int, dev: torch.device, dt: torch.dtype) -> tuple:
+        freqs = torch.randn(512 + n, 128, device=dev)
+        mods = [torch.randn(1, (3 if single else 6) * 6144, device=dev, dtype=dt) for _ in range(1 if single else 2)]
+        return (torch.randn(1, n, 6144, device=dev, dtype=dt), torch.randn(1, 512, 6144, device=dev, dtype=dt),
+                *mods, (freqs.cos(), freqs.sin()))
+    return inputs
+
+
+def _ltx_video_block() -> nn.Module:
+    from diffusers.models.transformers.transformer_ltx import LTXVideoTransformerBlock
+    return LTXVideoTransformerBlock(2048, 32, 64, cross_attention_dim=2048)
+
+
+def _ltx_video_inputs(n: int, dev: torch.device, dt: torch.dtype) -> tuple:
+    pos = torch.randn(1, n, 2048, device=dev)
+    return (torch.randn(1, n, 2048, device=dev, dtype=dt), torch.randn(1, 128, 2048, device=dev, dtype=dt),
+            torch.randn(1, 1, 6 * 2048, device=dev, dtype=dt), (pos.cos(), pos.sin()))
+
+
+def _hunyuan_double_block() -> nn.Module:
+    from diffusers.models.transformers.transformer_hunyuan_video import HunyuanVideoTransformerBlock
+    return HunyuanVideoTransformerBlock(24, 128, 4.0, qk_norm="rms_norm")
+
+
+def _hunyuan_inputs(n: int, dev: torch.device, dt: torch.dtype) -> tuple:
+    pos = torch.randn(n, 128, device=dev)
+    return (torch.randn(1, n, 3072, device=dev, dtype=dt), torch.randn(1, 256, 3072, device=dev, dtype=dt),
+            torch.randn(1, 3072, device=dev, dtype=dt), None, (pos.cos(), pos.sin()))
+
+
 def _llama_layer() -> nn.Module:
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
@@ -170,6 +208,14 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
            _flux(False), _flux_inputs, _bytes(3 * 3072)),
     Family("flux-single-block", "Flux.1 FluxSingleTransformerBlock (diffusers): dim 3072, 24 heads, 512 text tokens",
            _flux(True), _flux_inputs, _bytes(3 * 3072)),
+    Family("flux2-double-block", "FLUX.2 Flux2TransformerBlock (diffusers): dim 6144, 48 heads, 512 text tokens",
+           _flux2(False), _flux2_inputs(False), _bytes(3 * 6144)),
+    Family("flux2-single-block", "FLUX.2 Flux2SingleTransformerBlock (diffusers): dim 6144, 48 heads, 512 text "
+           "tokens", _flux2(True), _flux2_inputs(True), _bytes(3 * 6144)),
+    Family("ltx-video-block", "LTX-Video LTXVideoTransformerBlock (diffusers): dim 2048, 32x64 heads, 128 text tokens",
+           _ltx_video_block, _ltx_video_inputs, _bytes(3 * 2048)),
+    Family("hunyuan-double-block", "HunyuanVideo HunyuanVideoTransformerBlock (diffusers): dim 3072, 24x128 heads, "
+           "256 text tokens", _hunyuan_double_block, _hunyuan_inputs, _bytes(3 * 3072)),
     Family("h3-block", "MiniMax-H3 MiniMaxH3TransformerBlock (diffusers): 5376 wide, 56x128 heads, SwiGLU 14336",
            _h3_block, _h3_block_inputs, _bytes(5376 + 2 * 7168)),
     Family("h3-model", "MiniMaxH3Transformer3DModel (diffusers) at real width, 2 layers: 512 text and 2,000 audio "

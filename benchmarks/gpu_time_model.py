@@ -1,0 +1,153 @@
+"""H200: the planner's time model against the clock (issue: time under a tight budget).
+
+``sweep``: real-width blocks (bf16, random weights, the block's input copied, as a user applies it to one block) at
+the lengths people run, each timed stock and under forced plans that span what the planner chooses between: row
+chunks of every size, MLP slices, row pieces, head groups (L3), K/V in host memory (L4), and the planner's own plan
+at 1.15x and 0.5x the floor (residual + K + V) above the inputs. Every variant runs on the same block and capture
+(installed, timed, removed), median of ``repeats`` calls after one untimed call. The fit
+(``streamplan.plan.time_model``) reads the rows back with each plan re-made on meta tensors.
+
+``held``: the issue's table: each block at each length under ``inputs + x * floor`` for the holds given, the
+planner's plan, its predicted time ratio beside the measured one.
+
+    python benchmarks/gpu_time_model.py sweep --cases wan-14b-block,h3-block --tokens 32768,75600 --seconds 500
+    python benchmarks/gpu_time_model.py held --cases wan-14b-block --tokens 32768,75600 --holds 1.15,0.5
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+import streamplan
+from common import device_info, rel_diff, write_results
+from streamplan.tools.families import FAMILIES
+
+BF16 = torch.bfloat16
+
+
+def _first(out):
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def _timed(fn, repeats: int) -> tuple[float, int, list[float]]:
+    """(median seconds, peak bytes above what was allocated before, every time) over ``repeats`` calls."""
+    times, peak = [], 0
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        out = fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        peak = max(peak, torch.cuda.max_memory_allocated() - base)
+        del out
+    return statistics.median(times), peak, times
+
+
+def variants(n: int, ffn: int, live: int, floor: int, holds: list[float]) -> list[tuple[str, dict]]:
+    """Forced plans across the planner's choices, then its own plan under each hold."""
+    out = [(f"c{c}", {"chunk_tokens": c}) for c in (512, 1024, 2048, 4096, 8192, 16384) if c <= n // 2]
+    out += [("c4096/g2", {"chunk_tokens": 4096, "head_groups": 2}),
+            ("c4096/g4", {"chunk_tokens": 4096, "head_groups": 4}),
+            ("c4096/p4", {"chunk_tokens": 4096, "row_pieces": 4}),
+            ("c8192/host", {"chunk_tokens": 8192, "kv": "host"})]
+    if ffn:
+        out.insert(len(out) - 4, ("c4096/s1024", {"chunk_tokens": 4096, "ffn_slice": 1024}))
+        out.insert(len(out) - 4, ("c8192/s2048", {"chunk_tokens": 8192, "ffn_slice": 2048}))
+    out += [(f"hold{h}", {"budget": int(live + h * floor)}) for h in holds]
+    return out
+
+
+def _ffn(block) -> int:
+    widths = [m.out_features for name, m in block.named_modules()
+              if isinstance(m, torch.nn.Linear) and any(k in name for k in ("ff", "mlp", "proj_mlp"))]
+    return max(widths, default=0)
+
+
+def run_case(name: str, n: int, repeats: int, holds: list[float], deadline: float, only_holds: bool) -> list[dict]:
+    fam = FAMILIES[name]
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        block = fam.build().to(BF16).eval()
+    inputs = fam.inputs(n, torch.device("cuda"), BF16)
+    live = sum(t.numel() * t.element_size() for t in torch.utils._pytree.tree_leaves(inputs)
+               if isinstance(t, torch.Tensor))
+    floor = int(fam.floor_bytes_per_token(BF16) * n)
+    base = {"case": name, "tokens": n, "floor_bytes": floor, "live_bytes": live}
+    rows = []
+    with torch.inference_mode():
+        ref = _first(block(*inputs)).clone()
+        stock_s, stock_peak, stock_times = _timed(lambda: block(*inputs), repeats)
+        rows.append({**base, "variant": "stock", "time_s": stock_s, "times_s": stock_times, "peak_bytes": stock_peak,
+                     "time_ratio": 1.0})
+        print(rows[-1], flush=True)
+        chosen = variants(n, _ffn(block), live, floor, holds)
+        if only_holds:
+            chosen = [v for v in chosen if v[0].startswith("hold")]
+        for label, kw in chosen:
+            if time.monotonic() > deadline:
+                rows.append({**base, "variant": label, "skipped": "out of time"})
+                continue
+            handle = streamplan.apply(block, capture="prefer", **kw)
+            try:
+                t0 = time.perf_counter()
+                first = _first(block(*inputs))
+                first_s = time.perf_counter() - t0
+                diff = rel_diff(first, ref)
+                del first
+                secs, peak, times = _timed(lambda: block(*inputs), repeats)
+            except streamplan.BudgetError as exc:
+                rows.append({**base, "variant": label, "kw": kw, "refused": str(exc)[:400],
+                             "smallest_bytes": exc.smallest_bytes})
+                handle.remove()
+                print(rows[-1], flush=True)
+                continue
+            plans = handle.plans.get("", [])
+            plan = plans[-1].to_dict() if plans else None
+            handle.remove()
+            budget = kw.get("budget")
+            rows.append({**base, "variant": label, "kw": kw, "plan": plan, "first_call_s": first_s, "time_s": secs,
+                         "times_s": times, "time_ratio": secs / stock_s, "peak_bytes": peak,
+                         "peak_vs_floor": peak / floor, "rel_diff": diff,
+                         "held": None if budget is None else peak + live <= budget})
+            print({k: v for k, v in rows[-1].items() if k not in ("times_s", "plan")},
+                  plan and {k: plan[k] for k in ("tier", "chunk", "ffn_slice", "head_groups", "kv", "q_span",
+                                                 "predicted_peak", "predicted_time_ratio") if k in plan}, flush=True)
+    del block, inputs, ref
+    torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("mode", choices=("sweep", "held"))
+    p.add_argument("--cases", default="wan-14b-block,h3-block,flux2-single-block,ltx-video-block,llama3-8b-layer,"
+                                      "hunyuan-double-block,flux2-double-block")
+    p.add_argument("--tokens", default="32768,75600")
+    p.add_argument("--holds", default="1.15,0.5")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--seconds", type=float, default=520.0, help="stop starting variants after this long")
+    p.add_argument("--tag", default="")
+    a = p.parse_args()
+    deadline = time.monotonic() + a.seconds
+    holds = [float(h) for h in a.holds.split(",")]
+    payload = {**device_info(), "mode": a.mode, "repeats": a.repeats, "rows": []}
+    name = f"gpu_time_model_{a.mode}" + (f"_{a.tag}" if a.tag else "")
+    for n in (int(t) for t in a.tokens.split(",")):
+        for case in a.cases.split(","):
+            if time.monotonic() > deadline:
+                payload["rows"].append({"case": case, "tokens": n, "skipped": "out of time"})
+                continue
+            payload["rows"] += run_case(case, n, a.repeats, holds, deadline, a.mode == "held")
+            write_results(name, payload)
+    print(write_results(name, payload))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,124 @@
+"""What a captured block computes, read off its graph: the planner's time model prices a plan by its matmul FLOPs
+(per dynamic row, per call for static rows and values without rows), its attention FLOPs, the bytes its allocating ops
+write, its op count per phase (launches, rerun per chunk) and the weights each chunk re-reads. Per-row quantities
+divide out the Rows dimension as ``memory.graph_memory`` does, so one capture prices every row count."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import sympy
+import torch
+from torch import fx
+
+from .analyze import Rows, bind, numel_besides, op_name, SDPA_OPS
+from .memory import graph_memory
+from .opaque_layers import OPS as OPAQUE_OPS
+
+_CONTRACT_LAST = {"linear", "mm", "addmm", "bmm", "matmul", "baddbmm"}   # K = the left operand's last size
+_CONV = {"conv1d", "conv2d", "conv3d", "convolution", "_convolution"}     # K = the weight's in/groups x kernel
+
+
+@dataclass(frozen=True)
+class BlockWork:
+    """What one call of a captured block computes, per dynamic row and per call (the time model's inputs)."""
+
+    rows: int                    # dynamic rows of the call
+    gemm_flops_row: float        # matmul and convolution FLOPs per dynamic row (2*M*N*K); an opaque layer op (its
+    # module is not in the graph) as a linear of its input and output widths
+    gemm_flops_static: float     # the same of static rows joined to the dynamic ones (Rows.pre/.post), per call
+    # (every chunk recomputes them), with a non-global attention's static query rows
+    gemm_flops_const: float      # the same of values without rows (phase const, once per call), attentions included
+    attention_flops: float       # every global attention over the whole call: 2*Nq*Nk*(q + output width per row)
+    # (4*Nq*Nk*heads*head_dim), halved when causal; Nq, Nk: rows plus the q, kv static rows
+    attention_flops_row: float   # other attentions (cross-attention to a fixed set of keys): per dynamic query row
+    bytes_row: float             # bytes per dynamic row written by ops that allocate (not views), every phase
+    ops_kv: int                  # call_function ops phase KV runs per chunk (all of phases.kv), views included
+    ops_q: int                   # call_function ops phase Q runs per chunk
+    ops_mlp: int                 # ops of the sliceable MLP regions, exit linear included (rerun per slice); 0 if none
+    weight_bytes: int            # bytes of the parameters the graph reads (each chunk re-reads them); an opaque
+    # layer's own weights are not among them
+    kv_flops_row: float = 0.0    # matmul FLOPs per dynamic row of phase KV's ops (rerun per head group under L3)
+    kv_bytes_row: float = 0.0    # bytes per dynamic row phase KV's allocating ops write
+    rerun_flops_row: float = 0.0  # matmul FLOPs per row of ops both phases run (a fused projection feeding K/V and
+    # Q: computed twice per row when streamed)
+    rerun_bytes_row: float = 0.0  # bytes per row the ops both phases run write
+
+
+def _size(s) -> int | None:
+    """A size as an int, None where it holds the row count."""
+    e = s.node.expr if isinstance(s, torch.SymInt) else sympy.Integer(s)
+    return int(e) if e.is_Integer else None
+
+
+def _contracted(n: fx.Node, name: str) -> int | None:
+    """The contracted size K of a matmul-like op (FLOPs = 2 * output elements * K); None if not one (or K has rows)."""
+    if name in _CONTRACT_LAST:
+        a = n.args[1] if name in ("addmm", "baddbmm") else n.args[0]
+        return _size(a.meta["val"].shape[-1])
+    if name in _CONV:
+        return numel_besides(n.args[1].meta["val"], 0) or None
+    if n.target in OPAQUE_OPS:   # the wrapped module is not in the graph: a linear from its widths
+        return _size(n.args[0].meta["val"].shape[-1])
+    return None
+
+
+def _attention_width(n: fx.Node) -> tuple[fx.Node, int]:
+    """An attention's query and 2 * (query + output elements per query row): its FLOPs per query row and key."""
+    q = bind(n)["query"]
+    qv, ov = q.meta["val"], n.meta["val"]
+    return q, 2 * (numel_besides(qv, qv.dim() - 2) + numel_besides(ov, ov.dim() - 2))
+
+
+def block_work(found, rows: int) -> BlockWork:
+    """The work of one call of ``found`` (a ``streamplan.graph.Streamable``) at ``rows`` dynamic rows."""
+    an, ph, graph = found.analysis, found.phases, found.captured.graph
+    row = static = const = att_row = 0.0
+    per_node: dict[fx.Node, float] = {}
+    global_ = {a.node for a in an.attentions}
+    for n in graph.nodes:
+        if n.op != "call_function" or n in an.ignored or n in global_:
+            continue
+        name = op_name(n.target)
+        val = n.meta.get("val")
+        out = val[0] if isinstance(val, (tuple, list)) else val
+        r = an.rows.get(n)
+        r = r[0] if isinstance(r, list) else r
+        if name in SDPA_OPS:   # not global: the keys are fixed, the work per query row is known
+            q, width = _attention_width(n)
+            nk = _size(bind(n)["key"].meta["val"].shape[-2]) or 0
+            if isinstance(r, Rows):
+                att_row += width * nk
+                static += width * nk * (r.pre + r.post)
+            else:
+                const += width * nk * (_size(q.meta["val"].shape[-2]) or 0)
+            continue
+        k = _contracted(n, name)
+        if not k or not isinstance(out, torch.Tensor):
+            continue
+        if isinstance(r, Rows):
+            per = 2 * numel_besides(out, r.dim) * k
+            row, static = row + per, static + per * (r.pre + r.post)
+            per_node[n] = per
+        else:
+            const += 2 * numel_besides(out, None) * k
+    attention = 0.0
+    for a in an.attentions:
+        _, width = _attention_width(a.node)
+        nq = rows + a.q_rows.pre + a.q_rows.post if a.q_rows is not None else \
+            found.captured.size_at(a.q.meta["val"].shape[-2], rows)
+        nk = rows + a.kv_rows.pre + a.kv_rows.post
+        attention += width * nq * nk / (2 if a.causal else 1)
+    mem = graph_memory(an, ph, rows, set())
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    weights = sum(numel_besides(n.meta["val"], None) * n.meta["val"].element_size()
+                  for n, (kind, _) in zip(placeholders, found.captured.inputs) if kind == "param" and n.users)
+    calls = lambda nodes: sum(1 for n in nodes if n.op == "call_function")  # noqa: E731
+    written = lambda nodes: float(sum(mem.per_row.get(n, 0) for n in nodes if mem.allocates.get(n)))  # noqa: E731
+    kv = {n for p in ph.kv for n in p}
+    both = kv & set(ph.q)
+    return BlockWork(rows, row, static, const, attention, att_row,
+                     float(sum(b for n, b in mem.per_row.items() if mem.allocates[n])),
+                     sum(calls(p) for p in ph.kv), calls(ph.q),
+                     sum(calls(r.nodes) + 1 for r in found.mlp_regions), weights,
+                     sum(per_node.get(n, 0.0) for n in kv), written(kv),
+                     sum(per_node.get(n, 0.0) for n in both), written(both))

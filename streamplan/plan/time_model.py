@@ -1,0 +1,81 @@
+"""A plan's time against stock's, from what the block computes (``graph.work.BlockWork``) and the device's rates:
+the planner compares legal plans by it and every plan carries its ratio (``Plan.predicted_time_ratio``).
+
+Streaming changes a block's time in a few ways, each priced here from the graph: GEMMs on a chunk's rows run below
+the rate of GEMMs on every row (an efficiency curve in the rows); every chunk runs its ops again (launches and
+dispatch that do not hide under short kernels); static rows (text beside image rows) are recomputed per chunk; ops
+both phases run (a fused projection feeding K/V and Q) run twice per row; head groups (L3) run phase KV once per
+group; attention calls over fewer rows or heads leave waves part empty; a K/V store (L4) adds its copies and merges
+(priced by the planner, ``l4_extra_seconds``). The constants are fitted to a GPU sweep of forced plans
+(``benchmarks/gpu_time_model.py``, docs/budgets-and-tiers.md "The time model")."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Rates:
+    """What the device does per second, fitted on the benchmark device (docs/budgets-and-tiers.md)."""
+
+    gemm: float            # FLOP/s of a bf16 GEMM over many rows
+    gemm_half_rows: float  # rows at which a GEMM runs at half that rate (efficiency m / (m + half))
+    attention: float       # FLOP/s of the fused attention
+    bandwidth: float       # bytes/s the element-wise ops reach
+    op_s: float            # seconds an op adds per chunk beyond its kernel (launch, dispatch, a short kernel's tail)
+    group_rerun: float     # share of phase KV's work each extra head group adds (its chain rerun, narrower GEMMs)
+    store_share: float = 1.0  # share of the store model's seconds (``planner.l4_extra_seconds``) that shows
+
+
+# fitted on the H200 sweep of 2026-12-05 (benchmarks/results/latest/gpu_time_model_sweep.json, the fit in
+# gpu_time_model_fit.json); "meta" plans as for that device, so `streamplan plan` shows what the benchmarks ran
+H200 = Rates(gemm=1.05e15, gemm_half_rows=0.0, attention=5.67e14, bandwidth=1.28e12, op_s=1.04e-5, group_rerun=2.87,
+             store_share=0.29)
+RATES = {"cuda": H200, "meta": H200}
+
+
+def rates_for(device_type: str) -> Rates | None:
+    """The rates the model prices plans with on this device; None where none were fitted (the CPU: plans are then
+    chosen by memory alone, with no predicted time)."""
+    return RATES.get(device_type)
+
+
+def _gemm_s(flops: float, rows: int, r: Rates) -> float:
+    return flops / (r.gemm * rows / (rows + r.gemm_half_rows)) if flops else 0.0
+
+
+def stock_seconds(w, r: Rates) -> float:
+    """One stock call: every GEMM over every row, the attentions, the element-wise traffic."""
+    n = w.rows
+    return (_gemm_s(w.gemm_flops_row * n + w.gemm_flops_static, n, r) + w.gemm_flops_const / r.gemm
+            + (w.attention_flops + w.attention_flops_row * n) / r.attention + w.bytes_row * n / r.bandwidth
+            + (w.ops_kv + w.ops_q) * r.op_s)
+
+
+@dataclass(frozen=True)
+class Streamed:
+    """What of a plan the time model reads."""
+
+    chunk: int
+    slices: int = 1          # MLP slices per chunk (L2)
+    groups: int = 1          # head groups (L3)
+    wave_waste: float = 0.0  # share of the attention's time its chunked calls leave in part-empty waves
+    store_s: float = 0.0     # a K/V store's extra seconds (copies, merges), priced by the planner
+
+
+def streamed_seconds(w, r: Rates, s: Streamed) -> float:
+    """One streamed call under ``s``: stock's work at the chunk's GEMM efficiency, plus what chunking adds."""
+    n = w.rows
+    c = max(1, min(s.chunk, n))
+    k = -(-n // c)
+    gemm = _gemm_s(w.gemm_flops_row * n + k * w.gemm_flops_static + w.rerun_flops_row * n, c, r)
+    gemm += w.gemm_flops_const / r.gemm
+    memory = (w.bytes_row + w.rerun_bytes_row) * n / r.bandwidth
+    attention = (w.attention_flops * (1 + s.wave_waste) + w.attention_flops_row * n) / r.attention
+    groups = (s.groups - 1) * r.group_rerun * (_gemm_s(w.kv_flops_row * n, c, r) + w.kv_bytes_row * n / r.bandwidth)
+    ops = k * (w.ops_kv * s.groups + w.ops_q + (s.slices - 1) * w.ops_mlp) * r.op_s
+    return gemm + memory + attention + groups + ops + s.store_s
+
+
+def time_ratio(w, r: Rates, s: Streamed) -> float:
+    """``streamed_seconds`` over ``stock_seconds``: what ``Plan.predicted_time_ratio`` holds."""
+    return streamed_seconds(w, r, s) / stock_seconds(w, r)
