@@ -99,10 +99,9 @@ def main(path: str) -> int:
         if best is None or score < best[0]:
             best = (score, half, coef, a, t)
     score, half, coef, a, t = best
-    rates = replace(H200, gemm=1 / coef[0] if coef[0] else float("inf"), gemm_half_rows=half,
-                    attention=1 / coef[1] if coef[1] else float("inf"),
-                    bandwidth=1 / coef[2] if coef[2] else float("inf"), op_s=float(coef[3]),
-                    group_rerun=float(coef[4] / 1.0))
+    inv = lambda c: float(1 / c) if c else float("inf")  # noqa: E731
+    rates = replace(H200, gemm=inv(coef[0]), gemm_half_rows=float(half), attention=inv(coef[1]),
+                    bandwidth=inv(coef[2]), op_s=float(coef[3]), group_rerun=float(coef[4]))
     print(f"fit over {len(t)} rows: rms relative error {score:.3f}; {rates}")
     # ratio errors: predicted (plan / stock of the same case) against measured
     out = []
@@ -121,13 +120,16 @@ def main(path: str) -> int:
     print(f"model-part ratio error: rms {np.sqrt(np.mean(errs ** 2)):.3f}, max {np.max(np.abs(errs)):.3f}")
     out = [_planned(r, stock) for r in rows if r["variant"] != "stock"]
     for o in out:
-        print(f"{o['case']:22s} {o['tokens']:6d} {o['variant']:12s} {o['plan']:60s} measured {o['measured_ratio']:6.3f} "
-              f"planner predicts {o['predicted_ratio']:6.3f} ({o['error']:+.1%})")
+        print(f"{o['case']:22s} {o['tokens']:6d} {o['variant']:12s} {o['plan']:60s} "
+              f"measured {o['measured_ratio']:6.3f} planner predicts {o['predicted_ratio']:6.3f} ({o['error']:+.1%})")
     errs = np.array([o["error"] for o in out])
     print(f"ratio error: rms {np.sqrt(np.mean(errs ** 2)):.3f}, max {np.max(np.abs(errs)):.3f}, "
           f"within 20%: {np.mean(np.abs(errs) <= 0.2):.0%}")
     write_results("gpu_time_model_fit", {"source": path, "rows_fitted": len(t), "rms_relative_error": score,
-                                         "rates": rates.__dict__, "ratios": out,
+                                         "rates_fitted": rates.__dict__, "rates_used": H200.__dict__,
+                                         "ratio_error_rms": float(np.sqrt(np.mean(errs ** 2))),
+                                         "ratio_error_max": float(np.max(np.abs(errs))),
+                                         "within_20pct": float(np.mean(np.abs(errs) <= 0.2)), "ratios": out,
                                          "not_fitted": [{k: r[k] for k in ("case", "tokens", "variant", "time_s")}
                                                         for r in other]})
     return 0

@@ -1,0 +1,224 @@
+"""The time model (``plan.time_model``, ``graph.work``) and the planner's use of it: a plan's predicted time against
+stock's, the fastest legal candidate chosen when the device has fitted rates (meta plans as the H200), no prediction
+where none are fitted (the CPU), and the ratio in the report and the JSON."""
+import json
+import re
+from dataclasses import replace
+
+import pytest
+import torch
+
+import streamplan
+import streamplan.plan.planner as planner
+from streamplan.graph.work import BlockWork
+from streamplan.plan.planner import Tier
+from streamplan.plan.time_model import RATES, Streamed, rates_for, stock_seconds, streamed_seconds, time_ratio
+from streamplan.tools.families import FAMILIES, on_meta
+
+ROWS = 32768
+WAN = "wan-14b-block"
+TIB = 2**40
+
+
+def _nbytes(x) -> int:
+    if isinstance(x, torch.Tensor):
+        return x.numel() * x.element_size()
+    if isinstance(x, (tuple, list)):
+        return sum(_nbytes(y) for y in x)
+    return 0
+
+
+@pytest.fixture(scope="module")
+def wan_meta():
+    """The Wan2.1-14B block and its inputs at 32,768 rows on meta tensors (nothing allocated), and a budget of its
+    inputs plus 1.15x the family's floor."""
+    fam = FAMILIES[WAN]
+    module, inputs = on_meta(fam, ROWS, torch.bfloat16)
+    budget = int(_nbytes(inputs) + 1.15 * fam.floor_bytes_per_token(torch.bfloat16) * ROWS)
+    return module, inputs, budget
+
+
+def _planned(module, inputs, **options):
+    """The root plan and the handle's report and JSON, planned by one call (the handle removed after)."""
+    handle = streamplan.apply(module, capture="prefer", **options)
+    try:
+        with torch.inference_mode():
+            module(*inputs)
+        return handle.plans[""][-1], handle.report(), handle.to_json()
+    finally:
+        handle.remove()
+
+
+def _time_cell(report: str, tier: str) -> str:
+    """The time column of the report's root row (its last field)."""
+    row = next(line for line in report.splitlines() if line.lstrip().startswith("<root>"))
+    assert f" {tier} " in row, report
+    return row.split()[-1]
+
+
+# -- the planner on meta: the fastest legal candidate ---------------------------------------------------------------
+
+def test_meta_wan_14b_chooses_the_fastest_legal_candidate(wan_meta, monkeypatch):
+    module, inputs, budget = wan_meta
+    seen = []   # (request, plans) of every _candidates call
+    candidates = planner._candidates
+
+    def recording(request, floor):
+        plans = candidates(request, floor)
+        seen.append((request, list(plans)))
+        return plans
+
+    monkeypatch.setattr(planner, "_candidates", recording)
+    plan, report, _ = _planned(module, inputs, budget=budget)
+
+    assert seen, "the planner did not search candidates (stock fitted, or not timed)"
+    requests = {id(r) for r, _ in seen}
+    assert len(requests) == 1, "one block, one request"
+    request = seen[0][0]
+    assert request.timed
+    legal = [p for _, plans in seen for p in plans]
+    assert legal
+    assert all(p.predicted_peak <= request.budget for p in legal), \
+        [(p.describe(figures=False), p.predicted_peak, request.budget) for p in legal]
+    ratios = [request.time_ratio(p) for p in legal]
+    assert all(isinstance(r, float) and r > 1.0 for r in ratios), ratios
+
+    assert isinstance(plan.predicted_time_ratio, float), report
+    assert plan.predicted_time_ratio > 1.0
+    assert plan.predicted_time_ratio <= min(ratios) + 1e-9, \
+        (plan.describe(figures=False), plan.predicted_time_ratio,
+         sorted(zip(ratios, (p.describe(figures=False) for p in legal))))
+    assert plan.predicted_peak <= request.budget
+    # head groups were among the candidates, and the time model priced them above narrower row chunks at this
+    # length (the planner before the time model took L3 here, measured at 1.94x stock)
+    assert any(p.tier == Tier.L3 for p in legal)
+    assert plan.tier != Tier.L3, plan.describe()
+
+
+# -- forced plans on meta: the model's ordering ---------------------------------------------------------------------
+
+def test_meta_ratios_fall_as_chunks_grow_and_rise_with_groups_and_a_host_store(wan_meta):
+    module, inputs, _ = wan_meta
+    by_chunk = []
+    for chunk in (512, 2048, 8192):
+        plan, _, _ = _planned(module, inputs, budget=None, chunk_tokens=chunk)
+        assert plan.tier == Tier.L1 and plan.chunk == chunk, plan.describe()
+        by_chunk.append(plan.predicted_time_ratio)
+    assert all(isinstance(r, float) and r > 1.0 for r in by_chunk), by_chunk
+    assert by_chunk[0] > by_chunk[1] > by_chunk[2], by_chunk
+
+    rows, _, _ = _planned(module, inputs, budget=None, chunk_tokens=4096)
+    grouped, _, _ = _planned(module, inputs, budget=None, chunk_tokens=4096, head_groups=4)
+    assert rows.tier == Tier.L1 and grouped.tier == Tier.L3 and grouped.head_groups == 4, grouped.describe()
+    assert grouped.predicted_time_ratio > rows.predicted_time_ratio
+
+    device, _, _ = _planned(module, inputs, budget=None, chunk_tokens=8192)
+    host, _, _ = _planned(module, inputs, budget=None, chunk_tokens=8192, kv="host")
+    assert host.tier == Tier.L4 and host.kv == "host", host.describe()
+    assert host.predicted_time_ratio > device.predicted_time_ratio
+
+
+# -- L0, the CPU, the report and the JSON ---------------------------------------------------------------------------
+
+def test_meta_stock_is_1_and_the_report_and_json_carry_the_ratio(wan_meta):
+    module, inputs, budget = wan_meta
+    stock, report, _ = _planned(module, inputs, budget=TIB)
+    assert stock.tier == Tier.L0 and stock.predicted_time_ratio == 1.0
+    assert _time_cell(report, "L0") == "1.00x", report
+
+    plan, report, js = _planned(module, inputs, budget=budget)
+    assert plan.tier != Tier.L0
+    cell = _time_cell(report, plan.tier)
+    assert re.fullmatch(r"\d+\.\d\dx", cell), report
+    assert cell == f"{plan.predicted_time_ratio:.2f}x"
+    entry = json.loads(js)["streamed"][""]["plans"][-1]
+    assert "predicted_time_ratio" in entry
+    assert entry["predicted_time_ratio"] == pytest.approx(plan.predicted_time_ratio, rel=1e-12)
+
+
+@pytest.fixture(scope="module")
+def wan_cpu():
+    """A tiny real diffusers Wan block in fp32 on the CPU (the catalogue's case), at 256 rows."""
+    pytest.importorskip("diffusers")
+    from streamplan.tools.catalogue.diffusers_cases import CASES
+    case = CASES["wan"]
+    torch.manual_seed(0)
+    block = case.build().eval()
+    args, kwargs = case.inputs(256, torch.device("cpu"), torch.float32)
+    assert not kwargs
+    return block, args
+
+
+def test_cpu_has_no_fitted_rates_so_streamed_plans_carry_no_ratio(wan_cpu):
+    assert rates_for("cpu") is None
+    block, args = wan_cpu
+    plan, report, js = _planned(block, args, budget=None, chunk_tokens=64)
+    assert plan.tier == Tier.L1 and plan.chunk == 64, plan.describe()
+    assert plan.predicted_time_ratio is None
+    assert _time_cell(report, "L1") == "-", report
+    assert json.loads(js)["streamed"][""]["plans"][-1]["predicted_time_ratio"] is None
+
+    stock, report, _ = _planned(block, args, budget=TIB)
+    assert stock.tier == Tier.L0 and stock.predicted_time_ratio == 1.0   # stock is stock's time anywhere
+    assert _time_cell(report, "L0") == "1.00x", report
+
+
+# -- the model itself, on a hand-made block's work ------------------------------------------------------------------
+
+D, FFN = 5120, 13824
+WORK = BlockWork(
+    rows=ROWS,
+    gemm_flops_row=2.0 * (6 * D * D + 2 * D * FFN),   # self q/k/v/o, cross q/o, the MLP
+    gemm_flops_static=2.0 * 2 * D * D * 512,           # cross K/V over 512 text rows, recomputed per chunk
+    gemm_flops_const=0.0,
+    attention_flops=4.0 * ROWS * ROWS * D,
+    attention_flops_row=4.0 * 512 * D,
+    bytes_row=40.0 * D * 2,
+    ops_kv=40, ops_q=90, ops_mlp=4,
+    weight_bytes=2 * (8 * D * D + 2 * D * FFN),
+    kv_flops_row=2.0 * 3 * D * D,
+    kv_bytes_row=6.0 * D * 2,
+)
+H200 = RATES["cuda"]
+
+
+def test_rates_are_fitted_for_cuda_and_meta_alike():
+    assert rates_for("cuda") is RATES["cuda"] and rates_for("meta") is RATES["meta"]
+    assert rates_for("meta") == rates_for("cuda")
+
+
+def test_one_chunk_of_every_row_costs_stock():
+    r = time_ratio(WORK, H200, Streamed(chunk=ROWS))
+    assert 1.0 - 1e-9 <= r < 1.01, r
+    assert time_ratio(WORK, H200, Streamed(chunk=10 * ROWS)) == pytest.approx(r, rel=1e-12)   # clamped to the rows
+
+
+def test_more_chunks_slices_groups_and_wave_waste_cost_more():
+    base = Streamed(chunk=4096)
+    r = time_ratio(WORK, H200, base)
+    assert r > time_ratio(WORK, H200, Streamed(chunk=ROWS))
+    assert time_ratio(WORK, H200, Streamed(chunk=1024)) > r > time_ratio(WORK, H200, Streamed(chunk=8192))
+    assert time_ratio(WORK, H200, replace(base, slices=4)) > r
+    assert time_ratio(WORK, H200, replace(base, slices=8)) > time_ratio(WORK, H200, replace(base, slices=4))
+    assert time_ratio(WORK, H200, replace(base, groups=2)) > r
+    assert time_ratio(WORK, H200, replace(base, groups=4)) > time_ratio(WORK, H200, replace(base, groups=2))
+    assert time_ratio(WORK, H200, replace(base, wave_waste=0.2)) > r
+    # work both phases run (a fused projection) is done twice per row when streamed
+    assert time_ratio(replace(WORK, rerun_flops_row=2.0 * D * D), H200, base) > r
+
+
+def test_gemm_efficiency_falls_with_the_chunk_rows():
+    slow = replace(H200, gemm_half_rows=512.0, op_s=0.0)   # ops free: only the GEMMs' rows differ
+    small, large = (time_ratio(WORK, slow, Streamed(chunk=c)) for c in (1024, 8192))
+    assert small > large > 1.0
+    assert time_ratio(WORK, replace(H200, gemm_half_rows=0.0, op_s=0.0), Streamed(chunk=1024)) < small
+
+
+def test_a_store_adds_its_seconds_exactly():
+    base = Streamed(chunk=4096, groups=2)
+    extra = 0.0123
+    stock = stock_seconds(WORK, H200)
+    assert streamed_seconds(WORK, H200, replace(base, store_s=extra)) - streamed_seconds(WORK, H200, base) \
+        == pytest.approx(extra, rel=1e-9)
+    assert time_ratio(WORK, H200, replace(base, store_s=extra)) - time_ratio(WORK, H200, base) \
+        == pytest.approx(extra / stock, rel=1e-9)
