@@ -184,6 +184,8 @@ _GQA_KERNELS = {_FLASH, _CUDNN}   # take fewer K/V heads than Q heads (bit-ident
 
 
 MATH_SCORES = 1 << 26   # fp32 scores the math path holds at once (256 MiB): query rows are taken in pieces under it
+MATH_SCORES_HELD = 3    # score-sized fp32 tensors it holds at its worst (scores, masked, exponentiated; measured on
+#                         CPU, 2026-12-05: a GPT-OSS layer's sinks path at 256- and 1024-row chunks of 2,048 rows)
 
 
 def _math_with_lse(q, k, v, causal: bool, mask, scale):
@@ -308,7 +310,8 @@ class SDPAConsumer:
         return heads * head_dim * (8 + 2 * elem)
 
     def workspace_bytes(self, *, rows: int, keys: int, heads: int, kv_heads: int, head_dim: int, elem: int,
-                        causal: bool, masked: bool, device_type: str | None = None, softcap: float = 0.0) -> int:
+                        causal: bool, masked: bool, device_type: str | None = None, softcap: float = 0.0,
+                        sinks: bool = False) -> int:
         """Bytes ``attend`` allocates besides its output for one chunk of ``rows`` query rows against up to ``keys``
         keys, at its worst moment (the planner charges them while the chunk's attention runs). A causal chunk after the
         first: the diagonal block's output (with GQA on torch < 2.5 its repeated K/V heads), then the past keys' output
@@ -321,6 +324,10 @@ class SDPAConsumer:
             scores = min(softcap_scores(rows, heads), heads * rows * keys)
             return scores * (elem + 8) + (scores // max(1, heads) if masked else 0) + (
                 rows * heads * (head_dim + 1) * 4 * 2 if keys > SOFTCAP_KEYS else 0)
+        if sinks:   # ``_with_sinks``: the fp32 math path's scores over the chunk's rows (in pieces of at most
+            # MATH_SCORES) and their masked and exponentiated copies, then the fp32 output and its weights
+            scores = min(rows * heads * keys, max(MATH_SCORES, heads * keys))
+            return MATH_SCORES_HELD * 4 * scores + 2 * 4 * rows * heads * head_dim
         if masked:
             return self.workspace_row_bytes(heads=heads, head_dim=head_dim, elem=elem, causal=causal, masked=masked,
                                             device_type=device_type) * rows

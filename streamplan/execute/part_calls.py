@@ -52,6 +52,8 @@ def workspace_bytes(consumer, call, elem: int, rows: int, keys: int) -> int:
     if declare is None:
         return workspace_row_bytes(consumer, call, elem) * rows
     kw = {"softcap": call.softcap} if getattr(call, "softcap", 0.0) else {}   # said only where there is one
+    if getattr(call, "mask", None) == "sinks":   # a sinks chain: merged by the math path's log-sum-exp
+        kw["sinks"] = True
     return declare(rows=rows, keys=keys, heads=call.heads, kv_heads=call.kv_heads, head_dim=call.head_dim, elem=elem,
                    causal=call.causal, masked=call.mask is not None, device_type=getattr(call, "device_type", None),
                    **kw)
