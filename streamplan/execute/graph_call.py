@@ -502,7 +502,17 @@ _BOOL_MASK = torch.empty(0, dtype=torch.bool)
 
 
 def _note_chains(note: Callable[[str], None], run: GraphRun) -> None:
-    """What the report says of the call's element-wise chains: how many ran compiled, and each kept eager, why."""
+    """What the report says of the call's element-wise chains (how many ran compiled, and each kept eager, why) and
+    of its projections run for the columns their phase reads."""
+    for p in run.prunings:
+        width = int(p.linear.meta["val"].shape[-1])
+        verdicts = set(p.checked.values())
+        if True in verdicts:
+            note(f"a projection ({p.linear.name}) ran for the {p.hi - p.lo} of its {width} output features a phase "
+                 f"reads, exact (checked bit for bit against the whole projection on a first chunk)")
+        if False in verdicts:
+            note(f"a projection ({p.linear.name}) ran whole: its {p.hi - p.lo} features alone differed from the "
+                 f"whole projection's on a first chunk")
     if run.fuse is None or not run.chains:
         return
     states = [(c, fuse.state(c, run.fuse)) for c in run.chains]

@@ -23,7 +23,8 @@ from ..graph.joins_in_place import run_join
 from ..graph.sliced_mlp import MLPRegion, row_dim, run_region
 from ..graph.pair_masks import PairRows
 from ..graph.row_pieces import run_pieces
-from ..graph.schedule import ATTENTION, CHAIN, PIECES, REGION, Schedule, phase_schedule
+from ..graph.pruned_projections import run_pruned
+from ..graph.schedule import ATTENTION, CHAIN, PIECES, PRUNED, REGION, Schedule, phase_schedule
 from ..graph.in_place import run_over
 from ..graph.phases import Phases, ancestors, rowed_outputs
 from ..specs import address, storage_address
@@ -89,6 +90,7 @@ class GraphRun:
         self.fuse = fuse if pieces == 1 else None   # element-wise chains compiled for this device (``fuse``)
         self.fuse_rows = fuse_rows   # set: only chains whose outputs at this many rows are worth a compiled call
         self.chains: dict[FusedChain, None] = {}   # the chains this call ran (its report)
+        self.prunings: dict = {}   # the projections this call ran for the columns their phase reads (its report)
         # L4/L5: each global attention's K/V go into a store (``execute.kv_stores``) made by ``kv_store`` and are
         # attended block by block through ``attend_store(q, store, q_offset=, causal=, scale=)``
         self.kv_store, self.attend_store = kv_store, attend_store
@@ -262,6 +264,8 @@ class GraphRun:
                 env[node] = run_region(step.item, env, self.ffn_slice, row_dim(step.item, self.an))
             elif kind == ATTENTION:
                 env[node] = self._attention(step.item, env, a)
+            elif kind == PRUNED:
+                self._pruned(step.item, env, rows)
             elif rows is not None:
                 env[node] = self._dynamic(node, env, rows)
             elif step.join is not None and (joined := run_join(step.join, node, env, built, into)) is not None:
@@ -282,6 +286,19 @@ class GraphRun:
                     env.pop(m, None)
         return env
 
+    def _pruned(self, p, env: dict, rows: int | None) -> None:
+        """A projection for the columns its phase reads; on static rows' later chunks, as the graph says where any of
+        its nodes is a value without dynamic rows or a cut along the rows."""
+        if rows is not None and self.static_mode and (self.static_only | self.layout) & set(p.nodes):
+            for node in p.nodes:
+                env[node] = self._dynamic(node, env, rows)
+            return
+        run_pruned(p, env, self._call)
+        if self.static_mode:
+            for leaf in p.leaves:
+                if leaf in self.wanted:
+                    self.cache[leaf] = env[leaf]
+
     def _schedule(self, nodes: list[fx.Node], keep: set[fx.Node]) -> Schedule:
         """A phase's schedule (``graph.schedule``), worked out once per call and phase, not per chunk."""
         key = (tuple(nodes), frozenset(keep))
@@ -291,6 +308,7 @@ class GraphRun:
                 nodes, keep, self.an, self.ph, regions=self.regions, pieces=self.pieces, fuse=self.fuse is not None,
                 fuse_rows=self.fuse_rows, layout=frozenset(self.layout) if self.static_mode else frozenset())
             self.chains.update(dict.fromkeys(found.chains))
+            self.prunings.update(dict.fromkeys(found.prunings))
         return found
 
     # -- values written straight into their buffers (``direct_writes``) -------------------------------------------

@@ -13,6 +13,7 @@ from torch import fx
 from .analyze import Rows, bind, numel_besides, op_name, SDPA_OPS
 from .memory import graph_memory
 from .opaque_layers import OPS as OPAQUE_OPS
+from .pruned_projections import find_prunings
 
 _CONTRACT_LAST = {"linear", "mm", "addmm", "bmm", "matmul", "baddbmm"}   # K = the left operand's last size
 _CONV = {"conv1d", "conv2d", "conv3d", "convolution", "_convolution"}     # K = the weight's in/groups x kernel
@@ -116,6 +117,10 @@ def block_work(found, rows: int) -> BlockWork:
     written = lambda nodes: float(sum(mem.per_row.get(n, 0) for n in nodes if mem.allocates.get(n)))  # noqa: E731
     kv = {n for p in ph.kv for n in p}
     both = kv & set(ph.q)
+    for att, nodes in zip(an.attentions, ph.kv):   # phase KV runs a pruned projection for its columns alone
+        for p in find_prunings(nodes, {att.k, att.v}, an):
+            if p.linear in per_node:
+                per_node[p.linear] *= (p.hi - p.lo) / int(p.linear.meta["val"].shape[-1])
     return BlockWork(rows, row, static, const, attention, att_row,
                      float(sum(b for n, b in mem.per_row.items() if mem.allocates[n])),
                      sum(calls(p) for p in ph.kv), calls(ph.q),
