@@ -311,6 +311,8 @@ def _print_smallest(module, call: Callable[[], object], kv: str, file=None) -> N
         try:
             with torch.inference_mode():
                 call()
+            ratios = [p.predicted_time_ratio for ps in handle.plans.values() for p in ps
+                      if p.predicted_time_ratio is not None]
             break
         except streamplan.BudgetError as exc:
             if not exc.smallest_bytes or exc.smallest_bytes <= budget:
@@ -325,6 +327,9 @@ def _print_smallest(module, call: Callable[[], object], kv: str, file=None) -> N
     weights = sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
     print(f"smallest budget that plans it (kv={kv}): {fmt_bytes(budget)} beside the inputs counted in it; "
           f"with its weights ({fmt_bytes(weights)}) on the card: {fmt_bytes(budget + weights)}", file=file)
+    if ratios:   # the narrowest plans are slow: say how slow, on the time model's rates
+        print(f"  predicted time there: {max(ratios):.2f}x stock's (the slowest streamed operation, by the time "
+              f"model fitted on an H200)", file=file)
 
 
 def _bench(args: argparse.Namespace) -> int:
