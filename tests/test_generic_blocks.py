@@ -28,7 +28,6 @@ STOCK = {   # blocks that stay stock on the generic path, and the reason the rep
     "t5_film_decoder": "captured diffusers.T5LayerSelfAttentionCond L1",
     "anyflow_far": "attention backend 'flex' has no streamplan consumer",
     "cosmos3": "no [batch, rows, features] input",                      # unbatched packed sequences
-    "ernie_image": "sequence-first [rows, batch, features] layout",
     "glm_image": "GlmImageLayerKVCache",                                # the pipeline's cache object
     "qwenimage21": "QwenImage21KVLayerCache",
     "sana_wm_refiner": "SanaWMRefinerKVLayerCache",

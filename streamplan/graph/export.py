@@ -45,11 +45,19 @@ class Captured:
 
 
 def rows_of_call(args: tuple, kwargs: dict) -> int | None:
-    """The row count of a block call: dim 1 of its first [batch, rows, features] tensor."""
+    """The row count of a block call: dim 1 of its first [batch, rows, features] tensor, or dim 0 of a
+    sequence-first [rows, 1, features] one (the capture marks every size equal to it as the rows, wherever it is)."""
     for leaf in pytree.tree_leaves((args, kwargs)):
         if isinstance(leaf, torch.Tensor) and leaf.dim() == 3:
-            return leaf.shape[1]
+            return leaf.shape[0] if _sequence_first(leaf) else leaf.shape[1]
     return None
+
+
+SEQUENCE_FIRST_MIN = 16   # a [rows, 1, features] input is sequence-first from this many rows (fewer: a batch)
+
+
+def _sequence_first(t: torch.Tensor) -> bool:
+    return t.shape[1] == 1 and t.shape[0] >= SEQUENCE_FIRST_MIN
 
 
 def rows_problem(args: tuple, kwargs: dict) -> str:

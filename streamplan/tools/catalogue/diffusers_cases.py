@@ -578,8 +578,9 @@ def _ernie_inputs(n, device, dtype):
 
 
 _add("ernie_image", T + "transformer_ernie_image:ErnieImageSharedAdaLNBlock", lambda c: c(64, 4, 128, 1e-6),
-     _ernie_inputs, row_output=None, streams=False,
-     note="sequence-first [S, B, C]: image rows then text rows joined (every row dynamic), the model's key mask "
+     _ernie_inputs, row_output=None,
+     note="sequence-first [S, B, C] (the rows read from dim 0 of a [rows, 1, features] input): image rows then "
+          "text rows joined (every row dynamic), the model's key mask "
           "over them (the last 3 text tokens padding), modulation expanded over the rows")
 
 
