@@ -21,6 +21,19 @@ def _case(name: str, rows: int = 300):
     return block, args, kwargs
 
 
+def _prunings():
+    """Every pruned projection of every capture made so far (the call's capture among them)."""
+    import streamplan.graph as graph
+    return [p for found in list(graph._CACHE.values())
+            for key, value in getattr(getattr(found, "phases", None), "done", {}).items() if key[0] == "prunings"
+            for p in value]
+
+
+def _fresh_checks():
+    for p in _prunings():
+        p.checked.clear()
+
+
 def _first(out):
     return out[0] if isinstance(out, (tuple, list)) else out
 
@@ -44,26 +57,24 @@ def test_a_block_whose_projections_are_read_whole_prunes_nothing():
 
 
 @torch.no_grad()
-def test_flux2_single_streams_exactly_with_the_projection_pruned_and_says_so():
+def test_flux2_single_streams_exactly_with_the_projection_pruned():
     block, args, kwargs = _case("flux2_single")
     ref = _first(block(*args, **kwargs))
+    _fresh_checks()
     with streamed(block, chunk_tokens=64) as handle:
         out = _first(block(*args, **kwargs))
         report = handle.report()
     assert rel_err(out, ref) == 0.0
-    assert "ran for the" in report and "exact (checked bit for bit" in report, report
+    checked = [v for p in _prunings() for v in p.checked.values()]
+    assert checked and all(checked), checked   # the pruned projection ran, found equal to the whole one
+    assert "ran whole" not in report, report
 
 
 @torch.no_grad()
 def test_a_projection_whose_features_alone_differ_runs_whole_and_says_so(monkeypatch):
     block, args, kwargs = _case("flux2_single")
     ref = _first(block(*args, **kwargs))
-    import streamplan.graph as graph
-    for found in list(graph._CACHE.values()):   # every capture's checks made afresh
-        for key, value in getattr(getattr(found, "phases", None), "done", {}).items():
-            if key[0] == "prunings":
-                for p in value:
-                    p.checked.clear()
+    _fresh_checks()
     monkeypatch.setattr(pruned_projections.torch, "equal", lambda a, b: False)   # as a kernel that differs would
     with streamed(block, chunk_tokens=64) as handle:
         out = _first(block(*args, **kwargs))

@@ -4,6 +4,7 @@ from the graph's memory model under the budget, then run (phase KV, or head grou
 from __future__ import annotations
 
 import functools
+import logging
 import math
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -31,6 +32,8 @@ from .rehearsal import ledger_paused
 from .donation import donated
 from .graph_run import GraphRun
 from .part_calls import workspace_bytes, workspace_row_bytes
+
+log = logging.getLogger("streamplan")
 
 
 @dataclass(eq=False)
@@ -504,12 +507,12 @@ _BOOL_MASK = torch.empty(0, dtype=torch.bool)
 def _note_chains(note: Callable[[str], None], run: GraphRun) -> None:
     """What the report says of the call's element-wise chains (how many ran compiled, and each kept eager, why) and
     of its projections run for the columns their phase reads."""
-    for p in run.prunings:
+    for p in run.prunings:   # (one that ran for its features alone is the plan working: the log says so)
         width = int(p.linear.meta["val"].shape[-1])
         verdicts = set(p.checked.values())
         if True in verdicts:
-            note(f"a projection ({p.linear.name}) ran for the {p.hi - p.lo} of its {width} output features a phase "
-                 f"reads, exact (checked bit for bit against the whole projection on a first chunk)")
+            log.debug("streamplan: a projection (%s) ran for the %d of its %d output features a phase reads, exact "
+                      "(checked bit for bit on a first chunk)", p.linear.name, p.hi - p.lo, width)
         if False in verdicts:
             note(f"a projection ({p.linear.name}) ran whole: its {p.hi - p.lo} features alone differed from the "
                  f"whole projection's on a first chunk")

@@ -265,7 +265,7 @@ class GraphRun:
             elif kind == ATTENTION:
                 env[node] = self._attention(step.item, env, a)
             elif kind == PRUNED:
-                self._pruned(step.item, env, rows)
+                self._pruned(step.item, env, rows, into, watch)
             elif rows is not None:
                 env[node] = self._dynamic(node, env, rows)
             elif step.join is not None and (joined := run_join(step.join, node, env, built, into)) is not None:
@@ -286,9 +286,14 @@ class GraphRun:
                     env.pop(m, None)
         return env
 
-    def _pruned(self, p, env: dict, rows: int | None) -> None:
-        """A projection for the columns its phase reads; on static rows' later chunks, as the graph says where any of
-        its nodes is a value without dynamic rows or a cut along the rows."""
+    def _pruned(self, p, env: dict, rows: int | None, into: dict | None, watch: set) -> None:
+        """A projection for the columns its phase reads; as the graph says where its linear writes into a buffer
+        or is watched (``direct_writes``), and on static rows' later chunks where any of its nodes is a value without
+        dynamic rows or a cut along the rows."""
+        if p.linear in watch or (into and p.linear in into):
+            for node in p.nodes:
+                env[node] = call_into(node, env, into[node]) if into and node in into else self._call(node, env)
+            return
         if rows is not None and self.static_mode and (self.static_only | self.layout) & set(p.nodes):
             for node in p.nodes:
                 env[node] = self._dynamic(node, env, rows)
