@@ -69,7 +69,8 @@ def _ffn(block) -> int:
     return max(widths, default=0)
 
 
-def run_case(name: str, n: int, repeats: int, holds: list[float], deadline: float, only_holds: bool) -> list[dict]:
+def run_case(name: str, n: int, repeats: int, holds: list[float], deadline: float, only_holds: bool,
+             only: set[str] = frozenset()) -> list[dict]:
     fam = FAMILIES[name]
     torch.manual_seed(0)
     with torch.device("cuda"):
@@ -89,6 +90,8 @@ def run_case(name: str, n: int, repeats: int, holds: list[float], deadline: floa
         chosen = variants(n, _ffn(block), live, floor, holds)
         if only_holds:
             chosen = [v for v in chosen if v[0].startswith("hold")]
+        if only:
+            chosen = [v for v in chosen if v[0] in only]
         for label, kw in chosen:
             if time.monotonic() > deadline:
                 rows.append({**base, "variant": label, "skipped": "out of time"})
@@ -133,6 +136,7 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seconds", type=float, default=520.0, help="stop starting variants after this long")
     p.add_argument("--tag", default="")
+    p.add_argument("--variants", default="", help="sweep only these variants (e.g. c8192,c16384)")
     a = p.parse_args()
     deadline = time.monotonic() + a.seconds
     holds = [float(h) for h in a.holds.split(",")]
@@ -143,7 +147,8 @@ def main() -> int:
             if time.monotonic() > deadline:
                 payload["rows"].append({"case": case, "tokens": n, "skipped": "out of time"})
                 continue
-            payload["rows"] += run_case(case, n, a.repeats, holds, deadline, a.mode == "held")
+            payload["rows"] += run_case(case, n, a.repeats, holds, deadline, a.mode == "held",
+                                        {v for v in a.variants.split(",") if v})
             write_results(name, payload)
     print(write_results(name, payload))
     return 0
