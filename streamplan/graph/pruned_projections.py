@@ -1,8 +1,8 @@
 """Projections a phase reads only some output features of, computed for those alone.
 
-A fused projection feeds several consumers through column selections (FLUX.2's single block: one linear to Q, K, V
-and the MLP's input, split along the features). Phase KV needs only K's and V's columns, yet ran the whole linear for
-every row, and phase Q ran it again: about 1.7x the block's GEMM work. Here a linear whose every use in a phase is a
+A fused projection feeds several consumers through column selections (one linear to Q, K, V and the MLP's input,
+split along the features). Phase KV needs only K's and V's columns, yet ran the whole linear for every row, and phase
+Q ran it again: up to 1.7x the block's GEMM work. Here a linear whose every use in a phase is a
 selection of its last dimension (``split_with_sizes``/``chunk`` then ``getitem``, ``slice``, ``narrow``) runs on the
 weight's rows for the columns the phase reads (a view: no copy), and each selection is a slice of that. Each output
 column is the same dot product either way; the first chunk checks it bit for bit (as fused chains are checked) and a
