@@ -184,8 +184,8 @@ _GQA_KERNELS = {_FLASH, _CUDNN}   # take fewer K/V heads than Q heads (bit-ident
 
 
 MATH_SCORES = 1 << 26   # fp32 scores the math path holds at once (256 MiB): query rows are taken in pieces under it
-MATH_SCORES_HELD = 3    # score-sized fp32 tensors it holds at its worst (scores, masked, exponentiated; measured on
-#                         CPU, 2026-12-05: a sinks layer at 256- and 1024-row chunks of 2,048 rows)
+MATH_SCORES_HELD = 3    # score-sized fp32 tensors it holds at its worst (scores, masked, exponentiated: the meter on a
+#                         sinks layer's chunks, tests/test_attention_sinks.py)
 
 
 def _math_with_lse(q, k, v, causal: bool, mask, scale):

@@ -26,8 +26,8 @@ class Rates:
     store_share: float = 1.0  # share of the store model's seconds (``planner.l4_extra_seconds``) that shows
 
 
-# fitted on the H200 sweep of 2026-12-05 (benchmarks/results/latest/gpu_time_model_sweep.json, the fit in
-# gpu_time_model_fit.json); "meta" plans as for that device, so `streamplan plan` shows what the benchmarks ran
+# fitted on the benchmark device's sweep (docs/budgets-and-tiers.md, "The time model"); "meta" plans as for that
+# device, so `streamplan plan` shows what the benchmarks ran
 H200 = Rates(gemm=1.035e15, gemm_half_rows=0.0, attention=5.63e14, bandwidth=1.32e12, op_s=1.02e-5, group_rerun=2.38,
              store_share=0.29)
 RATES = {"cuda": H200, "meta": H200}
