@@ -634,7 +634,8 @@ class GraphPlanRequest:
         waste = max(0.0, wave_waste(self.waves, plan.chunk, plan.head_groups) - wave_waste(self.waves, self.rows))
         # a store's head groups read its K/V back a group at a time (priced in ``store``); phase KV runs once
         groups = plan.head_groups if plan.kv == "device" else 1
-        return time_ratio(self.costs.work, self.costs.rates, Streamed(plan.chunk, slices, groups, waste, store))
+        ratio = time_ratio(self.costs.work, self.costs.rates, Streamed(plan.chunk, slices, groups, waste, store))
+        return ratio * self.costs.rates.grouped_store if plan.kv != "device" and plan.head_groups > 1 else ratio
 
     def staged_seconds(self, opt: KVOption, q_rows: int, blk: int, g: int) -> float:
         """A store's extra time (``l4_extra_seconds``) with the waves its passes leave part empty: each pass's calls

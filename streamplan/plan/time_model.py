@@ -24,12 +24,14 @@ class Rates:
     op_s: float            # seconds an op adds per chunk beyond its kernel (launch, dispatch, a short kernel's tail)
     group_rerun: float     # share of phase KV's work each extra head group adds (its chain rerun, narrower GEMMs)
     store_share: float = 1.0  # share of the store model's seconds (``planner.l4_extra_seconds``) that shows
+    grouped_store: float = 1.0  # a store read back a head group at a time runs this much longer than priced (its
+    # passes' per-group calls and copies that hide under less attention: the model's parts miss it)
 
 
 # fitted on the benchmark device's sweep (docs/budgets-and-tiers.md, "The time model"); "meta" plans as for that
 # device, so `streamplan plan` shows what the benchmarks ran
 H200 = Rates(gemm=1.035e15, gemm_half_rows=0.0, attention=5.63e14, bandwidth=1.32e12, op_s=1.02e-5, group_rerun=2.38,
-             store_share=0.29)
+             store_share=0.29, grouped_store=1.3)
 RATES = {"cuda": H200, "meta": H200}
 
 
