@@ -884,3 +884,12 @@ def test_blocks_stream_under_comfyui_selected_attention(fresh_captures):
             assert text.count("1 call(s) through the streamer") == blocks and "ran stock" not in text, text
             assert len(calls) > 2 * stock_calls, (len(calls), stock_calls)   # stock twice, then chunk by chunk
     assert attention.optimized_attention is not selected and "selected" not in repr(attention.optimized_attention)
+
+
+def batch_call(patcher, x, cond):
+    """One model call of a batch of ``x.shape[0]`` (cond and uncond together, as ComfyUI's CFG runs them)."""
+    n = x.shape[0]
+    options = {**patcher.model_options["transformer_options"], "cond_or_uncond": list(range(n)),
+               "sigmas": torch.full((n,), 0.7)}
+    with torch.no_grad():
+        return patcher.model.apply_model(x, torch.full((n,), 0.7), transformer_options=options, **cond)

@@ -13,7 +13,7 @@ import torch
 import streamplan
 from comfy_support import comfyui
 from conftest import rel_err
-from test_comfy import CPU, _block_lines, _config, _conds, _forwards_installed, _random_, \
+from test_comfy import CPU, batch_call, _block_lines, _config, _conds, _forwards_installed, _random_, \
     fresh_captures, sample_call
 
 __all__ = ["fresh_captures"]   # the fixture, used by name
@@ -54,15 +54,6 @@ def ltxav_call(patcher, frames: int = 4, per_token: bool = True, seed: int = 0, 
         mask = frame_mask[:, None, :, None, None].expand(video.shape)
         kw["denoise_mask"], _ = comfy.utils.pack_latents([mask, torch.ones(audio.shape)])
     return x, _conds(patcher.model, **kw)
-
-
-def batch_call(patcher, x, cond):
-    """One model call of a batch of ``x.shape[0]`` (cond and uncond together, as ComfyUI's CFG runs them)."""
-    n = x.shape[0]
-    options = {**patcher.model_options["transformer_options"], "cond_or_uncond": list(range(n)),
-               "sigmas": torch.full((n,), 0.7)}
-    with torch.no_grad():
-        return patcher.model.apply_model(x, torch.full((n,), 0.7), transformer_options=options, **cond)
 
 
 def _per_token(patcher, x, cond) -> bool:

@@ -12,7 +12,7 @@ import torch
 import streamplan
 from comfy_support import comfyui
 from conftest import rel_err
-from test_comfy import CPU, _block_lines, _config, _conds, _forwards_installed, _random_, fresh_captures
+from test_comfy import CPU, batch_call, _block_lines, _config, _conds, _forwards_installed, _random_, fresh_captures
 
 __all__ = ["fresh_captures"]   # the fixture, used by name
 
@@ -42,15 +42,6 @@ def wan22_call(patcher, frames: int = 3, hw: int = 32, frame_mask=None, batch: i
         mask = frame_mask.reshape(-1, 1, frames, 1, 1).expand(-1, 1, frames, hw, hw)
         kw["denoise_mask"] = comfy.utils.reshape_mask(mask, x.shape)
     return x, _conds(patcher.model, **kw)
-
-
-def batch_call(patcher, x, cond):
-    """One model call of a batch of ``x.shape[0]`` (cond and uncond together, as ComfyUI's CFG runs them)."""
-    n = x.shape[0]
-    options = {**patcher.model_options["transformer_options"], "cond_or_uncond": list(range(n)),
-               "sigmas": torch.full((n,), 0.7)}
-    with torch.no_grad():
-        return patcher.model.apply_model(x, torch.full((n,), 0.7), transformer_options=options, **cond)
 
 
 def _timesteps(patcher, x, cond) -> torch.Tensor:

@@ -761,15 +761,8 @@ def _candidates(request: GraphPlanRequest, floor: int) -> list[Plan]:
         c = _largest_chunk(lambda c: r.fixed + r.transient(c, sl), r.rows, r.budget, floor)
         if c is not None:
             out.append(r.make(Tier.L2, c, sl))
-    for g in r.groups:
-        for sl in (0, 4096, 1024, 256) if r.ffn else (0,):
-            if sl >= r.ffn and sl:
-                continue
-            c = _largest_chunk(lambda c: r.peak(c, sl, g), r.rows, r.budget, floor)
-            if c is not None:
-                out.append(r.make(Tier.L3, c, sl, g))
-                break
-    out += [p for p in (_fit_store(r, o, floor) for o in r.exact_kv) if p is not None]
+    out += [p for p in (*(_grouped_fit(r, floor, g) for g in r.groups), *(_fit_store(r, o, floor) for o in r.exact_kv))
+            if p is not None]
     return out
 
 
@@ -817,14 +810,18 @@ def _narrow_slice_plan(request: GraphPlanRequest, floor: int) -> Plan | None:
 def _grouped_plan(request: GraphPlanRequest, floor: int) -> Plan | None:
     """L3: the fewest head groups, then the widest MLP slice, whose largest chunk fits (fewer groups rerun fewer
     projections)."""
+    return next((p for p in (_grouped_fit(request, floor, g) for g in request.groups) if p is not None), None)
+
+
+def _grouped_fit(request: GraphPlanRequest, floor: int, g: int) -> Plan | None:
+    """L3 in ``g`` head groups: the widest MLP slice whose largest chunk fits."""
     r = request
-    for g in r.groups:
-        for sl in (0, 4096, 1024, 256) if r.ffn else (0,):
-            if sl >= r.ffn and sl:
-                continue
-            chunk = _largest_chunk(lambda c: r.peak(c, sl, g), r.rows, r.budget, floor)
-            if chunk is not None:
-                return r.make(Tier.L3, chunk, sl, g)
+    for sl in (0, 4096, 1024, 256) if r.ffn else (0,):
+        if sl >= r.ffn and sl:
+            continue
+        chunk = _largest_chunk(lambda c: r.peak(c, sl, g), r.rows, r.budget, floor)
+        if chunk is not None:
+            return r.make(Tier.L3, chunk, sl, g)
     return None
 
 
