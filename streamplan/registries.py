@@ -85,6 +85,18 @@ def register_argument_record(path: str) -> None:
     ARGUMENT_RECORDS.add(path)
 
 
+# Cache objects a block may be handed and only read (a pipeline's per-layer K/V cache on its cached steps), declared
+# by the library's recognizer file as "module:QualName": the capture takes them as their tensors
+# (``graph.cache_views``); a call that writes one keeps its stock call, named.
+READ_CACHES: set[str] = set()
+
+
+def register_read_cache(path: str) -> None:
+    if ":" not in path:
+        raise ValueError(f"a read cache is named 'module:QualName', got {path!r}")
+    READ_CACHES.add(path)
+
+
 # Who decides a captured block's attention kernel: a library whose modules dispatch attention through a backend of
 # their own (diffusers' attention backends) registers a probe ``(block) -> backend name | None``; a block whose
 # backend has no streamplan consumer runs stock, named, as a hand-written attention does.

@@ -15,7 +15,7 @@ from torch.utils._pytree import tree_leaves
 
 from . import hook_chains as hooks, host_rows, kv_tiers, sequence_parallel as parallel
 from ..attention import graph_consumer, unsupported
-from ..graph import fused_chains as fuse, rows_of_call, rows_problem, running, streamable
+from ..graph import cache_views, fused_chains as fuse, rows_of_call, rows_problem, running, streamable
 from ..graph.autocast_regions import autocast_problem
 from ..graph.analyze import numel_besides
 from ..graph.memory import graph_memory
@@ -104,6 +104,10 @@ def check_call(ctx: CallContext, args: tuple, kwargs: dict) -> GraphCall | str:
         return taken
     row_mask, args, kwargs = taken
     args, kwargs, host = host_rows.taken(args, kwargs)   # L6: rows in host memory, read back chunk by chunk
+    viewed = cache_views.viewed(args, kwargs)   # a cache the block only reads: taken as its tensors
+    if isinstance(viewed, str):
+        return f"ran stock: {viewed}"
+    args, kwargs = viewed
     adapted = adapt_call(module, args, kwargs)   # a cache object, say: the call as the graph takes it
     if isinstance(adapted, str):
         return f"ran stock: {adapted}"

@@ -9,6 +9,7 @@ from typing import Any
 
 from torch import nn
 
+from . import cache_views
 from .analyze import Analysis, op_name, analyze
 from .eager_attention import fuse_eager_attention
 from .phases import Phases, phases_of
@@ -41,6 +42,10 @@ _CACHE: dict[tuple, Any] = {}
 def streamable(module: nn.Module, args: tuple, kwargs: dict, rows: int) -> tuple[Streamable | str, bool]:
     """The capture for this call (cached per class and input signature), or why it cannot stream; and whether this
     call captured (rather than reusing a capture)."""
+    viewed = cache_views.viewed(args, kwargs)   # idempotent: the executor's call is viewed already
+    if isinstance(viewed, str):
+        return viewed, False
+    args, kwargs = viewed
     key = signature(module, args, kwargs, rows)
     # a capture that lifted a constant tensor (an unregistered tensor attribute) holds that instance's value: it is
     # kept under the instance as well, and other instances capture on their own

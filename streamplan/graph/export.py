@@ -18,6 +18,7 @@ from torch.utils import _pytree as pytree
 from ..registries import ARGUMENT_RECORDS, CAPTURE_CONTEXTS, CAPTURE_STATE_ATTRS
 from .opaque_layers import OpaqueRefused
 from .autocast_regions import inline_autocast_off
+from .cache_views import CacheView, view_children
 
 log = logging.getLogger("streamplan")
 
@@ -105,7 +106,7 @@ def _is_record(x: object) -> bool:
 
 
 def _dyn_leaf(x: object) -> bool:
-    return isinstance(x, torch.Tensor) or x is None or _is_record(x)
+    return isinstance(x, (torch.Tensor, CacheView)) or x is None or _is_record(x)
 
 
 def signature(module: nn.Module, args: tuple, kwargs: dict, rows: int) -> tuple:
@@ -264,8 +265,9 @@ def _untraceable_argument(args: tuple, kwargs: dict) -> str | None:
     """Why export cannot take this call's arguments (it takes tensors and plain values only), or None."""
     odd = [type(leaf).__name__ for leaf in pytree.tree_leaves((args, kwargs))
            if not isinstance(leaf, (torch.Tensor, int, float, bool, str, type(None)))]
-    if odd:   # a cache object, say
-        return f"an argument of type {odd[0]} the capture cannot take (a cache: calls with one run stock)"
+    if odd:   # a cache object not declared a read cache (``cache_views``), a flex BlockMask
+        return (f"an argument of type {odd[0]} the capture cannot take (it takes tensors, plain values and declared "
+                "records and read caches)")
     return None
 
 
@@ -326,6 +328,8 @@ def _dynamic_shapes(arguments: dict[str, Any], dim: Any, rows: int, offsets: set
     def dyn(leaf: object) -> Any:
         if _is_record(leaf):   # export takes a dataclass's dynamic shapes as the list of its fields'
             return [pytree.tree_map(dyn, getattr(leaf, f.name), is_leaf=_dyn_leaf) for f in fields(leaf)]
+        if isinstance(leaf, CacheView):   # and a cache view's as the list of its children's
+            return [pytree.tree_map(dyn, v, is_leaf=_dyn_leaf) for v in view_children(leaf)]
         if isinstance(leaf, torch.Tensor):
             return {i: (dim if s == rows else dim + (s - rows)) for i, s in enumerate(leaf.shape)
                     if s == rows or (joined and s - rows in offsets)} or None

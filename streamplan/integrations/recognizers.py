@@ -12,7 +12,7 @@ from ..specs import AttentionSpec, GraphSpec, MLPSpec, ModelSpec, RowLocalSpec, 
 from . import accelerate, peft  # noqa: F401  (accelerate's hook chains; the adapter state peft's layers read)
 from . import experts  # noqa: F401  (mixture-of-experts feed-forwards, taken whole by a capture)
 from .comfy import capture_attention, flux, kitchen_ops  # noqa: F401  (ComfyUI's ops, records, capture attention)
-from .diffusers import hooks, pipelines  # noqa: F401  (diffusers' hook chains; its pipelines' denoisers)
+from .diffusers import caches, hooks, pipelines  # noqa: F401  (diffusers' read caches, hook chains, pipelines' denoisers)
 from .diffusers.attention import recognize_attention
 from .diffusers.h3 import recognize_h3_model
 from .diffusers.ltx2 import recognize_ltx2_model

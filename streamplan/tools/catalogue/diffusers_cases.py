@@ -591,9 +591,8 @@ def _glm_image_inputs(n, device, dtype):
 
 
 _add("glm_image", T + "transformer_glm_image:GlmImageTransformerBlock", lambda c: c(64, 4, 16, 32), _glm_image_inputs,
-     streams=False,
-     note="text-to-image: the pipeline's per-layer KV cache with no mode set (no condition images); "
-          "attention_mask=None")
+     note="text-to-image: the pipeline's per-layer KV cache with no mode set (no condition images), taken as its "
+          "tensors (a read cache); attention_mask=None")
 _add("glm_image_no_cache", T + "transformer_glm_image:GlmImageTransformerBlock", lambda c: c(64, 4, 16, 32),
      lambda n, device, dtype: (_glm_image_inputs(n, device, dtype)[0], dict(kv_cache=None)),
      note="the model called without the pipeline's KV caches (kv_caches=None); attention_mask=None")
@@ -657,9 +656,9 @@ def _qwenimage21_inputs(n, device, dtype):
 
 
 _add("qwenimage21", T + "transformer_qwenimage21:QwenImage21TransformerBlock", lambda c: c(64, 4, 16),
-     _qwenimage21_inputs, row_output=None, streams=False,
+     _qwenimage21_inputs, row_output=None,
      note="a decode step (kv_cache_mode='cached', every step after the first): the target image's rows attend to the "
-          "cached text prefix K/V and themselves; modulation rows picked by the target-token mask")
+          "cached text prefix K/V (a read cache) and themselves; modulation rows picked by the target-token mask")
 
 _add("rfd4_proteina", T + "transformer_rfd4_proteina:RFD4ProteinaTrunkLayer",
      lambda c: c(64, 16, 4, 32, "rms_norm", True),
@@ -734,9 +733,10 @@ def _sana_wm_refiner_inputs(n, device, dtype, sink=16, history=32):
 
 
 _add("sana_wm_refiner", T + "transformer_sana_wm_refiner:SanaWMLTX2RefinerTransformerBlock", _sana_wm_refiner_block,
-     _sana_wm_refiner_inputs, row_output=None, streams=False,
+     _sana_wm_refiner_inputs, row_output=None,
      note="a denoising step of the sliding-window refiner (kv_cache_mode='inject'): the block's rows attend to the "
-          "cached sink (16, re-rotated) and history (32) K/V and themselves; the text key bias of a padded prompt")
+          "cached sink (16, re-rotated) and history (32) K/V (a read cache) and themselves; the text key bias of a "
+          "padded prompt")
 
 _add("stable_audio3", T + "transformer_stable_audio3:StableAudio3DiTBlock", lambda c: c(64, 64, 16),
      lambda n, device, dtype: ((_x(n, device, dtype), _txt(device, dtype), _r(1, 6 * 64, device=device, dtype=dtype),
