@@ -41,12 +41,17 @@ PLAN_FAMILIES = {
     "ltx-video-block": "LTX-Video LTXVideoTransformerBlock (diffusers): dim 2048, 32x64 heads, 128 text tokens",
     "hunyuan-double-block": "HunyuanVideo HunyuanVideoTransformerBlock (diffusers): dim 3072, 24x128 heads, 256 text "
                             "tokens",
+    "qwenimage-block": "Qwen-Image QwenImageTransformerBlock (diffusers): dim 3072, 24x128 heads, 512 text tokens with "
+                       "the padded prompt's mask as its pipeline passes it",
+    "zimage-block": "Z-Image ZImageTransformerBlock (diffusers): dim 3840, 30x128 heads, rotary in an autocast region",
     "h3-block": "MiniMax-H3 MiniMaxH3TransformerBlock (diffusers): 5376 wide, 56x128 heads, SwiGLU 14336",
     "h3-model": "MiniMaxH3Transformer3DModel (diffusers) at real width, 2 layers: 512 text and 2,000 audio rows, the "
                 "rest video",
     "ltx2-model": "LTX2VideoTransformer3DModel (diffusers) at real width, 48 layers, image-to-video (a timestep per "
                   "video row); --tokens counts video rows (2,040 a latent frame at 1920x1088)",
     "llama3-8b-layer": "Llama-3-8B LlamaDecoderLayer (transformers, sdpa): 4096 hidden, 32/8 heads",
+    "qwen3-moe-layer": "Qwen3-30B-A3B Qwen3MoeDecoderLayer (transformers, sdpa): 2048 hidden, 32/4 heads, 128 experts "
+                       "of 768, 8 a token",
     "llama3-8b-model": "Llama-3-8B LlamaForCausalLM (transformers, sdpa), 32 layers: a prefill as generate runs it "
                        "(no cache, the last position's logits); the whole forward planned",
 }

@@ -192,6 +192,47 @@ def _wan_model_inputs(n: int, dev: torch.device, dt: torch.dtype) -> tuple:
             torch.randn(1, 512, 4096, device=dev, dtype=dt))
 
 
+def _qwenimage_block() -> nn.Module:
+    from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformerBlock
+    return QwenImageTransformerBlock(3072, 24, 128)
+
+
+def _qwenimage_inputs(n: int, dev: torch.device, dt: torch.dtype) -> tuple:
+    """As QwenImagePipeline calls it: a padded prompt's text mask (the last 38 of 512 tokens padding)."""
+    mask = torch.ones(1, 512, dtype=torch.bool, device=dev)
+    mask[:, 474:] = False
+    ang = torch.rand(512 + n, 64, device=dev) * 6.2831853
+    rot = torch.polar(torch.ones_like(ang), ang)
+    return (torch.randn(1, n, 3072, device=dev, dtype=dt), torch.randn(1, 512, 3072, device=dev, dtype=dt), mask,
+            torch.randn(1, 3072, device=dev, dtype=dt), (rot[:n], rot[n:]))
+
+
+def _zimage_block() -> nn.Module:
+    from diffusers.models.transformers.transformer_z_image import ZImageTransformerBlock
+    return ZImageTransformerBlock(0, 3840, 30, 30, 1e-5, True)
+
+
+def _zimage_inputs(n: int, dev: torch.device, dt: torch.dtype) -> tuple:
+    ang = torch.rand(1, n, 64, device=dev) * 6.2831853
+    return (torch.randn(1, n, 3840, device=dev, dtype=dt), None, torch.polar(torch.ones_like(ang), ang),
+            torch.randn(1, 256, device=dev, dtype=dt))
+
+
+def _qwen3_moe_layer() -> nn.Module:
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeDecoderLayer
+    cfg = Qwen3MoeConfig(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_attention_heads=32,
+                         num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+                         attn_implementation="sdpa")
+    return Qwen3MoeDecoderLayer(cfg, layer_idx=0)
+
+
+def _qwen3_moe_inputs(n: int, dev: torch.device, dt: torch.dtype) -> tuple:
+    freqs = torch.randn(1, n, 128, device=dev)
+    return (torch.randn(1, n, 2048, device=dev, dtype=dt), None, None, None, False,
+            (freqs.cos().to(dt), freqs.sin().to(dt)))
+
+
 def _bytes(elems_per_token: int) -> Callable[[torch.dtype], float]:
     return lambda dt: elems_per_token * torch.empty((), dtype=dt).element_size()
 
@@ -216,6 +257,11 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
            _ltx_video_block, _ltx_video_inputs, _bytes(3 * 2048)),
     Family("hunyuan-double-block", "HunyuanVideo HunyuanVideoTransformerBlock (diffusers): dim 3072, 24x128 heads, "
            "256 text tokens", _hunyuan_double_block, _hunyuan_inputs, _bytes(3 * 3072)),
+    Family("qwenimage-block", "Qwen-Image QwenImageTransformerBlock (diffusers): dim 3072, 24x128 heads, 512 text "
+           "tokens with the padded prompt's mask as its pipeline passes it", _qwenimage_block, _qwenimage_inputs,
+           _bytes(3 * 3072)),
+    Family("zimage-block", "Z-Image ZImageTransformerBlock (diffusers): dim 3840, 30x128 heads, rotary in an autocast "
+           "region", _zimage_block, _zimage_inputs, _bytes(3 * 3840)),
     Family("h3-block", "MiniMax-H3 MiniMaxH3TransformerBlock (diffusers): 5376 wide, 56x128 heads, SwiGLU 14336",
            _h3_block, _h3_block_inputs, _bytes(5376 + 2 * 7168)),
     Family("h3-model", "MiniMaxH3Transformer3DModel (diffusers) at real width, 2 layers: 512 text and 2,000 audio "
@@ -225,6 +271,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
            _ltx2_model_inputs, _bytes(4096 * 3 + 2048 * 2)),
     Family("llama3-8b-layer", "Llama-3-8B LlamaDecoderLayer (transformers, sdpa): 4096 hidden, 32/8 heads",
            _llama_layer, _llama_inputs, _bytes(4096 + 2 * 1024)),
+    Family("qwen3-moe-layer", "Qwen3-30B-A3B Qwen3MoeDecoderLayer (transformers, sdpa): 2048 hidden, 32/4 heads, 128 "
+           "experts of 768, 8 a token", _qwen3_moe_layer, _qwen3_moe_inputs, _bytes(2048 + 2 * 512)),
     Family("llama3-8b-model", "Llama-3-8B LlamaForCausalLM (transformers, sdpa), 32 layers: a prefill as generate "
            "runs it (no cache, the last position's logits); the whole forward planned", _llama_lm, _llama_lm_inputs,
            _bytes(4096 + 2 * 1024), {"use_cache": False, "logits_to_keep": 1}),
