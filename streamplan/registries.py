@@ -58,7 +58,8 @@ class OpaqueKind:
     ``workspace(module, x)`` -> (bytes per call, bytes per row of the call) it may allocate inside, at most, for an
     input like ``x`` (a fake tensor at capture); ``second(module)``, where its forward returns a per-token tensor
     beside its rows (router scores), that tensor's (features, dtype, whether its tokens are flattened
-    [batch * rows, features]), else None."""
+    [batch * rows, features]), else None; ``work(module, x)`` -> (FLOPs per token, kernel launches per call) for the
+    time model, or None: a linear of its input and output widths, one launch."""
 
     name: str
     matches: Callable[[nn.Module], bool]
@@ -66,6 +67,7 @@ class OpaqueKind:
     workspace: Callable[[nn.Module, torch.Tensor], tuple[int, int]]
     refusal: Callable[[nn.Module], "str | None"] = lambda m: None
     second: Callable[[nn.Module], "tuple[int, torch.dtype, bool] | None"] = lambda m: None
+    work: Callable[[nn.Module, torch.Tensor], "tuple[float, int] | None"] = lambda m, x: None
 
 
 def register_opaque_layer(kind: OpaqueKind) -> None:

@@ -41,11 +41,13 @@ def _total(w, causal_full: bool) -> float:
             + w.attention_flops * (2 if causal_full else 1) + w.attention_flops_row * w.rows)
 
 
-@pytest.mark.parametrize("name", ["wan", "flux_double", "flux_single", "llama"])
+@pytest.mark.parametrize("name", ["wan", "flux_double", "flux_single", "llama", "qwen3_moe"])
 def test_flops_match_torch_at_two_row_counts_from_one_capture(name):
     case = DIFFUSERS.get(name) or TRANSFORMERS[name]
     torch.manual_seed(0)
     block = case.build()
+    if name == "qwen3_moe":   # the loop over the experts: torch counts its linears (not a grouped matmul's FLOPs)
+        block.mlp.experts.config._experts_implementation = "eager"
     args, kwargs = case.inputs(N, CPU, torch.float32)
     found, _ = streamable(block, args, kwargs, N)
     assert not isinstance(found, str), found
@@ -68,6 +70,9 @@ def test_flops_match_torch_at_two_row_counts_from_one_capture(name):
         assert w.gemm_flops_const > 0 and w.gemm_flops_static == 0
     if name == "wan":   # cross-attention to the text keys
         assert w.attention_flops_row > 0 and w.gemm_flops_const > 0
+    if name == "qwen3_moe":   # the experts, one opaque op: the router and k experts' FLOPs, a loop's launches
+        from streamplan.integrations.experts import GROUPED_LAUNCHES, LOOP_LAUNCHES
+        assert w.ops_q >= block.mlp.experts.num_experts * LOOP_LAUNCHES + GROUPED_LAUNCHES
 
 
 @pytest.mark.parametrize("name", ["wan", "llama"])

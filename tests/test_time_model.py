@@ -222,3 +222,28 @@ def test_a_store_adds_its_seconds_exactly():
         == pytest.approx(extra, rel=1e-9)
     assert time_ratio(WORK, H200, replace(base, store_s=extra)) - time_ratio(WORK, H200, base) \
         == pytest.approx(extra / stock, rel=1e-9)
+
+
+# -- what each plan's price reads --------------------------------------------------------------------------------
+
+def test_a_store_plan_prices_its_attention_over_its_query_span_not_its_chunk():
+    """Wan at 217,088 rows under half its floor plans K/V in host memory, 40 head groups, 4,096-row chunks attended
+    in 32,768-row spans: each attention call fills its waves over the span's rows (measured on an H100 at 1.30x
+    stock, benchmarks/RESULTS.md). Priced over a chunk's rows it came out at 4.98x."""
+    fam, rows = FAMILIES[WAN], 217088
+    module, inputs = on_meta(fam, rows, torch.bfloat16)
+    budget = int(_nbytes(inputs) + 0.5 * fam.floor_bytes_per_token(torch.bfloat16) * rows)
+    plan, _, _ = _planned(module, inputs, budget=budget)
+    assert plan.kv == "host" and plan.q_span > plan.chunk and plan.head_groups > 1, plan
+    assert 1.0 < plan.predicted_time_ratio < 2.0, plan
+
+
+@pytest.mark.parametrize("family", ["qwenimage-block", "qwen3-moe-layer"])
+def test_blocks_no_store_can_serve_are_timed_too(family):
+    """A masked attention (Qwen-Image's padded text mask) and a mixture of experts (no store bars them, the former is
+    barred from stores): their plans still carry the time model's ratio, and the experts' FLOPs and launches are in it."""
+    fam, rows = FAMILIES[family], 32768
+    module, inputs = on_meta(fam, rows, torch.bfloat16)
+    budget = int(_nbytes(inputs) + 1.15 * fam.floor_bytes_per_token(torch.bfloat16) * rows)
+    plan, report, _ = _planned(module, inputs, budget=budget)
+    assert plan.predicted_time_ratio is not None and plan.predicted_time_ratio >= 1.0, report

@@ -329,12 +329,13 @@ def _kv_arguments(ctx: CallContext, call: GraphCall) -> dict:
     att = call.attention
     kv_args = kv_tiers.plan_args(ctx, call.found, call.rows, call.device, call.consumer, call.adapted,
                                  spans=call.whole_problem is None)
+    timed = {"costs": kv_args["costs"]}   # the time model prices every plan; only the stores below may be barred
     if call.par is not None:   # under sequence parallelism K/V live in the exchange buffer (attention.ulysses)
-        return {}
+        return timed
     if call.row_mask is not None or (att is not None and att.mask is not None):   # masked chunks attend K/V on the
-        return {}                                                                  # device (no store takes masks)
+        return timed                                                               # device (no store takes masks)
     if call.whole_q:   # the one call attends K/V on the device
-        return {}
+        return timed
     return kv_args
 
 

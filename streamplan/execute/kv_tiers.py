@@ -254,16 +254,17 @@ def run_stored(ctx: CallContext, sig: tuple, run, plan, device: torch.device, co
 
 def plan_args(ctx: CallContext, found, rows: int, device: torch.device, consumer, adapted: Any = None,
               spans: bool = False) -> dict:
-    """``plan_graph``'s K/V arguments for this call: the stores it may use, the one asked for, the attention estimate.
+    """``plan_graph``'s K/V arguments for this call: the stores it may use, the one asked for, and the block's costs.
     A store asked for that this block cannot use is noted and the K/V stay on the device. ``spans``: the block's
     queries may be attended a span of chunks at a time (``kv_options``)."""
     kv = ctx.options.kv
     opts, why = options_for(found, rows, device, kv, consumer, adapted, spans)
+    timed = {"costs": costs(found, rows, device)}   # a block with no store is timed too (a masked attention, experts)
     if why is not None or not opts:
         if kv != "device":
             ctx.note(f"kv={kv} not used: {why or 'K/V shapes unknown'}")
-        return {}
-    return {"kv_options": opts, "kv_store": kv, "costs": costs(found, rows, device)}
+        return timed
+    return {"kv_options": opts, "kv_store": kv, **timed}
 
 
 __all__ = ["check_kv", "kv_problem", "kv_options", "costs", "options_for", "plan_args", "run_stored", "run_with_store",

@@ -34,12 +34,14 @@ def _call(name: str, x: torch.Tensor):
 
 
 @torch.library.custom_op("streamplan::opaque_module", mutates_args=())
-def opaque_module(x: torch.Tensor, name: str, out_features: int, call_bytes: int, row_bytes: int) -> torch.Tensor:
+def opaque_module(x: torch.Tensor, name: str, out_features: int, call_bytes: int, row_bytes: int, flops_row: float,
+                  launches: int) -> torch.Tensor:
     return _call(name, x)
 
 
 @opaque_module.register_fake
-def _(x: torch.Tensor, name: str, out_features: int, call_bytes: int, row_bytes: int) -> torch.Tensor:
+def _(x: torch.Tensor, name: str, out_features: int, call_bytes: int, row_bytes: int, flops_row: float,
+      launches: int) -> torch.Tensor:
     return x.new_empty(x.shape[:-1] + (out_features,))
 
 
@@ -48,7 +50,7 @@ register_row_local_op("streamplan", "opaque_module", "norm")   # a row's feature
 
 @torch.library.custom_op("streamplan::opaque_module_pair", mutates_args=())
 def opaque_module_pair(x: torch.Tensor, name: str, out_features: int, call_bytes: int, row_bytes: int,
-                       second_features: int, second_dtype: torch.dtype,
+                       flops_row: float, launches: int, second_features: int, second_dtype: torch.dtype,
                        flat: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """A module whose forward returns its rows and a per-token tensor beside them (router scores)."""
     out, second = _call(name, x)
@@ -56,14 +58,20 @@ def opaque_module_pair(x: torch.Tensor, name: str, out_features: int, call_bytes
 
 
 @opaque_module_pair.register_fake
-def _(x: torch.Tensor, name: str, out_features: int, call_bytes: int, row_bytes: int, second_features: int,
-      second_dtype: torch.dtype, flat: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _(x: torch.Tensor, name: str, out_features: int, call_bytes: int, row_bytes: int, flops_row: float,
+      launches: int, second_features: int, second_dtype: torch.dtype, flat: bool) -> tuple[torch.Tensor, torch.Tensor]:
     tokens = (math.prod(x.shape[:-1]),) if flat else tuple(x.shape[:-1])
     return x.new_empty(x.shape[:-1] + (out_features,)), x.new_empty(tokens + (second_features,), dtype=second_dtype)
 
 
 register_row_local_op("streamplan", "opaque_module_pair", "rows")   # both outputs per token
 OPS = (torch.ops.streamplan.opaque_module.default, torch.ops.streamplan.opaque_module_pair.default)
+
+
+def work(node: torch.fx.Node) -> tuple[float, int]:
+    """(FLOPs per row of the call, kernel launches per call) an opaque module's kind declared at capture: the time
+    model's measure of a module it cannot see into."""
+    return float(node.args[5]), int(node.args[6])
 
 
 def workspace_bytes(node: torch.fx.Node, rows: int) -> int:
@@ -103,8 +111,11 @@ def _as_op(name: str, m: nn.Module, kind: OpaqueKind, second: tuple | None):
         if rest or kw:   # the op takes the rows alone: a call with more cannot be replayed by name
             raise OpaqueRefused(f"{type(m).__name__} {name} ({kind.name}) called with more than its input rows")
         call_bytes, per_token = kind.workspace(m, x)
+        out_features = int(kind.out_features(m, x))
+        flops, launches = kind.work(m, x) or (2.0 * int(x.shape[-1]) * out_features, 1)
         batch = math.prod(int(d) for d in x.shape[:-2])   # per row of the call: every batch element's token
-        common = (x, name, int(kind.out_features(m, x)), int(call_bytes), int(per_token) * batch)
+        common = (x, name, out_features, int(call_bytes), int(per_token) * batch, float(flops) * batch,
+                  int(launches))
         if second is None:
             return torch.ops.streamplan.opaque_module(*common)
         return torch.ops.streamplan.opaque_module_pair(*common, *second)

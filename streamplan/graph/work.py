@@ -12,7 +12,7 @@ from torch import fx
 
 from .analyze import Rows, bind, numel_besides, op_name, SDPA_OPS
 from .memory import graph_memory
-from .opaque_layers import OPS as OPAQUE_OPS
+from .opaque_layers import OPS as OPAQUE_OPS, work as opaque_work
 from .pruned_projections import find_prunings
 
 _CONTRACT_LAST = {"linear", "mm", "addmm", "bmm", "matmul", "baddbmm"}   # K = the left operand's last size
@@ -25,7 +25,7 @@ class BlockWork:
 
     rows: int                    # dynamic rows of the call
     gemm_flops_row: float        # matmul and convolution FLOPs per dynamic row (2*M*N*K); an opaque layer op (its
-    # module is not in the graph) as a linear of its input and output widths
+    # module is not in the graph) as its kind declares (by default a linear of its input and output widths)
     gemm_flops_static: float     # the same of static rows joined to the dynamic ones (Rows.pre/.post), per call
     # (every chunk recomputes them), with a non-global attention's static query rows
     gemm_flops_const: float      # the same of values without rows (phase const, once per call), attentions included
@@ -33,7 +33,8 @@ class BlockWork:
     # (4*Nq*Nk*heads*head_dim), halved when causal; Nq, Nk: rows plus the q, kv static rows
     attention_flops_row: float   # other attentions (cross-attention to a fixed set of keys): per dynamic query row
     bytes_row: float             # bytes per dynamic row written by ops that allocate (not views), every phase
-    ops_kv: int                  # call_function ops phase KV runs per chunk (all of phases.kv), views included
+    ops_kv: int                  # call_function ops phase KV runs per chunk (all of phases.kv), views included; an
+    # opaque layer op as the kernel launches its kind declares
     ops_q: int                   # call_function ops phase Q runs per chunk
     ops_mlp: int                 # ops of the sliceable MLP regions, exit linear included (rerun per slice); 0 if none
     weight_bytes: int            # bytes of the parameters the graph reads (each chunk re-reads them); an opaque
@@ -58,8 +59,6 @@ def _contracted(n: fx.Node, name: str) -> int | None:
         return _size(a.meta["val"].shape[-1])
     if name in _CONV:
         return numel_besides(n.args[1].meta["val"], 0) or None
-    if n.target in OPAQUE_OPS:   # the wrapped module is not in the graph: a linear from its widths
-        return _size(n.args[0].meta["val"].shape[-1])
     return None
 
 
@@ -93,11 +92,12 @@ def block_work(found, rows: int) -> BlockWork:
             else:
                 const += width * nk * (_size(q.meta["val"].shape[-2]) or 0)
             continue
-        k = _contracted(n, name)
+        opaque = n.target in OPAQUE_OPS   # the wrapped module is not in the graph: its kind's FLOPs per row
+        k = 1 if opaque else _contracted(n, name)
         if not k or not isinstance(out, torch.Tensor):
             continue
         if isinstance(r, Rows):
-            per = 2 * numel_besides(out, r.dim) * k
+            per = opaque_work(n)[0] if opaque else 2 * numel_besides(out, r.dim) * k
             row, static = row + per, static + per * (r.pre + r.post)
             per_node[n] = per
         else:
@@ -113,7 +113,8 @@ def block_work(found, rows: int) -> BlockWork:
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     weights = sum(numel_besides(n.meta["val"], None) * n.meta["val"].element_size()
                   for n, (kind, _) in zip(placeholders, found.captured.inputs) if kind == "param" and n.users)
-    calls = lambda nodes: sum(1 for n in nodes if n.op == "call_function")  # noqa: E731
+    calls = lambda nodes: sum(opaque_work(n)[1] if n.target in OPAQUE_OPS else 1  # noqa: E731
+                              for n in nodes if n.op == "call_function")
     written = lambda nodes: float(sum(mem.per_row.get(n, 0) for n in nodes if mem.allocates.get(n)))  # noqa: E731
     kv = {n for p in ph.kv for n in p}
     both = kv & set(ph.q)

@@ -123,9 +123,35 @@ def workspace(m: nn.Module, x: torch.Tensor) -> tuple[int, int]:
             if p.dim() == 2 and stacked is not None and name.startswith("experts.") and w % experts == 0:
                 w //= experts   # every expert's weight stacked in one matrix, [E*I, H] (DBRX)
             width = max(width, w)
-    per_token = elem * (2 * hidden + k * (2 * hidden + 2 * width)) + 8 * k * (experts + 1) + 16 * experts + 24 * k
+    copies = 1 if _loop(m) else k   # the loop holds one expert's copies at a time: each token's once at worst
+    per_token = elem * (2 * hidden + copies * (2 * hidden + 2 * width)) + 8 * k * (experts + 1) + 16 * experts + 24 * k
     return 0, per_token
 
 
+def _loop(m: nn.Module) -> bool:
+    """Whether the experts run one expert at a time: transformers' experts under their "eager" implementation (the
+    default of a module built alone; ``from_pretrained`` picks "grouped_mm" where it can)."""
+    config = getattr(m.experts, "config", None)
+    return config is not None and getattr(config, "_experts_implementation", "eager") in (None, "eager")
+
+
+LOOP_LAUNCHES = 10   # kernel launches per expert of the loop (its tokens found, gathered, two linears, the
+#                      activation, the weights, the add), one a host sync (``torch.where``)
+GROUPED_LAUNCHES = 24   # a grouped or batched experts call, the router's ops included
+
+
+def work(m: nn.Module, x: torch.Tensor) -> tuple[float, int]:
+    """(FLOPs per token, kernel launches per call): the router over every expert, then k experts' projections; a loop
+    over the experts launches its kernels for each (the per-chunk cost that makes small chunks slow)."""
+    experts = _num_experts(m)
+    k = _attr(m, "top_k", "num_experts_per_tok", "moe_top_k", "num_selected_experts")
+    k = int(k) if isinstance(k, int) and k > 0 else experts
+    expert_params = sum(p.numel() for n, p in m.named_parameters() if n.startswith("experts.") and p.dim() >= 2)
+    other = sum(p.numel() for n, p in m.named_parameters() if not n.startswith("experts.") and p.dim() >= 2)
+    flops = 2.0 * (other + k * expert_params / max(1, experts))
+    loop = _loop(m) or isinstance(m.experts, (nn.ModuleList, nn.ModuleDict))
+    return flops, (experts * LOOP_LAUNCHES + GROUPED_LAUNCHES) if loop else GROUPED_LAUNCHES
+
+
 register_opaque_layer(OpaqueKind("mixture of experts", is_experts, lambda m, x: int(x.shape[-1]), workspace,
-                                 refusal, second))
+                                 refusal, second, work))

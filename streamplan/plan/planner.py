@@ -631,7 +631,10 @@ class GraphPlanRequest:
             store = (self.staged_seconds(opt, q_rows, plan.kv_block, plan.head_groups) - steps) \
                 * self.costs.rates.store_share + steps
         slices = -(-self.ffn // plan.ffn_slice) if self.ffn and plan.ffn_slice and plan.ffn_slice < self.ffn else 1
-        waste = max(0.0, wave_waste(self.waves, plan.chunk, plan.head_groups) - wave_waste(self.waves, self.rows))
+        # each attention call takes the query rows of one pass: a chunk's, or a store's Q span (a chunk of 4,096 rows
+        # over one of 40 head groups fills a quarter of a wave; the 32,768-row span it runs in fills two)
+        q_rows = (plan.q_span or plan.chunk) if plan.kv != "device" else plan.chunk
+        waste = max(0.0, wave_waste(self.waves, q_rows, plan.head_groups) - wave_waste(self.waves, self.rows))
         # a store's head groups read its K/V back a group at a time (priced in ``store``); phase KV runs once
         groups = plan.head_groups if plan.kv == "device" else 1
         ratio = time_ratio(self.costs.work, self.costs.rates, Streamed(plan.chunk, slices, groups, waste, store))

@@ -223,7 +223,7 @@ def _qwen3_moe_layer() -> nn.Module:
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeDecoderLayer
     cfg = Qwen3MoeConfig(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_attention_heads=32,
                          num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
-                         attn_implementation="sdpa")
+                         attn_implementation="sdpa", experts_implementation="grouped_mm")   # from_pretrained's choice
     return Qwen3MoeDecoderLayer(cfg, layer_idx=0)
 
 
