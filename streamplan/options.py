@@ -42,7 +42,8 @@ class StreamOptions:
             block, on its last query rows against exact K/V attended as phase KV makes them, never held whole, so
             that call stays below the exact tier too; the report gives the error and the check's extra bytes).
         row_pieces: a captured block's row-local chains (norms, rotary, modulation) run in this many row pieces of
-            each chunk: a lower peak per row, more and smaller kernels (1: whole chunks).
+            each chunk: a lower peak per row, more and smaller kernels (1: whole chunks; ``None``, the default:
+            the planner chooses, under a budget).
         q_span: with K/V in a store and ``chunk_tokens``: query rows built and attended in one pass over the store
             (a span of chunks), so the store is read once per span (under a budget the planner picks the span).
         fuse: a captured block's chains of element-wise ops compiled by Inductor into one kernel each that rounds
@@ -72,7 +73,7 @@ class StreamOptions:
     self_check: bool = False
     capture: str = "fallback"
     kv: str = "device"
-    row_pieces: int | None = 1
+    row_pieces: int | None = None
     q_span: int | None = None
     fuse: bool | None = None
     smallest_when_short: bool = False
@@ -92,7 +93,7 @@ class StreamOptions:
             self.budget = "auto"   # resolved when each operation is planned, from what is free then
         else:
             self.budget = parse_budget(self.budget, None)
-        self.row_pieces = positive_int(self.row_pieces, "row_pieces") or 1
+        self.row_pieces = positive_int(self.row_pieces, "row_pieces")
         self.q_span = positive_int(self.q_span, "q_span")
         if self.q_span is not None and self.kv == "device":
             raise ValueError(f"q_span={self.q_span} sets the query rows of a pass over a K/V store: it needs "

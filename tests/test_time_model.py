@@ -240,8 +240,8 @@ def test_a_store_plan_prices_its_attention_over_its_query_span_not_its_chunk():
 
 @pytest.mark.parametrize("family", ["qwenimage-block", "qwen3-moe-layer"])
 def test_blocks_no_store_can_serve_are_timed_too(family):
-    """A masked attention (Qwen-Image's padded text mask) and a mixture of experts (no store bars them, the former is
-    barred from stores): their plans still carry the time model's ratio, and the experts' FLOPs and launches are in it."""
+    """A masked attention (Qwen-Image's padded text mask: no store takes it) and a mixture of experts: their plans
+    still carry the time model's ratio (they were planned by memory alone), the experts' FLOPs and launches in it."""
     fam, rows = FAMILIES[family], 32768
     module, inputs = on_meta(fam, rows, torch.bfloat16)
     budget = int(_nbytes(inputs) + 1.15 * fam.floor_bytes_per_token(torch.bfloat16) * rows)

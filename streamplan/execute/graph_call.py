@@ -21,7 +21,9 @@ from ..graph.analyze import numel_besides
 from ..graph.memory import graph_memory
 from ..graph.opaque_layers import opaque_layers
 from ..graph.sliced_mlp import row_dim
-from ..plan.planner import META_MULTIPROCESSORS, SLICED_TIERS, UTILISATION_FLOOR, Plan, Tier, Waves, plan_graph
+from ..graph.work import phase_runs
+from ..plan.planner import (META_MULTIPROCESSORS, ROW_PIECES, SLICED_TIERS, UTILISATION_FLOOR, Plan, Tier, Waves,
+                            plan_graph)
 from ..registries import adapt_call, block_backend
 from ..specs import AdaptedCall, HostRows, RowMask, described_whole
 from .call_ledger import phase
@@ -31,6 +33,7 @@ from .context import CallContext
 from .rehearsal import ledger_paused
 from .donation import donated
 from .graph_run import GraphRun
+from .row_contraction_run import grid_chunk
 from .part_calls import workspace_bytes, workspace_row_bytes
 
 log = logging.getLogger("streamplan")
@@ -127,6 +130,8 @@ def check_call(ctx: CallContext, args: tuple, kwargs: dict) -> GraphCall | str:
         found, fresh = streamable(module, *host_rows.stand_ins((args, kwargs), host), rows)
     if isinstance(found, str):
         return f"ran stock: {found}"
+    if rows < found.captured.min_rows:   # reused from a call with more rows: its trace holds only from that many
+        return f"ran stock: {rows} rows, fewer than the {found.captured.min_rows} its capture holds for"
     why = autocast_problem(found.captured.autocast_off)
     if why is not None:
         return f"ran stock: {why}"
@@ -347,6 +352,8 @@ def whole_output_problem(found) -> str | None:
         return f"the block has {len(an.attentions)} global attentions, not one"
     if found.static_rows:
         return f"{found.static_rows} static rows are joined to the block's rows"
+    if an.halo != (0, 0):   # phase Q's query rows are widened by the halo, chunk by chunk
+        return "a convolution along the rows widens each chunk's query rows by its halo"
     att = an.attentions[0]
     if att.q_rows is None or (att.q_rows.pre, att.q_rows.post) != (0, 0) or att.q_rows.dim != 2:
         return "its Q is not [batch, heads, rows, head_dim] over the block's rows alone"
@@ -374,6 +381,8 @@ def plan_call(ctx: CallContext, call: GraphCall, budget: int | None) -> Plan:
     rank (collectives)."""
     budget = parallel.agreed_budget(budget, call.par, call.device)
     plan = plan_for_budget(call, ctx.options, budget)
+    if plan.tier != Tier.L0:   # rows on a grid: chunks of whole lines (rounded down, priced at the larger chunk)
+        plan.chunk = grid_chunk(call.found.captured, plan.chunk)
     parallel.agreed_plan(ctx.entry.name or type(ctx.entry.module).__name__, plan, call.par, call.device)
     return plan
 
@@ -431,7 +440,8 @@ def plan_for_budget(call: GraphCall, o, budget: int | None) -> Plan:
     """The graph's memory model (whole buffers, a chunk's worst moment) and the attention's costs, for the planner."""
     found, rows, an = call.found, call.rows, call.found.analysis
     regions = found.mlp_regions
-    mem = graph_memory(an, found.phases, rows, set(call.donate), o.row_pieces)
+    given = o.row_pieces or 1   # the user's pieces, else whole chunks and the planner may try ``ROW_PIECES``
+    mem = graph_memory(an, found.phases, rows, set(call.donate), given)
     order = [n for n in found.captured.graph.nodes if n.op == "call_function" and n not in an.ignored]
     costs = attention_costs(call)
     ws, mask_bytes = costs.workspace, costs.mask_bytes
@@ -444,12 +454,24 @@ def plan_for_budget(call: GraphCall, o, budget: int | None) -> Plan:
     def host_in(c: int) -> int:   # L6: a chunk's rows of the host inputs, copied to the device
         return call.host_row_bytes * min(c, rows)
 
-    def transient(c: int, sl: int) -> int:   # a whole-Q call: its workspace for every row, not the chunk's
-        if call.whole_q:
-            return max(mem.transient(c, sl, regions), ws(rows))
-        wide = min(rows, c + sum(an.halo))   # a chunk runs on its rows and their halo
-        return mem.transient(wide, sl, regions, workspace=ws(c)) + mask_bytes(c) + host_in(wide)
+    def priced(pieces: int) -> tuple[Callable[[int, int], int], Callable[[int, int, int], int]]:
+        """One chunk's transients with the row-local runs in ``pieces`` pieces, from the memory model the executor's
+        run is priced by (``graph_memory(..., pieces)``)."""
+        m = mem if pieces == given else graph_memory(an, found.phases, rows, set(call.donate), pieces)
 
+        def transient(c: int, sl: int) -> int:   # a whole-Q call: its workspace for every row, not the chunk's
+            if call.whole_q:
+                return max(m.transient(c, sl, regions), ws(rows))
+            wide = min(rows, c + sum(an.halo))   # a chunk runs on its rows and their halo
+            return m.transient(wide, sl, regions, workspace=ws(c)) + mask_bytes(c) + host_in(wide)
+
+        def transient_kv(c: int, sl: int, extra: int) -> int:
+            return m.transient(c, sl, regions, extra, ws(c)) + mask_bytes(c) + host_in(c)
+
+        return transient, transient_kv
+
+    transient, transient_kv = priced(given)
+    pieces = ROW_PIECES if o.row_pieces is None and phase_runs(found) else ()
     return plan_graph(rows, mem.kv_bytes + mem.out_bytes, transient,
                       # stock's one call has its workspace too, and its host rows brought whole
                       mem.stock(order) + mask_bytes(rows) + ws(rows) + host_in(rows) + _eager_scores(an, rows),
@@ -457,9 +479,8 @@ def plan_for_budget(call: GraphCall, o, budget: int | None) -> Plan:
                       min_chunk=UTILISATION_FLOOR.get(call.device.type, 0), waves=costs.waves,
                       ffn=max((r.ffn for r in regions), default=0), ffn_slice=o.ffn_slice,
                       kv=mem.kv_bytes, attn_out=costs.attn_out, groups=call.groups, head_groups=o.head_groups,
-                      transient_kv=lambda c, sl, extra: (mem.transient(c, sl, regions, extra, ws(c))
-                                                         + mask_bytes(c) + host_in(c)),
-                      whole_q=q_whole, q_span=o.q_span, **call.kv_args)
+                      transient_kv=transient_kv, whole_q=q_whole, q_span=o.q_span, row_pieces=given, pieces=pieces,
+                      priced=priced, **call.kv_args)
 
 
 # -- stage 3: the call run -----------------------------------------------------------------------------------------
@@ -481,7 +502,8 @@ def run_call(ctx: CallContext, call: GraphCall, plan: Plan) -> Any:
 
     def graph_run(ffn_slice: int, fuse_rows: int, **extra) -> GraphRun:
         return GraphRun(found.captured, found.analysis, found.phases, ctx.entry.module, call.args, call.kwargs,
-                        call.rows, attend, ffn_slice=ffn_slice, regions=found.mlp_regions, pieces=o.row_pieces,
+                        call.rows, attend, ffn_slice=ffn_slice, regions=found.mlp_regions,
+                        pieces=o.row_pieces or plan.row_pieces,
                         fuse=fuse_on, fuse_rows=fuse_rows, host=call.host, **extra)
 
     run = graph_run(plan.ffn_slice if plan.tier in SLICED_TIERS else 0, 0 if o.fuse else plan.chunk, **stores)

@@ -15,9 +15,12 @@ from torch.utils import _pytree as pytree
 from .call_state import rehearsing
 from .chunk_loop import MAX_SPLITS, attempt, chunk_bounds
 from .kv_stores import write_rows
+from .row_contraction_run import build_contractions, grid_chunk
+from .whole_rows import whole_buffer, write_chunk_rows
 from ..graph.analyze import Analysis, GlobalAttention, Rows
 from ..graph.export import Captured
 from ..graph.fused_chains import FusedChain, run_chain
+from ..graph.fixed_row_slices import run_cut
 from ..graph.direct_writes import Into, Made, call_into, found
 from ..graph.joins_in_place import run_join
 from ..graph.sliced_mlp import MLPRegion, row_dim, run_region
@@ -27,29 +30,8 @@ from ..graph.pruned_projections import run_pruned
 from ..graph.schedule import ATTENTION, CHAIN, PIECES, PRUNED, REGION, Schedule, phase_schedule
 from ..graph.in_place import run_over
 from ..graph.phases import Phases, ancestors, rowed_outputs
-from ..specs import address, storage_address
 
 _LAYOUT = {"cat", "concat", "slice", "narrow", "split", "split_with_sizes", "chunk", "tensor_split"}
-
-
-def _write_rows(dst: torch.Tensor, src: torch.Tensor, r: Rows, total: int, a: int, b: int, first: bool) -> None:
-    """Chunk rows [a:b) into a whole buffer of ``total`` dynamic rows: with its static rows around them on the first
-    chunk, the dynamic rows alone after it."""
-    d = r.dim
-    to, rows = dst.narrow(d, r.pre + a, b - a), src.narrow(d, r.pre if first else 0, b - a)
-    if not _same_elements(to, rows):   # a donated input the block updated in place is its own output already
-        if storage_address(rows) == storage_address(to):
-            rows = rows.clone()   # in the buffer, laid out otherwise: a copy would read what it has overwritten
-        to.copy_(rows, non_blocking=True)   # into host rows (L6): in the compute stream's order
-    if first and r.pre:
-        dst.narrow(d, 0, r.pre).copy_(src.narrow(d, 0, r.pre))
-    if first and r.post:
-        dst.narrow(d, r.pre + total, r.post).copy_(src.narrow(d, r.pre + (b - a), r.post))
-
-
-def _same_elements(x: torch.Tensor, y: torch.Tensor) -> bool:
-    return address(x) == address(y) and x.shape == y.shape and all(
-        n == 1 or a == b for n, a, b in zip(x.shape, x.stride(), y.stride()))
 
 
 def _attend_kwargs(att: GlobalAttention, env: dict) -> dict:
@@ -65,16 +47,6 @@ def _attend_kwargs(att: GlobalAttention, env: dict) -> dict:
     if mask.dim() >= 2 and mask.shape[-2] > 1 and mask.stride(-2) == 0:   # the same for every query row: as a key
         mask = mask.narrow(-2, 0, 1)                                         # mask, with no [chunk, keys] copy
     return {"mask": mask, **extra}
-
-
-def _whole(like: torch.Tensor, r: Rows, total: int) -> torch.Tensor:
-    """A whole-rows buffer laid out as the chunk is (K as a permuted [B, N, H, D] stays so): the attention kernel
-    reads the layout stock would give it, and each chunk's write is a straight copy, not a transpose."""
-    shape = list(like.shape)
-    shape[r.dim] = r.pre + total + r.post
-    order = sorted(range(like.dim()), key=lambda d: (-like.stride(d), d))   # outermost dimension first
-    buf = like.new_empty([shape[d] for d in order])
-    return buf.permute([order.index(d) for d in range(like.dim())])
 
 
 class GraphRun:
@@ -126,10 +98,10 @@ class GraphRun:
         for node in ph.const:
             env[node] = self._call(node, env)
         self.consts = {n: env[n] for n in ph.const}
-        self._built_whole(env)
+        self._builtwhole_buffer(env)
         self._pair_masks(env)
 
-    def _built_whole(self, env: dict) -> None:
+    def _builtwhole_buffer(self, env: dict) -> None:
         """Values built from the row count alone (a key mask, positions): once per call over every row, then read by
         the chunks as inputs are (``Analysis.built_whole``). Sizes that count rows count all of them."""
         if not self.an.built_whole:
@@ -171,8 +143,8 @@ class GraphRun:
         self.layout = set()
         for n in nodes:
             name = getattr(getattr(n.target, "_overloadpacket", None), "__name__", "")
-            if name not in _LAYOUT or n in self.static_only:
-                continue
+            if name not in _LAYOUT or n in self.static_only or n in an.fixed_cuts or n in an.fixed_joins:
+                continue   # (a cut at a fixed count and its join run on the chunk's rows as they are)
             src = n.args[0][0] if name in ("cat", "concat") else n.args[0]
             dim = n.args[1] if len(n.args) > 1 and name in ("cat", "concat") else (
                 n.args[2] if name in ("split", "split_with_sizes", "chunk", "tensor_split") and len(n.args) > 2
@@ -266,6 +238,9 @@ class GraphRun:
                 env[node] = self._attention(step.item, env, a)
             elif kind == PRUNED:
                 self._pruned(step.item, env, rows, into, watch)
+            elif node in self.an.fixed_cuts:   # rows cut at a fixed count: the chunk's part of each side
+                env[node] = run_cut(self.an.fixed_cuts[node], env[node.args[0]], self.rows, a, rows is not None,
+                                    self.cap.row_symbol)
             elif rows is not None:
                 env[node] = self._dynamic(node, env, rows)
             elif step.join is not None and (joined := run_join(step.join, node, env, built, into)) is not None:
@@ -345,7 +320,15 @@ class GraphRun:
         exchanges)."""
         self._retries = 0
 
+    def _before_phases(self, chunk: int) -> int:
+        """The chunk on whole lines where the rows are a grid, and the contractions over every row computed first
+        (``row_contraction_run``): K/V and Q chunks read them as inputs."""
+        chunk = grid_chunk(self.cap, chunk)
+        build_contractions(self, chunk)
+        return chunk
+
     def build_kv(self, chunk: int) -> None:
+        chunk = self._before_phases(chunk)
         for att, nodes in zip(self.an.attentions, self.ph.kv):
             bufs: list[torch.Tensor] = []
             store = self.kv_store(att) if self.kv_store is not None else None
@@ -362,11 +345,11 @@ class GraphRun:
                     write_rows(store, kc, vc, r.pre, r.post, self.rows, a, b, a == 0)
                     return
                 if not bufs:
-                    bufs += [_whole(kc, att.kv_rows, self.rows), _whole(vc, att.kv_rows, self.rows)]
+                    bufs += [whole_buffer(kc, att.kv_rows, self.rows), whole_buffer(vc, att.kv_rows, self.rows)]
                     self._found(att.k, env, bufs[0], att.kv_rows)
                     self._found(att.v, env, bufs[1], att.kv_rows)
-                _write_rows(bufs[0], kc, att.kv_rows, self.rows, a, b, a == 0)
-                _write_rows(bufs[1], vc, att.kv_rows, self.rows, a, b, a == 0)
+                write_chunk_rows(bufs[0], kc, att.kv_rows, self.rows, a, b, a == 0)
+                write_chunk_rows(bufs[1], vc, att.kv_rows, self.rows, a, b, a == 0)
 
             for a, b in chunk_bounds(self.rows, chunk, self.cap.min_rows):
                 attempt(work, a, b, self._retries)
@@ -383,6 +366,7 @@ class GraphRun:
         whole buffer and attended in one call, for a consumer that needs every query row at once."""
         if whole_q and groups != 1:
             raise ValueError(f"a whole-Q attention is one call: {groups} head groups would make {groups}")
+        chunk = self._before_phases(chunk)
         att, kv_nodes = self.an.attentions[0], self.ph.kv[0]
         q_nodes = self._q_nodes(att)
         out = None
@@ -394,12 +378,12 @@ class GraphRun:
                 hk = kc.shape[1] // groups
                 kc, vc = kc[:, g * hk:(g + 1) * hk], vc[:, g * hk:(g + 1) * hk]
                 if not bufs:
-                    bufs += [_whole(kc, att.kv_rows, self.rows), _whole(vc, att.kv_rows, self.rows)]
-                _write_rows(bufs[0], kc, att.kv_rows, self.rows, a, b, True)
-                _write_rows(bufs[1], vc, att.kv_rows, self.rows, a, b, True)
+                    bufs += [whole_buffer(kc, att.kv_rows, self.rows), whole_buffer(vc, att.kv_rows, self.rows)]
+                write_chunk_rows(bufs[0], kc, att.kv_rows, self.rows, a, b, True)
+                write_chunk_rows(bufs[1], vc, att.kv_rows, self.rows, a, b, True)
                 del env, kc, vc
             if whole_q:
-                out = self._attend_whole(att, q_nodes, chunk, bufs[0], bufs[1])
+                out = self._attendwhole_buffer(att, q_nodes, chunk, bufs[0], bufs[1])
             else:
                 for a, b in chunk_bounds(self.rows, chunk, self.cap.min_rows):
                     q = self._run(q_nodes, self._inputs(a, b), a, {att.q})[att.q]
@@ -415,7 +399,7 @@ class GraphRun:
             del bufs
         self.attn_out[att.node] = out
 
-    def _attend_whole(self, att: GlobalAttention, q_nodes: list[fx.Node], chunk: int, k: torch.Tensor,
+    def _attendwhole_buffer(self, att: GlobalAttention, q_nodes: list[fx.Node], chunk: int, k: torch.Tensor,
                       v: torch.Tensor) -> torch.Tensor:
         """Q chunk by chunk into one whole buffer, then the attention over every row in one call."""
         q_all = self._q_rows(att, q_nodes, 0, self.rows, chunk)
@@ -428,8 +412,8 @@ class GraphRun:
         for a, b in chunk_bounds(s1 - s0, chunk, self.cap.min_rows):
             q = self._run(q_nodes, self._inputs(s0 + a, s0 + b), s0 + a, {att.q})[att.q]
             if q_all is None:
-                q_all = _whole(q, att.q_rows, s1 - s0)
-            _write_rows(q_all, q, att.q_rows, s1 - s0, a, b, True)
+                q_all = whole_buffer(q, att.q_rows, s1 - s0)
+            write_chunk_rows(q_all, q, att.q_rows, s1 - s0, a, b, True)
             del q
         return q_all
 
@@ -453,9 +437,11 @@ class GraphRun:
         """Phase Q; ``donate`` maps an output index to a tensor of the same shape that may be overwritten. ``span``
         (a store's K/V, one global attention): the queries of ``span`` rows at a time are built and attended in one
         pass over the store, then the span's chunks run over rows of that output (fewer passes, fewer copies back)."""
+        chunk = self._before_phases(chunk)
         outs: list[Any] = [None] * len(self.an.outputs)
         keep = {o for o in self.an.outputs if isinstance(o, fx.Node)}
-        span = span if span > chunk and self.stores and len(self.an.attentions) == 1 else 0
+        span = span if span > chunk and self.stores and len(self.an.attentions) == 1 and self.an.halo == (0, 0) \
+            else 0
 
         nodes = self.ph.q
         if self.attn_out or span:   # the attention reads its rows of an output built ahead: Q is not computed again
@@ -488,10 +474,10 @@ class GraphRun:
                     if widened:   # its own rows of the widened chunk's (no static rows beside them)
                         val = val.narrow(r.dim, a - lo, b - a)
                     if outs[i] is None:
-                        outs[i] = donate.get(i) if i in donate else _whole(val, r, self.rows)
+                        outs[i] = donate.get(i) if i in donate else whole_buffer(val, r, self.rows)
                         if not widened:
                             self._found(o, env, outs[i], r)
-                    _write_rows(outs[i], val, r, self.rows, a, b, a == 0)
+                    write_chunk_rows(outs[i], val, r, self.rows, a, b, a == 0)
                 else:
                     outs[i] = val
 

@@ -9,7 +9,8 @@ from typing import Any
 
 from torch import nn
 
-from . import cache_views
+from . import cache_views, fixed_row_slices
+from .contraction_phases import phase_kv_problem
 from .analyze import Analysis, op_name, analyze
 from .eager_attention import fuse_eager_attention
 from .phases import Phases, phases_of
@@ -29,7 +30,8 @@ class Streamable:
     def mlp_regions(self) -> list:
         """The graph's feature-sliceable MLPs (L2), found once per capture."""
         from .sliced_mlp import find_regions
-        return find_regions(self.phases.q, self.analysis)
+        return [r for r in find_regions(self.phases.q, self.analysis)   # not on one side of a cut at a fixed count
+                if not fixed_row_slices.touches_spans(self.analysis, r.nodes)]
 
     @property
     def static_rows(self) -> int:
@@ -59,15 +61,16 @@ def streamable(module: nn.Module, args: tuple, kwargs: dict, rows: int) -> tuple
     fuse_eager_attention(cap.graph)   # attention written by hand: one op the analysis knows
     placeholders = [n for n in cap.graph.nodes if n.op == "placeholder"]
     user = {n for n, (kind, _) in zip(placeholders, cap.inputs) if kind == "user"}
-    an = analyze(cap.graph, cap.row_symbol, user)
+    an = analyze(cap.graph, cap.row_symbol, user, unit=cap.row_unit, cuts=fixed_row_slices)
     if isinstance(an, str):
         found: Streamable | str = f"{an} (captured in {cap.seconds:.2f} s)"
     else:
         ph = phases_of(cap, an)
         twice = an.input_writes & {n for kv in ph.kv for n in kv}
-        found = Streamable(cap, an, ph) if not twice else (
+        unwidened = phase_kv_problem(an, cap.graph)   # phase KV's chunks are not widened by a halo
+        found = unwidened or (Streamable(cap, an, ph) if not twice else (
             f"{op_name(next(iter(twice)).target)} writes into the block's input before its attention reads it "
-            f"(chunked, that write would run in both phases)")
+            f"(chunked, that write would run in both phases)"))
     if any(k == "constant" for k, _ in cap.inputs):
         key = key + (id(module),)
     _CACHE[key] = found

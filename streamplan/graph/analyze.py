@@ -17,8 +17,9 @@ import torch
 from torch import fx
 
 from ..registries import ROW_LOCAL_CUSTOM_OPS
-from .op_names import op_name, pointwise
+from .op_names import REDUCE_OPS, NotRowLocal, op_name, pointwise
 from .pair_masks import NotSliceable, PairMask, is_pair_op, pair_mask
+from .grid_rows import PlaneConvRefused, grid_cut, lines_unit, plane_conv_halo
 
 aten = torch.ops.aten
 
@@ -30,6 +31,8 @@ class Rows:
     dim: int
     pre: int = 0
     post: int = 0
+    unit: int = 1    # rows per index of ``dim``: >1 where the rows are whole lines of a grid (``grid_rows``), the
+    # line's width the dimension right after
 
 
 @dataclass(eq=False)
@@ -67,11 +70,17 @@ class Analysis:
     # rows built alone from values read whole (``pair_masks.PairMask``), then read like a mask input's rows
     halo: tuple[int, int] = (0, 0)   # rows before and after its own that a chunk reads (convolutions along the rows):
     # each chunk runs on its rows widened by them, and keeps its own
+    contractions: list = field(default_factory=list)   # ops contracting over every row (``row_contractions``):
+    # computed in phase KV from their inputs built whole, then read by every Q chunk as an input is
+    fixed_cuts: dict = field(default_factory=dict)   # cuts along the rows at a fixed count -> ``FixedCut``: each chunk
+    # takes its part of every side (``fixed_row_slices``); ``fixed_joins`` the cats that join the sides back
+    fixed_joins: set = field(default_factory=set)
+    halo_nodes: set = field(default_factory=set)   # the ops that read a halo of rows (phase KV may not run them)
 
     @property
     def read_as_inputs(self) -> set:
         """Values the chunks read as they read the block's inputs, never computing them in a phase."""
-        return set(self.built_whole) | set(self.pair_masks)
+        return set(self.built_whole) | set(self.pair_masks) | {c.node for c in self.contractions}
 
     @property
     def static_rows(self) -> bool:
@@ -79,10 +88,6 @@ class Analysis:
         computes those once, not per chunk."""
         return any(r.pre or r.post for v in self.rows.values() for r in (v if isinstance(v, list) else [v])
                    if isinstance(r, Rows))
-
-
-class NotRowLocal(Exception):
-    """The graph has something streamplan cannot run in row chunks (the message says what)."""
 
 
 IGNORED_OPS = {aten._assert_tensor_metadata.default, aten._assert_scalar.default,
@@ -102,8 +107,6 @@ VIEW_OPS = {"view", "_unsafe_view", "permute", "transpose", "t", "unsqueeze", "s
 _RESHAPES = {"view", "reshape", "_unsafe_view", "unflatten", "flatten"}
 _DIMMED = {"slice", "narrow", "select", "split", "split_with_sizes", "chunk", "unbind", "cat", "concat", "index_select",
            "tensor_split"}
-_REDUCE = {"mean", "sum", "amax", "amin", "var", "std", "var_mean", "std_mean", "logsumexp", "prod", "max", "min",
-           "argmax", "argmin", "any", "all", "linalg_vector_norm", "norm"}
 _SOFTMAX = {"softmax", "_softmax", "log_softmax", "_log_softmax", "cumsum", "cumprod"}
 _NORMS = {"layer_norm", "native_layer_norm", "rms_norm", "_fused_rms_norm"}
 MATMUL_OPS = {"linear", "matmul", "mm", "bmm", "addmm", "baddbmm"}
@@ -154,8 +157,16 @@ def bind(node: fx.Node) -> dict[str, Any]:
 
 
 class _Analyzer:
-    def __init__(self, graph: fx.Graph, symbol, user_inputs: set[fx.Node], post_inputs: frozenset = frozenset()):
+    def __init__(self, graph: fx.Graph, symbol, user_inputs: set[fx.Node], post_inputs: frozenset = frozenset(),
+                 unit: int = 1, cuts: Any = None):
         self.s = symbol
+        self.unit = unit           # rows per step of the symbol: the row count is ``unit * symbol`` (a grid)
+        self.count = unit * symbol
+        self.contractions: list = []   # ``row_contractions.RowContraction``
+        self.halo_nodes: set[fx.Node] = set()   # ops that read rows around their own
+        self.cuts = cuts   # what reads cuts along the rows at a fixed count (``fixed_row_slices``), or None
+        self.fixed_cuts: dict[fx.Node, Any] = {}    # those cuts -> ``FixedCut``
+        self.fixed_joins: set[fx.Node] = set()
         self.graph = graph
         self.user_inputs = user_inputs
         self.post_inputs = post_inputs    # inputs with static rows whose static rows come after the dynamic ones
@@ -196,7 +207,10 @@ class _Analyzer:
         for i, size in enumerate(val.shape):
             e = self.expr(size)
             if self.s in e.free_symbols:
-                c = sympy.expand(e - self.s)
+                c = sympy.expand(e - self.count)
+                if not c.is_Integer and self.unit > 1 and lines_unit(e, self.s, self.unit):
+                    found.append((i, 0))   # whole lines of a grid: ``out_rows`` gives their unit
+                    continue
                 if not c.is_Integer or int(c) < 0:
                     raise NotRowLocal(f"a dimension of size {e} (not the row count plus a constant)")
                 found.append((i, int(c)))
@@ -219,6 +233,12 @@ class _Analyzer:
         dim, c = dims[0]
         if c != pre + post:
             raise NotRowLocal(f"{op_name(node.target)}: static rows do not add up ({c} vs {pre}+{post})")
+        unit = lines_unit(self.expr(val.shape[dim]), self.s, self.unit) if self.unit > 1 else None
+        if unit is not None:
+            if pre or post or dim + 1 >= val.dim() or self.expr(val.shape[dim + 1]) != unit:
+                raise NotRowLocal(f"{op_name(node.target)} moves a grid's width away from its lines (or lays a line "
+                                  f"over several dimensions)")
+            return Rows(dim, unit=unit)
         return Rows(dim, pre, post)
 
     def in_rows(self, node: fx.Node) -> list[tuple[fx.Node, Rows]]:
@@ -239,6 +259,8 @@ class _Analyzer:
         for node in self.graph.nodes:
             if node.op == "placeholder":
                 self.placeholder(node)
+            elif node.op == "call_function" and self.cuts is not None and self.cuts.reads_span(self, node):
+                self.rows[node] = self.cuts.through(self, node)   # a side of rows cut at a fixed count, or the join
             elif node.op == "call_function":
                 self.call(node)
             elif node.op == "get_attr":
@@ -261,6 +283,8 @@ class _Analyzer:
             return
         if len(dims) > 1:
             raise NotRowLocal(f"input {node.name} has {len(dims)} row dimensions (a mask over rows x rows?)")
+        if dims and self.unit > 1 and lines_unit(self.expr(val.shape[dims[0][0]]), self.s, self.unit):
+            raise NotRowLocal(f"input {node.name} is laid out by lines of the rows' grid")
         if dims and dims[0][1]:   # rows joined to static ones (a table over text + image rows): side guessed
             c = dims[0][1]
             self.rows[node] = Rows(dims[0][0], 0, c) if node in self.post_inputs else Rows(dims[0][0], c, 0)
@@ -308,26 +332,9 @@ class _Analyzer:
         if self.random(node):
             raise NotRowLocal(f"random op {name}")
         inputs = self.in_rows(node)
-        if ROW_LOCAL_CUSTOM_OPS.get((getattr(target, "namespace", None), name)) == "norm" and inputs:
-            x_node, x = inputs[0]
-            if x_node is not node.args[0] or x.dim == x_node.meta["val"].dim() - 1:
-                raise NotRowLocal(f"{name} over the rows")
-            pre, post = self.same_layout(name, inputs)
-            out = self.out_rows(node, val, pre, post)
-            for n, r in inputs:
-                if out is None or n.meta["val"].dim() - r.dim != val.dim() - out.dim:
-                    raise NotRowLocal(f"{name} broadcasts rows against another dimension")
-            self.rows[node] = out
-            return
-        if ROW_LOCAL_CUSTOM_OPS.get((getattr(target, "namespace", None), name)) == "rows" and inputs:
-            pre, post = self.same_layout(name, inputs)
-            vals = list(val) if isinstance(val, (tuple, list)) else [val]
-            outs = [self.out_rows(node, v, pre, post) if isinstance(v, torch.Tensor) else None for v in vals]
-            if any(o is None for o, v in zip(outs, vals) if isinstance(v, torch.Tensor)):
-                raise NotRowLocal(f"{name} drops the rows")
-            for w in written_args(node):   # an in-place kernel (comfy_kitchen's fused q/k norm + rope)
-                self.written(node, w, name)
-            self.rows[node] = outs if isinstance(val, (tuple, list)) else outs[0]
+        kind = ROW_LOCAL_CUSTOM_OPS.get((getattr(target, "namespace", None), name))
+        if kind is not None and inputs:
+            self.rows[node] = self.custom_row_local(node, kind, name, inputs, val)
             return
         if name in SDPA_OPS:
             self.rows[node] = self.attention(node, val)
@@ -362,9 +369,19 @@ class _Analyzer:
         if is_pair_op(node) and self.two_row_dims(val):   # a key mask over the rows spread over rows x rows
             self.pair(node)
             return
+        if any(r.unit > 1 for _, r in inputs) and (name in _DIMMED or name in ("pad", "constant_pad_nd")):
+            grid_cut(self, name, args, inputs)
+        if name in ("conv2d", "convolution") and inputs and inputs[0][1].unit > 1:
+            self.rows[node] = self.plane_conv(node, name, args, inputs, val)
+            return
         if name in ("conv1d", "convolution"):
             self.rows[node] = self.halo_conv(node, name, args, inputs, val)
             return
+        if name in MATMUL_OPS or name in REDUCE_OPS or name in ("pad", "constant_pad_nd"):
+            handled = contraction_or_row_local(self, node, name, args, inputs, val)
+            if handled is not NOT_HANDLED:
+                self.rows[node] = handled
+                return
         if any(n in self.halo_wide for n, _ in inputs):
             self.rows[node] = self.halo_crop(node, name, args, inputs, val)
             return
@@ -372,6 +389,27 @@ class _Analyzer:
         if all(n in self.row_const or n in self.const or not isinstance(n.meta.get("val"), torch.Tensor)
                for n in node.all_input_nodes):
             self.row_const.add(node)
+
+    def custom_row_local(self, node: fx.Node, kind: str, name: str, inputs: list, val: Any) -> Any:
+        """A custom op a library declared row-local: "norm", over a row's features (never over the rows); "rows",
+        every output its inputs' rows (a fused kernel may write into its inputs)."""
+        pre, post = self.same_layout(name, inputs)
+        if kind == "norm":
+            x_node, x = inputs[0]
+            if x_node is not node.args[0] or x.dim == x_node.meta["val"].dim() - 1:
+                raise NotRowLocal(f"{name} over the rows")
+            out = self.out_rows(node, val, pre, post)
+            for n, r in inputs:
+                if out is None or n.meta["val"].dim() - r.dim != val.dim() - out.dim:
+                    raise NotRowLocal(f"{name} broadcasts rows against another dimension")
+            return out
+        vals = list(val) if isinstance(val, (tuple, list)) else [val]
+        outs = [self.out_rows(node, v, pre, post) if isinstance(v, torch.Tensor) else None for v in vals]
+        if any(o is None for o, v in zip(outs, vals) if isinstance(v, torch.Tensor)):
+            raise NotRowLocal(f"{name} drops the rows")
+        for w in written_args(node):   # an in-place kernel (comfy_kitchen's fused q/k norm + rope)
+            self.written(node, w, name)
+        return outs if isinstance(val, (tuple, list)) else outs[0]
 
     def pair(self, node: fx.Node) -> None:
         """A value with two row dimensions: element-wise or a layout change of values over the rows, on its way to be
@@ -407,11 +445,29 @@ class _Analyzer:
         out = self.out_rows(node, val, 0, extra)
         if out is None or out.dim != 2:
             raise NotRowLocal(f"{name} moves the rows")
+        self.halo_nodes.add(node)
         if extra:   # padded both sides: longer than the rows until a slice keeps the rows' count of them
             self.halo_wide[node] = (left, reach, extra)
         else:
             self.add_halo(left, reach - left)
         return Rows(2)
+
+    def plane_conv(self, node: fx.Node, name: str, args: dict, inputs, val) -> Rows:
+        """A 2-D convolution over the rows' grid: a reach of whole lines around each of its own (``grid_rows``)."""
+        x_node, x = inputs[0]
+        if x_node is not args.get("input") or len(inputs) > 1:
+            raise NotRowLocal(f"{name} over the rows' grid whose weight or bias has rows")
+        try:
+            left, right = plane_conv_halo(args, x.dim, x.unit, x_node.meta["val"].dim())
+        except PlaneConvRefused as exc:
+            raise NotRowLocal(str(exc)) from None
+        out = self.out_rows(node, val, 0, 0)
+        if out is None or out != x:
+            raise NotRowLocal(f"{name} over the rows' grid moves its lines")
+        if (left, right) != (0, 0):
+            self.halo_nodes.add(node)
+            self.add_halo(left, right)
+        return out
 
     def halo_crop(self, node: fx.Node, name: str, args: dict, inputs, val) -> Rows:
         """The slice that keeps the row count of a padded convolution's longer output (``x[..., :rows]``: causal)."""
@@ -510,7 +566,12 @@ class _Analyzer:
                     return self.out_rows(node, val, idx.pre, idx.post)
                 return self.out_rows(node, val, x.pre, x.post)
             if d == x.dim:
-                return self.row_slice(node, name, args, x, x_val, val)
+                try:
+                    return self.row_slice(node, name, args, x, x_val, val)
+                except NotRowLocal as exc:   # a cut at a fixed count, joined back later (``fixed_row_slices``)
+                    if self.cuts is None:
+                        raise
+                    return self.cuts.fixed_cut(self, node, name, args, x, x_val, val, exc)
         if name == "repeat_interleave":   # each row repeated along another dimension (rotary tables): row-local
             rdim = args.get("dim")
             if not isinstance(rdim, int) or self.norm_dim(rdim, x_val.dim()) == x.dim:
@@ -557,7 +618,7 @@ class _Analyzer:
             if self.norm_dim(args["dim"], x_val.dim()) == x.dim:
                 raise NotRowLocal(f"{name} along the rows")
             return self.out_rows(node, val, x.pre, x.post)
-        if name in _REDUCE:
+        if name in REDUCE_OPS:
             dims = args.get("dim")
             if dims is None:
                 raise NotRowLocal(f"{name} over every dimension, the rows included")
@@ -646,7 +707,7 @@ class _Analyzer:
         end = sympy.expand(start + length)
         if start.is_Integer and end.is_Integer and 0 <= int(start) and int(end) <= x.pre:
             return None
-        off = sympy.expand(start - self.s)
+        off = sympy.expand(start - self.count)
         if off.is_Integer and int(off) >= x.pre:
             return None
         raise NotRowLocal(f"{name} takes rows that include dynamic ones")
@@ -688,10 +749,15 @@ class _Analyzer:
             if name == "unbind":
                 raise NotRowLocal("unbind along the rows")
             out, start = [], sympy.Integer(0)
-            for item in val:
-                length = self.expr(item.shape[x.dim])
-                out.append(self.span_ok(x, start, length, self.out_rows_slice(node, item, x), name))
-                start = sympy.expand(start + length)
+            try:
+                for item in val:
+                    length = self.expr(item.shape[x.dim])
+                    out.append(self.span_ok(x, start, length, self.out_rows_slice(node, item, x), name))
+                    start = sympy.expand(start + length)
+            except NotRowLocal as exc:   # a split at a fixed count, joined back later (``fixed_row_slices``)
+                if self.cuts is None:
+                    raise
+                return self.cuts.fixed_cut(self, node, name, args, x, x_val, val, exc)
             return out
         if name in ("split", "split_with_sizes", "chunk", "unbind", "tensor_split") or name in _NORMS or \
                 name in ("max", "min", "var_mean", "std_mean", "native_dropout", "sort", "topk"):
@@ -853,16 +919,17 @@ def _read_by_chunks(node: fx.Node, covered: set[fx.Node], whole: set[fx.Node], i
     return False
 
 
-def analyze(graph: fx.Graph, symbol, user_inputs: set[fx.Node]) -> Analysis | str:
-    """The analysis, or why this graph cannot run in row chunks."""
-    an = _Analyzer(graph, symbol, user_inputs)
+def analyze(graph: fx.Graph, symbol, user_inputs: set[fx.Node], unit: int = 1, cuts: Any = None) -> Analysis | str:
+    """The analysis, or why this graph cannot run in row chunks (``unit``: rows per step of ``symbol``, a grid;
+    ``cuts``: what takes cuts along the rows at a fixed count, ``fixed_row_slices``, which imports this module)."""
+    an = _Analyzer(graph, symbol, user_inputs, unit=unit, cuts=cuts)
     try:
         an.run()
     except NotRowLocal as exc:
         if not an.joined:
             return str(exc)
         # an input with static rows joined to the dynamic ones: its static rows first failed, so try them last
-        an = _Analyzer(graph, symbol, user_inputs, frozenset(an.joined))
+        an = _Analyzer(graph, symbol, user_inputs, frozenset(an.joined), unit=unit, cuts=cuts)
         try:
             an.run()
         except NotRowLocal:
@@ -872,6 +939,8 @@ def analyze(graph: fx.Graph, symbol, user_inputs: set[fx.Node]) -> Analysis | st
     for o in outs:
         if isinstance(o, fx.Node) and isinstance(an.rows.get(o), list):
             return "an output is a tuple with rows"
+        if isinstance(o, fx.Node) and getattr(an.rows.get(o), "unit", 1) > 1:
+            return "an output laid out as the rows' grid (lines by width)"
     try:
         built = an.built_whole()
     except NotRowLocal as exc:
@@ -881,12 +950,22 @@ def analyze(graph: fx.Graph, symbol, user_inputs: set[fx.Node]) -> Analysis | st
     ops = sum(1 for n in graph.nodes if n.op == "call_function")
     result = Analysis(an.rows, an.const, an.ignored, an.attentions, outs, ops, input_writes=an.input_writes,
                       whole_inputs={a.mask for a in an.attentions if a.mask is not None and not a.mask_query_rows},
-                      built_whole=built, pair_masks=an.pair_masks, halo=an.halo)
+                      built_whole=built, pair_masks=an.pair_masks, halo=an.halo, contractions=an.contractions,
+                      fixed_cuts=an.fixed_cuts, fixed_joins=an.fixed_joins,
+                      halo_nodes=set(an.halo_nodes))
+    why = cuts.problem(an, outs) if cuts is not None else None
+    if why is not None:
+        return why
     if an.shared_writes and not result.static_rows:
         return (f"{an.shared_writes[0]} writes into a value computed once per call (no rows) from values each chunk "
                 "computes: every chunk would write it again")
-    if an.halo != (0, 0) and (result.static_rows or an.input_writes or an.attentions):
+    if an.halo != (0, 0) and (result.static_rows or an.input_writes):
         return ("a convolution along the rows in a block with " + ("static rows joined" if result.static_rows else
-                "writes into its inputs" if an.input_writes else "a global attention") +
+                "writes into its inputs") +
                 ": a chunk widened by its halo is run only where it reads nothing but its rows")
-    return result
+    if unit > 1 and result.static_rows:   # sizes counting a chunk's lines are not its rows
+        return "rows on a grid with static rows joined to them"
+    return result   # what phase KV may compute is checked on its phases (``contraction_phases.phase_kv_problem``)
+
+
+from .row_contractions import NOT_HANDLED, contraction_or_row_local  # noqa: E402 (uses the above)

@@ -11,6 +11,7 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, fields, is_dataclass
 from typing import Any, Callable, Iterator, NamedTuple
 
+import sympy
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
@@ -18,6 +19,7 @@ from torch.utils import _pytree as pytree
 from ..registries import ARGUMENT_RECORDS, CAPTURE_CONTEXTS, CAPTURE_STATE_ATTRS
 from .opaque_layers import OpaqueRefused
 from .autocast_regions import inline_autocast_off
+from .grid_rows import Grid, grid_forward, grid_of_call, row_argument
 from .cache_views import CacheView, view_children
 
 log = logging.getLogger("streamplan")
@@ -39,10 +41,12 @@ class Captured:
     seconds: float
     min_rows: int = 2                 # the fewest rows the capture is valid for: no chunk is smaller
     autocast_off: frozenset = frozenset()   # device types whose autocast regions that turn it off were inlined
+    row_unit: int = 1                 # rows per step of the symbol (a grid's width: rows = unit * lines, ``grid_rows``)
 
     def size_at(self, size: Any, rows: int) -> int:
         """A size of the graph (an int, or a SymInt of the row count) at a call of ``rows`` rows."""
-        return int(size.node.expr.subs(self.row_symbol, rows)) if isinstance(size, torch.SymInt) else int(size)
+        return int(size.node.expr.subs(self.row_symbol, sympy.Rational(rows, self.row_unit))) \
+            if isinstance(size, torch.SymInt) else int(size)
 
 
 def rows_of_call(args: tuple, kwargs: dict) -> int | None:
@@ -242,10 +246,16 @@ def capture(module: nn.Module, args: tuple, kwargs: dict, rows: int) -> Captured
     if isinstance(call, str):
         return call
     trace = _Trace(module, args, kwargs, call.arguments, rows, joined_offsets(args, kwargs, rows))
+    trace.grid = _grid(call, rows)
     start = time.perf_counter()
     try:
-        with _class_forward(module, call):
+        with _class_forward(module, call), grid_forward(module, trace.grid, *(row_argument(call.arguments, rows)
+                                                                            or (None, 0))):
             exported = trace.first_export(export)
+        if isinstance(exported, str) and trace.grid is not None:   # no grid after all: the plain capture
+            trace.grid = None
+            with _class_forward(module, call):
+                exported = trace.first_export(export)
     finally:
         # a trace that failed inside torch.export leaves reference cycles among its frames; through their callers
         # they keep the streamed call that captured (its inputs, K/V and output buffers) alive until the cycle
@@ -258,7 +268,16 @@ def capture(module: nn.Module, args: tuple, kwargs: dict, rows: int) -> Captured
     if isinstance(exported, str):
         return exported
     program, min_rows = exported
-    return _captured(module, program, seconds, min_rows)
+    cap = _captured(module, program, seconds, min_rows)
+    if isinstance(cap, Captured) and trace.grid is not None:
+        cap.row_unit = trace.grid.unit
+    return cap
+
+
+def _grid(call: "_BoundCall", rows: int) -> Grid | None:
+    """The call's rows as a grid of whole lines (``grid_rows``), where int arguments give its extents and no
+    keywords pass through ``**kwargs``."""
+    return grid_of_call(call.arguments, rows) if not call.extra and row_argument(call.arguments, rows) else None
 
 
 def _untraceable_argument(args: tuple, kwargs: dict) -> str | None:
@@ -350,6 +369,7 @@ class _Trace:
     rows: int
     offsets: set[int]
     failed: bool = False
+    grid: Grid | None = None   # rows unflattened to whole lines: the row count is ``unit * lines``, lines symbolic
 
     def attempts(self) -> list[tuple[bool, int]]:
         """(rows joined to static rows, the fewest rows) per attempt, in order. First with dimensions of size rows +
@@ -368,16 +388,33 @@ class _Trace:
         text (an exception kept would keep its traceback's frames)."""
         from torch.export import Dim
         first_reason = ""
-        for joined, lo in self.attempts():   # never none
-            dynamic = _dynamic_shapes(self.arguments, Dim("rows", min=lo, max=MAX_ROWS), self.rows, self.offsets,
-                                      joined)
+        tries = self.attempts()
+        for joined, lo in tries:   # never none; one more where a guard names the fewest rows (``_guarded_retry``)
+            dim = Dim("rows", min=lo, max=MAX_ROWS)
+            if self.grid is not None:   # whole lines: at least two in a chunk
+                lines = max(2, -(-lo // self.grid.unit))
+                dim, lo = self.grid.unit * Dim("lines", min=lines, max=MAX_ROWS // self.grid.unit), \
+                    lines * self.grid.unit
+            dynamic = _dynamic_shapes(self.arguments, dim, self.rows, self.offsets, joined)
             try:
                 program, failed = _export(export, self.module, self.args, self.kwargs, dynamic)
                 self.failed = failed or bool(first_reason)
                 return program, lo
             except Exception as exc:  # noqa: BLE001 -- any capture failure keeps the module stock, with the reason
                 first_reason, self.failed = first_reason or _reason(exc), True
+                tries += _guarded_retry(str(exc), joined, tries, self.rows)
         return first_reason
+
+
+def _guarded_retry(reason: str, joined: bool, tries: list[tuple[bool, int]], rows: int) -> list[tuple[bool, int]]:
+    """One more attempt valid from the fewest rows a guard asks for (rows cut at a fixed count: the rows past the
+    cut must exist, ``guarded_rows.least_rows``), where this call has that many and no later attempt asks as many;
+    chunks never go below it."""
+    from .guarded_rows import least_rows
+    least = least_rows(reason)
+    if least is None or least > rows or any(j == joined and lo >= least for j, lo in tries):
+        return []
+    return [(joined, least)]
 
 
 def _captured(module: nn.Module, program: Any, seconds: float, min_rows: int) -> Captured | str:

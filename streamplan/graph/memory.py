@@ -14,6 +14,7 @@ from .analyze import VIEW_OPS
 from .phases import Phases, in_place, last_uses
 from .opaque_layers import workspace_bytes as opaque_workspace
 from .row_pieces import RowRun, find_runs, schedule
+from .contraction_phases import contraction_phases
 
 
 @dataclass
@@ -53,7 +54,7 @@ class GraphMemory:
             for r in regions:   # the exit's own value (the accumulator) is live at the exit already
                 work[r.exit] = int(self._region_peak(r, rows) * min(1.0, ffn_slice / r.ffn))
                 reads[r.exit] = [r.x, *(m for n in r.nodes for m in n.all_input_nodes)]
-        runs = find_runs(nodes, self.analysis, keep, reads) if keep is not None and self.pieces > 1 else []
+        runs = self._runs(nodes, keep, reads) if keep is not None and self.pieces > 1 else []
         at_run = {r.marker: r for r in runs}
         joins, reuse = in_place(nodes, self.analysis, self.phases, keep) if self.pieces == 1 and keep is not None \
             else ({}, {})   # (the stock estimate, keep None: nothing in place)
@@ -93,6 +94,13 @@ class GraphMemory:
                 live -= self._release(owner, refs, m, rows)
         return peak
 
+    def _runs(self, nodes: list[fx.Node], keep: set, reads: dict) -> list[RowRun]:
+        """``find_runs`` once per capture, phase and MLP slicing: the planner prices many chunks and piece counts."""
+        key = ("runs", tuple(nodes), frozenset(keep), tuple(reads))
+        if key not in self.phases.done:
+            self.phases.done[key] = find_runs(nodes, self.analysis, keep, reads)
+        return self.phases.done[key]
+
     def _release(self, owner: dict, refs: dict, m: fx.Node, rows: int) -> int:
         """Bytes freed when ``m`` dies: its storage's, once no other value (a view, an output written into it) holds
         that storage."""
@@ -104,8 +112,9 @@ class GraphMemory:
 
     def _pieces_peak(self, run: RowRun, rows: int) -> int:
         """One piece of ``rows`` rows through a run: its values, each freed after its last use in the run (a view keeps
-        its base), the piece's outputs until they are copied into their buffers."""
-        return self._walk(run.nodes, run.dead, rows)
+        its base), the piece's outputs until they are copied into their buffers; an expert layer's routed copies of
+        the piece's rows beside them at its call."""
+        return self._walk(run.nodes, run.dead, rows, joined=lambda n, own: opaque_workspace(n, rows))
 
     def _region_peak(self, r, rows: int) -> int:
         """The worst moment of one MLP region's values at full width (``run_region`` takes it a slice at a time):
@@ -147,7 +156,9 @@ class GraphMemory:
         chunk = min(chunk, self.rows)
         an = self.analysis
         outputs = {o for o in an.outputs if isinstance(o, fx.Node)}
-        kv = max([self._phase(p, chunk, keep={a.k, a.v}) for p, a in zip(self.phases.kv, an.attentions)], default=0)
+        kv = max([self._phase(p, chunk, keep={a.k, a.v}) for p, a in zip(self.phases.kv, an.attentions)]
+                 + [self._phase(p, chunk, keep=set(c.inputs))
+                    for p, c in zip(contraction_phases(an, self.phases), an.contractions)], default=0)
         return max(kv - self.out_bytes,
                    self._phase(self.phases.q, chunk, ffn_slice, regions, at_attention, workspace, keep=outputs))
 
@@ -162,7 +173,7 @@ def graph_memory(an: Analysis, ph: Phases, rows: int, donated_outputs: set[int],
     per_row: dict[fx.Node, int] = {}
     static: dict[fx.Node, int] = {}
     allocates: dict[fx.Node, bool] = {}
-    nodes = {n for p in ph.kv for n in p} | set(ph.q) | set(ph.const)
+    nodes = {n for p in [*ph.kv, *contraction_phases(an, ph)] for n in p} | set(ph.q) | set(ph.const)
     for n in nodes:
         val = n.meta.get("val")
         vals = val if isinstance(val, (tuple, list)) else [val]
@@ -174,7 +185,7 @@ def graph_memory(an: Analysis, ph: Phases, rows: int, donated_outputs: set[int],
                 continue
             elem = v.element_size()
             if isinstance(r, Rows):
-                row = numel_besides(v, r.dim) * elem
+                row = numel_besides(v, r.dim) * elem // r.unit   # a grid's lines: per row, not per line
                 pr, st = pr + row, st + row * (r.pre + r.post)
             else:
                 st += numel_besides(v, None) * elem
@@ -189,6 +200,10 @@ def graph_memory(an: Analysis, ph: Phases, rows: int, donated_outputs: set[int],
         for t in (att.k, att.v):
             v = t.meta["val"]
             r = att.kv_rows
+            kv += numel_besides(v, r.dim) * v.element_size() * (rows + r.pre + r.post)
+    for c in an.contractions:   # a contraction's inputs built whole in phase KV (``row_contractions``)
+        for t in c.inputs:
+            v, r = t.meta["val"], an.rows[t]
             kv += numel_besides(v, r.dim) * v.element_size() * (rows + r.pre + r.post)
     for n in an.built_whole:   # built once over every row, held through the call as K and V are
         v, r = n.meta["val"], an.rows[n]

@@ -4,6 +4,15 @@ from __future__ import annotations
 import torch
 
 
+class NotRowLocal(Exception):
+    """The graph has something streamplan cannot run in row chunks (the message says what)."""
+
+
+# reductions by name: over the rows they contract every row (``row_contractions``), elsewhere they are row-local
+REDUCE_OPS = {"mean", "sum", "amax", "amin", "var", "std", "var_mean", "std_mean", "logsumexp", "prod", "max", "min",
+              "argmax", "argmin", "any", "all", "linalg_vector_norm", "norm"}
+
+
 def pointwise(target) -> bool:
     """An elementwise op (torch's own tag): each output element from the inputs' elements at its place."""
     return torch.Tag.pointwise in getattr(target, "tags", ())

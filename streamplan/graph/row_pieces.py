@@ -11,6 +11,7 @@ import torch
 from torch import fx
 
 from .analyze import MATMUL_OPS, SDPA_OPS, VIEW_OPS, Analysis, Rows, op_name, written_args
+from .opaque_layers import OPS as OPAQUE_OPS
 
 
 
@@ -38,9 +39,11 @@ def is_view(n: fx.Node) -> bool:
 
 
 def dynamic_rows(r) -> bool:
-    """Rows without static ones (a tuple's elements each so)."""
+    """Rows without static ones (a tuple's elements each so), all of the chunk's (not one side of a cut at a fixed
+    count: a piece of the chunk's rows is not a piece of the side's)."""
     parts = r if isinstance(r, list) else [r]
-    return bool(parts) and all(isinstance(p, Rows) and not (p.pre or p.post) for p in parts)
+    return bool(parts) and all(isinstance(p, Rows) and not getattr(p, "cut_side", False) and not (p.pre or p.post)
+                               and p.unit == 1 for p in parts)   # (a grid's lines: a piece of rows is not of lines)
 
 
 def _member(n: fx.Node, an: Analysis, attention: set) -> bool:
@@ -48,12 +51,20 @@ def _member(n: fx.Node, an: Analysis, attention: set) -> bool:
         return False
     if n.target is operator.getitem:
         return dynamic_rows(an.rows.get(n))
+    if routed(n):   # experts: their routed copies scale with the rows they are handed, a piece's in a piece
+        return dynamic_rows(an.rows.get(n))
     if not isinstance(n.target, torch._ops.OpOverload) or n.target.namespace != "aten":
         return False   # a custom kernel may assume contiguous rows: left whole
     name = op_name(n.target)
     if name in MATMUL_OPS or name in SDPA_OPS or name.endswith("_") or written_args(n):
         return False
     return dynamic_rows(an.rows.get(n))
+
+
+def routed(n: fx.Node) -> bool:
+    """An opaque module (``opaque_layers``) with a workspace per row it is handed (a mixture of experts' routed
+    copies): row-local, called through its own forward on any rows, so a run may hand it a piece of the chunk's."""
+    return n.target is OPAQUE_OPS[0] and int(n.args[4]) > 0   # (one output: a pair's second is left whole)
 
 
 def find_runs(nodes: list[fx.Node], an: Analysis, keep: set, extra: dict | None = None) -> list[RowRun]:

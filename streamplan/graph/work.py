@@ -14,6 +14,7 @@ from .analyze import Rows, bind, numel_besides, op_name, SDPA_OPS
 from .memory import graph_memory
 from .opaque_layers import OPS as OPAQUE_OPS, work as opaque_work
 from .pruned_projections import find_prunings
+from .row_pieces import RowRun, find_runs
 
 _CONTRACT_LAST = {"linear", "mm", "addmm", "bmm", "matmul", "baddbmm"}   # K = the left operand's last size
 _CONV = {"conv1d", "conv2d", "conv3d", "convolution", "_convolution"}     # K = the weight's in/groups x kernel
@@ -44,6 +45,11 @@ class BlockWork:
     rerun_flops_row: float = 0.0  # matmul FLOPs per row of ops both phases run (a fused projection feeding K/V and
     # Q: computed twice per row when streamed)
     rerun_bytes_row: float = 0.0  # bytes per row the ops both phases run write
+    ops_runs: int = 0            # ops inside row-local runs (``row_pieces.find_runs``) per chunk over the phases:
+    # run again by each row piece of a chunk
+    ops_piece: int = 0           # ops each row piece adds beside them (its inputs' rows narrowed, its outputs copied
+    # into the chunk's buffers)
+    runs_bytes_row: float = 0.0  # bytes per row of the runs' outputs, written again by those copies
 
 
 def _size(s) -> int | None:
@@ -122,9 +128,21 @@ def block_work(found, rows: int) -> BlockWork:
         for p in find_prunings(nodes, {att.k, att.v}, an):
             if p.linear in per_node:
                 per_node[p.linear] *= (p.hi - p.lo) / int(p.linear.meta["val"].shape[-1])
+    runs = phase_runs(found)
     return BlockWork(rows, row, static, const, attention, att_row,
                      float(sum(b for n, b in mem.per_row.items() if mem.allocates[n])),
                      sum(calls(p) for p in ph.kv), calls(ph.q),
                      sum(calls(r.nodes) + 1 for r in found.mlp_regions), weights,
                      sum(per_node.get(n, 0.0) for n in kv), written(kv),
-                     sum(per_node.get(n, 0.0) for n in both), written(both))
+                     sum(per_node.get(n, 0.0) for n in both), written(both),
+                     sum(calls(r.nodes) for r in runs),
+                     sum(len([m for m in r.inputs if isinstance(an.rows.get(m), Rows)]) + len(r.outputs) for r in runs),
+                     float(sum(mem.per_row.get(o, 0) for r in runs for o in r.outputs)))
+
+
+def phase_runs(found) -> list[RowRun]:
+    """The row-local runs each phase of a chunk has (as the executor and the memory model find them, the MLP whole):
+    what row pieces re-launch per piece, and whether the block has any for the planner to cut in pieces."""
+    an, ph = found.analysis, found.phases
+    runs = [r for p, a in zip(ph.kv, an.attentions) for r in find_runs(p, an, {a.k, a.v})]
+    return runs + find_runs(ph.q, an, {o for o in an.outputs if isinstance(o, fx.Node)})

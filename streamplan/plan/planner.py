@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Sequence
 from enum import Enum
 
 from .budget import fmt_bytes
@@ -198,6 +198,8 @@ class Plan:
     parts: PeakParts | None = None   # what ``predicted_peak`` is made of, where the planner's model says
     predicted_time_ratio: float | None = None   # the time model's call time against stock's (None: not modelled
     # on this device or for this operation)
+    row_pieces: int = 1  # a captured block's row-local runs (norms, rotary, modulation) in this many pieces of a
+    # chunk's rows: their temporaries a piece's, not the chunk's (1: whole chunks)
 
     @property
     def predicted_total(self) -> int:
@@ -216,6 +218,7 @@ class Plan:
                                                     if figures else "")
         sl = f"  ffn_slice={self.ffn_slice}" if self.ffn_slice and self.tier in SLICED_TIERS else ""
         hg = f"  head_groups={self.head_groups}" if self.head_groups > 1 else ""
+        hg += f"  row_pieces={self.row_pieces}" if self.row_pieces > 1 else ""
         kv = "  q=whole (one attention call)" if self.q == "whole" else ""
         if self.kv != "device":
             kv += f"  kv={self.kv} block={self.kv_block}"
@@ -505,6 +508,9 @@ def l4_extra_seconds(option: KVOption, rows: int, chunk: int, costs: Costs, bloc
     return out + unhidden + merge + passes * blocks * groups * BLOCK_STEP_S
 
 
+# row pieces the planner may cut a captured block's row-local runs in (fewest first), where the user did not set
+# ``row_pieces``: each count's transient priced by the memory model, its launches by the time model (a choice)
+ROW_PIECES = (2, 4, 8)
 SLICES = (4096, 2048, 1024)  # MLP hidden features per slice the planner tries after half the MLP (GEMMs stay wide)
 NARROWER_GAIN = 1.1          # a narrower slice is taken when it buys 10% more rows per chunk
 L2_GAIN = 1.5                # L2 is taken over L1 when it buys 1.5x the rows per chunk
@@ -535,6 +541,10 @@ class GraphPlanRequest:
     transient_kv: Callable[[int, int, int], int] | None = None
     whole_q: int = 0
     q_span: int | None = None
+    row_pieces: int = 1   # the row pieces ``transient`` is priced with (the user's, or a candidate's): its plans'
+    pieces: tuple[int, ...] = ()   # other piece counts the planner may try (none: no row-local runs, or forced)
+    # a piece count's (transient, transient_kv), priced by the same memory model with its runs in that many pieces
+    priced: Callable[[int], tuple[Callable[[int, int], int], Callable[[int, int, int], int] | None]] | None = None
     # at_attention's answers: a graph walk each, asked for again and again by the store searches
     _at_attention: dict[tuple[int, int, int], int] = field(default_factory=dict, init=False, repr=False,
                                                            compare=False)
@@ -551,6 +561,24 @@ class GraphPlanRequest:
         # a graph walk per (chunk, slice[, bytes alive at the attention]): the searches ask for the same ones often
         return replace(self, fixed=fixed, groups=groups, head_groups=head_groups, kv_options=kv_options,
                        transient=functools.lru_cache(maxsize=None)(self.transient))
+
+    def with_pieces(self, pieces: int) -> GraphPlanRequest:
+        """This request with its row-local runs in ``pieces`` pieces: its transients priced so, its plans carrying
+        the count."""
+        transient, transient_kv = self.priced(pieces)
+        return replace(self, transient=functools.lru_cache(maxsize=None)(transient), transient_kv=transient_kv,
+                       row_pieces=pieces, pieces=())
+
+    def variants(self) -> list[GraphPlanRequest]:
+        """This request, then one per piece count the planner may try (fewest first: fewer, larger kernels), where
+        that count lowers a chunk's transient (with the MLP whole or at its narrowest slice): pieces that lower
+        nothing buy no rows, and each count is another search."""
+        if not self.priced:
+            return [self]
+        probe = min(self.rows, DEFAULT_CHUNK_TOKENS)
+        slices = (0, MIN_FFN_SLICE) if self.ffn > MIN_FFN_SLICE else (0,)
+        pieced = (self.with_pieces(p) for p in self.pieces if p != self.row_pieces)
+        return [self, *(v for v in pieced if any(v.transient(probe, sl) < self.transient(probe, sl) for sl in slices))]
 
     @property
     def floors(self) -> tuple[int, ...]:
@@ -596,6 +624,13 @@ class GraphPlanRequest:
         rows, stock = self.rows, self.stock
         if tier == Tier.L0:
             return Plan(Tier.L0, rows, rows, 0, stock, stock)
+        plan = self._make(tier, chunk, sl, g, opt, blk, span)
+        plan.row_pieces = self.row_pieces
+        return plan
+
+    def _make(self, tier: Tier, chunk: int, sl: int, g: int, opt: KVOption | None, blk: int, span: int) -> Plan:
+        """A streamed candidate's plan (``make``'s), its peak from the store's or the device tiers' model."""
+        rows, stock = self.rows, self.stock
         if self.chunk_tokens is None:
             chunk = self.waves.round(chunk, rows)
         chunk = min(chunk, rows)
@@ -637,7 +672,8 @@ class GraphPlanRequest:
         waste = max(0.0, wave_waste(self.waves, q_rows, plan.head_groups) - wave_waste(self.waves, self.rows))
         # a store's head groups read its K/V back a group at a time (priced in ``store``); phase KV runs once
         groups = plan.head_groups if plan.kv == "device" else 1
-        ratio = time_ratio(self.costs.work, self.costs.rates, Streamed(plan.chunk, slices, groups, waste, store))
+        ratio = time_ratio(self.costs.work, self.costs.rates,
+                           Streamed(plan.chunk, slices, groups, waste, store, plan.row_pieces))
         return ratio * self.costs.rates.grouped_store if plan.kv != "device" and plan.head_groups > 1 else ratio
 
     def staged_seconds(self, opt: KVOption, q_rows: int, blk: int, g: int) -> float:
@@ -653,7 +689,8 @@ def plan_graph(rows: int, fixed: int, transient, stock: int, *, chunk_tokens: in
                groups: tuple[int, ...] = (), head_groups: int | None = None, kv_options: tuple[KVOption, ...] = (),
                kv_store: str = "device", costs: Costs = Costs(),
                transient_kv: Callable[[int, int, int], int] | None = None, whole_q: int = 0,
-               q_span: int | None = None) -> Plan:
+               q_span: int | None = None, row_pieces: int = 1, pieces: tuple[int, ...] = (),
+               priced: Callable[[int], tuple[Callable, Callable | None]] | None = None) -> Plan:
     """A captured block: whole buffers (``fixed``: K and V, the outputs) plus ``transient(chunk, ffn_slice)``, one
     chunk's values at their worst moment, both read off the graph. ``ffn``: the widest feature-sliceable MLP (0: none),
     for L2. L3 (``groups``: the head-group counts the graph allows): K and V of one group of heads at a time
@@ -666,12 +703,15 @@ def plan_graph(rows: int, fixed: int, transient, stock: int, *, chunk_tokens: in
     every query row in one call: the whole Q and the whole attention output are held beside K, V and one chunk's
     transient (which ``transient`` prices with the whole call's workspace), on L1/L2 plans alone (head groups and K/V
     stores would split that call). ``q_span``: a forced store at a fixed chunk attends this many query rows per pass
-    (where its option allows spans: ``KVOption.q_row``)."""
+    (where its option allows spans: ``KVOption.q_row``). ``row_pieces``: the row pieces ``transient`` is priced with;
+    ``pieces``: other counts the planner may cut the block's row-local runs in, each priced by ``priced(count)``
+    (its ``transient`` and ``transient_kv``): a lower peak per row buys larger chunks for more launches."""
     request = GraphPlanRequest(
         rows, fixed, transient, stock, chunk_tokens=chunk_tokens, budget=budget, min_chunk=min_chunk, waves=waves,
         ffn=ffn, ffn_slice=ffn_slice, kv=kv, attn_out=attn_out, groups=groups, head_groups=head_groups,
         kv_options=kv_options, kv_store=kv_store, costs=costs, transient_kv=transient_kv, whole_q=whole_q,
-        q_span=q_span).normalised()
+        q_span=q_span, row_pieces=row_pieces, pieces=pieces if priced is not None else (),
+        priced=priced).normalised()
     plan = _chosen(request)
     plan.predicted_time_ratio = request.time_ratio(plan)
     return plan
@@ -686,15 +726,16 @@ def _chosen(request: GraphPlanRequest) -> Plan:
         return forced
     if stock_fits(request.stock, request.budget):
         return request.make(Tier.L0, request.rows)
-    if request.timed:   # every floor's candidates, the fastest by the time model
-        legal = [p for floor in request.floors for p in _candidates(request, floor)]
+    variants = request.variants()   # the request, then its runs in each count of row pieces
+    if request.timed:   # every floor's candidates, the fastest by the time model (ties: fewer pieces)
+        legal = [p for v in variants for floor in request.floors for p in _candidates(v, floor)]
         if legal:
             return min(legal, key=request.time_ratio)
     for floor in request.floors:
-        plan = _fastest_under_budget(request, floor)
+        plan = _fastest_under_budget(request, floor, variants[1:])
         if plan is not None:
             return plan
-    raise _refusal(request)
+    raise _refusal(variants)
 
 
 def _store_plan(request: GraphPlanRequest) -> Plan:
@@ -733,19 +774,36 @@ def _forced_plan(request: GraphPlanRequest) -> Plan | None:
     return None
 
 
-def _fastest_under_budget(request: GraphPlanRequest, floor: int) -> Plan | None:
+def _fastest_under_budget(request: GraphPlanRequest, floor: int, pieced: Sequence[GraphPlanRequest] = ()
+                          ) -> Plan | None:
     """Down the ladder with chunks of at least ``floor`` rows: row chunks (L1, or L2 where slicing the MLP buys
-    enough rows), narrower slices (L2), then the faster of head groups (L3) and host-staged K/V (L4) by estimated
-    extra time; None: nothing fits at this floor."""
-    plan = _row_chunk_plan(request, floor)
-    if plan is None:
-        plan = _narrow_slice_plan(request, floor)
+    enough rows), narrower slices (L2), the same with the row-local runs in pieces (``pieced``: one request per
+    count) where that buys ``L2_GAIN`` times the rows or nothing fits whole, then the faster of head groups (L3) and
+    host-staged K/V (L4) by estimated extra time; None: nothing fits at this floor."""
+    plan = _pieced_plan(floor, _whole_rows_plan(request, floor), pieced)
     if plan is not None:
         return plan
-    # the faster legal tier by estimated extra time: L3 reruns projections per group, L4 copies K/V
-    legal = [p for p in (_grouped_plan(request, floor), *(_fit_store(request, o, floor) for o in request.exact_kv))
-             if p is not None]
+    # the faster legal tier by estimated extra time: L3 reruns projections per group, L4 copies K/V (ties: no pieces)
+    legal = [p for r in (request, *pieced)
+             for p in (_grouped_plan(r, floor), *(_fit_store(r, o, floor) for o in r.exact_kv)) if p is not None]
     return min(legal, key=lambda p: _extra_seconds(request, p)) if legal else None
+
+
+def _whole_rows_plan(request: GraphPlanRequest, floor: int) -> Plan | None:
+    """L1 (or L2 where slicing buys enough rows), else the widest slice that fits: K/V whole, no head groups."""
+    plan = _row_chunk_plan(request, floor)
+    return plan if plan is not None else _narrow_slice_plan(request, floor)
+
+
+def _pieced_plan(floor: int, plan: Plan | None, pieced: Sequence[GraphPlanRequest]) -> Plan | None:
+    """The fewest row pieces whose plan (as ``_whole_rows_plan`` takes it) reaches ``L2_GAIN`` times ``plan``'s rows
+    per chunk, or fits where ``plan`` (None) does not: pieces are more, shorter kernels, taken for the rows they buy
+    (before head groups, which rerun projections); else ``plan``."""
+    for r in pieced:
+        p = _whole_rows_plan(r, floor)
+        if p is not None and (plan is None or p.chunk >= L2_GAIN * plan.chunk):
+            return p
+    return plan
 
 
 def _candidates(request: GraphPlanRequest, floor: int) -> list[Plan]:
@@ -890,14 +948,19 @@ def _extra_seconds(request: GraphPlanRequest, plan: Plan) -> float:
     return request.staged_seconds(opt, plan.q_span or plan.chunk, plan.kv_block, plan.head_groups)
 
 
-def _refusal(request: GraphPlanRequest) -> BudgetError:
-    """Nothing fits: the error names the smallest peak any tier reaches (one floor-sized chunk, the narrowest slice),
-    so the user knows how far the budget is from a plan."""
-    r = request
-    c, sl = min(r.rows, MIN_CHUNK_TOKENS), 256 if r.ffn > 256 else 0
-    least = min([r.fixed + r.transient(c, sl)] + [r.peak(c, sl, g) for g in r.groups]
-                + [r.peak_kv(o, c, sl, KV_BLOCKS[-1]) for o in r.exact_kv])
+def _refusal(variants: list[GraphPlanRequest]) -> BudgetError:
+    """Nothing fits: the error names the smallest peak any tier reaches (one floor-sized chunk, the narrowest slice,
+    in any count of row pieces tried), so the user knows how far the budget is from a plan."""
+    r = variants[0]
+    least = min(_least(v) for v in variants)
     held = ", the whole Q and attention output" if r.whole_q else ""
     return BudgetError(f"captured block over {r.rows} rows: {fmt_bytes(r.budget)} left for it is below the smallest "
                        f"peak streamplan can reach ({fmt_bytes(least)}: global K, V{held} and the outputs "
                        f"{fmt_bytes(r.fixed)}, and one {MIN_CHUNK_TOKENS}-row chunk)", least=least)
+
+
+def _least(r: GraphPlanRequest) -> int:
+    """The smallest peak one request's tiers reach: one floor-sized chunk at the narrowest slice."""
+    c, sl = min(r.rows, MIN_CHUNK_TOKENS), 256 if r.ffn > 256 else 0
+    return min([r.fixed + r.transient(c, sl)] + [r.peak(c, sl, g) for g in r.groups]
+               + [r.peak_kv(o, c, sl, KV_BLOCKS[-1]) for o in r.exact_kv])

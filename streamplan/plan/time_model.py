@@ -62,6 +62,7 @@ class Streamed:
     groups: int = 1          # head groups (L3)
     wave_waste: float = 0.0  # share of the attention's time its chunked calls leave in part-empty waves
     store_s: float = 0.0     # a K/V store's extra seconds (copies, merges), priced by the planner
+    pieces: int = 1          # row pieces of a chunk its row-local runs run in (1: whole)
 
 
 def streamed_seconds(w, r: Rates, s: Streamed) -> float:
@@ -75,7 +76,17 @@ def streamed_seconds(w, r: Rates, s: Streamed) -> float:
     attention = (w.attention_flops * (1 + s.wave_waste) + w.attention_flops_row * n) / r.attention
     groups = (s.groups - 1) * r.group_rerun * (_gemm_s(w.kv_flops_row * n, c, r) + w.kv_bytes_row * n / r.bandwidth)
     ops = k * (w.ops_kv * s.groups + w.ops_q + (s.slices - 1) * w.ops_mlp) * r.op_s
-    return gemm + memory + attention + groups + ops + s.store_s
+    return gemm + memory + attention + groups + ops + pieces_seconds(w, r, s.pieces, k) + s.store_s
+
+
+def pieces_seconds(w, r: Rates, pieces: int, chunks: int) -> float:
+    """What row pieces add: each piece launches its runs' ops again, narrows its inputs and copies its outputs into
+    the chunk's buffers (those bytes written once more). Pieces also turn fused chains off (``GraphRun``); the fit
+    has no term for fused chains (their gain is inside the fitted rates), so that loss is not priced here."""
+    if pieces <= 1:
+        return 0.0
+    ops = chunks * ((pieces - 1) * w.ops_runs + pieces * w.ops_piece) * r.op_s
+    return ops + w.runs_bytes_row * w.rows / r.bandwidth
 
 
 def time_ratio(w, r: Rates, s: Streamed) -> float:

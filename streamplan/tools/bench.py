@@ -120,7 +120,8 @@ def _llama_model_case() -> Case:
 CASES: dict[str, Callable[[], Case]] = {
     **{name: (lambda name=name: _block_case(name)) for name in
        ("wan-14b-block", "flux-double-block", "flux-single-block", "flux2-double-block", "flux2-single-block",
-        "ltx-video-block", "hunyuan-double-block", "llama3-8b-layer", "h3-block", "h3-model")},
+        "ltx-video-block", "ltx2-block", "hunyuan-double-block", "qwenimage-block", "zimage-block", "llama3-8b-layer",
+        "qwen3-moe-layer", "h3-block", "h3-model")},
     "wan-14b-model-2-layers": _wan_model_case,
     "llama3-8b-model-2-layers": _llama_model_case,
 }

@@ -39,6 +39,8 @@ PLAN_FAMILIES = {
     "flux2-double-block": "FLUX.2 Flux2TransformerBlock (diffusers): dim 6144, 48 heads, 512 text tokens",
     "flux2-single-block": "FLUX.2 Flux2SingleTransformerBlock (diffusers): dim 6144, 48 heads, 512 text tokens",
     "ltx-video-block": "LTX-Video LTXVideoTransformerBlock (diffusers): dim 2048, 32x64 heads, 128 text tokens",
+    "ltx2-block": "LTX-2 LTX2VideoTransformerBlock (diffusers): 4096-wide video over 32x128 heads, 2048-wide audio "
+                  "(834 rows), 1,024 text tokens, image-to-video (per-row modulation)",
     "hunyuan-double-block": "HunyuanVideo HunyuanVideoTransformerBlock (diffusers): dim 3072, 24x128 heads, 256 text "
                             "tokens",
     "qwenimage-block": "Qwen-Image QwenImageTransformerBlock (diffusers): dim 3072, 24x128 heads, 512 text tokens with "

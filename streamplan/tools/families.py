@@ -233,6 +233,27 @@ def _qwen3_moe_inputs(n: int, dev: torch.device, dt: torch.dtype) -> tuple:
             (freqs.cos().to(dt), freqs.sin().to(dt)))
 
 
+def _ltx2_block() -> nn.Module:
+    from diffusers.models.transformers.transformer_ltx2 import LTX2VideoTransformerBlock
+    return LTX2VideoTransformerBlock(4096, 32, 128, 4096, 2048, 32, 64, 2048)
+
+
+def _ltx2_block_inputs(n: int, dev: torch.device, dt: torch.dtype) -> tuple:
+    """As the LTX-2 model hands a block the image-to-video call (a timestep per video row: per-row modulation, the
+    cross-attention's scale/shift and gate per row), 1,024 text tokens, 834 audio rows (800 frames' worth)."""
+    audio = 834
+
+    def pair(rows: int, width: int) -> tuple:
+        ang = torch.rand(1, rows, width, device=dev)
+        return ang.cos(), ang.sin()
+    return (torch.randn(1, n, 4096, device=dev, dtype=dt), torch.randn(1, audio, 2048, device=dev, dtype=dt),
+            torch.randn(1, 1024, 4096, device=dev, dtype=dt), torch.randn(1, 1024, 2048, device=dev, dtype=dt),
+            torch.randn(1, n, 6 * 4096, device=dev, dtype=dt), torch.randn(1, 1, 6 * 2048, device=dev, dtype=dt),
+            torch.randn(1, n, 4 * 4096, device=dev, dtype=dt), torch.randn(1, 1, 4 * 2048, device=dev, dtype=dt),
+            torch.randn(1, n, 4096, device=dev, dtype=dt), torch.randn(1, 1, 2048, device=dev, dtype=dt), None, None,
+            pair(n, 4096), pair(audio, 2048), pair(n, 2048), pair(audio, 2048))
+
+
 def _bytes(elems_per_token: int) -> Callable[[torch.dtype], float]:
     return lambda dt: elems_per_token * torch.empty((), dtype=dt).element_size()
 
@@ -255,6 +276,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
            "tokens", _flux2(True), _flux2_inputs(True), _bytes(3 * 6144)),
     Family("ltx-video-block", "LTX-Video LTXVideoTransformerBlock (diffusers): dim 2048, 32x64 heads, 128 text tokens",
            _ltx_video_block, _ltx_video_inputs, _bytes(3 * 2048)),
+    Family("ltx2-block", "LTX-2 LTX2VideoTransformerBlock (diffusers): 4096-wide video over 32x128 heads, 2048-wide "
+           "audio (834 rows), 1,024 text tokens, image-to-video (per-row modulation)", _ltx2_block,
+           _ltx2_block_inputs, _bytes(3 * 4096)),
     Family("hunyuan-double-block", "HunyuanVideo HunyuanVideoTransformerBlock (diffusers): dim 3072, 24x128 heads, "
            "256 text tokens", _hunyuan_double_block, _hunyuan_inputs, _bytes(3 * 3072)),
     Family("qwenimage-block", "Qwen-Image QwenImageTransformerBlock (diffusers): dim 3072, 24x128 heads, 512 text "

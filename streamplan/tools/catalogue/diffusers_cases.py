@@ -263,13 +263,15 @@ _add("wan_vace", T + "transformer_wan_vace:WanVACETransformerBlock",
                                 _r(1, 6, 64, device=device, dtype=dtype),
                                 _pair(1, n, 1, 16, device=device, dtype=dtype)),
                                {}))
-# stays stock: a 3x3 depthwise convolution over the image plane in the MLP (neighbouring rows mix)
+# rows on the image plane (height, width as ints): linear attention's state contracted over every row in phase KV,
+# the MLP's 3x3 depthwise convolution over the plane run on each chunk widened by a line above and below
 _add("sana", T + "sana_transformer:SanaTransformerBlock",
      lambda c: c(64, 4, 16, num_cross_attention_heads=4, cross_attention_head_dim=16, cross_attention_dim=64),
      lambda n, device, dtype: ((_x(n, device, dtype),), dict(encoder_hidden_states=_txt(device, dtype),
                                                               timestep=_r(1, 6 * 64, device=device, dtype=dtype),
                                                               height=n // 20, width=20)),
-     row_output=None, streams=False, note="GLUMBConv MLP: a 3x3 convolution over the image plane mixes rows")
+     row_output=None, note="GLUMBConv MLP: a 3x3 convolution over the image plane (a halo of whole lines); linear "
+                           "attention (a contraction over every row)")
 # stays stock: the valid text tokens are picked with nonzero (a data-dependent length)
 _add("mochi", T + "transformer_mochi:MochiTransformerBlock", lambda c: c(64, 4, 16, 32),
      lambda n, device, dtype: ((_x(n, device, dtype), _txt(device, dtype, 32), _r(1, 64, device=device, dtype=dtype),
@@ -319,7 +321,8 @@ _add("consisid", T + "consisid_transformer_3d:ConsisIDBlock", lambda c: c(64, 4,
 
 
 _I2V = ("HunyuanVideo I2V: the first frame's rows (num_tokens) take their own modulation, sliced off the rows at a "
-        "fixed count: not row-local for a chunk that does not start at row 0")
+        "fixed count and joined back: each chunk takes its part of either side (graph.fixed_row_slices); chunks of "
+        "at least num_tokens + 2 rows, where the capture holds")
 
 
 def _hv_token_replace(n, device, dtype):
@@ -328,9 +331,9 @@ def _hv_token_replace(n, device, dtype):
 
 
 _add("hunyuan_video_i2v_double", T + "transformer_hunyuan_video:HunyuanVideoTokenReplaceTransformerBlock",
-     lambda c: c(4, 16, 2.0), _hv_token_replace, streams=False, note=_I2V)
+     lambda c: c(4, 16, 2.0), _hv_token_replace, note=_I2V)
 _add("hunyuan_video_i2v_single", T + "transformer_hunyuan_video:HunyuanVideoTokenReplaceSingleTransformerBlock",
-     lambda c: c(4, 16, 2.0), _hv_token_replace, streams=False, note=_I2V)
+     lambda c: c(4, 16, 2.0), _hv_token_replace, note=_I2V)
 
 
 def _refiner_mask(n, device):
@@ -609,9 +612,10 @@ def _helios_inputs(n, device, dtype):
 
 _add("helios", T + "transformer_helios:HeliosTransformerBlock",
      lambda c: c(64, 128, 4, "rms_norm_across_heads", True, 1e-6, guidance_cross_attn=True), _helios_inputs,
-     row_output=None, streams=False,
+     row_output=None,
      note="48 history rows then the current chunk's rows (original_context_length): the history, split off at that "
-          "count, skips the cross-attention and takes the t=0 modulation")
+          "count, skips the cross-attention and takes the t=0 modulation; each chunk takes its part of either side "
+          "(graph.fixed_row_slices), in chunks of at least original_context_length + 2 rows, where the capture holds")
 
 _add("kandinsky6_fused", T + "transformer_kandinsky6:Kandinsky6FusedTransformerDecoderBlock",
      lambda c: c(64, 32, 128, 16, 32, 32, 64, 16, True, True, True),
