@@ -156,3 +156,26 @@ def test_a_guard_on_the_row_count_is_kept_only_where_sympy_proves_it():
     assert provable(sympy.Eq(Max(rows, 2 * rows), 2 * rows))
     assert not provable(sympy.Gt(rows, 150))
     assert not provable(sympy.Eq(Min(rows, 64), rows))
+
+
+def test_a_failure_inside_torchs_shape_arithmetic_is_named_not_a_bare_number():
+    """torch's sympy ``Mod`` asserts with the bare number it was given (seen from FalconH1's Mamba-2 mixer): the
+    report names where it failed and the number, instead of torch's message-less guard."""
+    import sympy
+    from torch.utils._sympy.functions import Mod
+    from streamplan.graph.export import _reason
+    with pytest.raises(AssertionError) as info:
+        Mod(sympy.Rational(-1, 3), sympy.Integer(2))
+    reason = _reason(info.value)
+    assert "symbolic shape arithmetic on the row count" in reason and "-0.3333" in reason, reason
+
+
+def test_packed_unbatched_streams_take_their_rows_from_the_longest():
+    """Cosmos 3's decoder layer takes packed [tokens, features] streams (a text prefix, then the generation rows):
+    with no 3-D input the rows are the longest stream's; a block with no input of either kind says so."""
+    from streamplan.graph.export import rows_of_call, rows_problem
+    text, gen, cos = torch.randn(24, 8), torch.randn(300, 8), torch.randn(300, 4)
+    assert rows_of_call((text, gen, (cos, cos)), {}) == 300
+    assert rows_of_call((torch.randn(1, 40, 8), gen), {}) == 40   # a [batch, rows, features] input comes first
+    assert rows_of_call((torch.randn(4, 8),), {}) is None           # too few tokens to be a stream
+    assert "packed [tokens, features]" in rows_problem((torch.randn(4, 8),), {})

@@ -24,7 +24,6 @@ STOCK = {   # blocks that stay stock on the generic path, and the reason the rep
     # them in a ModuleList, so the parts are what is captured
     "t5_film_decoder": "captured diffusers.T5LayerSelfAttentionCond L1",
     "anyflow_far": "attention backend 'flex' has no streamplan consumer",
-    "cosmos3": "no [batch, rows, features] input",                      # unbatched packed sequences
     "wan_animate2": "an argument of type BlockMask",   # its cache is read, but its flex attention takes a BlockMask
     "kandinsky6_sr": "capture failed",      # NABLA's 64-row blocks fix the row count
     # the rows unflattened into (frames, height, width): a frame's line laid over two dimensions

@@ -7,6 +7,7 @@ import inspect
 import logging
 import re
 import time
+import traceback
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, fields, is_dataclass
 from typing import Any, Callable, Iterator, NamedTuple
@@ -51,11 +52,21 @@ class Captured:
 
 def rows_of_call(args: tuple, kwargs: dict) -> int | None:
     """The row count of a block call: dim 1 of its first [batch, rows, features] tensor, or dim 0 of a
-    sequence-first [rows, 1, features] one (the capture marks every size equal to it as the rows, wherever it is)."""
-    for leaf in pytree.tree_leaves((args, kwargs)):
-        if isinstance(leaf, torch.Tensor) and leaf.dim() == 3:
+    sequence-first [rows, 1, features] one, or with neither, of its longest packed [tokens, features] stream (the
+    capture marks every size equal to it as the rows, wherever it is)."""
+    leaves = [leaf for leaf in pytree.tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)]
+    for leaf in leaves:
+        if leaf.dim() == 3:
             return leaf.shape[0] if _sequence_first(leaf) else leaf.shape[1]
-    return None
+    return _packed_rows(leaves)
+
+
+def _packed_rows(leaves: list[torch.Tensor]) -> int | None:
+    """With no 3-D input, packed unbatched [tokens, features] streams (a text prefix beside the generated rows, their
+    rotary tables beside them): the rows are the longest stream's (every size equal to it is then the rows, as for
+    the 3-D rule)."""
+    return max((t.shape[0] for t in leaves if t.dim() == 2 and t.shape[0] >= SEQUENCE_FIRST_MIN
+                and t.is_floating_point()), default=None)
 
 
 SEQUENCE_FIRST_MIN = 16   # a [rows, 1, features] input is sequence-first from this many rows (fewer: a batch)
@@ -70,7 +81,7 @@ def rows_problem(args: tuple, kwargs: dict) -> str:
     first = next((leaf for leaf in pytree.tree_leaves((args, kwargs))
                   if isinstance(leaf, torch.Tensor) and leaf.dim() == 3), None)
     if first is None:
-        return "no [batch, rows, features] input to take rows from"
+        return "no [batch, rows, features] input (nor a packed [tokens, features] one) to take rows from"
     if first.shape[0] > 1 >= first.shape[1]:
         return (f"its first 3-D input is {tuple(first.shape)}: a sequence-first [rows, batch, features] layout "
                 "(rows are read from dim 1 of [batch, rows, features]) is not streamed")
@@ -200,12 +211,28 @@ def _export(export, module: nn.Module, args: tuple, kwargs: dict, dynamic: dict)
         return program, True
 
 
+_NO_MESSAGE = "inside torch.export's guard on the row count, with no message"
+
+
+
+def _number(text: str) -> str:
+    try:
+        return f"{float(sympy.Rational(text)):.4g}"
+    except (TypeError, ValueError):
+        return text
+
+
 def _reason(exc: Exception) -> str:
     if isinstance(exc, OpaqueRefused):   # a module of a known kind that may not run by chunks: its own reason
         return str(exc)
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     if re.fullmatch(r"[-+0-9./e ]+", text):   # a bare number out of torch's own guard code: nothing a user can read
-        text = "inside torch.export's guard on the row count, with no message (a shape that holds for some counts)"
+        frames = traceback.extract_tb(exc.__traceback__)
+        if frames and "_sympy" in frames[-1].filename:   # torch's own shape arithmetic on the row count
+            text = (f"inside torch's symbolic shape arithmetic on the row count: {_number(text)} in a modulus (a "
+                    "size the block computes from the rows is not a whole, positive count for every row count)")
+        else:
+            text = f"{_NO_MESSAGE} (a shape that holds for some counts)"
     return f"capture failed ({type(exc).__name__}: {text[:200]})"
 
 
@@ -401,7 +428,9 @@ class _Trace:
                 self.failed = failed or bool(first_reason)
                 return program, lo
             except Exception as exc:  # noqa: BLE001 -- any capture failure keeps the module stock, with the reason
-                first_reason, self.failed = first_reason or _reason(exc), True
+                reason, self.failed = _reason(exc), True   # the first, unless a later attempt says what it was
+                if not first_reason or (_NO_MESSAGE in first_reason and _NO_MESSAGE not in reason):
+                    first_reason = reason
                 tries += _guarded_retry(str(exc), joined, tries, self.rows)
         return first_reason
 

@@ -568,9 +568,9 @@ _add("bria_fibo2", T + "transformer_bria_fibo2:BriaFibo2TransformerBlock",
 _add("cosmos3", T + "transformer_cosmos3:Cosmos3VLTextMoTDecoderLayer", lambda c: c(64, 16, 4, 2, 128, False, 1e-6),
      lambda n, device, dtype: ((_r(TEXT, 64, device=device, dtype=dtype), _r(n, 64, device=device, dtype=dtype),
                                 (*_cs(TEXT, 16, device, dtype), *_cs(n, 16, device, dtype))), {}),
-     row_output=1, streams=False,
-     note="packed, unbatched [tokens, C] streams: a causal text (understanding) prefix, the generation rows attending "
-          "to the text and themselves; GQA")
+     row_output=1,
+     note="packed, unbatched [tokens, C] streams (the rows: the longest, the generation stream): a causal text "
+          "(understanding) prefix, the generation rows attending to the text and themselves; GQA")
 
 
 def _ernie_inputs(n, device, dtype):
