@@ -121,3 +121,22 @@ def test_a_plane_convolution_whose_reach_is_not_proved_stays_stock_named(kwargs,
         assert not [p for p in handle.plans.get("", []) if p.tier != "L0"], handle.report()
         assert reason in handle.report(), handle.report()
         assert torch.equal(out, ref)
+
+
+@torch.no_grad()
+def test_one_capture_serves_every_height_of_a_grid():
+    """The line count is computed from the rows in the capture, so a second height reuses the first's capture
+    (the signature holds "lines" where the height was), and streams exactly."""
+    block, args, kwargs = _sana(100, 40)
+    found, fresh = streamable(block, args, kwargs, 4000)
+    assert not isinstance(found, str), found
+    block2, args2, kwargs2 = _sana(60, 40)
+    again, fresh2 = streamable(block2, args2, kwargs2, 2400)
+    assert again is found and not fresh2
+    ref = block2(*args2, **kwargs2)
+    with streamed(block2, chunk_tokens=400) as handle:
+        out = block2(*args2, **kwargs2)
+        assert handle.plans[""][0].tier == "L1", handle.report()
+    assert rel_err(out, ref) <= 1e-5
+    _, _, other = _sana(40, 60)   # another width: another capture
+    assert streamable(block2, _sana(40, 60)[1], other, 2400)[0] is not found

@@ -14,7 +14,7 @@ from .contraction_phases import phase_kv_problem
 from .analyze import Analysis, op_name, analyze
 from .eager_attention import fuse_eager_attention
 from .phases import Phases, phases_of
-from .export import Captured, capture, rows_of_call, rows_problem, signature
+from .export import Captured, capture, rows_of_call, rows_problem, signatures
 from .opaque_layers import running  # noqa: F401  (declares the opaque layers' op and capture context)
 
 
@@ -48,16 +48,20 @@ def streamable(module: nn.Module, args: tuple, kwargs: dict, rows: int) -> tuple
     if isinstance(viewed, str):
         return viewed, False
     args, kwargs = viewed
-    key = signature(module, args, kwargs, rows)
+    # a grid's captures (its line count computed from the rows) serve every height: kept under a key with the height
+    # abstracted; any other capture, which may have baked the call's ints in, under the call's own
+    key, lines = signatures(module, args, kwargs, rows)
     # a capture that lifted a constant tensor (an unregistered tensor attribute) holds that instance's value: it is
     # kept under the instance as well, and other instances capture on their own
-    for k in (key + (id(module),), key):
+    for k in (lines + (id(module),), lines, key + (id(module),), key):
         if k in _CACHE:
             return _CACHE[k], False
     cap = capture(module, args, kwargs, rows)
     if isinstance(cap, str):
         _CACHE[key] = cap
         return cap, True
+    if cap.row_unit > 1:
+        key = lines
     fuse_eager_attention(cap.graph)   # attention written by hand: one op the analysis knows
     placeholders = [n for n in cap.graph.nodes if n.op == "placeholder"]
     user = {n for n, (kind, _) in zip(placeholders, cap.inputs) if kind == "user"}

@@ -124,12 +124,22 @@ def _dyn_leaf(x: object) -> bool:
     return isinstance(x, (torch.Tensor, CacheView)) or x is None or _is_record(x)
 
 
-def signature(module: nn.Module, args: tuple, kwargs: dict, rows: int) -> tuple:
+def signatures(module: nn.Module, args: tuple, kwargs: dict, rows: int) -> tuple[tuple, tuple]:
+    """The call's ``signature``, and the one with a grid's line count abstracted (``_lines_abstracted``: the key a
+    grid capture is kept under; the same where the call has no grid)."""
+    own = signature(module, args, kwargs, rows)
+    abstracted = _lines_abstracted(module, args, kwargs, rows)
+    if abstracted is None:
+        return own, own
+    return own, signature(module, *abstracted, rows, offsets=joined_offsets(args, kwargs, rows))
+
+
+def signature(module: nn.Module, args: tuple, kwargs: dict, rows: int, offsets: set[int] | None = None) -> tuple:
     """What a capture depends on: the class and forward, each leaf's shape with the row count abstracted, dtypes,
     devices, the non-tensor leaves, and the call's structure."""
     _records(args, kwargs)
+    offsets = joined_offsets(args, kwargs, rows) if offsets is None else offsets
     leaves, spec = pytree.tree_flatten((args, kwargs))
-    offsets = joined_offsets(args, kwargs, rows)
     sig = []
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor):
@@ -141,6 +151,19 @@ def signature(module: nn.Module, args: tuple, kwargs: dict, rows: int) -> tuple:
             sig.append(type(leaf).__name__)
     fwd = type(module).forward
     return (type(module), getattr(fwd, "__code__", fwd), str(spec), tuple(sig), structure(module))
+
+
+def _lines_abstracted(module: nn.Module, args: tuple, kwargs: dict, rows: int) -> tuple[tuple, dict] | None:
+    """The call with a grid's line count (``grid_rows``: the height an image plane's rows are unflattened to) as
+    "lines", as the row count is abstracted: its capture computes it from the rows, so every height shares one; None
+    where the call has no grid."""
+    call = _bound_call(module, args, kwargs)
+    grid = _grid(call, rows) if not isinstance(call, str) else None
+    if grid is None:
+        return None
+    bound = inspect.signature(type(module).forward).bind(module, *args, **kwargs)
+    bound.arguments[grid.leading] = "lines"
+    return bound.args[1:], bound.kwargs
 
 
 _SIMPLE = (int, float, bool, str, type(None))
