@@ -93,10 +93,14 @@ def _llama_layer() -> nn.Module:
     return LlamaDecoderLayer(cfg, layer_idx=0)
 
 
-def _llama_inputs(n: int, dev: torch.device, dt: torch.dtype) -> tuple:
-    freqs = torch.randn(1, n, 128, device=dev)
-    return (torch.randn(1, n, 4096, device=dev, dtype=dt), None, None, None, False,
-            (freqs.cos().to(dt), freqs.sin().to(dt)))
+def _decoder_inputs(width: int) -> Callable:
+    """A transformers decoder layer's call as its model makes it: hidden states, no mask, ids or cache, and the
+    128-wide rotary tables."""
+    def inputs(n: int, dev: torch.device, dt: torch.dtype) -> tuple:
+        freqs = torch.randn(1, n, 128, device=dev)
+        return (torch.randn(1, n, width, device=dev, dtype=dt), None, None, None, False,
+                (freqs.cos().to(dt), freqs.sin().to(dt)))
+    return inputs
 
 
 def _h3_block() -> nn.Module:
@@ -227,12 +231,6 @@ def _qwen3_moe_layer() -> nn.Module:
     return Qwen3MoeDecoderLayer(cfg, layer_idx=0)
 
 
-def _qwen3_moe_inputs(n: int, dev: torch.device, dt: torch.dtype) -> tuple:
-    freqs = torch.randn(1, n, 128, device=dev)
-    return (torch.randn(1, n, 2048, device=dev, dtype=dt), None, None, None, False,
-            (freqs.cos().to(dt), freqs.sin().to(dt)))
-
-
 def _ltx2_block() -> nn.Module:
     from diffusers.models.transformers.transformer_ltx2 import LTX2VideoTransformerBlock
     return LTX2VideoTransformerBlock(4096, 32, 128, 4096, 2048, 32, 64, 2048)
@@ -294,9 +292,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
            "timestep per video row); --tokens counts video rows (2,040 a latent frame at 1920x1088)", _ltx2_model,
            _ltx2_model_inputs, _bytes(4096 * 3 + 2048 * 2)),
     Family("llama3-8b-layer", "Llama-3-8B LlamaDecoderLayer (transformers, sdpa): 4096 hidden, 32/8 heads",
-           _llama_layer, _llama_inputs, _bytes(4096 + 2 * 1024)),
+           _llama_layer, _decoder_inputs(4096), _bytes(4096 + 2 * 1024)),
     Family("qwen3-moe-layer", "Qwen3-30B-A3B Qwen3MoeDecoderLayer (transformers, sdpa): 2048 hidden, 32/4 heads, 128 "
-           "experts of 768, 8 a token", _qwen3_moe_layer, _qwen3_moe_inputs, _bytes(2048 + 2 * 512)),
+           "experts of 768, 8 a token", _qwen3_moe_layer, _decoder_inputs(2048), _bytes(2048 + 2 * 512)),
     Family("llama3-8b-model", "Llama-3-8B LlamaForCausalLM (transformers, sdpa), 32 layers: a prefill as generate "
            "runs it (no cache, the last position's logits); the whole forward planned", _llama_lm, _llama_lm_inputs,
            _bytes(4096 + 2 * 1024), {"use_cache": False, "logits_to_keep": 1}),
