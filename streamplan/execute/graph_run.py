@@ -11,6 +11,7 @@ from typing import Any, Callable
 import torch
 from torch import fx
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .call_state import rehearsing
 from .chunk_loop import MAX_SPLITS, attempt, chunk_bounds
@@ -87,6 +88,10 @@ class GraphRun:
                 self.base[node] = module.get_buffer(ref)
             else:
                 self.base[node] = cap.program.constants[ref]
+            if is_traceable_wrapper_subclass(self.base[node]):
+                # the graph reads a tensor subclass's parts by the names its flatten gives them, and a subclass may
+                # only set those names when flattened (comfy_kitchen's QuantizedTensor weights)
+                self.base[node].__tensor_flatten__()
         # L6: inputs in host memory (``host_rows``), each chunk's rows copied to the compute device
         self.sources = {n: host[id(v)] for n, v in self.base.items() if host and id(v) in host}
         self.kv: dict[fx.Node, tuple[torch.Tensor, torch.Tensor]] = {}
