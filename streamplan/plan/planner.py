@@ -473,6 +473,9 @@ class KVOption:
     # 0: the block cannot attend a span of several chunks at once (``runs.graph.whole_output_problem``)
     q_row: int = 0
     out_row: int = 0
+    # device bytes the call's cache adds when it is filled after phase Q from this store (a cache that takes the
+    # store's host rows as they are: an offloading cache's prefetch of another layer)
+    fill: int = 0
 
 
 @dataclass(frozen=True)
@@ -545,6 +548,10 @@ class GraphPlanRequest:
     pieces: tuple[int, ...] = ()   # other piece counts the planner may try (none: no row-local runs, or forced)
     # a piece count's (transient, transient_kv), priced by the same memory model with its runs in that many pieces
     priced: Callable[[int], tuple[Callable[[int, int], int], Callable[[int, int, int], int] | None]] | None = None
+    fill: int = 0        # device bytes the call's cache adds at its fill, after phase Q, with K/V whole on the device
+    fill_host: int = 0   # host bytes that cache keeps then (an offloading cache's copy)
+    # ``transient`` without the fill (a store's spans: K/V in the store, the cache's fill priced by the store)
+    bare: Callable[[int, int], int] | None = field(default=None, repr=False, compare=False)
     # at_attention's answers: a graph walk each, asked for again and again by the store searches
     _at_attention: dict[tuple[int, int, int], int] = field(default_factory=dict, init=False, repr=False,
                                                            compare=False)
@@ -559,15 +566,23 @@ class GraphPlanRequest:
                                  "the device")
             fixed, groups, head_groups, kv_options = fixed + self.whole_q, (), None, ()
         # a graph walk per (chunk, slice[, bytes alive at the attention]): the searches ask for the same ones often
+        bare = functools.lru_cache(maxsize=None)(self.transient)
         return replace(self, fixed=fixed, groups=groups, head_groups=head_groups, kv_options=kv_options,
-                       transient=functools.lru_cache(maxsize=None)(self.transient))
+                       transient=self._filled(bare), bare=bare)
 
     def with_pieces(self, pieces: int) -> GraphPlanRequest:
         """This request with its row-local runs in ``pieces`` pieces: its transients priced so, its plans carrying
         the count."""
         transient, transient_kv = self.priced(pieces)
-        return replace(self, transient=functools.lru_cache(maxsize=None)(transient), transient_kv=transient_kv,
-                       row_pieces=pieces, pieces=())
+        bare = functools.lru_cache(maxsize=None)(transient)
+        return replace(self, transient=self._filled(bare), bare=bare, transient_kv=transient_kv, row_pieces=pieces,
+                       pieces=())
+
+    def _filled(self, transient: Callable[[int, int], int]) -> Callable[[int, int], int]:
+        """``transient`` with the cache's fill as one more moment beside the whole buffers: after phase Q, whose
+        transients are gone by then, K/V still whole."""
+        fill = self.fill
+        return transient if not fill else lambda c, sl: max(transient(c, sl), fill)
 
     def variants(self) -> list[GraphPlanRequest]:
         """This request, then one per piece count the planner may try (fewest first: fewer, larger kernels), where
@@ -601,21 +616,24 @@ class GraphPlanRequest:
         key = (c, sl, extra)
         if key not in self._at_attention:
             self._at_attention[key] = (self.transient_kv(c, sl, extra) if self.transient_kv is not None
-                                       else self.transient(c, sl) + c * extra)
+                                       else (self.bare or self.transient)(c, sl) + c * extra)
         return self._at_attention[key]
 
     def peak_kv(self, opt: KVOption, chunk: int, sl: int, blk: int, g: int = 1, span: int = 0) -> int:
         """K/V in a store: what it keeps on the device, one block of it, and the chunk (or Q span) attending it."""
         rows = self.rows
         c = min(chunk, rows)
-        base = self.fixed - self.kv + opt.resident + min(blk, rows) * opt.block_row // g
+        held = self.fixed - self.kv
+        base = held + opt.resident + min(blk, rows) * opt.block_row // g
+        filled = held + opt.fill   # the cache's fill, after the store's buffers are let go
         if span <= c:
-            return base + self.at_attention(c, sl, opt.merge_row // g + opt.whole_row)
+            return max(base + self.at_attention(c, sl, opt.merge_row // g + opt.whole_row), filled)
         # a span: its Q whole, then attended (the merge over the span's rows; with head groups, the output apart),
         # then its chunks run beside the span's output (or its Q, while being built)
         s = min(span, rows)
         attending = s * (opt.q_row + opt.merge_row // g + opt.whole_row + (opt.out_row if g > 1 else 0))
-        return base + max(attending, s * max(opt.q_row, opt.out_row) + self.transient(c, sl))
+        bare = self.bare or self.transient
+        return max(base + max(attending, s * max(opt.q_row, opt.out_row) + bare(c, sl)), filled)
 
     def make(self, tier: Tier, chunk: int, sl: int = 0, g: int = 1, opt: KVOption | None = None, blk: int = 0,
              span: int = 0) -> Plan:
@@ -641,10 +659,10 @@ class GraphPlanRequest:
             kv = opt.resident + min(blk, rows) * opt.block_row // g
             return Plan(opt.tier, rows, chunk, sl, peak, stock, kv=opt.kind,
                         kv_block=blk, host_traffic=host_traffic(opt, rows, span or chunk), head_groups=g,
-                        q_span=span, parts=peak_parts(peak, kv, self.fixed - self.kv))
+                        q_span=span, host_bytes=opt.host_bytes, parts=peak_parts(peak, kv, self.fixed - self.kv))
         peak = self.peak(chunk, sl, g)
         kv, held = (self.kv // g, self.fixed - self.kv + self.attn_out) if g > 1 else (self.kv, self.fixed - self.kv)
-        return Plan(tier, rows, chunk, sl, peak, stock, head_groups=g,
+        return Plan(tier, rows, chunk, sl, peak, stock, head_groups=g, host_bytes=self.fill_host,
                     q="whole" if self.whole_q else "chunks", parts=peak_parts(peak, kv, held))
 
     @property
@@ -690,7 +708,8 @@ def plan_graph(rows: int, fixed: int, transient, stock: int, *, chunk_tokens: in
                kv_store: str = "device", costs: Costs = Costs(),
                transient_kv: Callable[[int, int, int], int] | None = None, whole_q: int = 0,
                q_span: int | None = None, row_pieces: int = 1, pieces: tuple[int, ...] = (),
-               priced: Callable[[int], tuple[Callable, Callable | None]] | None = None) -> Plan:
+               priced: Callable[[int], tuple[Callable, Callable | None]] | None = None, fill: int = 0,
+               fill_host: int = 0) -> Plan:
     """A captured block: whole buffers (``fixed``: K and V, the outputs) plus ``transient(chunk, ffn_slice)``, one
     chunk's values at their worst moment, both read off the graph. ``ffn``: the widest feature-sliceable MLP (0: none),
     for L2. L3 (``groups``: the head-group counts the graph allows): K and V of one group of heads at a time
@@ -705,13 +724,15 @@ def plan_graph(rows: int, fixed: int, transient, stock: int, *, chunk_tokens: in
     stores would split that call). ``q_span``: a forced store at a fixed chunk attends this many query rows per pass
     (where its option allows spans: ``KVOption.q_row``). ``row_pieces``: the row pieces ``transient`` is priced with;
     ``pieces``: other counts the planner may cut the block's row-local runs in, each priced by ``priced(count)``
-    (its ``transient`` and ``transient_kv``): a lower peak per row buys larger chunks for more launches."""
+    (its ``transient`` and ``transient_kv``): a lower peak per row buys larger chunks for more launches. ``fill``:
+    device bytes a cache the call fills adds after phase Q, beside K/V still whole on the device (``fill_host``: the
+    host bytes it keeps then); with K/V in a store, its option's ``fill``."""
     request = GraphPlanRequest(
         rows, fixed, transient, stock, chunk_tokens=chunk_tokens, budget=budget, min_chunk=min_chunk, waves=waves,
         ffn=ffn, ffn_slice=ffn_slice, kv=kv, attn_out=attn_out, groups=groups, head_groups=head_groups,
         kv_options=kv_options, kv_store=kv_store, costs=costs, transient_kv=transient_kv, whole_q=whole_q,
         q_span=q_span, row_pieces=row_pieces, pieces=pieces if priced is not None else (),
-        priced=priced).normalised()
+        priced=priced, fill=fill, fill_host=fill_host).normalised()
     plan = _chosen(request)
     plan.predicted_time_ratio = request.time_ratio(plan)
     return plan
@@ -898,10 +919,10 @@ class _StoreFit(NamedTuple):
 
 
 def _fit_store(request: GraphPlanRequest, opt: KVOption, floor: int) -> Plan | None:
-    """The fastest (Q chunk, Q span, K/V block, head groups, MLP slice) this store reaches under the budget, by
-    the estimated extra time where the device's rates are known (passes over the store, and a cost per chunk),
-    else the largest Q chunk, then the largest span, then the largest block."""
-    r, best = request, None
+    """The fastest (Q chunk, Q span, K/V block, head groups, MLP slice) this store reaches under the budget: where
+    the device's rates are known, by the time model the planner ranks every tier by (ties: the store's estimated
+    extra time); else the largest Q chunk, then the largest span, then the largest block."""
+    r, fits = request, []
     for g in opt.groups:
         for sl in (0, 4096, 2048, 1024, 256) if r.ffn else (0,):
             if sl and sl >= r.ffn:
@@ -909,10 +930,15 @@ def _fit_store(request: GraphPlanRequest, opt: KVOption, floor: int) -> Plan | N
             for blk in sorted({min(b, r.rows) for b in KV_BLOCKS}, reverse=True):
                 for m in SPAN_FACTORS if opt.q_row else (1,):
                     fit = _store_fit(r, opt, floor, g, sl, blk, m)
-                    if fit is not None and (best is None or fit.key < best.key):
-                        best = fit
-    return None if best is None else r.make(opt.tier, best.chunk, best.sl, best.g, opt=opt, blk=best.blk,
-                                            span=best.span)
+                    if fit is not None:
+                        fits.append(fit)
+    plans = [(fit.key, r.make(opt.tier, fit.chunk, fit.sl, fit.g, opt=opt, blk=fit.blk, span=fit.span))
+             for fit in fits]
+    if not plans:
+        return None
+    if r.timed:
+        return min(plans, key=lambda kp: (r.time_ratio(kp[1]), kp[0]))[1]
+    return min(plans, key=lambda kp: kp[0])[1]
 
 
 def _store_fit(request: GraphPlanRequest, opt: KVOption, floor: int, g: int, sl: int, blk: int,
