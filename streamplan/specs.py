@@ -94,6 +94,16 @@ class Segment:
         return self.source.shape[1]
 
 
+@dataclass(frozen=True, eq=False)
+class KVFrame:
+    """K/V buffers of ``keys`` rows, zeros but for the call's rows from row 0 and what ``fill(k, v)`` writes into
+    them ([B, keys, Hkv, D]): the padded layout a flex ``BlockMask`` indexes, with keys that are not the call's rows
+    (a read cache's)."""
+
+    keys: int
+    fill: Callable[[torch.Tensor, torch.Tensor], None]
+
+
 @dataclass(eq=False)
 class AttentionCall:
     """One call of a recognised attention module, taken apart into row-local functions."""
@@ -111,10 +121,15 @@ class AttentionCall:
     mask_rows: Callable[[int, int], torch.Tensor] | None = None  # builds the mask of joint rows [a:b) on demand
     kv_whole: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None  # cross-attention: [B, S, Hkv, D]
     cache_update: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
+    kv_frame: KVFrame | None = None                 # the rows' K/V placed in a longer buffer (a flex mask's layout)
 
     @property
     def rows(self) -> int:
         return sum(s.rows for s in self.segments)
+
+    @property
+    def keys(self) -> int:
+        return self.kv_frame.keys if self.kv_frame is not None else self.rows
 
 
 Binder = Callable[[tuple, dict], "AttentionCall | str"]
@@ -251,12 +266,20 @@ class GraphSpec:
 @dataclass(eq=False)
 class AdaptedCall:
     """A call as a captured graph can take it: an object the graph cannot hold (a KV cache) taken out, and what the
-    stock call would have done with it done afterwards from the graph's own K and V ([B, Hkv, N, D])."""
+    stock call would have done with it done afterwards from the graph's own K and V ([B, Hkv, N, D]).
+
+    ``held``: where the cache keeps what it is filled with, "device" or "host" (an offloading cache, which also
+    brings one other layer's K/V to the device as it is filled). ``host_fill``: fills it from K/V rows in host memory
+    taken as they are, no copy (``(k, v, device)``: views of host buffers, the device the layer computes on); None
+    where the cache takes device K/V alone (``host_problem`` says why, for a cache held on the host)."""
 
     args: tuple
     kwargs: dict
     kv_heads: int                                               # the K/V heads ``fill`` expects
     fill: Callable[[torch.Tensor, torch.Tensor], None]
+    held: Literal["device", "host"] = "device"
+    host_fill: Callable[[torch.Tensor, torch.Tensor, torch.device], None] | None = None
+    host_problem: str = ""
 
 
 @dataclass(eq=False)

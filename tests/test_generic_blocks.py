@@ -23,11 +23,11 @@ STOCK = {   # blocks that stay stock on the generic path, and the reason the rep
     # its three layers stream (the self-attention's classic processor found as one attention); the layer itself holds
     # them in a ModuleList, so the parts are what is captured
     "t5_film_decoder": "captured diffusers.T5LayerSelfAttentionCond L1",
-    "anyflow_far": "attention backend 'flex' has no streamplan consumer",
-    "wan_animate2": "an argument of type BlockMask",   # its cache is read, but its flex attention takes a BlockMask
+    # flex has a consumer (attention.flex); padding the rows to a multiple of 128 fixes the row count in the capture
+    "anyflow_far": "capture failed (UserError: Constraints violated (L['rotary_emb']['key']",
+    # its cache is read, but its flex attention takes a BlockMask; its self-attention streams as a part
+    "wan_animate2": "an argument of type BlockMask",
     "kandinsky6_sr": "capture failed",      # NABLA's 64-row blocks fix the row count
-    # the rows unflattened into (frames, height, width): a frame's line laid over two dimensions
-    "sana_video": "lays a line over several dimensions",
     "sana_wm": "capture failed",
     "rfd4_proteina": "2 row dimensions",    # the [B, N, N, C] pair representation
     # the whole text refiner pools its rows for its timestep embedding: its blocks stream, the rest stays stock
@@ -44,6 +44,10 @@ FLOOR_BOUND = {f"{fam}_refiner_block": 3.5 for fam in ("hunyuan_video", "hunyuan
 # the case's 400 rows, so one chunk (measured 4.35x the floor, 0.94x stock); tests/test_fixed_row_slices.py streams it
 # where the current rows are fewer
 FLOOR_BOUND["helios"] = 5.0
+# Sana-Video's temporal convolution reads one frame either side: its chunks are two whole frames (200 rows of the
+# case's 4 x 5 x 20, the fewest its capture holds) run widened to three, so a chunk runs on 300 of the 400 rows
+# (measured 2.57x the floor, 0.78x stock); tests/test_grid_halo_frames.py streams it at more frames
+FLOOR_BOUND["sana_video"] = 2.75
 
 
 def _rel(out, ref):

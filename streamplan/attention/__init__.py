@@ -12,6 +12,7 @@ from typing import Iterator, Protocol
 
 import torch
 
+from .flex import Q_BLOCK, FlexConsumer
 from .sdpa import SDPAConsumer
 
 
@@ -123,7 +124,10 @@ def unsupported(consumer: AttentionConsumer, *, heads: int, kv_heads: int, head_
 SDPA = SDPAConsumer(ConsumerCaps(kv_blocks_lse=True, softcap=True, sinks=True))
 for _name in ("sdpa", "eager", "native"):   # eager attention is the same math as SDPA's
     register_consumer(_name, SDPA)
+# flex: a call with a BlockMask one Q chunk at a time (chunks start on the mask's query blocks); plain SDPA otherwise
+FLEX = FlexConsumer(ConsumerCaps(q_align=Q_BLOCK), SDPA)
+register_consumer("flex", FLEX)
 
 __all__ = ["ConsumerCaps", "AttentionConsumer", "register_consumer", "unregister_consumer", "consumer_for",
            "graph_consumer", "graph_consumer_scope",
-           "unsupported", "SDPA"]
+           "unsupported", "SDPA", "FLEX"]

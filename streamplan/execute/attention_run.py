@@ -14,19 +14,22 @@ def build_kv(call: AttentionCall, chunk: int,
     if call.kv_whole is not None:
         return call.kv_whole()
     g0, g1 = heads or (0, call.kv_heads)
-    shape = (call.batch, call.rows, g1 - g0, call.head_dim)
+    shape = (call.batch, call.keys, g1 - g0, call.head_dim)
+    make = torch.Tensor.new_empty if call.kv_frame is None else torch.Tensor.new_zeros   # a frame: padding is zeros
     buffers: list[torch.Tensor] = []
     start = 0
     for seg in call.segments:
         def work(a: int, b: int, seg=seg, start=start) -> None:
             k, v = seg.kv(seg.source[:, a:b], a, b)
             if not buffers:
-                buffers.extend((k.new_empty(shape), v.new_empty(shape)))
+                buffers.extend((make(k, shape), make(v, shape)))
             buffers[0][:, start + a:start + b] = k[:, :, g0:g1]
             buffers[1][:, start + a:start + b] = v[:, :, g0:g1]
 
         for_chunks(seg.rows, chunk, work)
         start += seg.rows
+    if call.kv_frame is not None:   # the keys that are not the call's rows
+        call.kv_frame.fill(buffers[0], buffers[1])
     return buffers[0], buffers[1]
 
 

@@ -322,6 +322,9 @@ def _signature(ctx: CallContext, call: GraphCall, tensors: list) -> tuple:
         sig += ("host rows",)
     if call.whole_q:   # planned apart from chunked-Q calls of the same shapes
         sig += ("whole q",)
+    if call.adapted is not None:   # planned apart from the same call without its cache (the fill is priced, and
+        # a cache that takes host rows allows a store)
+        sig += (("cache", call.adapted.held, call.adapted.host_fill is not None),)
     if call.row_mask is not None:
         sig += (("row mask", call.row_mask.window),)
         ctx.note("its attention mask built a Q chunk's rows at a time, against the keys they can see"
@@ -472,15 +475,17 @@ def plan_for_budget(call: GraphCall, o, budget: int | None) -> Plan:
 
     transient, transient_kv = priced(given)
     pieces = ROW_PIECES if o.row_pieces is None and phase_runs(found) else ()
+    # a cache the call fills: what it adds once phase Q is done (stock fills it as its attention runs: beside its peak)
+    fill, fill_host = kv_tiers.cache_bytes(call.adapted, mem.kv_bytes)
     return plan_graph(rows, mem.kv_bytes + mem.out_bytes, transient,
                       # stock's one call has its workspace too, and its host rows brought whole
-                      mem.stock(order) + mask_bytes(rows) + ws(rows) + host_in(rows) + _eager_scores(an, rows),
+                      mem.stock(order) + mask_bytes(rows) + ws(rows) + host_in(rows) + _eager_scores(an, rows) + fill,
                       chunk_tokens=o.chunk_tokens, budget=budget,
                       min_chunk=UTILISATION_FLOOR.get(call.device.type, 0), waves=costs.waves,
                       ffn=max((r.ffn for r in regions), default=0), ffn_slice=o.ffn_slice,
                       kv=mem.kv_bytes, attn_out=costs.attn_out, groups=call.groups, head_groups=o.head_groups,
                       transient_kv=transient_kv, whole_q=q_whole, q_span=o.q_span, row_pieces=given, pieces=pieces,
-                      priced=priced, **call.kv_args)
+                      priced=priced, fill=fill, fill_host=fill_host, **call.kv_args)
 
 
 # -- stage 3: the call run -----------------------------------------------------------------------------------------
@@ -509,8 +514,10 @@ def run_call(ctx: CallContext, call: GraphCall, plan: Plan) -> Any:
     run = graph_run(plan.ffn_slice if plan.tier in SLICED_TIERS else 0, 0 if o.fuse else plan.chunk, **stores)
     if call.par is not None:
         run.no_retries()   # a chunk retried alone would leave the other ranks waiting in its exchanges
-    if plan.kv != "device" and run.kv_store is None:   # L4/L5: K/V into a store, attended block by block
-        out = kv_tiers.run_stored(ctx, call.sig, run, plan, call.device, call.consumer, call.donate)
+    if plan.kv != "device" and run.kv_store is None:   # L4/L5: K/V into a store, attended block by block (a cache
+        # filled from it takes its host rows: the planner offers a store to no other cache)
+        fill = call.adapted.host_fill if call.adapted is not None else None
+        out = kv_tiers.run_stored(ctx, call.sig, run, plan, call.device, call.consumer, call.donate, fill)
         _note_chains(ctx.note, run)
         return out
     if plan.tier == Tier.L3 or plan.q == "whole":   # the attention output whole, read by rows in phase Q

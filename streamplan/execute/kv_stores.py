@@ -115,6 +115,11 @@ class KVStore:
     def host_bytes(self) -> int:
         return 0
 
+    def host_kv(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Every row's K and V as ``[B, Hkv, rows, D]`` views of host memory, or None where the store holds them
+        otherwise (what a cache that keeps K/V on the host takes as they are)."""
+        return None
+
     def release(self) -> None:
         pass
 
@@ -224,6 +229,20 @@ class HostStore(KVStore):
 
     def host_bytes(self) -> int:
         return 2 * self.hk.numel() * self.hk.element_size()
+
+    def host_kv(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """In one head group, the host rows as ``[B, Hkv, rows, D]`` views (they outlive ``release`` where held;
+        on CUDA written on a side stream: ``wait_written``). None in several groups: a group's heads are not a slice
+        of one such view."""
+        if self.groups != 1 or self.hk is None or self.hk.device.type == "meta":
+            return None
+        return _heads_first(self.hk[0]), _heads_first(self.hv[0])
+
+    def wait_written(self) -> None:
+        """The current stream waits for phase KV's copies out (after ``finish``, also once released): what reads the
+        host rows after it sees them whole."""
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_event(self._written)
 
     def release(self) -> None:
         if self.staging is not None:

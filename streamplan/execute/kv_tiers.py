@@ -7,6 +7,9 @@ so no call of it, the first included, may hold them).
 ``kv="device"`` (the default) is exact: K/V stay whole on the device wherever the budget allows; below the floor the
 planner takes the faster of L3 (head groups) and, on CUDA, L4 (host-staged K/V, in head groups of its own) by estimated
 extra time. ``kv="host"`` forces L4. ``kv="int8"`` and ``kv="fp8"`` (L5) are approximate and used only when asked for.
+A call that fills a cache keeps its K/V on the device, unless the cache keeps K/V in host memory and takes a host
+store's rows as they are (``AdaptedCall.host_fill``: an offloading cache): then L4 in one head group may hold them,
+and the cache is filled from the store's buffers; what each fill adds is priced (``cache_bytes``).
 (Host staging keeps its device block buffers through phase Q and makes every cross-stream use wait on an event: a buffer
 allocated for a new Q chunk and filled on the copy stream without a wait could overwrite memory the compute stream is
 still using for the previous chunk.)"""
@@ -47,8 +50,10 @@ def kv_problem(found, consumer, adapted: Any = None) -> str | None:
     if not getattr(consumer.caps, "kv_blocks_lse", False) or not callable(getattr(consumer, "attend_lse", None)):
         return (f"attention backend {consumer.name} does not attend K/V in blocks with a log-sum-exp "
                 f"(kv_blocks_lse): K/V stay whole on the device")
-    if adapted is not None:
-        return "the call's cache is filled from the whole K/V: they stay on the device"
+    if adapted is not None and adapted.host_fill is None:
+        return ("the call's cache is filled from the whole K/V: they stay on the device" if adapted.held == "device"
+                else f"the call's offloading cache is filled from device K/V ({adapted.host_problem}): they stay on "
+                     f"the device")
     for att in an.attentions:
         if getattr(att, "mask", None) is not None:
             return "a masked attention: its chunks attend K/V whole on the device"
@@ -74,15 +79,30 @@ def _ints(shape) -> list[int] | None:
     return out
 
 
-def kv_options(found, rows: int, device: torch.device, kinds: tuple[str, ...], spans: bool = False
-               ) -> tuple[KVOption, ...]:
+def cache_bytes(adapted: Any, kv_bytes: int, stored: bool = False) -> tuple[int, int]:
+    """(device, host) bytes the call's cache adds when it is filled after phase Q with K/V of ``kv_bytes``. From K/V
+    on the device: its own copy of them (a ``DynamicLayer`` concatenates onto an empty tensor; a quantized layer's
+    codes are fewer), which an offloading cache then moves to host memory, while it brings one other layer's K/V (as
+    many bytes, at most) to the device. ``stored``: from a host store the cache takes as it is: that other layer
+    alone, and no host bytes beyond the store's."""
+    if adapted is None:
+        return 0, 0
+    offloading = adapted.held == "host"
+    if stored:
+        return (kv_bytes if offloading else 0), 0
+    return kv_bytes * (2 if offloading else 1), (kv_bytes if offloading else 0)
+
+
+def kv_options(found, rows: int, device: torch.device, kinds: tuple[str, ...], spans: bool = False,
+               adapted: Any = None) -> tuple[KVOption, ...]:
     """The memory model of each store kind in ``kinds`` for this block at ``rows`` rows; ``spans``: the block can
-    attend a span of several chunks' queries in one pass (one global attention whose output phase Q reads by rows)."""
+    attend a span of several chunks' queries in one pass (one global attention whose output phase Q reads by rows);
+    ``adapted``: a cache filled from the store after phase Q (one head group: its rows are one view per K and V)."""
     an = found.analysis
     opts = []
     for kind in kinds:
         sk = store_kind(kind)
-        resident = host = block_row = merge_row = merge_io = whole_row = q_row = out_row = 0
+        resident = host = block_row = merge_row = merge_io = whole_row = q_row = out_row = whole = 0
         for att in an.attentions:
             kv_ = att.k.meta["val"]
             q = att.q.meta["val"]
@@ -97,6 +117,7 @@ def kv_options(found, rows: int, device: torch.device, kinds: tuple[str, ...], s
             if kind == "host" and device.type != "cpu":   # phase KV's two write buffers (execute.kv_stores)
                 resident += 2 * WRITE_ROWS * elems * e
             host += total * elems * e if sk.on_host else 0
+            whole += total * elems * e
             if kind == "host":   # two block buffers in turn on CUDA; in a CPU run views of host rows, which the CPU
                 row = 2 * elems * e if device.type != "cpu" else elems * e   # kernel copies contiguous
             else:                # the block expanded (K and V in the compute dtype) and its fp32 working copies
@@ -115,8 +136,9 @@ def kv_options(found, rows: int, device: torch.device, kinds: tuple[str, ...], s
                 q_row += B * H * D * q.element_size()
                 out_row += B * H * D * att.node.meta["val"].element_size()
         tier = Tier.L4 if sk.exact else Tier.L5
-        opts.append(KVOption(kind, tier, resident, block_row, merge_row, host, head_groups(an), merge_io, whole_row,
-                             q_row, out_row))
+        groups = head_groups(an) if adapted is None else (1,)
+        opts.append(KVOption(kind, tier, resident, block_row, merge_row, host, groups, merge_io, whole_row,
+                             q_row, out_row, cache_bytes(adapted, whole, stored=True)[0]))
     return tuple(opts)
 
 
@@ -146,9 +168,12 @@ def options_for(found, rows: int, device: torch.device, kv: str, consumer, adapt
     why = kv_problem(found, consumer, adapted)
     if why is not None:
         return (), why
+    if adapted is not None and kv in APPROXIMATE:
+        return (), "the call's cache is filled with exact K/V: they stay on the device"
     if kv == "device":   # L4 where the host is apart from the device and its cost is known: weighed against L3
-        return (kv_options(found, rows, device, ("host",), spans) if device.type in ("cuda", "meta") else ()), None
-    return kv_options(found, rows, device, (kv,), spans), None
+        return (kv_options(found, rows, device, ("host",), spans, adapted) if device.type in ("cuda", "meta")
+                else ()), None
+    return kv_options(found, rows, device, (kv,), spans, adapted), None
 
 
 def store_factory(kind: str, device: torch.device, block_rows: int, groups: int = 1) -> Callable[[Any], Any]:
@@ -201,9 +226,11 @@ def _probes(run, plan, consumer) -> dict:
     return probes
 
 
-def run_with_store(run, plan, device: torch.device, consumer, donate: dict, check: bool = False):
+def run_with_store(run, plan, device: torch.device, consumer, donate: dict, check: bool = False,
+                   fill: Callable[[torch.Tensor, torch.Tensor, torch.device], None] | None = None):
     """Phase KV into the plan's store, phase Q against its blocks. ``check`` (an approximate store's first call):
-    the store's error measured in a chunk's memory (``KVProbe``) between the phases. Returns ``(output, KVError or
+    the store's error measured in a chunk's memory (``KVProbe``) between the phases. ``fill``: a cache that takes the
+    store's host rows as they are (``AdaptedCall.host_fill``), filled after phase Q. Returns ``(output, KVError or
     None)``."""
     make = store_factory(plan.kv, device, plan.kv_block, plan.head_groups)
     probes = _probes(run, plan, consumer) if check and plan.kv in APPROXIMATE else {}
@@ -217,6 +244,7 @@ def run_with_store(run, plan, device: torch.device, consumer, donate: dict, chec
     run.attend_store = store_attend(consumer)
     with phase("phase KV"):
         run.build_kv(plan.chunk)
+    held = _host_rows(run) if fill is not None else None   # phase Q lets go of the store: its rows kept
     error = None
     if probes:
         extra, rows = sum(p.nbytes() for p in probes.values()), min(p.rows for p in probes.values())
@@ -231,19 +259,35 @@ def run_with_store(run, plan, device: torch.device, consumer, donate: dict, chec
         probes.clear()
     with phase("phase Q"):
         out = run.run_q(plan.chunk, donate, span=plan.q_span)
+    if held is not None:
+        store, k, v = held
+        store.wait_written()   # (phase Q's copies back waited for them already; a cache reads them on other streams)
+        fill(k, v, device)
     return out, error
 
 
-def run_stored(ctx: CallContext, sig: tuple, run, plan, device: torch.device, consumer, donate: dict) -> Any:
+def _host_rows(run) -> tuple[Any, torch.Tensor, torch.Tensor]:
+    """The one global attention's store and its K and V as views of its host rows (what a cache filled from them
+    takes)."""
+    (store,) = run.stores.values()
+    kv = store.host_kv()
+    if kv is None:   # the planner offers a cache-filling call one host store in one head group alone
+        raise RuntimeError(f"streamplan: a {store.kind} store in {store.groups} head group(s) has no host rows to "
+                           "fill a cache from")
+    return store, *kv
+
+
+def run_stored(ctx: CallContext, sig: tuple, run, plan, device: torch.device, consumer, donate: dict,
+               fill: Callable[[torch.Tensor, torch.Tensor, torch.device], None] | None = None) -> Any:
     """Run a planned L4/L5 call; an approximate store's first call per signature also measures its error
     (``run_with_store``), unless the block writes into its inputs (its Q, built ahead for the check, would read them
-    before phase KV changed them)."""
+    before phase KV changed them). ``fill``: a cache filled from the store's host rows after phase Q."""
     entry = ctx.entry
     measure = plan.kv in APPROXIMATE and sig not in entry.kv_errors and device.type != "meta" and not rehearsing()
     if measure and run.an.input_writes:
         ctx.note(f"kv={plan.kv}: error not measured (the block writes into its inputs)")
         measure = False
-    out, error = run_with_store(run, plan, device, consumer, donate, measure)
+    out, error = run_with_store(run, plan, device, consumer, donate, measure, fill)
     if measure and error is None:
         ctx.note(f"kv={plan.kv}: error not measured (no global attention's Q is [batch, heads, rows, head_dim])")
     if error is not None:
@@ -267,5 +311,5 @@ def plan_args(ctx: CallContext, found, rows: int, device: torch.device, consumer
     return {"kv_options": opts, "kv_store": kv, **timed}
 
 
-__all__ = ["check_kv", "kv_problem", "kv_options", "costs", "options_for", "plan_args", "run_stored", "run_with_store",
-           "KVError", "PROBE_ROWS"]
+__all__ = ["check_kv", "kv_problem", "cache_bytes", "kv_options", "costs", "options_for", "plan_args", "run_stored",
+           "run_with_store", "KVError", "PROBE_ROWS"]

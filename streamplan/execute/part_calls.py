@@ -17,7 +17,7 @@ from ..plan.planner import UTILISATION_FLOOR, AttentionDims, Tier, plan_attentio
 
 
 def attention_dims(spec: AttentionSpec, call: AttentionCall, consumer) -> AttentionDims:
-    kv_rows = call.rows
+    kv_rows = call.keys
     if call.kv_whole is not None:
         kv_rows = 0  # short cross-attention K/V: built whole, small; counted in the chunk transient
     elem = torch.empty((), dtype=call.dtype).element_size()
@@ -39,9 +39,12 @@ def workspace_row_bytes(consumer, call, elem: int) -> int:
     if declare is None:
         return 0
     kw = dict(heads=call.heads, head_dim=call.head_dim, elem=elem, causal=call.causal, masked=call.mask is not None)
-    device_type = getattr(call, "device_type", None)
-    if device_type is not None and "device_type" in inspect.signature(declare).parameters:
-        kw["device_type"] = device_type   # a consumer whose kernels allocate differently per device says so
+    declared = inspect.signature(declare).parameters
+    # a consumer whose kernels allocate differently per device, or per key (scores over every key), says so
+    for name, value in (("device_type", getattr(call, "device_type", None)), ("keys", getattr(call, "keys", None)),
+                        ("batch", getattr(call, "batch", None))):
+        if value is not None and name in declared:
+            kw[name] = value
     return declare(**kw)
 
 
@@ -128,7 +131,8 @@ def run_attention_spec(ctx: CallContext, args: tuple, kwargs: dict) -> Any:
     plan = ctx.plan(sig, lambda budget: plan_attention(
         attention_dims(spec, call, consumer), chunk_tokens=o.chunk_tokens, budget=budget,
         q_align=consumer.caps.q_align,
-        head_groups=o.head_groups, can_group=call.cache_update is None and call.kv_whole is None,
+        head_groups=o.head_groups,
+        can_group=call.cache_update is None and call.kv_whole is None and call.kv_frame is None,
         min_chunk=UTILISATION_FLOOR.get(device.type, 0)), args, kwargs, device)
     if plan.tier == Tier.L0:
         return entry.stock(*args, **kwargs)

@@ -194,11 +194,17 @@ def ledger_paused():
 
 
 def rehearsal_problem(args: tuple, kwargs: dict) -> str | None:
-    """Why a call cannot be rehearsed (None: it can): a cache that already holds tensors would have to be copied."""
+    """Why a call cannot be rehearsed (None: it can): a cache that already holds tensors would have to be copied, and
+    an empty one is filled in a copy, which some caches refuse (an offloading cache holds a stream)."""
     for leaf in pytree.tree_leaves((args, kwargs)):
         tensors = state_tensors(leaf)
         if tensors and any(t.numel() for t in tensors):
             return f"its {type(leaf).__name__} already holds tensors"
+        if tensors is not None:
+            try:
+                copy.deepcopy(leaf)
+            except (TypeError, copy.Error, RuntimeError) as exc:
+                return f"its {type(leaf).__name__} cannot be copied ({exc})"
     return None
 
 

@@ -19,7 +19,7 @@ from torch import fx
 from ..registries import ROW_LOCAL_CUSTOM_OPS
 from .op_names import REDUCE_OPS, NotRowLocal, op_name, pointwise
 from .pair_masks import NotSliceable, PairMask, is_pair_op, pair_mask
-from .grid_rows import PlaneConvRefused, grid_cut, lines_unit, plane_conv_halo
+from .grid_rows import CONV_OPS, GridConvRefused, grid_conv_halo, grid_cut, lines_unit
 
 aten = torch.ops.aten
 
@@ -31,8 +31,10 @@ class Rows:
     dim: int
     pre: int = 0
     post: int = 0
-    unit: int = 1    # rows per index of ``dim``: >1 where the rows are whole lines of a grid (``grid_rows``), the
-    # line's width the dimension right after
+    unit: int = 1    # rows per index of ``dim``: >1 where the rows are whole lines of a grid (``grid_rows``), the rest
+    # of a line in other dimensions
+    outer: int = 1   # a static extent merged in front of a grid's lines in ``dim`` (``view(batch * frames, ...)``):
+    # that many runs of lines one after another (only where ``unit`` > 1)
 
 
 @dataclass(eq=False)
@@ -162,6 +164,7 @@ class _Analyzer:
         self.s = symbol
         self.unit = unit           # rows per step of the symbol: the row count is ``unit * symbol`` (a grid)
         self.count = unit * symbol
+        self.outer = 1   # the static extent merged in front of a grid's lines in the current op's output (``Rows``)
         self.contractions: list = []   # ``row_contractions.RowContraction``
         self.halo_nodes: set[fx.Node] = set()   # ops that read rows around their own
         self.cuts = cuts   # what reads cuts along the rows at a fixed count (``fixed_row_slices``), or None
@@ -207,6 +210,12 @@ class _Analyzer:
         for i, size in enumerate(val.shape):
             e = self.expr(size)
             if self.s in e.free_symbols:
+                if self.outer > 1:   # whole lines of each of the merged runs, or refused
+                    if not lines_unit(e, self.s, self.unit, self.outer):
+                        raise NotRowLocal(f"a dimension of size {e}: a static dimension merged with the rows other "
+                                          f"than in front of whole lines of their grid")
+                    found.append((i, 0))
+                    continue
                 c = sympy.expand(e - self.count)
                 if not c.is_Integer and self.unit > 1 and lines_unit(e, self.s, self.unit):
                     found.append((i, 0))   # whole lines of a grid: ``out_rows`` gives their unit
@@ -233,12 +242,11 @@ class _Analyzer:
         dim, c = dims[0]
         if c != pre + post:
             raise NotRowLocal(f"{op_name(node.target)}: static rows do not add up ({c} vs {pre}+{post})")
-        unit = lines_unit(self.expr(val.shape[dim]), self.s, self.unit) if self.unit > 1 else None
+        unit = lines_unit(self.expr(val.shape[dim]), self.s, self.unit, self.outer) if self.unit > 1 else None
         if unit is not None:
-            if pre or post or dim + 1 >= val.dim() or self.expr(val.shape[dim + 1]) != unit:
-                raise NotRowLocal(f"{op_name(node.target)} moves a grid's width away from its lines (or lays a line "
-                                  f"over several dimensions)")
-            return Rows(dim, unit=unit)
+            if pre or post:   # the rest of a line may lie in any other dimensions (``grid_rows``)
+                raise NotRowLocal(f"{op_name(node.target)} joins static rows to a grid's lines")
+            return Rows(dim, unit=unit, outer=self.outer)
         return Rows(dim, pre, post)
 
     def in_rows(self, node: fx.Node) -> list[tuple[fx.Node, Rows]]:
@@ -257,6 +265,7 @@ class _Analyzer:
     # -- the walk -----------------------------------------------------------------------------------------------
     def run(self) -> None:
         for node in self.graph.nodes:
+            self.outer = 1
             if node.op == "placeholder":
                 self.placeholder(node)
             elif node.op == "call_function" and self.cuts is not None and self.cuts.reads_span(self, node):
@@ -332,6 +341,10 @@ class _Analyzer:
         if self.random(node):
             raise NotRowLocal(f"random op {name}")
         inputs = self.in_rows(node)
+        outers = {r.outer for _, r in inputs}
+        if len(outers) > 1:
+            raise NotRowLocal(f"{name} joins a grid's lines merged with a static dimension to lines merged otherwise")
+        self.outer = outers.pop() if outers else 1
         kind = ROW_LOCAL_CUSTOM_OPS.get((getattr(target, "namespace", None), name))
         if kind is not None and inputs:
             self.rows[node] = self.custom_row_local(node, kind, name, inputs, val)
@@ -358,6 +371,8 @@ class _Analyzer:
                 and node.target._schema.arguments[0].alias_info.is_write:
             self.rows[node] = self.in_place(node, name, inputs, val)
             return
+        if any(r.unit > 1 for _, r in inputs) and (name in _DIMMED or name in ("pad", "constant_pad_nd")):
+            grid_cut(self, name, args, inputs)
         if isinstance(val, (tuple, list)):
             self.rows[node] = self.multi(node, name, args, inputs, val)
             return
@@ -369,10 +384,9 @@ class _Analyzer:
         if is_pair_op(node) and self.two_row_dims(val):   # a key mask over the rows spread over rows x rows
             self.pair(node)
             return
-        if any(r.unit > 1 for _, r in inputs) and (name in _DIMMED or name in ("pad", "constant_pad_nd")):
-            grid_cut(self, name, args, inputs)
-        if name in ("conv2d", "convolution") and inputs and inputs[0][1].unit > 1:
-            self.rows[node] = self.plane_conv(node, name, args, inputs, val)
+        if name in CONV_OPS and inputs and (inputs[0][1].unit > 1 or inputs[0][1].dim != 2 or
+                                            inputs[0][0].meta["val"].dim() != 3):
+            self.rows[node] = self.grid_conv(node, name, args, inputs, val)
             return
         if name in ("conv1d", "convolution"):
             self.rows[node] = self.halo_conv(node, name, args, inputs, val)
@@ -452,14 +466,17 @@ class _Analyzer:
             self.add_halo(left, reach - left)
         return Rows(2)
 
-    def plane_conv(self, node: fx.Node, name: str, args: dict, inputs, val) -> Rows:
-        """A 2-D convolution over the rows' grid: a reach of whole lines around each of its own (``grid_rows``)."""
+    def grid_conv(self, node: fx.Node, name: str, args: dict, inputs, val) -> Rows:
+        """A convolution whose input has its rows (or the grid's lines) along its batch or a spatial axis: none or a
+        reach of whole lines around each of its own (``grid_rows.grid_conv_halo``)."""
         x_node, x = inputs[0]
         if x_node is not args.get("input") or len(inputs) > 1:
             raise NotRowLocal(f"{name} over the rows' grid whose weight or bias has rows")
+        if x.pre or x.post:
+            raise NotRowLocal(f"{name} over rows joined with static rows")
         try:
-            left, right = plane_conv_halo(args, x.dim, x.unit, x_node.meta["val"].dim())
-        except PlaneConvRefused as exc:
+            left, right = grid_conv_halo(args, x.dim, x.unit, x_node.meta["val"].dim(), x.outer)
+        except GridConvRefused as exc:
             raise NotRowLocal(str(exc)) from None
         out = self.out_rows(node, val, 0, 0)
         if out is None or out != x:
@@ -506,7 +523,7 @@ class _Analyzer:
         for n, r in inputs:
             if n.meta["val"].dim() - r.dim != val.dim() - tr.dim:
                 raise NotRowLocal(f"{name} writes rows into other rows")
-        return Rows(tr.dim, pre, post)
+        return Rows(tr.dim, pre, post, tr.unit, tr.outer)
 
     def written(self, node: fx.Node, target: fx.Node, name: str) -> Rows:
         """Where ``node`` writes into ``target`` in place: it must have rows and be a per-call value (a write into the
@@ -578,11 +595,11 @@ class _Analyzer:
                 raise NotRowLocal("repeat_interleave along the rows (or of the flattened rows)")
         if name in _DIMMED or name in _PASS or pointwise(node.target):
             pre, post = self.same_layout(name, inputs)
+            if name in _RESHAPES:
+                self.outer = self.reshaped_outer(name, x_val, x, val)
             out = self.out_rows(node, val, pre, post)
             if out is None:
                 raise NotRowLocal(f"{name} drops the rows")
-            if name in _RESHAPES and self.prefix(x_val, x.dim) != self.prefix(val, out.dim):
-                raise NotRowLocal(f"{name} mixes the rows with the dimensions before them")
             if pointwise(node.target):
                 for n, r in inputs:
                     if n.meta["val"].dim() - r.dim != val.dim() - out.dim:
@@ -660,6 +677,19 @@ class _Analyzer:
         if out is None or out.dim != r.dim:
             raise NotRowLocal("index moves the rows")
         return out
+
+    def reshaped_outer(self, name: str, x_val, x: Rows, val) -> int:
+        """The static extent merged in front of a grid's lines after a reshape: what the dimensions before the input's
+        rows held (with what was merged in already) over what those before the output's rows hold. A reshape keeps
+        each chunk's values where they are in the whole only when that is a whole count, and merges anything only in
+        front of a grid's lines (``view(batch * frames, ...)``; the lines of each run stay whole)."""
+        dims = [i for i, size in enumerate(val.shape) if self.s in self.expr(size).free_symbols]
+        if len(dims) != 1:
+            return x.outer   # ``out_rows`` names it
+        outer = sympy.simplify(self.prefix(x_val, x.dim) * x.outer / self.prefix(val, dims[0]))
+        if not outer.is_Integer or int(outer) < 1 or (int(outer) > 1 and self.unit == 1):
+            raise NotRowLocal(f"{name} mixes the rows with the dimensions before them")
+        return int(outer)
 
     @staticmethod
     def prefix(val, dim: int):
@@ -797,6 +827,8 @@ class _Analyzer:
             return self.out_rows(node, val, qr.pre, qr.post) if isinstance(qr, Rows) else None
         if not (isinstance(kr, Rows) and isinstance(vr, Rows)) or (kr.pre, kr.post) != (vr.pre, vr.post):
             raise NotRowLocal("attention whose K and V rows differ")
+        if any(isinstance(r, Rows) and r.unit > 1 for r in (qr, kr, vr)):   # whole K/V buffers hold rows, not lines
+            raise NotRowLocal("attention over the rows whose Q, K or V is laid out as the rows' grid (by lines)")
         by_query = False
         if mask is not None:
             by_query = self.global_mask(mask, qr, kr)

@@ -1,11 +1,15 @@
-"""Rows laid out on a grid: a block that unflattens its rows to ``[lines, width]`` with both extents passed as ints
-(an image plane's height and width) is captured with the row count ``width * lines``, ``lines`` symbolic and the
-width static, so chunks of whole lines keep the reshape valid; and a convolution over that plane reads a reach of
-whole lines around each of its own (its halo), read off its kernel size, padding and dilation.
+"""Rows laid out on a grid: a block that unflattens its rows to ``[lines, width]`` (or ``[frames, height, width]``)
+with every extent passed as an int is captured with the row count ``unit * lines``, the leading extent symbolic and
+the others static (their product the unit: a line's width, or a frame's height x width), so chunks of whole lines
+(whole frames) keep the reshape valid. A value's rows dimension then counts lines; the rest of a line may lie in any
+other dimensions (``[frames, channels, height, width]`` for a convolution over each frame), since every op but those
+along the lines dimension works on each line alone, and slicing the lines commutes with it. A convolution whose
+spatial axis is the lines reads a reach of whole lines around each of its own (its halo: whole frames for a temporal
+convolution), read off its kernel size, padding, dilation and stride; one whose batch is the lines reads none.
 
 The capture side (``grid_of_call``, ``grid_forward``) finds the int arguments and traces a forward that computes the
-leading extent from the rows' size; the analysis side (``lines_unit``, ``plane_conv_halo``) is called by
-``analyze`` for values whose rows dimension counts lines."""
+leading extent from the rows' size; the analysis side (``lines_unit``, ``grid_conv_halo``, ``grid_cut``) is called
+by ``analyze`` for values whose rows dimension counts lines."""
 from __future__ import annotations
 
 import inspect
@@ -89,52 +93,78 @@ def row_argument(arguments: dict[str, Any], rows: int) -> tuple[str, int] | None
 
 # -- analysis ---------------------------------------------------------------------------------------------------
 
-def lines_unit(expr: sympy.Expr, symbol: sympy.Symbol, unit: int) -> int | None:
+def lines_unit(expr: sympy.Expr, symbol: sympy.Symbol, unit: int, outer: int = 1) -> int | None:
     """Rows per index of a dimension of size ``expr`` where the row count is ``unit * symbol``: ``k`` where the size
     is the row count over ``k`` (``k`` dividing the capture's unit, so whole lines of a chunk are whole ``k``s), else
-    None."""
-    ratio = sympy.simplify(unit * symbol / expr)
+    None. ``outer``: a static extent merged in front of the lines (``view(batch * frames, ...)``), the dimension
+    holding that many runs of lines one after another, so its size is ``outer`` times theirs."""
+    ratio = sympy.simplify(outer * unit * symbol / expr)
     if ratio.is_Integer and int(ratio) > 1 and unit % int(ratio) == 0:
         return int(ratio)
     return None
 
 
-class PlaneConvRefused(Exception):
+class GridConvRefused(Exception):
     """A convolution over the grid whose reach cannot be proved (the message says why)."""
 
 
-def plane_conv_halo(args: dict, lines_dim: int, unit: int, ndim: int) -> tuple[int, int]:
-    """Rows before and after its own that a 2-D convolution over ``[batch, channels, lines, width]`` reads, in
-    whole lines: stride 1, output the size of its input (the width's padding is the convolution's own at every
-    line, as stock pads it). Its reach in lines from the kernel's height, padding and dilation, never guessed."""
-    if ndim != 4 or lines_dim != 2:
-        raise PlaneConvRefused("a convolution over the rows' grid whose input is not [batch, channels, lines, width]")
-    if args.get("transposed") or list(args.get("stride") or [1, 1]) not in ([1, 1], [1]):
-        raise PlaneConvRefused("a convolution over the rows' grid with a stride or transposed")
+CONV_OPS = {"conv1d", "conv2d", "conv3d", "convolution"}
+
+
+def _per_axis(args: dict, name: str, axis: int, spatial: int, default: int) -> int:
+    """A convolution's ``stride``, ``padding`` or ``dilation`` along spatial ``axis``: one value given for every
+    axis, or one per axis."""
+    v = args.get(name)
+    v = [default] if v is None else list(v) if isinstance(v, (list, tuple)) else [v]
+    if len(v) not in (1, spatial) or not all(isinstance(x, int) for x in v):
+        raise GridConvRefused(f"a convolution over the rows' grid with {name} {v!r}")
+    return int(v[axis] if len(v) == spatial else v[0])
+
+
+def grid_conv_halo(args: dict, rows_dim: int, unit: int, ndim: int, outer: int = 1) -> tuple[int, int]:
+    """Rows before and after its own that a convolution reads where its input's dimension ``rows_dim`` counts rows
+    in steps of ``unit`` (whole lines, or whole frames, of the grid; 1 for plain rows): none where that dimension is
+    the batch (each line or frame convolved alone: a 3x3 convolution over each frame of a video); where it is a
+    spatial axis, the reach along that axis alone, read off its kernel size, padding and dilation (stride 1, output
+    the size of its input, zero padding as the op pads), times ``unit``. The other axes lie within a line, so their
+    padding is the convolution's own at every line, as stock pads it. Lines merged with a static extent (``outer``)
+    are convolved alone only as a batch: along an axis, a chunk's runs would meet where the whole's do not."""
     weight = args["weight"].meta["val"]
-    kh, kw = int(weight.shape[-2]), int(weight.shape[-1])
-    dil = list(args.get("dilation") or [1, 1])
-    dh, dw = (int(dil[0]), int(dil[-1]))
-    padding = args.get("padding", [0, 0])
-    reach_h, reach_w = dh * (kh - 1), dw * (kw - 1)
+    if ndim != weight.dim():
+        raise GridConvRefused("a convolution over the rows' grid of an unbatched input")
+    if rows_dim == 0:
+        return 0, 0
+    if rows_dim == 1:
+        raise GridConvRefused("a convolution over the rows' grid whose channels are the rows")
+    if outer > 1:
+        raise GridConvRefused("a convolution along the rows' grid whose lines are merged with a static dimension")
+    spatial, axis = ndim - 2, rows_dim - 2
+    if args.get("transposed"):
+        raise GridConvRefused("a convolution over the rows' grid transposed")
+    stride = _per_axis(args, "stride", axis, spatial, 1)
+    if stride != 1:
+        raise GridConvRefused(f"a convolution over the rows' grid with a stride of {stride} along its lines")
+    kernel = int(weight.shape[2 + axis])
+    dilation = _per_axis(args, "dilation", axis, spatial, 1)
+    reach = dilation * (kernel - 1)
+    padding = args.get("padding", [0])
     if padding == "same":
-        ph, pw = reach_h // 2, reach_w // 2
-        same = True
-    elif isinstance(padding, (list, tuple)) and all(isinstance(p, int) for p in padding) and len(padding) in (1, 2):
-        ph, pw = int(padding[0]), int(padding[-1])
-        same = 2 * ph == reach_h and 2 * pw == reach_w
+        left = reach // 2
+    elif padding == "valid" and reach:
+        raise GridConvRefused("a convolution over the rows' grid whose output is not its input's size (padding "
+                               "'valid')")
     else:
-        raise PlaneConvRefused(f"a convolution over the rows' grid with padding {padding!r}")
-    if not same:
-        raise PlaneConvRefused(f"a convolution over the rows' grid whose output is not its input's size (kernel "
-                               f"{kh}x{kw}, padding {padding!r}, dilation {dil!r})")
-    width = unit
-    return ph * width, (reach_h - ph) * width
+        left = 0 if padding == "valid" else _per_axis(args, "padding", axis, spatial, 0)
+        if 2 * left != reach:
+            raise GridConvRefused(f"a convolution over the rows' grid whose output is not its input's size along "
+                                   f"its lines (kernel {kernel}, padding {left}, dilation {dilation})")
+    return left * unit, (reach - left) * unit
 
 
 def grid_cut(an: Any, name: str, args: dict, inputs: list) -> None:
-    """A cut or join of a value laid out as the grid (``chunk`` of its channels for a gate): refused along its lines
-    or its width (a chunk holds whole lines, never part of one), and any padding of it."""
+    """A cut or join of a value laid out as the grid: refused along its lines (a chunk holds whole lines, never part
+    of one), and any padding of it. Along any other dimension (``chunk`` of its channels for a gate, a cut within a
+    line) each line's values come from that line alone, so slicing the lines commutes with it."""
     if name in ("pad", "constant_pad_nd"):
         raise NotRowLocal(f"{name} of a value laid out as the rows' grid")
     dim = args.get("dim", 0)
@@ -142,5 +172,5 @@ def grid_cut(an: Any, name: str, args: dict, inputs: list) -> None:
         if r.unit == 1:
             continue
         d = an.norm_dim(dim, n.meta["val"].dim()) if isinstance(dim, int) else None
-        if d is None or d in (r.dim, r.dim + 1):
-            raise NotRowLocal(f"{name} along the lines or the width of the rows' grid")
+        if d is None or d == r.dim:
+            raise NotRowLocal(f"{name} along the lines of the rows' grid")

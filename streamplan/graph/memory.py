@@ -185,7 +185,7 @@ def graph_memory(an: Analysis, ph: Phases, rows: int, donated_outputs: set[int],
                 continue
             elem = v.element_size()
             if isinstance(r, Rows):
-                row = numel_besides(v, r.dim) * elem // r.unit   # a grid's lines: per row, not per line
+                row = numel_besides(v, r.dim) * elem * r.outer // r.unit   # a grid's lines: per row, not per line
                 pr, st = pr + row, st + row * (r.pre + r.post)
             else:
                 st += numel_besides(v, None) * elem

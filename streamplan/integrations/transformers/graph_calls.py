@@ -5,7 +5,9 @@ layer called with an empty ``DynamicCache`` (prefill) is captured without it, an
 graph's own K and V, as the stock attention would have done; a cache that already holds tokens (decoding, chunked
 prefill) or of another kind keeps the stock call, named. The same goes for the caches in ``FILLABLE``: those whose
 first update of an empty layer stores what it is given and hands it back unchanged, so that stock attends exactly
-the K and V it computed (transformers' offloaded cache is a ``DynamicCache`` with ``offloading``)."""
+the K and V it computed (transformers' offloaded cache is a ``DynamicCache`` with ``offloading``). An offloading cache
+keeps what it is filled with in host memory: where its layer can take host K/V buffers as they are
+(``offloaded_cache``), a block that kept its K/V in host memory (L4) fills it from them, with no device copy."""
 from __future__ import annotations
 
 import sys
@@ -15,6 +17,7 @@ from torch import nn
 
 from ...specs import AdaptedCall
 from ...registries import register_backend_probe, register_call_adapter, register_state_tensors
+from .offloaded_cache import host_fill_problem, host_filler
 
 # cache classes the graph fills after it runs -> what their first update of an empty layer does (transformers 5.x)
 FILLABLE = {
@@ -59,8 +62,15 @@ def adapt_cache_call(block: nn.Module, args: tuple, kwargs: dict) -> AdaptedCall
     def fill(k: torch.Tensor, v: torch.Tensor) -> None:
         cache.update(k, v, attn.layer_idx)
 
+    offloading = bool(getattr(cache, "offloading", False))   # it keeps K/V in host memory
+    host_fill, why = None, ""
+    if offloading:
+        device = next((t.device for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)), None)
+        why = host_fill_problem(cache, attn.layer_idx, device) if device is not None else "no tensor gives its device"
+        host_fill = host_filler(cache, attn.layer_idx) if why is None else None
     return AdaptedCall(tuple(None if a is cache else a for a in args),
-                       {n: (None if v is cache else v) for n, v in kwargs.items()}, kv_heads, fill)
+                       {n: (None if v is cache else v) for n, v in kwargs.items()}, kv_heads, fill,
+                       "host" if offloading else "device", host_fill, why or "")
 
 
 def cache_tensors(value) -> list[torch.Tensor] | None:

@@ -684,9 +684,9 @@ def _sana_video_inputs(n, device, dtype):
 
 _add("sana_video", T + "transformer_sana_video:SanaVideoTransformerBlock",
      lambda c: c(64, 4, 16, 0.0, 4, 16, 64, False, mlp_ratio=2.5), _sana_video_inputs, row_output=None,
-     streams=False,
-     note="linear attention (sums over every row) and a 3x3 + temporal convolution MLP; the text key bias the model "
-          "makes of the padded prompt mask (the last 3 tokens padding); float64 rotary tables")
+     note="linear attention (sums over every row) and a 3x3 + temporal convolution MLP (chunks of whole frames, a "
+          "halo of one frame each side); the text key bias the model makes of the padded prompt mask (the last 3 "
+          "tokens padding); float64 rotary tables")
 
 
 def _sana_wm_block(c):

@@ -159,7 +159,10 @@ def _once(module: nn.Module, args: tuple, kwargs: dict, ref, capture: str) -> tu
             if "" in streamed:
                 tiers = "/".join(sorted({p.tier for p in root.plans.values()}))
                 return "captured", f"streams (captured, {tiers}), {exact}"
-            return "captured", f"stays stock: {_stock_reason(handle, root)}"
+            parts = sorted(n for n in streamed if n)   # its graph refused, its parts' recognizers took the call
+            tiers = "/".join(sorted({p.tier for n in parts for p in streamed[n].plans.values()}))
+            return "captured", f"stays stock: {_stock_reason(handle, root)}" + (
+                f"; its parts stream ({', '.join(parts)}; {tiers}), {exact}" if parts else "")
         if streamed:
             tiers = "/".join(sorted({p.tier for e in streamed.values() for p in e.plans.values()}))
             if "" in streamed:

@@ -1,0 +1,146 @@
+"""Flex attention (``streamplan/attention/flex.py``): a Q chunk against the whole K/V under the call's BlockMask cut to
+the chunk's query blocks, exact against torch's own flex call over every query row; Wan Animate 2's self-attention on
+its generation step (``integrations/diffusers/flex.py``) streamed through it, exact against the real block's forward
+(fp32, CPU) and below its measured peak; what a chunk cannot stand for stays stock, named."""
+import pytest
+import torch
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+from conftest import rel_err, streamed  # noqa: E402
+
+import streamplan
+from streamplan.attention.flex import FlexMask, block_mask_problem, chunk_block_mask, flex_chunk
+
+CPU = torch.device("cpu")
+
+
+def _qkv(rows: int, keys: int, heads: int = 2, d: int = 16):
+    return (torch.randn(1, heads, rows, d), torch.randn(1, heads, keys, d), torch.randn(1, heads, keys, d))
+
+
+def _masks(rows: int, keys: int):
+    """A mask_mod over global query indices that reads a captured per-query tensor (a window), and a score_mod that
+    reads another: what a chunk sees only if its query index is shifted to the global one."""
+    reach = torch.randint(0, keys, (rows,))
+    bias = torch.randn(rows)
+
+    def mask_mod(b, h, q, kv):
+        return (kv <= reach[q]) | (kv == q % keys)
+
+    def score_mod(s, b, h, q, kv):
+        return s + bias[q]
+
+    return create_block_mask(mask_mod, None, None, rows, keys, device="cpu"), score_mod
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("bounds", [[(0, 128), (128, 256), (256, 300)],              # aligned chunks
+                                    [(0, 64), (64, 192), (192, 300)]])                # chunks inside a query block
+def test_chunks_under_the_cut_mask_give_the_whole_calls_rows_exactly(bounds):
+    rows, keys = 300, 420
+    q, k, v = _qkv(rows, keys)
+    block_mask, score_mod = _masks(rows, keys)
+    whole = flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask)
+    mask = FlexMask(block_mask, score_mod)
+    parts = [flex_chunk(q[:, :, a:b], k, v, q_offset=a, mask=mask, scale=None) for a, b in bounds]
+    assert torch.equal(torch.cat(parts, 2), whole)
+
+
+def test_an_aligned_chunks_tables_are_its_query_blocks_rows():
+    block_mask, _ = _masks(512, 384)
+    cut = chunk_block_mask(block_mask, 256, 200)
+    assert cut.seq_lengths == (200, 384) and cut.BLOCK_SIZE == block_mask.BLOCK_SIZE
+    assert torch.equal(cut.kv_num_blocks, block_mask.kv_num_blocks[..., 2:4])
+    assert torch.equal(cut.kv_indices, block_mask.kv_indices[..., 2:4, :])
+    assert torch.equal(cut.full_kv_num_blocks, block_mask.full_kv_num_blocks[..., 2:4])
+
+
+def test_what_a_chunk_cannot_stand_for_is_named():
+    block_mask, _ = _masks(512, 384)
+    assert block_mask_problem(block_mask, q_len=512, kv_len=384) is None
+    assert "sliced" in block_mask_problem(block_mask[:, :, :2], q_len=512, kv_len=384)
+    assert "is for 512 x 384" in block_mask_problem(block_mask, q_len=512, kv_len=512)
+    big = create_block_mask(lambda b, h, q, kv: kv <= q, None, None, 512, 512, device="cpu", BLOCK_SIZE=256)
+    assert "query blocks of 256 rows do not divide the chunk alignment (128)" in block_mask_problem(
+        big, q_len=512, kv_len=512)
+
+
+# -- Wan Animate 2 --------------------------------------------------------------------------------------------------
+pytest.importorskip("diffusers")
+from streamplan.tools.catalogue.diffusers_cases import CASES  # noqa: E402
+
+
+def _wan_animate2(rows: int):
+    case = CASES["wan_animate2"]
+    torch.manual_seed(0)
+    block = case.build()
+    args, kwargs = case.inputs(rows, CPU, torch.float32)
+    return block, args, kwargs
+
+
+class _Counting:
+    """Counts the flex consumer's chunks (the rows each attends), answering with its own call."""
+
+    def __init__(self, monkeypatch):
+        import streamplan.attention.flex as flex
+        self.rows, real = [], flex.flex_chunk
+
+        def counted(q, *a, **kw):
+            self.rows.append(q.shape[-2])
+            return real(q, *a, **kw)
+        monkeypatch.setattr(flex, "flex_chunk", counted)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("rows", [400, 800])
+def test_wan_animate2_generation_step_streams_its_flex_attention_exactly(rows, monkeypatch):
+    block, args, kwargs = _wan_animate2(rows)
+    ref = block(*args, **kwargs)
+    counted = _Counting(monkeypatch)
+    with streamed(block, chunk_tokens=128) as handle:
+        out = block(*args, **kwargs)
+        report = handle.report()
+        plans = handle.plans["self_attn"]
+    assert plans[0].tier == "L1" and plans[0].chunk == 128, report
+    assert "WanAnimate2Attention[flex BlockMask" in report, report
+    assert counted.rows == [128] * (rows // 128) + [rows % 128], counted.rows
+    assert rel_err(out, ref) <= 1e-5
+    assert torch.equal(out, ref)   # the same fp32 softmax per query row as the stock call's
+
+
+@torch.no_grad()
+def test_wan_animate2_streamed_peak_is_below_stock():
+    block, args, kwargs = _wan_animate2(1600)
+    ref, stock = streamplan.measure_peak(block, *args, **kwargs)
+    with streamed(block, chunk_tokens=128):
+        out, peak = streamplan.measure_peak(block, *args, **kwargs)
+    assert torch.equal(out, ref)
+    assert peak < 0.35 * stock, (peak, stock)   # uncompiled flex's scores over every key: one chunk's, not all rows'
+
+
+@torch.no_grad()
+def test_wan_animate2_mask_with_query_blocks_wider_than_the_chunk_alignment_stays_stock_named(monkeypatch):
+    block, args, kwargs = _wan_animate2(400)
+    given = kwargs["attention_mask"]
+    kwargs["attention_mask"] = create_block_mask(given.mask_mod, None, None, *given.seq_lengths, device="cpu",
+                                                 BLOCK_SIZE=256)
+    ref = block(*args, **kwargs)
+    counted = _Counting(monkeypatch)
+    with streamed(block, chunk_tokens=128) as handle:
+        out = block(*args, **kwargs)
+        report = handle.report()
+    assert "query blocks of 256 rows do not divide the chunk alignment (128)" in report, report
+    assert counted.rows == [] and torch.equal(out, ref)
+
+
+@torch.no_grad()
+def test_wan_animate2_rows_past_its_grid_stay_stock_named(monkeypatch):
+    block, args, kwargs = _wan_animate2(400)
+    args = (torch.cat([args[0], torch.randn(1, 8, 64)], 1), *args[1:])   # 8 padding rows after the grid's 400
+    ref = block(*args, **kwargs)
+    counted = _Counting(monkeypatch)
+    with streamed(block, chunk_tokens=128) as handle:
+        out = block(*args, **kwargs)
+        report = handle.report()
+    assert "its grid covers 400 of its 408 rows" in report, report
+    assert counted.rows == [] and torch.equal(out, ref)
