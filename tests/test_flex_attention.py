@@ -144,3 +144,109 @@ def test_wan_animate2_rows_past_its_grid_stay_stock_named(monkeypatch):
         report = handle.report()
     assert "its grid covers 400 of its 408 rows" in report, report
     assert counted.rows == [] and torch.equal(out, ref)
+
+
+def test_chunks_of_a_mask_built_from_block_lists_alone_give_the_whole_calls_rows_exactly():
+    """A mask made with ``from_kv_blocks`` and no mask_mod (NABLA's: torch gives it ``noop_mask``) is taken as it is,
+    not refused as sliced, and its chunks, aligned or starting inside a query block (a retried half), give the rows
+    of the whole call as torch runs it uncompiled (its elements decided by the mask_mod alone)."""
+    from torch.nn.attention.flex_attention import BlockMask
+    torch.manual_seed(1)
+    rows = 512
+    dense = torch.rand(1, 2, rows // 64, rows // 64) < 0.4
+    dense |= torch.eye(rows // 64, dtype=torch.bool)
+    num, idx = dense.sum(-1).to(torch.int32), dense.int().argsort(-1, descending=True).to(torch.int32)
+    block_mask = BlockMask.from_kv_blocks(torch.zeros_like(num), idx, num, idx, BLOCK_SIZE=64, mask_mod=None)
+    q, k, v = _qkv(rows, rows)
+    whole = flex_attention(q, k, v, block_mask=block_mask)
+    mask = FlexMask(block_mask)
+    bounds = [(0, 96), (96, 160), (160, 352), (352, 512)]   # starts at 96 and 160: inside 64-row blocks
+    parts = [flex_chunk(q[:, :, a:b], k, v, q_offset=a, mask=mask, scale=None) for a, b in bounds]
+    assert torch.equal(torch.cat(parts, 2), whole)
+    assert block_mask_problem(block_mask, q_len=rows, kv_len=rows) is None
+
+
+# -- Kandinsky 6 SR (NABLA) -----------------------------------------------------------------------------------------
+def _kandinsky6_sr(rows: int):
+    case = CASES["kandinsky6_sr"]
+    torch.manual_seed(0)
+    block = case.build()
+    args, kwargs = case.inputs(rows, CPU, torch.float32)
+    return block, args, kwargs
+
+
+class _NablaMasks:
+    """Records every mask ``nabla_block_mask`` builds (stock's and the streamed call's), answering with its own."""
+
+    def __init__(self, monkeypatch):
+        import diffusers.models.transformers.transformer_kandinsky6_sr as k6
+        self.masks, real = [], k6.nabla_block_mask
+
+        def recorded(*a, **kw):
+            self.masks.append(real(*a, **kw))
+            return self.masks[-1]
+        monkeypatch.setattr(k6, "nabla_block_mask", recorded)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("rows", [512, 1536])
+def test_kandinsky6_sr_streams_its_nabla_attention_under_the_stock_mask_exactly(rows, monkeypatch):
+    block, args, kwargs = _kandinsky6_sr(rows)
+    with streamed(block, chunk_tokens=128) as handle:
+        nabla = _NablaMasks(monkeypatch)   # after recognition: it checks nabla_block_mask's source
+        counted = _Counting(monkeypatch)
+        out = block(*args, **kwargs)
+        report = handle.report()
+        plans = handle.plans["self_attention"]
+    ref = block(*args, **kwargs)   # stock, its mask recorded after the streamed call's
+    assert plans[0].tier == "L1" and plans[0].chunk == 128, report
+    assert "Kandinsky6SRAttention[flex NABLA BlockMask]" in report, report
+    assert counted.rows == [128] * (rows // 128), counted.rows
+    streamed_mask, stock_mask = nabla.masks[-2:]   # (before them: the failed capture's traced calls)
+    assert streamed_mask.kv_num_blocks.device == CPU
+    density = stock_mask.to_dense().float().mean()
+    assert 0 < density < 1, density   # a sparse choice: the threshold picked some blocks and left others
+    for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"):
+        assert torch.equal(getattr(streamed_mask, name), getattr(stock_mask, name)), name
+    assert rel_err(out, ref) <= 1e-6
+    assert torch.equal(out, ref)   # the same fp32 softmax per query row as the stock call's
+
+
+@torch.no_grad()
+def test_kandinsky6_sr_streamed_peak_is_below_stock():
+    block, args, kwargs = _kandinsky6_sr(2048)
+    ref, stock = streamplan.measure_peak(block, *args, **kwargs)
+    with streamed(block, chunk_tokens=128):
+        out, peak = streamplan.measure_peak(block, *args, **kwargs)
+    assert torch.equal(out, ref)
+    assert peak < 0.35 * stock, (peak, stock)   # uncompiled flex's scores over every key: one chunk's, not all rows'
+
+
+@torch.no_grad()
+def test_kandinsky6_sr_sparse_params_it_does_not_know_stay_stock_named(monkeypatch):
+    block, args, kwargs = _kandinsky6_sr(512)
+    args = (*args[:3], {**args[3], "block_size": 64})   # a key the processor ignores, streamplan does not know
+    ref = block(*args, **kwargs)
+    counted = _Counting(monkeypatch)
+    with streamed(block, chunk_tokens=128) as handle:
+        out = block(*args, **kwargs)
+        report = handle.report()
+    assert "sparse_params is not {'sta_mask': tensor, 'threshold': number}" in report, report
+    assert counted.rows == [] and torch.equal(out, ref)
+
+
+@torch.no_grad()
+def test_kandinsky6_sr_other_processor_stays_stock_named(monkeypatch):
+    import diffusers.models.transformers.transformer_kandinsky6_sr as k6
+
+    class Custom(k6.Kandinsky6SRAttnProcessor):
+        pass
+    block, args, kwargs = _kandinsky6_sr(512)
+    block.self_attention.set_processor(Custom())
+    ref = block(*args, **kwargs)
+    counted = _Counting(monkeypatch)
+    with streamed(block, chunk_tokens=128) as handle:
+        out = block(*args, **kwargs)
+        report = handle.report()
+    assert "its processor is Custom" in report, report
+    assert counted.rows == [] and torch.equal(out, ref)

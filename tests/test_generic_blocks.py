@@ -27,7 +27,8 @@ STOCK = {   # blocks that stay stock on the generic path, and the reason the rep
     "anyflow_far": "capture failed (UserError: Constraints violated (L['rotary_emb']['key']",
     # its cache is read, but its flex attention takes a BlockMask; its self-attention streams as a part
     "wan_animate2": "an argument of type BlockMask",
-    "kandinsky6_sr": "capture failed",      # NABLA's 64-row blocks fix the row count
+    # NABLA's 64-row blocks fix the row count; its self-attention streams as a part (integrations.diffusers.flex_nabla)
+    "kandinsky6_sr": "capture failed",
     "sana_wm": "capture failed",
     "rfd4_proteina": "2 row dimensions",    # the [B, N, N, C] pair representation
     # the whole text refiner pools its rows for its timestep embedding: its blocks stream, the rest stays stock

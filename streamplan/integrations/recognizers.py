@@ -15,6 +15,7 @@ from .comfy import capture_attention, flux, kitchen_ops  # noqa: F401  (ComfyUI'
 from .diffusers import caches, hooks, pipelines  # noqa: F401  (diffusers' read caches, hook chains, pipelines' denoisers)
 from .diffusers.attention import recognize_attention
 from .diffusers.flex import recognize_flex_attention
+from .diffusers.flex_nabla import recognize_nabla_attention
 from .diffusers.h3 import recognize_h3_model
 from .diffusers.ltx2 import recognize_ltx2_model
 from .diffusers.mlp import recognize_feedforward
@@ -30,7 +31,8 @@ MODEL_RECOGNIZERS: list[Recognizer] = [recognize_wan_model, recognize_h3_model, 
                                         recognize_decoder_model]
 # parts: what a block's graph cannot take (a cache) or a module outside any block
 RECOGNIZERS: list[Recognizer] = [recognize_feedforward, recognize_gated_mlp, recognize_attention,
-                                 recognize_flex_attention, recognize_llama_attention, recognize_row_local]
+                                 recognize_flex_attention, recognize_nabla_attention, recognize_llama_attention,
+                                 recognize_row_local]
 
 
 CAPTURE_MODES = ("fallback", "prefer", "off")

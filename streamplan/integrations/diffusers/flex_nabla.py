@@ -1,0 +1,115 @@
+"""diffusers attention whose flex ``BlockMask`` is chosen from the call's own Q and K (NABLA: block means of Q and
+K, a softmax over them, a cumulative threshold, OR a static prior): Kandinsky 6 SR's self-attention, streamed as an
+attention part through the flex consumer.
+
+The mask is a threshold on float sums, so a chunk cannot choose its own blocks from a sub-matrix. It is built once per
+call, whole, by the library's own ``nabla_block_mask`` on tensors with the values the processor gives it: every row's
+rotated K (the K/V phase's buffer) and Q, computed chunk by chunk beside K and dropped once the mask exists (so whole
+Q lives only as long as the mask's build, with K and V). Each Q chunk, its rows' Q again by the module's own layers,
+then attends every key under the mask cut to its query blocks (``attention.flex``). Follows diffusers 0.42.1's
+processor, checked by the source fingerprints below.
+"""
+from __future__ import annotations
+
+import numbers
+import sys
+
+import torch
+from torch import nn
+
+from ...attention.flex import FlexMask, Q_BLOCK, block_mask_problem
+from ...recognize.checks import call_args, source_fingerprint, stock_problem
+from ...specs import AttentionCall, AttentionSpec, KVFrame, Segment, Skip
+
+_MODULE = "diffusers.models.transformers.transformer_kandinsky6_sr"
+# source fingerprints (checks.source_fingerprint) of what the binder follows, as in diffusers 0.42.1
+FOLLOWED = {"Kandinsky6SRAttnProcessor.__call__": "a44e735e79b4d23c", "nabla_block_mask": "6211faef04c7bcfc",
+            "apply_rotary": "15d7eed74767db3a"}
+_ARGS = ("hidden_states", "rotary_emb", "sparse_params")
+_SPARSE_KEYS = {"sta_mask", "threshold"}
+_MASK_BLOCK = 64   # nabla_block_mask's default block_size, the one the processor uses
+
+
+def _changed(mod) -> list[str]:
+    found = {"Kandinsky6SRAttnProcessor.__call__": mod.Kandinsky6SRAttnProcessor.__call__,
+             "nabla_block_mask": mod.nabla_block_mask, "apply_rotary": mod.apply_rotary}
+    return [name for name, fn in found.items() if source_fingerprint(fn) != FOLLOWED[name]]
+
+
+def _bind_nabla(attn, mod, args: tuple, kwargs: dict) -> AttentionCall | str:
+    call = call_args(_ARGS, args, kwargs)
+    if isinstance(call, str):
+        return call
+    if getattr(attn.processor, "_parallel_config", None) is not None:
+        return "under diffusers' context parallelism"
+    x, rope, sparse = call.get("hidden_states"), call.get("rotary_emb"), call.get("sparse_params")
+    if not isinstance(x, torch.Tensor) or x.dim() != 3:
+        return "hidden_states is not [batch, tokens, dim]"
+    B, N, _ = x.shape
+    if N % _MASK_BLOCK:
+        return f"its {N} rows are not whole {_MASK_BLOCK}-row NABLA blocks"
+    if not isinstance(sparse, dict) or set(sparse) != _SPARSE_KEYS or \
+            not isinstance(sparse["sta_mask"], torch.Tensor) or not isinstance(sparse["threshold"], numbers.Real):
+        return "sparse_params is not {'sta_mask': tensor, 'threshold': number}"
+    if not isinstance(rope, torch.Tensor) or rope.dim() != 5 or rope.shape[0] != N:
+        return "rotary_emb is not a [rows, 1, D/2, 2, 2] table"
+    if Q_BLOCK % _MASK_BLOCK:
+        return f"NABLA's {_MASK_BLOCK}-row blocks do not divide the chunk alignment ({Q_BLOCK})"
+    H = attn.num_heads
+    D = attn.to_query.out_features // H
+    built: dict[str, torch.Tensor | FlexMask] = {}
+
+    def q(h, a, b):
+        query = attn.to_query(h).unflatten(-1, (H, -1))
+        query = attn.query_norm(query.float()).type_as(query)
+        return mod.apply_rotary(query, rope[a:b])
+
+    def kv(h, a, b):
+        key = attn.to_key(h).unflatten(-1, (H, -1))
+        value = attn.to_value(h).unflatten(-1, (H, -1))
+        key = attn.key_norm(key.float()).type_as(key)
+        query = q(h, a, b)   # every row's Q, for the mask's block means
+        if "q" not in built:
+            built["q"] = query.new_empty((B, N, H, D))
+        built["q"][:, a:b] = query
+        return mod.apply_rotary(key, rope[a:b]), value
+
+    def fill(k_buf: torch.Tensor, v_buf: torch.Tensor) -> None:
+        """The call's mask, from the same Q and K values the processor passes its builder; whole Q dropped."""
+        query = built.pop("q")
+        mask = mod.nabla_block_mask(query.transpose(1, 2), k_buf.transpose(1, 2), sparse["sta_mask"],
+                                    thr=sparse["threshold"])
+        del query
+        why = block_mask_problem(mask, q_len=N, kv_len=N, q_align=Q_BLOCK)
+        if why:   # the checks above admit only masks a chunk can take: a library change that breaks that is an error
+            raise RuntimeError(f"NABLA mask cannot be cut to chunks: {why}")
+        built["mask"] = FlexMask(mask)
+
+    def out(o, a, b):
+        return attn.out_layer(o.flatten(2, 3))
+
+    return AttentionCall(batch=B, heads=H, kv_heads=H, head_dim=D, segments=[Segment(x, q, kv, out)],
+                         finish=lambda outs: outs[0], dtype=x.dtype, mask_rows=lambda a, b: built["mask"],
+                         kv_frame=KVFrame(N, fill))
+
+
+def recognize_nabla_attention(name: str, module: nn.Module) -> AttentionSpec | Skip | None:
+    """Kandinsky 6 SR's self-attention (its ``Kandinsky6SRAttnProcessor``); None for anything else."""
+    mod = sys.modules.get(_MODULE)
+    if mod is None or type(module) is not getattr(mod, "Kandinsky6SRAttention", None):
+        return None
+    skip = lambda why: Skip(name, type(module).__name__, why)  # noqa: E731
+    if type(getattr(module, "processor", None)) is not mod.Kandinsky6SRAttnProcessor:
+        return skip(f"its processor is {type(getattr(module, 'processor', None)).__name__}, not the "
+                    "Kandinsky6SRAttnProcessor streamplan follows")
+    problem = stock_problem(module, mod.Kandinsky6SRAttention.forward)
+    if problem:
+        return skip(problem)
+    changed = _changed(mod)
+    if changed:
+        return skip(f"{', '.join(changed)} differ from the diffusers 0.42.1 source streamplan follows")
+    heads, inner = module.num_heads, module.to_query.out_features
+    return AttentionSpec(module=module, label="diffusers Kandinsky6SRAttention[flex NABLA BlockMask]",
+                         heads=heads, kv_heads=heads, head_dim=inner // heads, dim_out=module.out_layer.out_features,
+                         bind=lambda args, kwargs: _bind_nabla(module, mod, args, kwargs),
+                         backend=lambda: "flex")
