@@ -122,6 +122,11 @@ class AttentionCall:
     kv_whole: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None  # cross-attention: [B, S, Hkv, D]
     cache_update: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
     kv_frame: KVFrame | None = None                 # the rows' K/V placed in a longer buffer (a flex mask's layout)
+    # a value built once from every row when K and V are whole (a mask chosen from the call's Q and K), in bytes: what
+    # it keeps through the attention, its build's transients, and the inputs the streamed call holds for it alone
+    built_held: int = 0
+    built_transient: int = 0
+    built_inputs: int = 0
 
     @property
     def rows(self) -> int:

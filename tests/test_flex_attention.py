@@ -250,3 +250,40 @@ def test_kandinsky6_sr_other_processor_stays_stock_named(monkeypatch):
         report = handle.report()
     assert "its processor is Custom" in report, report
     assert counted.rows == [] and torch.equal(out, ref)
+
+
+def test_a_mask_built_from_every_row_is_priced_beside_k_and_v():
+    """The memory model counts a value built once from every row when K and V are whole: its kept tables through the
+    attention, its build's transients (stock's call too) and the whole Q only the streamed call holds for it."""
+    from dataclasses import replace
+
+    from streamplan.plan.planner import AttentionDims, Tier, attention_peak
+    d = AttentionDims(1, 4096, 4096, 8, 8, 64, 512, 2)
+    big = replace(d, built_held=3_000, built_transient=50_000_000, built_inputs=4096 * 8 * 64 * 2)
+    kv, out = 2 * 4096 * 512 * 2, 4096 * 512 * 2
+    assert attention_peak(big, Tier.L1, 128) == kv + out + 3_000 + 50_000_000 + 4096 * 8 * 64 * 2
+    assert attention_peak(big, Tier.L0, 4096) == attention_peak(d, Tier.L0, 4096) + 3_000 + 50_000_000
+    assert attention_peak(replace(d, built_held=3_000), Tier.L1, 128) == attention_peak(d, Tier.L1, 128) + 3_000
+
+
+@torch.no_grad()
+def test_kandinsky6_sr_declares_its_mask_build_to_the_memory_model():
+    from streamplan.integrations.diffusers.flex_nabla import recognize_nabla_attention
+    block, args, kwargs = _kandinsky6_sr(1024)
+    spec = recognize_nabla_attention("self_attention", block.self_attention)
+    seen = {}
+    original = block.self_attention.forward
+
+    def grab(*a, **k):
+        seen["call"] = spec.bind(a, k)
+        return original(*a, **k)
+
+    block.self_attention.forward = grab
+    try:
+        block(*args, **kwargs)
+    finally:
+        del block.self_attention.forward
+    call = seen["call"]
+    pairs = call.batch * call.heads * (call.rows // 64) ** 2
+    assert call.built_inputs == call.batch * call.rows * call.heads * call.head_dim * 4   # fp32 Q of every row
+    assert call.built_held == 4 * pairs and call.built_transient == (2 * 4 + 24) * pairs

@@ -22,7 +22,9 @@ def attention_dims(spec: AttentionSpec, call: AttentionCall, consumer) -> Attent
         kv_rows = 0  # short cross-attention K/V: built whole, small; counted in the chunk transient
     elem = torch.empty((), dtype=call.dtype).element_size()
     return AttentionDims(call.batch, call.rows, kv_rows, call.heads, call.kv_heads, call.head_dim, spec.dim_out,
-                         elem, _mask_row_bytes(call) + workspace_row_bytes(consumer, call, elem))
+                         elem, _mask_row_bytes(call) + workspace_row_bytes(consumer, call, elem),
+                         built_held=call.built_held, built_transient=call.built_transient,
+                         built_inputs=call.built_inputs)
 
 
 def _mask_row_bytes(call: AttentionCall) -> int:

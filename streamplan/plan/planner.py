@@ -335,6 +335,12 @@ class AttentionDims:
     dim_out: int
     elem: int
     mask_row_bytes: int = 0  # bytes of mask built per query row of a chunk (causal or prepared masks)
+    # a value built once from every row after K and V are whole (a mask chosen from the call's Q and K): what it keeps
+    # through the attention, its build's transients (stock's call has both too) and the inputs only the streamed call
+    # holds for it (Q of every row, beside K and V, until it is built)
+    built_held: int = 0
+    built_transient: int = 0
+    built_inputs: int = 0
 
 
 def attention_peak(d: AttentionDims, tier: Tier, chunk: int, groups: int = 1) -> int:
@@ -345,11 +351,11 @@ def attention_peak(d: AttentionDims, tier: Tier, chunk: int, groups: int = 1) ->
         kv += B * d.rows * q_row * e
     mask = c * d.mask_row_bytes
     if tier == Tier.L0:  # q, k, v, the attention output and its reshaped copy, then the projection
-        return kv + B * d.rows * (q_row * 3 + d.dim_out) * e + mask
+        return kv + B * d.rows * (q_row * 3 + d.dim_out) * e + mask + d.built_held + d.built_transient
     out = B * d.rows * d.dim_out * e
     phase_kv = B * c * kv_row * 4 * e                               # k, v of a chunk and their norm/rotary copies
     phase_q = B * c * (q_row * 3 + d.dim_out) * e + mask            # q (+rotary), o, o reshaped, y
-    return kv + out + max(phase_kv, phase_q)
+    return kv + out + d.built_held + max(phase_kv, phase_q, d.built_inputs + d.built_transient)
 
 
 def plan_attention(d: AttentionDims, *, chunk_tokens: int | None = None, budget: int | None = None,

@@ -88,9 +88,14 @@ def _bind_nabla(attn, mod, args: tuple, kwargs: dict) -> AttentionCall | str:
     def out(o, a, b):
         return attn.out_layer(o.flatten(2, 3))
 
+    e, blocks = x.element_size(), B * H * (N // _MASK_BLOCK) ** 2
     return AttentionCall(batch=B, heads=H, kv_heads=H, head_dim=D, segments=[Segment(x, q, kv, out)],
                          finish=lambda outs: outs[0], dtype=x.dtype, mask_rows=lambda a, b: built["mask"],
-                         kv_frame=KVFrame(N, fill))
+                         kv_frame=KVFrame(N, fill),
+                         # the mask's block index table (int32, per block pair) kept for the attention; its build's
+                         # block-pair map, sorted values (dtype), sort indices and their argsort (int64), the
+                         # thresholded and gathered masks (int32); whole Q beside K and V until then
+                         built_held=4 * blocks, built_transient=(2 * e + 24) * blocks, built_inputs=B * N * H * D * e)
 
 
 def recognize_nabla_attention(name: str, module: nn.Module) -> AttentionSpec | Skip | None:
