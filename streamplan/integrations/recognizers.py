@@ -19,6 +19,7 @@ from .diffusers.flex_nabla import recognize_nabla_attention
 from .diffusers.h3 import recognize_h3_model
 from .diffusers.ltx2 import recognize_ltx2_model
 from .diffusers.mlp import recognize_feedforward
+from .diffusers.mochi import recognize_mochi_attention
 from .diffusers.wan import recognize_wan_model
 from .transformers import graph_calls  # noqa: F401  (transformers layers on the captured path: backend, cache)
 from .transformers.decoders import recognize_decoder_model
@@ -31,8 +32,8 @@ MODEL_RECOGNIZERS: list[Recognizer] = [recognize_wan_model, recognize_h3_model, 
                                         recognize_decoder_model]
 # parts: what a block's graph cannot take (a cache) or a module outside any block
 RECOGNIZERS: list[Recognizer] = [recognize_feedforward, recognize_gated_mlp, recognize_attention,
-                                 recognize_flex_attention, recognize_nabla_attention, recognize_llama_attention,
-                                 recognize_row_local]
+                                 recognize_flex_attention, recognize_nabla_attention, recognize_mochi_attention,
+                                 recognize_llama_attention, recognize_row_local]
 
 
 CAPTURE_MODES = ("fallback", "prefer", "off")

@@ -272,7 +272,8 @@ _add("sana", T + "sana_transformer:SanaTransformerBlock",
                                                               height=n // 20, width=20)),
      row_output=None, note="GLUMBConv MLP: a 3x3 convolution over the image plane (a halo of whole lines); linear "
                            "attention (a contraction over every row)")
-# stays stock: the valid text tokens are picked with nonzero (a data-dependent length)
+# stays stock: the valid text tokens are picked with nonzero (a data-dependent length); its joint attention streams
+# as a part (integrations.diffusers.mochi), and its feed-forward
 _add("mochi", T + "transformer_mochi:MochiTransformerBlock", lambda c: c(64, 4, 16, 32),
      lambda n, device, dtype: ((_x(n, device, dtype), _txt(device, dtype, 32), _r(1, 64, device=device, dtype=dtype),
                                 torch.ones(1, TEXT, dtype=torch.bool, device=device),
