@@ -32,7 +32,7 @@ from .registries import pipeline_parts
 from .execute.context import CallContext
 from .execute.dispatch import run_spec
 from .execute.stock_watch import StockWatch, activation_bytes, watch_candidates
-from .execute.compare import compare_outputs, output_tensors, private_copy
+from .execute.compare import NotCopyable, compare_outputs, output_tensors, private_copy
 
 __all__ = ["apply", "bypass", "BlockStreamer", "StreamHandle", "StreamOptions"]
 
@@ -194,11 +194,16 @@ class StreamHandle:
                     and not rehearsing())
         if checking:  # the reference runs stock on private copies: the caller's inputs and caches stay as they are
             with call_ledger.phase("self-check: stock"):
-                ref_args, ref_kwargs = private_copy(args), private_copy(kwargs)
-                with bypass():
-                    ref_args, ref_kwargs = described_whole(ref_args, ref_kwargs)
-                    ref = entry.stock(*ref_args, **ref_kwargs)
-                del ref_args, ref_kwargs
+                try:
+                    ref_args, ref_kwargs = private_copy(args), private_copy(kwargs)
+                except NotCopyable as e:
+                    checking = False
+                    self.note(entry, f"self-check not run: {e}")
+                else:
+                    with bypass():
+                        ref_args, ref_kwargs = described_whole(ref_args, ref_kwargs)
+                        ref = entry.stock(*ref_args, **ref_kwargs)
+                    del ref_args, ref_kwargs
         with within(entry.name or "<root>"):
             out = run_spec(self._context(entry, record), args, kwargs)
         for a, b in drain_retries():

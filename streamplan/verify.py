@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from .api import apply, bypass
-from .execute.compare import compare_outputs, private_copy
+from .execute.compare import NotCopyable, compare_outputs, private_copy
 from .specs import STREAMED_MARK
 
 __all__ = ["verify", "compare_outputs"]
@@ -19,7 +19,8 @@ log = logging.getLogger("streamplan")
 def verify(model: nn.Module, *args: Any, **kwargs: Any) -> dict[str, dict[str, float]]:
     """Run ``model`` streamed and stock on the same input; returns ``{output: {"max_abs", "rel", "nan_mismatch"}}``.
 
-    Both runs get private copies of the inputs (caches included), so the caller's tensors and caches are as they were.
+    Both runs get private copies of the inputs (caches included), so the caller's tensors and caches are as they were;
+    a cache that cannot be copied (transformers' offloading cache) is refused before either run (``ValueError``).
     If streamplan is not applied to ``model``, it is applied for this call (fixed default chunks, so that inputs
     longer than a chunk do stream) and removed after.
 
@@ -29,6 +30,10 @@ def verify(model: nn.Module, *args: Any, **kwargs: Any) -> dict[str, dict[str, f
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    try:
+        private_copy(args), private_copy(kwargs)   # refused here, before anything is applied or run
+    except NotCopyable as e:
+        raise NotCopyable(f"verify: {e}; pass a cache that can be copied (a plain DynamicCache) or none") from e
     streamed_already = any(getattr(m.__dict__.get("forward"), STREAMED_MARK, False) for m in model.modules())
     handle = None if streamed_already else apply(model, budget=None)
     try:

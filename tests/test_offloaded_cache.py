@@ -351,3 +351,22 @@ def test_generate_with_an_offloaded_cache_from_host_staged_kv_gives_stock_tokens
 def _cache_of(out):
     found = getattr(out, "cache", None)
     return found if found is not None else out.past_key_values
+
+
+# -- reference runs that need a copy of the cache ----------------------------------------------------------------------
+
+def test_self_check_and_verify_say_an_offloading_cache_cannot_be_copied():
+    """``self_check`` and ``verify`` run stock on private copies of a call's inputs; an offloading cache holds CUDA
+    streams and cannot be copied. The self-check is not run, said in the report (the call then fails on the CPU as
+    stock does, not on the copy); ``verify`` refuses before either run, naming the fix."""
+    model, ids = _lm("llama"), _ids()
+    with pytest.raises(Exception) as stock:
+        model(ids, use_cache=True, **{CACHE: _offloading(model)})
+    with streamed(model, chunk_tokens=CHUNK, self_check=True) as handle:
+        with pytest.raises(type(stock.value)) as got:
+            model(ids, use_cache=True, **{CACHE: _offloading(model)})
+        report = handle.report()
+    assert str(got.value) == str(stock.value)
+    assert "self-check not run: the call's DynamicCache cannot be copied for a stock reference run" in report, report
+    with pytest.raises(ValueError, match="verify: the call's DynamicCache cannot be copied.*a plain DynamicCache"):
+        streamplan.verify(model, ids, use_cache=True, **{CACHE: _offloading(model)})

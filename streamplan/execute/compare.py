@@ -26,9 +26,15 @@ def output_tensors(out: Any, prefix: str = "output") -> dict[str, torch.Tensor]:
     return found
 
 
+class NotCopyable(ValueError):
+    """A call's state object (a cache) that a stock reference run needs a private copy of, and that cannot be copied
+    (transformers' offloading cache holds CUDA streams)."""
+
+
 def private_copy(value: Any) -> Any:
     """A copy of a call's inputs that a reference run may change freely: tensors cloned, registered state objects
-    (``registries.state_tensors``: transformers' caches) deep-copied, containers rebuilt; other objects shared."""
+    (``registries.state_tensors``: transformers' caches) deep-copied, containers rebuilt; other objects shared.
+    ``NotCopyable`` where a state object cannot be copied."""
     if isinstance(value, torch.Tensor):
         return value.clone()
     if isinstance(value, tuple) and hasattr(value, "_fields"):   # a namedtuple
@@ -38,7 +44,11 @@ def private_copy(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: private_copy(v) for k, v in value.items()}
     if state_tensors(value) is not None:
-        return copy.deepcopy(value)
+        try:
+            return copy.deepcopy(value)
+        except Exception as e:   # what deepcopy raises for an object it cannot copy varies (TypeError, RuntimeError)
+            raise NotCopyable(f"the call's {type(value).__name__} cannot be copied for a stock reference run "
+                              f"({type(e).__name__}: {e})") from e
     return value
 
 
