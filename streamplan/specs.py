@@ -96,12 +96,13 @@ class Segment:
 
 @dataclass(frozen=True, eq=False)
 class KVFrame:
-    """K/V buffers of ``keys`` rows, zeros but for the call's rows from row 0 and what ``fill(k, v)`` writes into
-    them ([B, keys, Hkv, D]): the padded layout a flex ``BlockMask`` indexes, with keys that are not the call's rows
-    (a read cache's)."""
+    """K/V buffers of ``keys`` rows, zeros but for the call's rows from row ``rows_at`` and what ``fill(k, v)`` writes
+    into them ([B, keys, Hkv, D]): the padded layout a flex ``BlockMask`` indexes, with keys that are not the call's
+    rows (a read cache's, before or after them)."""
 
     keys: int
     fill: Callable[[torch.Tensor, torch.Tensor], None]
+    rows_at: int = 0
 
 
 @dataclass(eq=False)

@@ -17,7 +17,7 @@ def build_kv(call: AttentionCall, chunk: int,
     shape = (call.batch, call.keys, g1 - g0, call.head_dim)
     make = torch.Tensor.new_empty if call.kv_frame is None else torch.Tensor.new_zeros   # a frame: padding is zeros
     buffers: list[torch.Tensor] = []
-    start = 0
+    start = call.kv_frame.rows_at if call.kv_frame is not None else 0
     for seg in call.segments:
         def work(a: int, b: int, seg=seg, start=start) -> None:
             k, v = seg.kv(seg.source[:, a:b], a, b)

@@ -13,6 +13,7 @@ from . import accelerate, peft  # noqa: F401  (accelerate's hook chains; the ada
 from . import experts  # noqa: F401  (mixture-of-experts feed-forwards, taken whole by a capture)
 from .comfy import capture_attention, flux, kitchen_ops  # noqa: F401  (ComfyUI's ops, records, capture attention)
 from .diffusers import caches, hooks, pipelines  # noqa: F401  (diffusers' read caches, hook chains, pipelines' denoisers)
+from .diffusers.anyflow import recognize_anyflow_far_attention
 from .diffusers.attention import recognize_attention
 from .diffusers.flex import recognize_flex_attention
 from .diffusers.flex_nabla import recognize_nabla_attention
@@ -33,7 +34,7 @@ MODEL_RECOGNIZERS: list[Recognizer] = [recognize_wan_model, recognize_h3_model, 
 # parts: what a block's graph cannot take (a cache) or a module outside any block
 RECOGNIZERS: list[Recognizer] = [recognize_feedforward, recognize_gated_mlp, recognize_attention,
                                  recognize_flex_attention, recognize_nabla_attention, recognize_mochi_attention,
-                                 recognize_llama_attention, recognize_row_local]
+                                 recognize_anyflow_far_attention, recognize_llama_attention, recognize_row_local]
 
 
 CAPTURE_MODES = ("fallback", "prefer", "off")
