@@ -29,7 +29,8 @@ STOCK = {   # blocks that stay stock on the generic path, and the reason the rep
     "wan_animate2": "an argument of type BlockMask",
     # NABLA's 64-row blocks fix the row count; its self-attention streams as a part (integrations.diffusers.flex_nabla)
     "kandinsky6_sr": "capture failed",
-    "sana_wm": "capture failed",
+    # its frame count read off its per-frame modulation (``t``), fixed in the capture: ``view(B, frames, -1, C)``
+    "sana_wm": "reshape splits the rows into 4 runs in front of them",
     "rfd4_proteina": "2 row dimensions",    # the [B, N, N, C] pair representation
     # the whole text refiner pools its rows for its timestep embedding: its blocks stream, the rest stays stock
     **{f"{fam}_refiner": "IndividualTokenRefinerBlock (else its parts) L1"

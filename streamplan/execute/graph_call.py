@@ -132,6 +132,8 @@ def check_call(ctx: CallContext, args: tuple, kwargs: dict) -> GraphCall | str:
         return f"ran stock: {found}"
     if rows < found.captured.min_rows:   # reused from a call with more rows: its trace holds only from that many
         return f"ran stock: {rows} rows, fewer than the {found.captured.min_rows} its capture holds for"
+    if not found.captured.holds_for(rows):   # reused from a call with fewer rows: its trace narrowed the count
+        return f"ran stock: {rows} rows, more than the {found.captured.max_rows} its capture holds for"
     why = autocast_problem(found.captured.autocast_off)
     if why is not None:
         return f"ran stock: {why}"

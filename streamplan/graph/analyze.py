@@ -19,7 +19,7 @@ from torch import fx
 from ..registries import ROW_LOCAL_CUSTOM_OPS
 from .op_names import REDUCE_OPS, NotRowLocal, op_name, pointwise
 from .pair_masks import NotSliceable, PairMask, is_pair_op, pair_mask
-from .grid_rows import CONV_OPS, GridConvRefused, grid_conv_halo, grid_cut, lines_unit
+from .grid_rows import CONV_OPS, GridConvRefused, grid_conv_halo, grid_cut, lines_unit, whole_slice
 
 aten = torch.ops.aten
 
@@ -372,6 +372,10 @@ class _Analyzer:
             self.rows[node] = self.in_place(node, name, inputs, val)
             return
         if any(r.unit > 1 for _, r in inputs) and (name in _DIMMED or name in ("pad", "constant_pad_nd")):
+            kept = whole_slice(self, name, args, inputs, val)
+            if kept is not None:   # a slice that keeps every line: the value itself
+                self.rows[node] = kept
+                return
             grid_cut(self, name, args, inputs)
         if isinstance(val, (tuple, list)):
             self.rows[node] = self.multi(node, name, args, inputs, val)
@@ -687,6 +691,9 @@ class _Analyzer:
         if len(dims) != 1:
             return x.outer   # ``out_rows`` names it
         outer = sympy.simplify(self.prefix(x_val, x.dim) * x.outer / self.prefix(val, dims[0]))
+        if outer.is_Rational and 0 < outer < 1 and (1 / outer).is_Integer:   # ``view(b, k, -1, c)``, k fixed
+            raise NotRowLocal(f"{name} splits the rows into {1 / outer} runs in front of them, a count the capture "
+                              f"holds fixed (not one computed from the rows)")
         if not outer.is_Integer or int(outer) < 1 or (int(outer) > 1 and self.unit == 1):
             raise NotRowLocal(f"{name} mixes the rows with the dimensions before them")
         return int(outer)

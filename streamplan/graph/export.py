@@ -43,6 +43,12 @@ class Captured:
     min_rows: int = 2                 # the fewest rows the capture is valid for: no chunk is smaller
     autocast_off: frozenset = frozenset()   # device types whose autocast regions that turn it off were inlined
     row_unit: int = 1                 # rows per step of the symbol (a grid's width: rows = unit * lines, ``grid_rows``)
+    max_rows: int | None = None       # the most rows it holds for, where the trace narrowed the count (a loop over
+    #                                   fixed-size pieces of the rows, run once); None: any count
+
+    def holds_for(self, rows: int) -> bool:
+        """Whether the trace holds at ``rows`` rows: the range the export solved for its symbol."""
+        return rows >= self.min_rows and (self.max_rows is None or rows <= self.max_rows)
 
     def size_at(self, size: Any, rows: int) -> int:
         """A size of the graph (an int, or a SymInt of the row count) at a call of ``rows`` rows."""
@@ -162,7 +168,7 @@ def _lines_abstracted(module: nn.Module, args: tuple, kwargs: dict, rows: int) -
     if grid is None:
         return None
     bound = inspect.signature(type(module).forward).bind(module, *args, **kwargs)
-    bound.arguments[grid.leading] = "lines"
+    bound.arguments[grid.leading] = grid.with_lines(bound.arguments, "lines")
     return bound.args[1:], bound.kwargs
 
 
@@ -321,6 +327,10 @@ def capture(module: nn.Module, args: tuple, kwargs: dict, rows: int) -> Captured
     cap = _captured(module, program, seconds, min_rows)
     if isinstance(cap, Captured) and trace.grid is not None:
         cap.row_unit = trace.grid.unit
+    if isinstance(cap, Captured):   # a range narrowed by a guard export kept as the symbol's range
+        upper = getattr(program.range_constraints.get(cap.row_symbol), "upper", None)
+        if upper is not None and upper.is_finite and int(upper) < MAX_ROWS // cap.row_unit:
+            cap.max_rows = int(upper) * cap.row_unit
     return cap
 
 

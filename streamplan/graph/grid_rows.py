@@ -1,6 +1,7 @@
 """Rows laid out on a grid: a block that unflattens its rows to ``[lines, width]`` (or ``[frames, height, width]``)
-with every extent passed as an int is captured with the row count ``unit * lines``, the leading extent symbolic and
-the others static (their product the unit: a line's width, or a frame's height x width), so chunks of whole lines
+with every extent passed as an int (or all of them as one tuple of ints) is captured with the row count
+``unit * lines``, the leading extent symbolic and the others static (their product the unit: a line's width, or a
+frame's height x width), so chunks of whole lines
 (whole frames) keep the reshape valid. A value's rows dimension then counts lines; the rest of a line may lie in any
 other dimensions (``[frames, channels, height, width]`` for a convolution over each frame), since every op but those
 along the lines dimension works on each line alone, and slicing the lines commutes with it. A convolution whose
@@ -8,8 +9,8 @@ spatial axis is the lines reads a reach of whole lines around each of its own (i
 convolution), read off its kernel size, padding, dilation and stride; one whose batch is the lines reads none.
 
 The capture side (``grid_of_call``, ``grid_forward``) finds the int arguments and traces a forward that computes the
-leading extent from the rows' size; the analysis side (``lines_unit``, ``grid_conv_halo``, ``grid_cut``) is called
-by ``analyze`` for values whose rows dimension counts lines."""
+leading extent from the rows' size; the analysis side (``lines_unit``, ``grid_conv_halo``, ``whole_slice``,
+``grid_cut``) is called by ``analyze`` for values whose rows dimension counts lines."""
 from __future__ import annotations
 
 import inspect
@@ -32,13 +33,23 @@ class Grid:
 
     leading: str       # the forward's parameter holding the line count
     unit: int          # rows per line: the product of the static extents after it
+    index: int | None = None   # the line count's place where the extents come as one tuple (``(frames, h, w)``)
+
+    def with_lines(self, arguments: dict[str, Any], lines: Any) -> Any:
+        """The value of ``leading`` with the line count replaced by ``lines``."""
+        if self.index is None:
+            return lines
+        extents = list(arguments[self.leading])
+        extents[self.index] = lines
+        return tuple(extents)
 
 
 def grid_of_call(arguments: dict[str, Any], rows: int) -> Grid | None:
     """The grid of a call whose int arguments, consecutive in the forward's order, multiply to the row count
-    (``height, width``); the first is the line count. None where no such run exists, or where it is ambiguous."""
+    (``height, width``), or one tuple argument of ints that does (``(frames, height, width)``); the first is the line
+    count. None where no such run exists, or where it is ambiguous."""
     names = list(arguments)
-    found = []
+    found = [Grid(name, math.prod(v[1:]), 0) for name, v in arguments.items() if _extents(v, rows)]
     for i, name in enumerate(names):
         run, product = [], 1
         for other in names[i:]:
@@ -54,6 +65,14 @@ def grid_of_call(arguments: dict[str, Any], rows: int) -> Grid | None:
     return found[0] if len(found) == 1 else None
 
 
+def _extents(v: Any, rows: int) -> bool:
+    """Whether ``v`` is a tuple of ints, two or more, that multiply to the row count, the first and the rest's
+    product over one."""
+    return isinstance(v, tuple) and len(v) >= 2 and all(isinstance(x, int) and not isinstance(x, bool) and x >= 1
+                                                        for x in v) \
+        and math.prod(v) == rows and v[0] > 1 and math.prod(v[1:]) > 1
+
+
 @contextmanager
 def grid_forward(module: nn.Module, grid: Grid | None, row_arg: str, row_dim: int) -> Iterator[None]:
     """While traced: a forward that computes the line count from the rows' size (``row_arg``'s dimension
@@ -66,7 +85,8 @@ def grid_forward(module: nn.Module, grid: Grid | None, row_arg: str, row_dim: in
 
     def lines_forward(*args, **kwargs):
         bound = sig.bind(module, *args, **kwargs)
-        bound.arguments[grid.leading] = bound.arguments[row_arg].shape[row_dim] // grid.unit
+        lines = bound.arguments[row_arg].shape[row_dim] // grid.unit
+        bound.arguments[grid.leading] = grid.with_lines(bound.arguments, lines)
         return cls_forward(*bound.args, **bound.kwargs)
 
     lines_forward.__signature__ = sig.replace(parameters=list(sig.parameters.values())[1:])
@@ -159,6 +179,20 @@ def grid_conv_halo(args: dict, rows_dim: int, unit: int, ndim: int, outer: int =
             raise GridConvRefused(f"a convolution over the rows' grid whose output is not its input's size along "
                                    f"its lines (kernel {kernel}, padding {left}, dilation {dilation})")
     return left * unit, (reach - left) * unit
+
+
+def whole_slice(an: Any, name: str, args: dict, inputs: list, val: Any) -> Any:
+    """The input's rows where ``name`` is a slice of a value laid out as the grid that keeps every line (from the
+    first, step 1, its size along the lines its input's: ``x[start:start + per_call]`` in a loop the trace ran once),
+    so the value itself; else None."""
+    if name != "slice" or len(inputs) != 1 or not isinstance(val, torch.Tensor) or (args.get("step") or 1) != 1:
+        return None
+    node, r = inputs[0]
+    if r.unit == 1 or node is not args.get("self") or an.norm_dim(args.get("dim", 0), val.dim()) != r.dim:
+        return None
+    start = an.expr(args.get("start") or 0)
+    whole = sympy.expand(an.expr(val.shape[r.dim]) - an.expr(node.meta["val"].shape[r.dim])) == 0
+    return r if start == 0 and whole else None
 
 
 def grid_cut(an: Any, name: str, args: dict, inputs: list) -> None:
