@@ -160,14 +160,16 @@ def test_a_guard_on_the_row_count_is_kept_only_where_sympy_proves_it():
 
 def test_a_failure_inside_torchs_shape_arithmetic_is_named_not_a_bare_number():
     """torch's sympy ``Mod`` asserts with the bare number it was given (seen from FalconH1's Mamba-2 mixer): the
-    report names where it failed and the number, instead of torch's message-less guard."""
+    report names where it failed, instead of torch's message-less guard, and not the number (the sampled count's,
+    different each capture: COVERAGE.md's reason would change run to run)."""
     import sympy
     from torch.utils._sympy.functions import Mod
     from streamplan.graph.export import _reason
     with pytest.raises(AssertionError) as info:
         Mod(sympy.Rational(-1, 3), sympy.Integer(2))
     reason = _reason(info.value)
-    assert "symbolic shape arithmetic on the row count" in reason and "-0.3333" in reason, reason
+    assert "symbolic shape arithmetic on the row count: a fraction in a modulus" in reason, reason
+    assert "0.3333" not in reason and "1/3" not in reason, reason
 
 
 def test_packed_unbatched_streams_take_their_rows_from_the_longest():

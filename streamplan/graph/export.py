@@ -244,13 +244,6 @@ _NO_MESSAGE = "inside torch.export's guard on the row count, with no message"
 
 
 
-def _number(text: str) -> str:
-    try:
-        return f"{float(sympy.Rational(text)):.4g}"
-    except (TypeError, ValueError):
-        return text
-
-
 def _reason(exc: Exception) -> str:
     if isinstance(exc, OpaqueRefused):   # a module of a known kind that may not run by chunks: its own reason
         return str(exc)
@@ -258,7 +251,8 @@ def _reason(exc: Exception) -> str:
     if re.fullmatch(r"[-+0-9./e ]+", text):   # a bare number out of torch's own guard code: nothing a user can read
         frames = traceback.extract_tb(exc.__traceback__)
         if frames and "_sympy" in frames[-1].filename:   # torch's own shape arithmetic on the row count
-            text = (f"inside torch's symbolic shape arithmetic on the row count: {_number(text)} in a modulus (a "
+            # (the number is the sampled count's, different each capture: not said, so the reason is stable)
+            text = ("inside torch's symbolic shape arithmetic on the row count: a fraction in a modulus (a "
                     "size the block computes from the rows is not a whole, positive count for every row count)")
         else:
             text = f"{_NO_MESSAGE} (a shape that holds for some counts)"
