@@ -23,7 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...attention.flex import FlexMask
-from ...recognize.checks import call_args, source_fingerprint, stock_problem
+from ...recognize.checks import call_args
+from .followed import unfollowed
 from ...specs import AttentionCall, AttentionSpec, KVFrame, Segment, Skip
 
 _MODULE = "diffusers.models.transformers.transformer_anyflow_far"
@@ -35,10 +36,10 @@ _PAD_TO = 128      # the processor pads the query length to a multiple of this
 _MIN_HEAD = 16     # and narrower heads to this width (flex attention's minimum)
 
 
-def _changed(mod) -> list[str]:
-    found = {"AnyFlowCausalAttnProcessor.__call__": mod.AnyFlowCausalAttnProcessor.__call__,
+def _sources(mod) -> dict:
+    """The sources the binder follows, by the names ``FOLLOWED`` records them under."""
+    return {"AnyFlowCausalAttnProcessor.__call__": mod.AnyFlowCausalAttnProcessor.__call__,
              "apply_rotary_emb": mod.apply_rotary_emb, "AnyFlowAttention.forward": mod.AnyFlowAttention.forward}
-    return [name for name, fn in found.items() if source_fingerprint(fn) != FOLLOWED[name]]
 
 
 def _cached(x: torch.Tensor, heads: int, head_dim: int, cache, flag) -> tuple[list[torch.Tensor], int] | str:
@@ -162,12 +163,9 @@ def recognize_anyflow_far_attention(name: str, module: nn.Module) -> AttentionSp
     skip = lambda why: Skip(name, type(module).__name__, why)  # noqa: E731
     if processor is not mod.AnyFlowCausalAttnProcessor:
         return skip(f"its processor is {processor.__name__}, not the AnyFlowCausalAttnProcessor streamplan follows")
-    problem = stock_problem(module, mod.AnyFlowAttention.forward)
+    problem = unfollowed(module, mod.AnyFlowAttention.forward, _sources(mod), FOLLOWED)
     if problem:
         return skip(problem)
-    changed = _changed(mod)
-    if changed:
-        return skip(f"{', '.join(changed)} differ from the diffusers 0.42.1 source streamplan follows")
     heads, inner = module.heads, module.to_q.out_features
     return AttentionSpec(module=module, label="diffusers AnyFlowAttention[flex, KV cache + zero padding]",
                          heads=heads, kv_heads=heads, head_dim=inner // heads, dim_out=module.to_out[0].out_features,

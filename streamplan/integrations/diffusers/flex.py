@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from ...attention.flex import FlexMask, block_mask_problem, Q_BLOCK
-from ...recognize.checks import call_args, source_fingerprint, stock_problem
+from ...recognize.checks import call_args
+from .followed import unfollowed
 from ...specs import AttentionCall, AttentionSpec, KVFrame, Segment, Skip
 
 _MODULE = "diffusers.models.transformers.transformer_wan_animate_2"
@@ -30,10 +31,10 @@ _ARGS = ("hidden_states", "rotary_emb", "grid_sizes", "kv_cache", "kv_cache_mode
          "origin_latent_frames", "origin_latent_hw")
 
 
-def _changed(mod) -> list[str]:
-    found = {"WanAnimate2AttnProcessor.__call__": mod.WanAnimate2AttnProcessor.__call__,
+def _sources(mod) -> dict:
+    """The sources the binder follows, by the names ``FOLLOWED`` records them under."""
+    return {"WanAnimate2AttnProcessor.__call__": mod.WanAnimate2AttnProcessor.__call__,
              "rope_apply": mod.rope_apply, "_get_qkv_projections": mod._get_qkv_projections}
-    return [name for name, fn in found.items() if source_fingerprint(fn) != FOLLOWED[name]]
 
 
 def _grid(sizes, name: str) -> tuple[int, int, int] | str:
@@ -140,12 +141,9 @@ def recognize_flex_attention(name: str, module: nn.Module) -> AttentionSpec | Sk
             type(getattr(module, "processor", None)) is not mod.WanAnimate2AttnProcessor:
         return None
     skip = lambda why: Skip(name, type(module).__name__, why)  # noqa: E731
-    problem = stock_problem(module, mod.WanAnimate2Attention.forward)
+    problem = unfollowed(module, mod.WanAnimate2Attention.forward, _sources(mod), FOLLOWED)
     if problem:
         return skip(problem)
-    changed = _changed(mod)
-    if changed:
-        return skip(f"{', '.join(changed)} differ from the diffusers 0.42.1 source streamplan follows")
     heads, inner = module.heads, module.to_q.out_features
     return AttentionSpec(module=module, label="diffusers WanAnimate2Attention[flex BlockMask, cached reference]",
                          heads=heads, kv_heads=heads, head_dim=inner // heads, dim_out=module.to_out[0].out_features,

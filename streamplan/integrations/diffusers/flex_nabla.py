@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from ...attention.flex import FlexMask, Q_BLOCK, block_mask_problem
-from ...recognize.checks import call_args, source_fingerprint, stock_problem
+from ...recognize.checks import call_args
+from .followed import unfollowed
 from ...specs import AttentionCall, AttentionSpec, KVFrame, Segment, Skip
 
 _MODULE = "diffusers.models.transformers.transformer_kandinsky6_sr"
@@ -30,10 +31,10 @@ _SPARSE_KEYS = {"sta_mask", "threshold"}
 _MASK_BLOCK = 64   # nabla_block_mask's default block_size, the one the processor uses
 
 
-def _changed(mod) -> list[str]:
-    found = {"Kandinsky6SRAttnProcessor.__call__": mod.Kandinsky6SRAttnProcessor.__call__,
+def _sources(mod) -> dict:
+    """The sources the binder follows, by the names ``FOLLOWED`` records them under."""
+    return {"Kandinsky6SRAttnProcessor.__call__": mod.Kandinsky6SRAttnProcessor.__call__,
              "nabla_block_mask": mod.nabla_block_mask, "apply_rotary": mod.apply_rotary}
-    return [name for name, fn in found.items() if source_fingerprint(fn) != FOLLOWED[name]]
 
 
 def _bind_nabla(attn, mod, args: tuple, kwargs: dict) -> AttentionCall | str:
@@ -107,12 +108,9 @@ def recognize_nabla_attention(name: str, module: nn.Module) -> AttentionSpec | S
     if type(getattr(module, "processor", None)) is not mod.Kandinsky6SRAttnProcessor:
         return skip(f"its processor is {type(getattr(module, 'processor', None)).__name__}, not the "
                     "Kandinsky6SRAttnProcessor streamplan follows")
-    problem = stock_problem(module, mod.Kandinsky6SRAttention.forward)
+    problem = unfollowed(module, mod.Kandinsky6SRAttention.forward, _sources(mod), FOLLOWED)
     if problem:
         return skip(problem)
-    changed = _changed(mod)
-    if changed:
-        return skip(f"{', '.join(changed)} differ from the diffusers 0.42.1 source streamplan follows")
     heads, inner = module.num_heads, module.to_query.out_features
     return AttentionSpec(module=module, label="diffusers Kandinsky6SRAttention[flex NABLA BlockMask]",
                          heads=heads, kv_heads=heads, head_dim=inner // heads, dim_out=module.out_layer.out_features,

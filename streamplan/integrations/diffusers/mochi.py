@@ -19,7 +19,8 @@ import sys
 import torch
 from torch import nn
 
-from ...recognize.checks import call_args, source_fingerprint, stock_problem
+from ...recognize.checks import call_args
+from .followed import unfollowed
 from ...specs import AttentionCall, AttentionSpec, Segment, Skip
 
 _MODULE = "diffusers.models.attention_processor"
@@ -31,10 +32,10 @@ FOLLOWED = {"MochiAttnProcessor2_0.__call__": "2adfa8d057749ebc", "MochiAttentio
 _ARGS = ("hidden_states", "encoder_hidden_states", "attention_mask", "image_rotary_emb")
 
 
-def _changed(mod, norms) -> list[str]:
-    found = {"MochiAttnProcessor2_0.__call__": mod.MochiAttnProcessor2_0.__call__,
+def _sources(mod, norms) -> dict:
+    """The sources the binder follows, by the names ``FOLLOWED`` records them under."""
+    return {"MochiAttnProcessor2_0.__call__": mod.MochiAttnProcessor2_0.__call__,
              "MochiAttention.forward": mod.MochiAttention.forward, "MochiRMSNorm.forward": norms.MochiRMSNorm.forward}
-    return [name for name, fn in found.items() if source_fingerprint(fn) != FOLLOWED[name]]
 
 
 def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -160,12 +161,9 @@ def recognize_mochi_attention(name: str, module: nn.Module) -> AttentionSpec | S
     if type(getattr(module, "processor", None)) is not mod.MochiAttnProcessor2_0:
         return skip(f"its processor is {type(getattr(module, 'processor', None)).__name__}, not the "
                     "MochiAttnProcessor2_0 streamplan follows")
-    problem = stock_problem(module, mod.MochiAttention.forward)
+    problem = unfollowed(module, mod.MochiAttention.forward, _sources(mod, norms), FOLLOWED)
     if problem:
         return skip(problem)
-    changed = _changed(mod, norms)
-    if changed:
-        return skip(f"{', '.join(changed)} differ from the diffusers 0.42.1 source streamplan follows")
     problem = _heads_ok(module, norms.MochiRMSNorm)
     if problem:
         return skip(problem)

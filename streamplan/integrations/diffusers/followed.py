@@ -1,0 +1,25 @@
+"""What a hand-written recognizer of a diffusers attention checks before it takes a module apart by following its
+processor's source: the module's stock forward untouched (``recognize.checks.stock_problem``), and the sources it
+follows unchanged since the diffusers it was written against (their fingerprints)."""
+from __future__ import annotations
+
+from typing import Callable
+
+from torch import nn
+
+from ...recognize.checks import source_fingerprint, stock_problem
+
+FOLLOWED_VERSION = "0.42.1"
+
+
+def unfollowed(module: nn.Module, forward: Callable, sources: dict[str, Callable],
+               followed: dict[str, str]) -> str | None:
+    """Why ``module`` may not be taken apart (None: it may): its forward patched or hooked, or a source it follows
+    (name -> function) whose fingerprint is not the one recorded in ``followed``."""
+    problem = stock_problem(module, forward)
+    if problem:
+        return problem
+    changed = [name for name, fn in sources.items() if source_fingerprint(fn) != followed[name]]
+    if changed:
+        return f"{', '.join(changed)} differ from the diffusers {FOLLOWED_VERSION} source streamplan follows"
+    return None
