@@ -28,7 +28,7 @@ def output_tensors(out: Any, prefix: str = "output") -> dict[str, torch.Tensor]:
 
 class NotCopyable(ValueError):
     """A call's state object (a cache) that a stock reference run needs a private copy of, and that cannot be copied
-    (transformers' offloading cache holds CUDA streams)."""
+    (a cache that holds CUDA streams)."""
 
 
 def private_copy(value: Any) -> Any:

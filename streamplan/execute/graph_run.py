@@ -90,7 +90,7 @@ class GraphRun:
                 self.base[node] = cap.program.constants[ref]
             if is_traceable_wrapper_subclass(self.base[node]):
                 # the graph reads a tensor subclass's parts by the names its flatten gives them, and a subclass may
-                # only set those names when flattened (comfy_kitchen's QuantizedTensor weights)
+                # only set those names when flattened (a quantized weight whose scales are its parts)
                 self.base[node].__tensor_flatten__()
         # L6: inputs in host memory (``host_rows``), each chunk's rows copied to the compute device
         self.sources = {n: host[id(v)] for n, v in self.base.items() if host and id(v) in host}
