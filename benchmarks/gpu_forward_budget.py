@@ -41,7 +41,7 @@ BF16 = torch.bfloat16
 GIB = 1 << 30
 HIDDEN = "auto"         # apply(hidden=...): where the forward keeps its hidden state (--hidden)
 ALLOWANCE = 256 << 20   # the cap's room above the budget for the caching allocator's rounding
-LATENTS = {32768: (8, 64, 256), 75600: (21, 90, 160), 217088: (53, 128, 128)}   # frames, height, width (1x2x2 patches)
+LATENTS = {32768: (8, 64, 256), 75600: (21, 90, 160), 217088: (53, 128, 128), 434176: (106, 128, 128)}   # frames, height, width (1x2x2 patches)
 
 
 def build(layers: int):

@@ -4,11 +4,16 @@ minus kernels; the streamed call's enqueue time (until it returns, the GPU not w
 what the GPU waits on.
 
     python benchmarks/gpu_profile.py h3-block:65536:held1.10 ltx-block:217088:16384 llama3-8b-layer:131072:2816/1024
-(case from gpu_generic.BLOCKS : tokens : a fixed chunk C or C/S (the MLP in S-feature slices), or heldF = the planner
-held to F x the floor; a trailing /pN: row-local chains in N pieces of a chunk)
+    python benchmarks/gpu_profile.py --memory --tag moe qwen3-moe-layer:131072:held1.15
+(case from ``streamplan.tools.families`` (applied with ``capture="prefer"``, as ``gpu_time_model.py`` applies them) or
+gpu_generic.BLOCKS : tokens : a fixed chunk C or C/S (the MLP in S-feature slices), or heldF = the planner held to F x
+the floor; a trailing /pN: row-local chains in N pieces of a chunk). ``--memory``: the allocations alive at the
+streamed call's peak (CUDA allocator history), by the innermost streamplan / library frame that made them, beside the
+plan's predicted peak: where a memory model's miss comes from.
 """
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
 import time
@@ -19,6 +24,7 @@ from torch.profiler import ProfilerActivity, profile
 import streamplan
 from common import device_info, write_results
 from gpu_generic import BF16, BLOCKS
+from streamplan.tools.families import FAMILIES
 
 
 def kernel_table(fn, label: str, rows: int = 14) -> tuple[dict[str, float], dict[str, list[float]]]:
@@ -75,13 +81,75 @@ def wall(fn, repeats: int = 5, wait: bool = True) -> float:
     return statistics.median(times)
 
 
-def profile_case(spec: str) -> dict:
+def _case(case: str, n: int) -> tuple[str, torch.nn.Module, tuple, int, dict]:
+    """(label, block on the GPU, its call's arguments, floor bytes, apply options) from the families the planner's
+    benchmarks share, else from gpu_generic's own blocks."""
+    if case in FAMILIES:
+        fam = FAMILIES[case]
+        with torch.device("cuda"):
+            block = fam.build().to(BF16).eval()
+        return fam.description, block, fam.inputs(n, torch.device("cuda"), BF16), \
+            int(fam.floor_bytes_per_token(BF16) * n), {"capture": "prefer"}
+    name, block, inputs, floor = BLOCKS[case](n)
+    return name, block.cuda().to(BF16).eval(), inputs(), floor, {}
+
+
+SITE_FILES = ("streamplan/", "transformers/", "diffusers/", "comfy/")
+
+
+def _site(frames: list[dict]) -> str:
+    """The innermost frame in streamplan or a model library (else the innermost frame): where an allocation was made."""
+    for f in frames:
+        name = f.get("filename", "")
+        if any(k in name for k in SITE_FILES) and "torch/" not in name:
+            tail = name.split("site-packages/")[-1].split("/tmp/t/")[-1]
+            return f"{tail}:{f.get('line')} {f.get('name')}"
+    return f"{frames[0].get('filename', '?')}:{frames[0].get('line')}" if frames else "?"
+
+
+def peak_allocations(fn, rows: int = 25) -> dict:
+    """The allocations alive at ``fn``'s allocator peak (bytes above what was allocated before it), by site."""
+    torch.cuda.synchronize()
+    torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+    try:
+        fn()
+        torch.cuda.synchronize()
+        snap = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    trace = snap["device_traces"][torch.cuda.current_device()]
+    live, now, best, best_at = {}, 0, 0, -1
+    for i, e in enumerate(trace):
+        if e["action"] == "alloc":
+            live[e["addr"]] = e["size"]
+            now += e["size"]
+        elif e["action"] == "free_completed" and e["addr"] in live:
+            now -= live.pop(e["addr"])
+        if now > best:
+            best, best_at = now, i
+    live = {}
+    for e in trace[:best_at + 1]:
+        if e["action"] == "alloc":
+            live[e["addr"]] = (e["size"], _site(e.get("frames", [])))
+        elif e["action"] == "free_completed":
+            live.pop(e["addr"], None)
+    by_site: dict[str, list[int]] = {}
+    for size, site in live.values():
+        by_site.setdefault(site, [0, 0])
+        by_site[site][0] += size
+        by_site[site][1] += 1
+    top = sorted(by_site.items(), key=lambda kv: -kv[1][0])[:rows]
+    print(f"--- alive at the peak: {best / 2**20:.1f} MiB above the call's start, {len(live)} allocations", flush=True)
+    for site, (size, count) in top:
+        print(f"{size / 2**20:10.1f} MiB  x{count:<5d} {site}", flush=True)
+    return {"peak_bytes": best, "allocations": len(live), "by_site_bytes_count": dict(top)}
+
+
+def profile_case(spec: str, memory: bool = False) -> dict:
     case, n, mode = spec.split(":")
     n = int(n)
     torch.manual_seed(0)
-    name, block, inputs, floor = BLOCKS[case](n)
-    block = block.cuda().to(BF16).eval()
-    args = inputs()
+    name, block, args, floor, apply_opts = _case(case, n)
     live = sum(a.numel() * a.element_size() for a in torch.utils._pytree.tree_leaves(args)
                if isinstance(a, torch.Tensor))
     fields = mode.split("/")   # C, C/S or C/S/pN: C-row chunks, the MLP in S-feature slices, N row pieces
@@ -89,6 +157,7 @@ def profile_case(spec: str) -> dict:
     opts = (dict(budget=int(live + float(fields[0][4:]) * floor)) if mode.startswith("held")
             else dict(chunk_tokens=int(fields[0]), ffn_slice=int(fields[1]) if len(fields) > 1 else None))
     opts["row_pieces"] = pieces
+    opts.update(apply_opts)
     with torch.inference_mode():
         stock, stock_ops = kernel_table(lambda: block(*args), f"{spec} stock")
         stock_wall = wall(lambda: block(*args))
@@ -96,8 +165,9 @@ def profile_case(spec: str) -> dict:
         streamed, streamed_ops = kernel_table(lambda: block(*args), f"{spec} streamed")
         streamed_wall = wall(lambda: block(*args))
         streamed_enqueue = wall(lambda: block(*args), 3, wait=False)
-        plan = handle.plans[""][0]
+        plan = handle.plans[""][-1]
         print(handle.report(), flush=True)
+        at_peak = peak_allocations(lambda: block(*args)) if memory else None
         handle.remove()
     diffs = sorted(set(stock) | set(streamed), key=lambda k: -abs(streamed.get(k, 0) - stock.get(k, 0)))[:12]
     print("--- largest differences (streamed - stock), ms", flush=True)
@@ -106,7 +176,9 @@ def profile_case(spec: str) -> dict:
     row = {"spec": spec, "block": name, "tier": str(plan.tier), "chunk": plan.chunk, "ffn_slice": plan.ffn_slice,
            "stock_wall_s": stock_wall, "streamed_wall_s": streamed_wall, "time_ratio": streamed_wall / stock_wall,
            "stock_kernel_ms": sum(stock.values()), "streamed_kernel_ms": sum(streamed.values()),
-           "streamed_enqueue_s": streamed_enqueue,
+           "streamed_enqueue_s": streamed_enqueue, "predicted_time_ratio": plan.predicted_time_ratio,
+           "predicted_peak_bytes": plan.predicted_peak, "live_bytes": live, "floor_bytes": floor,
+           "at_peak": at_peak,
            "stock_kernel_ms_by_kind": by_kind(stock), "streamed_kernel_ms_by_kind": by_kind(streamed),
            "largest_differences_ms": {k: streamed.get(k, 0) - stock.get(k, 0) for k in diffs}}
     none = [0, 0.0, 0.0]
@@ -123,10 +195,15 @@ def profile_case(spec: str) -> dict:
 
 
 def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("specs", nargs="*", default=["h3-block:65536:held1.10"], help="case:tokens:mode")
+    p.add_argument("--memory", action="store_true", help="also the allocations alive at the streamed call's peak")
+    p.add_argument("--tag", default="", help="written as gpu_profile_<tag>.json")
+    a = p.parse_args()
     info = device_info()
     print(info, flush=True)
-    rows = [profile_case(s) for s in (sys.argv[1:] or ["h3-block:65536:held1.10"])]
-    print(write_results("gpu_profile", {**info, "rows": rows}))
+    rows = [profile_case(s, a.memory) for s in a.specs]
+    print(write_results("gpu_profile" + (f"_{a.tag}" if a.tag else ""), {**info, "rows": rows}))
     return 0
 
 
