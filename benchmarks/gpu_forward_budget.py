@@ -41,7 +41,8 @@ BF16 = torch.bfloat16
 GIB = 1 << 30
 HIDDEN = "auto"         # apply(hidden=...): where the forward keeps its hidden state (--hidden)
 ALLOWANCE = 256 << 20   # the cap's room above the budget for the caching allocator's rounding
-LATENTS = {32768: (8, 64, 256), 75600: (21, 90, 160), 217088: (53, 128, 128), 434176: (106, 128, 128)}   # frames, height, width (1x2x2 patches)
+LATENTS = {32768: (8, 64, 256), 75600: (21, 90, 160), 217088: (53, 128, 128),   # frames, height, width (1x2x2 patches)
+           434176: (106, 128, 128)}
 
 
 def build(layers: int):
@@ -392,7 +393,7 @@ def main() -> int:
             keep({**accepted(model, call, budget, ref, stock_s, a.repeat), "weights": "on the card"})
         if a.offload:
             offload(model)
-        for budget in [int(float(b) * scale) for b in a.budgets_gib.split(",")]:
+        for budget in [int(float(b) * scale) for b in a.budgets_gib.split(",") if b]:
             keep(accepted(model, call, budget, ref, stock_s, a.repeat, warm if a.offload else None))
         if a.refuse_gib > 0:   # last: the smallest's search rehearses several times
             keep(refused(model, call, int(a.refuse_gib * scale)))
