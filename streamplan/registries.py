@@ -24,6 +24,16 @@ def register_row_local_op(namespace: str, name: str, kind: Literal["rows", "norm
     ROW_LOCAL_CUSTOM_OPS[(namespace, name)] = kind
 
 
+# Custom ops (by namespace and name) that contract over every row of their inputs into a value without rows (a mask
+# chosen from every row's block statistics): computed once in phase KV from their inputs built whole
+# (``graph.row_contractions``).
+ROW_CONTRACTION_OPS: set[tuple[str, str]] = set()
+
+
+def register_row_contraction_op(namespace: str, name: str) -> None:
+    ROW_CONTRACTION_OPS.add((namespace, name))
+
+
 # Private attributes a module's forward reads as settings (peft: an adapter switched off, the active adapter's name),
 # declared by the library's recognizer file: a capture depends on their values (``graph.export.structure``).
 CAPTURE_STATE_ATTRS: set[str] = set()

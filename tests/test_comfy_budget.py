@@ -13,7 +13,8 @@ import torch
 import streamplan
 from comfy_support import comfyui
 from conftest import rel_err
-from test_comfy import _block_lines, _h3_long, _h3_run, _wan_long, fresh_captures, sample_call  # noqa: F401
+from test_comfy import (_block_lines, _h3_long, _h3_run, _wan_long, _without_wrapper,  # noqa: F401
+                        fresh_captures, sample_call)
 
 CPU = torch.device("cpu")
 pytestmark = pytest.mark.usefixtures("fresh_captures")
@@ -27,10 +28,11 @@ def _free(monkeypatch, free: int) -> None:
 
 
 def _least(patcher, x, cond) -> int:
-    """The smallest peak the planner reaches for the first block, from the refusal of a 64 KiB explicit budget."""
+    """The smallest peak the planner reaches for the first block, from the refusal of a 64 KiB explicit budget (under
+    the stock model forward: a forward streamplan runs is planned whole, and refuses as a whole)."""
     import streamplan.integrations.comfy as sc
     with pytest.raises(streamplan.BudgetError, match="below the smallest peak streamplan can reach") as err:
-        sample_call(sc.patch(patcher, budget=2**16, min_tokens=0), x, cond)
+        sample_call(_without_wrapper(sc.patch(patcher, budget=2**16, min_tokens=0)), x, cond)
     m = re.search(r"smallest peak streamplan can reach \(([\d.]+) (KiB|MiB|GiB)", str(err.value))
     return int(float(m.group(1)) * {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[m.group(2)])
 

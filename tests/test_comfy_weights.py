@@ -186,8 +186,9 @@ def test_unknown_cast_ops_keep_the_block_stock():
 
 
 def test_explicit_budget_pays_for_cast_weights():
-    """An explicit budget is the activation room above what the call holds at entry, less the cast weights it takes;
-    "auto" reads free memory after they were taken."""
+    """An explicit budget is the activation room above what the call holds at entry (for a model forward planned
+    whole, Wan here, above the forward's start), less the cast weights it takes; "auto" reads free memory after they
+    were taken."""
     comfyui()
     from streamplan.integrations.comfy.memory import room_for, streamer_budget
     from streamplan.integrations.comfy.patch import Options as PatchOptions
@@ -198,7 +199,7 @@ def test_explicit_budget_pays_for_cast_weights():
 
     # a budget the block fits in with ComfyUI's own weights no longer fits once every weight is a patched copy
     import streamplan.integrations.comfy as sc
-    room = 768 * 64 * 4 * 7 // 2   # K + V and 3/4 as much again for a chunk (768 rows, 64 wide, fp32)
+    room = 768 * 64 * 4 * 11 // 2   # the forward's rows, K + V and as much again for its work (768 rows, 64 wide)
     for lora in (False, True):
         base, x, cond = wan_patcher(layers=1)
         sd = base.model.state_dict()
@@ -208,9 +209,9 @@ def test_explicit_budget_pays_for_cast_weights():
         patched = sc.patch(base, budget=room, min_tokens=0)
         if not lora:
             assert rel_err(sample_call(patched, x, cond), stock) <= 1e-5
-            assert "L1 rows=768" in sc.report(patched)
+            assert " rows=768 " in sc.report(patched)   # streamed (L1 or L3, near the smallest budget)
         else:
-            with pytest.raises(streamplan.BudgetError, match="cannot hold it"):
+            with pytest.raises(streamplan.BudgetError, match="cannot hold"):
                 sample_call(patched, x, cond)
             assert base.model.diffusion_model.blocks[0].ffn[0].comfy_cast_weights is True   # released on the error
 

@@ -229,6 +229,17 @@ def test_a_cache_taking_host_rows_holds_the_stores_buffers_and_decodes_as_stock(
     step reads them to stock's logits, and the device side never holds a layer's K/V: the meter sees the prefill
     without the cache's copies that the plain path makes."""
     from streamplan import registries
+    # PyTorch's CPU flash kernel holds tiles per thread: one thread, so the peaks compared differ by the caches alone
+    # on any machine (on a 16-thread machine the host-rows run peaked 168 KB higher)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _host_rows_decode(monkeypatch, registries)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _host_rows_decode(monkeypatch, registries):
     n = 1024
     model, ids = _lm("llama"), _ids(n=n)
     ref_cache = transformers.DynamicCache(config=model.config)

@@ -75,14 +75,23 @@ def test_meta_ltx2_prices_pieces_and_takes_the_fastest_legal_plan(ltx2_planned):
     for request, plans in seen:   # each count's candidates priced by the memory model with that count
         assert all(p.row_pieces == request.row_pieces for p in plans)
         assert all(p.predicted_peak <= request.budget for p in plans)
-    ratios = {id(p): base.time_ratio(p) for p in legal}
-    assert plan.predicted_time_ratio == pytest.approx(min(ratios.values()), rel=1e-12), report
-    # the figures: K/V staged on the host, all heads at once, at 1.17x stock; each count of pieces lowers the
-    # chunk's transient with the MLP sliced, but its launches (about 2,000 ops a chunk at 8 pieces) cost more than the
-    # rows buy
+    # two searches: the video self-attention attended again in phase Q (the audio's attention over the video rows
+    # reads K/V made from its output, so phase KV runs it too), and its output kept whole from phase KV (0.33x the
+    # floor more held, one attention less): each search's candidates priced by its own request
+    by_search: dict[int, list[float]] = {}
+    for request, plans in seen:
+        by_search.setdefault(request.fixed, []).extend(request.time_ratio(p) for p in plans)
+    assert len(by_search) == 2, sorted(by_search)
+    rerun, kept = (min(by_search[f]) for f in sorted(by_search))
+    assert plan.kept_outputs and "kept_outputs" in report, report
+    assert plan.predicted_time_ratio == pytest.approx(kept, rel=1e-12), report
+    assert rerun > 1.9 and plan.predicted_time_ratio < 1.35, (rerun, plan.predicted_time_ratio)
+    # K/V staged on the host, all heads at once; each count of pieces lowers the chunk's transient with the MLP
+    # sliced, but its launches (about 2,000 ops a chunk at 8 pieces) cost more than the rows buy
     assert plan.tier == Tier.L4 and plan.row_pieces == 1 and plan.head_groups == 1, plan.describe()
-    assert plan.predicted_time_ratio == pytest.approx(1.174, abs=0.01)
-    assert min(ratios[id(p)] for p in pieced) > plan.predicted_time_ratio
+    kept_ratios = [r.time_ratio(p) for r, plans in seen if r.fixed == max(by_search) for p in plans
+                   if p.row_pieces > 1]
+    assert min(kept_ratios) > plan.predicted_time_ratio
 
 
 def test_meta_ltx2_forced_pieces_are_carried_and_priced(ltx2_planned):

@@ -11,10 +11,12 @@ elements again. Uncompiled, flex attention runs one fp32 softmax per query row o
 (what the stock call does, row for row); compiled, it visits the block tables' key blocks.
 
 Calls without a flex mask (a plain SDPA of a block whose other attentions dispatch to flex) are PyTorch SDPA's, as
-stock runs them.
+stock runs them. A captured graph holds a mask whose visited blocks are all full (no ``mask_mod``) as one int32 tensor
+of its block tables (``full_block_tables``), attended by ``streamplan::flex_block_attention``.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Callable
 
@@ -49,6 +51,32 @@ def block_mask_problem(block_mask: BlockMask, *, q_len: int, kv_len: int, q_alig
     if getattr(block_mask, "dq_kv_order", None) is not None:
         return "its flex BlockMask carries a backward order (dq_kv_order) a chunk cannot take"
     return None
+
+
+def full_block_tables(block_mask: BlockMask) -> torch.Tensor:
+    """A mask whose visited blocks are all full as one int32 tensor a graph can hold: per query block, the count of
+    key blocks it visits, then their indices (``[..., q_blocks, 1 + kv_blocks]``)."""
+    return torch.cat([block_mask.full_kv_num_blocks.unsqueeze(-1), block_mask.full_kv_indices], -1)
+
+
+def tables_block_mask(tables: torch.Tensor, kv_len: int) -> BlockMask:
+    """The ``BlockMask`` ``full_block_tables`` packed, for ``kv_len`` keys: the same tables, every block full."""
+    num, idx = tables[..., 0].clone(), tables[..., 1:].clone()   # copies: the mask does not keep ``tables`` alive
+    block = kv_len // idx.shape[-1]
+    return BlockMask.from_kv_blocks(torch.zeros_like(num), idx, num, idx, BLOCK_SIZE=block, mask_mod=None)
+
+
+@torch.library.custom_op("streamplan::flex_block_attention", mutates_args=())
+def flex_block_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor,
+                         scale: float | None = None) -> torch.Tensor:
+    """Flex attention ([B, H, rows, D]) under the mask ``full_block_tables`` packed into ``attn_mask``: how a captured
+    graph holds such a call (the graph's executor attends it through ``FlexConsumer`` one Q chunk at a time)."""
+    return flex_attention(query, key, value, block_mask=tables_block_mask(attn_mask, key.shape[-2]), scale=scale)
+
+
+@flex_block_attention.register_fake
+def _(query, key, value, attn_mask, scale=None):
+    return query.new_empty(query.shape[:-1] + (value.shape[-1],))
 
 
 def _at_rows(fn: Callable, offset: int, score: bool) -> Callable:
@@ -106,6 +134,7 @@ class FlexConsumer:
 
     def __init__(self, caps, sdpa):
         self.caps, self.sdpa = caps, sdpa
+        self._tables: tuple = (None, None)   # the last packed tables (a graph's mask, read by every Q chunk) unpacked
 
     def workspace_row_bytes(self, *, heads: int, head_dim: int, elem: int, causal: bool, masked: bool,
                             keys: int | None = None, batch: int = 1) -> int:
@@ -118,8 +147,23 @@ class FlexConsumer:
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_offset: int, causal: bool,
                mask, scale: float | None, **extra) -> torch.Tensor:
+        if isinstance(mask, torch.Tensor) and mask.dtype == torch.int32:   # a graph's ``full_block_tables``
+            mask = self._unpacked(mask, k.shape[-2])
         if isinstance(mask, FlexMask):
             if causal or extra:
                 raise ValueError("a flex call takes its causality and scores from its BlockMask and score_mod")
             return flex_chunk(q, k, v, q_offset=q_offset, mask=mask, scale=scale)
         return self.sdpa.attend(q, k, v, q_offset=q_offset, causal=causal, mask=mask, scale=scale, **extra)
+
+    def _unpacked(self, tables: torch.Tensor, kv_len: int) -> FlexMask:
+        """The call's mask from its packed tables, unpacked once for all of its Q chunks."""
+        held, mask = self._tables
+        if held is None or held() is not tables:
+            mask = FlexMask(tables_block_mask(tables, kv_len))
+            self._tables = (weakref.ref(tables, self._drop), mask)
+        return mask
+
+    def _drop(self, ref: weakref.ref) -> None:
+        """The unpacked mask dropped with its tables (the call's end): nothing of a call is held past it."""
+        if self._tables[0] is ref:
+            self._tables = (None, None)

@@ -54,7 +54,6 @@ class LseAccumulator:
         B, H, c, D = q.shape
         self.acc = torch.zeros(B, H, c, D, dtype=torch.float32, device=q.device)
         self.lse = torch.full((B, H, c), float("-inf"), dtype=torch.float32, device=q.device)
-        self.spare: torch.Tensor | None = None   # a whole-chunk partial output, reused for the result
 
     def add(self, o: torch.Tensor, lse: torch.Tensor, r0: int = 0, masked: bool = False) -> None:
         """Block output ``o`` of rows ``r0``.. with log-sum-exp ``lse``. ``masked``: rows may see no key of the block
@@ -68,8 +67,6 @@ class LseAccumulator:
         acc.mul_(a)
         acc.addcmul_(torch.where(w > 0, o, 0.0) if masked else o, w)
         old.copy_(new)
-        if r0 == 0 and o.shape == self.acc.shape and o.is_contiguous():
-            self.spare = o
 
     def result(self, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
         """The merged output in ``dtype`` (into ``out`` when given)."""
@@ -77,9 +74,7 @@ class LseAccumulator:
             return out.copy_(self.acc)
         if dtype == torch.float32:
             return self.acc
-        if self.spare is not None and self.spare.dtype == dtype:
-            return self.spare.copy_(self.acc)
-        return self.acc.to(dtype)
+        return self.acc.to(dtype)   # a block's output is not kept for this: it would sit beside the next block's
 
 
 def merge_bytes_per_row(heads: int, head_dim: int, device_type: str | None) -> int:

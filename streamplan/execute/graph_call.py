@@ -3,6 +3,7 @@ to what the graph takes, the graph captured or reused, the attention's consumer 
 from the graph's memory model under the budget, then run (phase KV, or head groups, then phase Q)."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -22,8 +23,9 @@ from ..graph.memory import graph_memory
 from ..graph.opaque_layers import opaque_layers
 from ..graph.sliced_mlp import row_dim
 from ..graph.work import phase_runs
-from ..plan.planner import (META_MULTIPROCESSORS, ROW_PIECES, SLICED_TIERS, UTILISATION_FLOOR, Plan, Tier, Waves,
-                            plan_graph)
+from ..graph.phases import keepable_outputs
+from ..plan.planner import (META_MULTIPROCESSORS, ROW_PIECES, SLICED_TIERS, UTILISATION_FLOOR, BudgetError, Plan,
+                            Tier, Waves, plan_graph)
 from ..registries import adapt_call, block_backend
 from ..specs import AdaptedCall, HostRows, RowMask, described_whole
 from .call_ledger import phase
@@ -372,6 +374,8 @@ def head_groups_allowed(found, whole_problem: str | None) -> tuple[int, ...]:
     an = found.analysis
     if whole_problem or an.input_writes or any(a.sinks is not None for a in an.attentions):   # sinks: every head's
         return ()
+    if any(a.mask is not None and a.mask.meta["val"].dtype == torch.int32 for a in an.attentions):
+        return ()   # flex block tables (``attention.flex.full_block_tables``): every head's, not a group's
     att = an.attentions[0]
     kv_heads, heads = att.k.meta["val"].shape[1], att.q.meta["val"].shape[1]
     if not isinstance(kv_heads, int) or not isinstance(heads, int):
@@ -385,11 +389,31 @@ def plan_call(ctx: CallContext, call: GraphCall, budget: int | None) -> Plan:
     """The plan for ``budget`` bytes; under sequence parallelism the fullest rank's budget, and the same plan on every
     rank (collectives)."""
     budget = parallel.agreed_budget(budget, call.par, call.device)
-    plan = plan_for_budget(call, ctx.options, budget)
+    plan = _keep_or_rerun(call, ctx.options, budget)
     if plan.tier != Tier.L0:   # rows on a grid: chunks of whole lines (rounded down, priced at the larger chunk)
         plan.chunk = grid_chunk(call.found.captured, plan.chunk)
     parallel.agreed_plan(ctx.entry.name or type(ctx.entry.module).__name__, plan, call.par, call.device)
     return plan
+
+
+def _keep_or_rerun(call: GraphCall, o, budget: int | None) -> Plan:
+    """Where a later attention's phase KV runs an earlier one (its K/V read that attention's output): the plan that
+    attends it again in phase Q, or the one that keeps its output whole from phase KV (its rows' bytes held for the
+    call, its attention run once), whichever the time model says is faster; with no time model (the CPU) the kept
+    one where a byte budget holds it, none asked for fixed chunks (the least memory)."""
+    plan = plan_for_budget(call, o, budget)
+    keep = keepable_outputs(call.found.analysis, call.found.phases)
+    if not keep or plan.tier in (Tier.L0, Tier.L3) or plan.q == "whole" or budget is None or call.par is not None:
+        return plan
+    try:
+        kept = plan_for_budget(call, o, budget, tuple(keep))
+    except BudgetError:
+        return plan
+    if kept.tier in (Tier.L0, Tier.L3) or kept.q == "whole":
+        return plan
+    faster = (kept.predicted_time_ratio < plan.predicted_time_ratio
+              if kept.predicted_time_ratio is not None and plan.predicted_time_ratio is not None else True)
+    return kept if faster else plan
 
 
 @dataclass
@@ -415,11 +439,12 @@ def attention_costs(call: GraphCall) -> AttentionCosts:
     # the consumer's own allocations, charged while the chunk's attention runs (its Q chunk and static rows against
     # every key)
     # sinks are merged with a log-sum-exp the consumer computes as for a masked chunk (fp32 math in pieces)
-    spec = SimpleNamespace(heads=qv.shape[1], kv_heads=kv.shape[1], head_dim=qv.shape[-1], causal=att.causal,
-                           mask=call.row_mask if att.sinks is None else (call.row_mask or "sinks"),
-                           device_type=device.type, softcap=att.softcap)
     q_static = att.q_rows.pre + att.q_rows.post if att.q_rows is not None else 0
     keys = rows + att.kv_rows.pre + att.kv_rows.post
+    # (keys and batch: for a consumer that declares per-row bytes over every key, flex's uncompiled scores)
+    spec = SimpleNamespace(heads=qv.shape[1], kv_heads=kv.shape[1], head_dim=qv.shape[-1], causal=att.causal,
+                           mask=call.row_mask if att.sinks is None else (call.row_mask or "sinks"),
+                           device_type=device.type, softcap=att.softcap, keys=keys, batch=qv.shape[0])
     costs.workspace = functools.partial(_workspace, call.consumer, spec, qv.element_size(), rows, q_static, keys)
     if call.row_mask is not None:   # each Q chunk's mask rows (or its per-element pieces): in the transient
         elem = qv.element_size()
@@ -441,12 +466,13 @@ def attention_costs(call: GraphCall) -> AttentionCosts:
     return costs
 
 
-def plan_for_budget(call: GraphCall, o, budget: int | None) -> Plan:
-    """The graph's memory model (whole buffers, a chunk's worst moment) and the attention's costs, for the planner."""
+def plan_for_budget(call: GraphCall, o, budget: int | None, keep: tuple = ()) -> Plan:
+    """The graph's memory model (whole buffers, a chunk's worst moment) and the attention's costs, for the planner;
+    ``keep``: attentions whose output phase KV keeps whole (``_keep_or_rerun``)."""
     found, rows, an = call.found, call.rows, call.found.analysis
     regions = found.mlp_regions
     given = o.row_pieces or 1   # the user's pieces, else whole chunks and the planner may try ``ROW_PIECES``
-    mem = graph_memory(an, found.phases, rows, set(call.donate), given)
+    mem = graph_memory(an, found.phases, rows, set(call.donate), given, keep)
     order = [n for n in found.captured.graph.nodes if n.op == "call_function" and n not in an.ignored]
     costs = attention_costs(call)
     ws, mask_bytes = costs.workspace, costs.mask_bytes
@@ -462,7 +488,7 @@ def plan_for_budget(call: GraphCall, o, budget: int | None) -> Plan:
     def priced(pieces: int) -> tuple[Callable[[int, int], int], Callable[[int, int, int], int]]:
         """One chunk's transients with the row-local runs in ``pieces`` pieces, from the memory model the executor's
         run is priced by (``graph_memory(..., pieces)``)."""
-        m = mem if pieces == given else graph_memory(an, found.phases, rows, set(call.donate), pieces)
+        m = mem if pieces == given else graph_memory(an, found.phases, rows, set(call.donate), pieces, keep)
 
         def transient(c: int, sl: int) -> int:   # a whole-Q call: its workspace for every row, not the chunk's
             if call.whole_q:
@@ -479,7 +505,11 @@ def plan_for_budget(call: GraphCall, o, budget: int | None) -> Plan:
     pieces = ROW_PIECES if o.row_pieces is None and phase_runs(found) else ()
     # a cache the call fills: what it adds once phase Q is done (stock fills it as its attention runs: beside its peak)
     fill, fill_host = kv_tiers.cache_bytes(call.adapted, mem.kv_bytes)
-    return plan_graph(rows, mem.kv_bytes + mem.out_bytes, transient,
+    kv_args = call.kv_args
+    if keep and kv_args.get("costs") is not None and kv_args["costs"].work is not None:   # attended once
+        work = dataclasses.replace(kv_args["costs"].work, attention_rerun_flops=0.0)
+        kv_args = {**kv_args, "costs": dataclasses.replace(kv_args["costs"], work=work)}
+    plan = plan_graph(rows, mem.kv_bytes + mem.out_bytes + mem.kept_bytes, transient,
                       # stock's one call has its workspace too, and its host rows brought whole
                       mem.stock(order) + mask_bytes(rows) + ws(rows) + host_in(rows) + _eager_scores(an, rows) + fill,
                       chunk_tokens=o.chunk_tokens, budget=budget,
@@ -487,7 +517,9 @@ def plan_for_budget(call: GraphCall, o, budget: int | None) -> Plan:
                       ffn=max((r.ffn for r in regions), default=0), ffn_slice=o.ffn_slice,
                       kv=mem.kv_bytes, attn_out=costs.attn_out, groups=call.groups, head_groups=o.head_groups,
                       transient_kv=transient_kv, whole_q=q_whole, q_span=o.q_span, row_pieces=given, pieces=pieces,
-                      priced=priced, fill=fill, fill_host=fill_host, **call.kv_args)
+                      priced=priced, fill=fill, fill_host=fill_host, **kv_args)
+    plan.kept_outputs = bool(keep) and plan.tier != Tier.L0
+    return plan
 
 
 # -- stage 3: the call run -----------------------------------------------------------------------------------------
@@ -507,11 +539,13 @@ def run_call(ctx: CallContext, call: GraphCall, plan: Plan) -> Any:
                  "accumulated, one rounding a slice (row pieces, elsewhere, are stock's rows exactly)")
     fuse_on = call.device if o.fuse or (o.fuse is None and fuse.available(call.device)) else None
 
+    keep = tuple(keepable_outputs(found.analysis, found.phases)) if plan.kept_outputs else ()
+
     def graph_run(ffn_slice: int, fuse_rows: int, **extra) -> GraphRun:
         return GraphRun(found.captured, found.analysis, found.phases, ctx.entry.module, call.args, call.kwargs,
                         call.rows, attend, ffn_slice=ffn_slice, regions=found.mlp_regions,
                         pieces=o.row_pieces or plan.row_pieces,
-                        fuse=fuse_on, fuse_rows=fuse_rows, host=call.host, **extra)
+                        fuse=fuse_on, fuse_rows=fuse_rows, host=call.host, keep=keep, **extra)
 
     run = graph_run(plan.ffn_slice if plan.tier in SLICED_TIERS else 0, 0 if o.fuse else plan.chunk, **stores)
     if call.par is not None:

@@ -57,7 +57,8 @@ class GraphRun:
                  rows: int, attend: Callable[..., torch.Tensor], ffn_slice: int = 0,
                  regions: list[MLPRegion] | None = None, kv_store: Callable[[GlobalAttention], Any] | None = None,
                  attend_store: Callable[..., torch.Tensor] | None = None, pieces: int = 1,
-                 fuse: torch.device | None = None, fuse_rows: int = 0, host: dict | None = None):
+                 fuse: torch.device | None = None, fuse_rows: int = 0, host: dict | None = None,
+                 keep: tuple = ()):
         self.cap, self.an, self.ph, self.rows, self.attend = cap, an, ph, rows, attend
         self.pieces = pieces   # row-local runs in this many pieces of a chunk's rows (1: every node on the chunk)
         self.fuse = fuse if pieces == 1 else None   # element-wise chains compiled for this device (``fuse``)
@@ -97,6 +98,12 @@ class GraphRun:
         self.kv: dict[fx.Node, tuple[torch.Tensor, torch.Tensor]] = {}
         self.attn_out: dict[fx.Node, torch.Tensor] = {}
         self._base = 0   # the first row of what ``attn_out`` holds
+        # attentions a later attention's phase KV runs (``phases.keepable_outputs``): the first phase KV that runs
+        # one keeps its output whole, and phase Q reads its rows there instead of attending again
+        self._keep_in: dict[int, list[GlobalAttention]] = {}
+        for a in keep:
+            j = next(j for j, p in enumerate(ph.kv) if a.node in p)
+            self._keep_in.setdefault(j, []).append(a)
         self.consts: dict[fx.Node, Any] = {}
         self._static_rows_once(cap)
         env = dict(self.base)
@@ -334,16 +341,23 @@ class GraphRun:
 
     def build_kv(self, chunk: int) -> None:
         chunk = self._before_phases(chunk)
-        for att, nodes in zip(self.an.attentions, self.ph.kv):
+        for j, (att, nodes) in enumerate(zip(self.an.attentions, self.ph.kv)):
             bufs: list[torch.Tensor] = []
             store = self.kv_store(att) if self.kv_store is not None else None
+            keeps, kept = self._keep_in.get(j, []), {}
 
-            def work(a: int, b: int, att=att, nodes=nodes, bufs=bufs, store=store) -> None:
+            def work(a: int, b: int, att=att, nodes=nodes, bufs=bufs, store=store, keeps=keeps, kept=kept) -> None:
                 dyn = self.static_mode and a > 0
                 values = (att.k, att.v) if store is None else ()
                 watch = self._watch(values) if not bufs else set()
-                env = self._run(nodes, self._inputs(a, b, dyn), a, {att.k, att.v}, b - a if dyn else None,
-                                self._dests(values, a, b), watch)
+                env = self._run(nodes, self._inputs(a, b, dyn), a, {att.k, att.v, *(k.node for k in keeps)},
+                                b - a if dyn else None, self._dests(values, a, b), watch)
+                for k in keeps:   # an earlier attention's output, kept for phase Q
+                    o = env.pop(k.node)
+                    if k.node not in kept:
+                        kept[k.node] = whole_buffer(o, k.q_rows, self.rows)
+                    write_chunk_rows(kept[k.node], o, k.q_rows, self.rows, a, b, a == 0)
+                    del o
                 kc, vc = env[att.k], env[att.v]
                 if store is not None:
                     r = att.kv_rows
@@ -358,6 +372,7 @@ class GraphRun:
 
             for a, b in chunk_bounds(self.rows, chunk, self.cap.min_rows):
                 attempt(work, a, b, self._retries)
+            self.attn_out.update(kept)
             if store is not None:
                 store.finish()
                 self.stores[att.node] = store
@@ -449,10 +464,10 @@ class GraphRun:
             else 0
 
         nodes = self.ph.q
-        if self.attn_out or span:   # the attention reads its rows of an output built ahead: Q is not computed again
-            att = self.an.attentions[0]
+        if self.attn_out or span:   # an attention reads its rows of an output built ahead: its Q is not computed again
+            ahead = set(self.attn_out) | ({self.an.attentions[0].node} if span else set())
             need = ancestors([o for o in self.an.outputs if isinstance(o, fx.Node)], self._stop(), self.ph.writes,
-                              {att.node: []})
+                              {n: [] for n in ahead})
             nodes = [n for n in nodes if n in need]
 
         rowed = rowed_outputs(self.an)

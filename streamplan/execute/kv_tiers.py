@@ -126,6 +126,8 @@ def kv_options(found, rows: int, device: torch.device, kinds: tuple[str, ...], s
             # during the attention: the fp32 accumulator and a block's partial output (the result is the attention's
             # own output); phase KV: a chunk's rows-first copy and, compressing, its fp32 working copies
             merge = B * H * D * (4 + e) + 8 * B * H
+            if att.causal and H > Hkv:   # a causal diagonal's K/V heads repeated to the query heads for the fused
+                merge += 2 * B * H * D * e   # kernel (attention.sdpa.attend_lse): as many keys as its query rows
             if device.type == "cpu":   # PyTorch's CPU flash kernel keeps buffers of its own per call, counted as
                 whole_row = max(whole_row, B * H * D * (8 + 2 * e))   # two fp32 outputs and two in the dtype per row
                 # of all heads, however few heads the call has (attention.sdpa)

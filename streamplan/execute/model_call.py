@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 
@@ -41,9 +41,7 @@ def run_model(ctx: CallContext, args: tuple, kwargs: dict) -> Any:
         in fp32 over that many rows beside the whole hidden state would be what overshoots)."""
         if fixed:
             return fixed
-        planned = [p.chunk for e in ctx.installed() if e is not entry for p in e.plans.values()
-                   if p.tier != Tier.L0 and p.chunk > 0]   # a model forward's own plan (an outer one) has no chunk
-        return min(planned + [DEFAULT_CHUNK_TOKENS])
+        return smallest_planned_chunk(p for e in ctx.installed() if e is not entry for p in e.plans.values())
 
     def run(a: tuple, k: dict, host: bool = False) -> Any:
         return spec.run(a, k, RowLoops(chunk, host))
@@ -83,6 +81,12 @@ def run_model(ctx: CallContext, args: tuple, kwargs: dict) -> Any:
     if first and not ahead:   # the model's figures are its largest block's, planned during this first call
         _figures_from_blocks(ctx, plan, before)
     return out
+
+
+def smallest_planned_chunk(plans: Iterable[Plan], cap: int = DEFAULT_CHUNK_TOKENS) -> int:
+    """Rows per chunk of a model forward's own row loops under a budget: its blocks' smallest planned chunk (a block
+    kept stock, or a model forward's own plan, has none), at most ``cap``."""
+    return min([p.chunk for p in plans if p.tier != Tier.L0 and p.chunk > 0] + [cap])
 
 
 def _planned_ahead(ctx: CallContext, sig: tuple, plan: Plan, run, args: tuple, kwargs: dict,

@@ -16,7 +16,7 @@ import sympy
 import torch
 from torch import fx
 
-from ..registries import ROW_LOCAL_CUSTOM_OPS
+from ..registries import ROW_CONTRACTION_OPS, ROW_LOCAL_CUSTOM_OPS
 from .op_names import REDUCE_OPS, NotRowLocal, op_name, pointwise
 from .pair_masks import NotSliceable, PairMask, is_pair_op, pair_mask
 from .grid_rows import CONV_OPS, GridConvRefused, grid_conv_halo, grid_cut, lines_unit, whole_slice
@@ -113,7 +113,8 @@ _SOFTMAX = {"softmax", "_softmax", "log_softmax", "_log_softmax", "cumsum", "cum
 _NORMS = {"layer_norm", "native_layer_norm", "rms_norm", "_fused_rms_norm"}
 MATMUL_OPS = {"linear", "matmul", "mm", "bmm", "addmm", "baddbmm"}
 _CREATE = {"new_zeros", "new_ones", "new_full", "new_empty", "zeros", "ones", "full", "empty"}
-SDPA_OPS = {"scaled_dot_product_attention", "eager_attention"}   # the second: graph/eager_attention.py
+SDPA_OPS = {"scaled_dot_product_attention", "eager_attention",   # the second: graph/eager_attention.py
+            "flex_block_attention"}   # attention.flex: a flex mask of full blocks held as its tables
 
 
 def numel_besides(val, dim: int | None) -> int:
@@ -345,6 +346,9 @@ class _Analyzer:
         if len(outers) > 1:
             raise NotRowLocal(f"{name} joins a grid's lines merged with a static dimension to lines merged otherwise")
         self.outer = outers.pop() if outers else 1
+        if (getattr(target, "namespace", None), name) in ROW_CONTRACTION_OPS and inputs:
+            self.rows[node] = custom_contraction(self, node, name, inputs, val)
+            return
         kind = ROW_LOCAL_CUSTOM_OPS.get((getattr(target, "namespace", None), name))
         if kind is not None and inputs:
             self.rows[node] = self.custom_row_local(node, kind, name, inputs, val)
@@ -856,6 +860,8 @@ class _Analyzer:
         chunk: a text mask over the joint rows) or [.., N, Nk] over rows x rows (no static rows)."""
         if isinstance(mask, fx.Node) and mask in self.pair_nodes:
             return self.pair_root(mask, qr, kr)
+        if isinstance(mask, fx.Node) and any(c.node is mask for c in self.contractions):
+            return False   # chosen from every row in phase KV (``row_contractions``): every Q chunk reads it whole
         built = isinstance(mask, fx.Node) and mask in self.row_const
         if not built and (not isinstance(mask, fx.Node) or mask.op != "placeholder" or mask not in self.user_inputs):
             return self.key_mask_made(mask, kr)
@@ -1007,4 +1013,4 @@ def analyze(graph: fx.Graph, symbol, user_inputs: set[fx.Node], unit: int = 1, c
     return result   # what phase KV may compute is checked on its phases (``contraction_phases.phase_kv_problem``)
 
 
-from .row_contractions import NOT_HANDLED, contraction_or_row_local  # noqa: E402 (uses the above)
+from .row_contractions import NOT_HANDLED, contraction_or_row_local, custom_contraction  # noqa: E402 (uses the above)

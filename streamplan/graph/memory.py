@@ -31,6 +31,7 @@ class GraphMemory:
     attention_nodes: set
     analysis: Analysis
     pieces: int = 1                    # row-local runs in this many pieces of the chunk (1: whole, no runs)
+    kept_bytes: int = 0                # attention outputs phase KV keeps whole for phase Q (``rerun_attentions``)
 
     def value(self, node: fx.Node, rows: int) -> int:
         return self.per_row.get(node, 0) * rows + self.static.get(node, 0)
@@ -163,13 +164,15 @@ class GraphMemory:
                    self._phase(self.phases.q, chunk, ffn_slice, regions, at_attention, workspace, keep=outputs))
 
     def predicted(self, chunk: int) -> int:
-        return self.kv_bytes + self.out_bytes + self.transient(chunk)
+        return self.kv_bytes + self.out_bytes + self.kept_bytes + self.transient(chunk)
 
     def stock(self, nodes: list[fx.Node]) -> int:
         return self._phase(nodes, self.rows)
 
 
-def graph_memory(an: Analysis, ph: Phases, rows: int, donated_outputs: set[int], pieces: int = 1) -> GraphMemory:
+def graph_memory(an: Analysis, ph: Phases, rows: int, donated_outputs: set[int], pieces: int = 1,
+                 kept: tuple = ()) -> GraphMemory:
+    """``kept``: global attentions whose output phase KV keeps whole (``phases.rerun_attentions``)."""
     per_row: dict[fx.Node, int] = {}
     static: dict[fx.Node, int] = {}
     allocates: dict[fx.Node, bool] = {}
@@ -214,4 +217,9 @@ def graph_memory(an: Analysis, ph: Phases, rows: int, donated_outputs: set[int],
         if isinstance(r, Rows) and i not in donated_outputs:
             v = o.meta["val"]
             out += numel_besides(v, r.dim) * v.element_size() * (rows + r.pre + r.post)
-    return GraphMemory(rows, per_row, static, allocates, ph, kv, out, {a.node for a in an.attentions}, an, pieces)
+    held = 0
+    for a in kept:
+        v, r = a.node.meta["val"], a.q_rows
+        held += numel_besides(v, r.dim) * v.element_size() * (rows + r.pre + r.post)
+    return GraphMemory(rows, per_row, static, allocates, ph, kv, out, {a.node for a in an.attentions}, an, pieces,
+                       held)

@@ -120,6 +120,19 @@ def in_place(nodes: list[fx.Node], an: Analysis, ph: Phases, keep: set) -> tuple
     return found
 
 
+def rerun_attentions(an: Analysis, ph: Phases) -> list:
+    """The global attentions a later attention's phase KV runs (its K/V read their output): streamed, each runs
+    there over every chunk and again in phase Q, unless phase KV keeps its output whole for phase Q to read."""
+    later = {n for p in ph.kv for n in p}
+    return [a for a in an.attentions if a.node in later and a.q_rows is not None]
+
+
+def keepable_outputs(an: Analysis, ph: Phases) -> list:
+    """``rerun_attentions`` whose output phase KV can keep whole by chunks as phase Q would read them: not where a
+    later chunk runs its dynamic rows alone (static rows once) or a chunk runs on a halo of rows beyond its own."""
+    return [] if an.static_rows or an.halo != (0, 0) else rerun_attentions(an, ph)
+
+
 def rowed_outputs(an: Analysis) -> list[fx.Node]:
     return [o for o in an.outputs if isinstance(o, fx.Node) and isinstance(an.rows.get(o), Rows)]
 

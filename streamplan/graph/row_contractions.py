@@ -60,6 +60,12 @@ def contraction_or_row_local(an: Any, node: fx.Node, name: str, args: dict, inpu
     return NOT_HANDLED
 
 
+def custom_contraction(an: Any, node: fx.Node, name: str, inputs: list, val: Any) -> None:
+    """A custom op declared a contraction over every row (``registries.register_row_contraction_op``): recorded, its
+    output without rows; raises ``NotRowLocal`` where an input's rows are joined with static rows or a grid."""
+    return _record(an, node, name, [n for n, _ in inputs], val)
+
+
 def _record(an: Any, node: fx.Node, name: str, operands: list[fx.Node], val: Any) -> None:
     import torch
     if not isinstance(val, torch.Tensor) or an.row_dims(val):

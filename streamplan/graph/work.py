@@ -50,6 +50,8 @@ class BlockWork:
     ops_piece: int = 0           # ops each row piece adds beside them (its inputs' rows narrowed, its outputs copied
     # into the chunk's buffers)
     runs_bytes_row: float = 0.0  # bytes per row of the runs' outputs, written again by those copies
+    attention_rerun_flops: float = 0.0  # global attentions run again streamed: a later attention's K/V read an
+    # earlier one's output, so that attention's phase KV runs it (over every chunk) before phase Q runs it again
 
 
 def _size(s) -> int | None:
@@ -108,13 +110,15 @@ def block_work(found, rows: int) -> BlockWork:
             per_node[n] = per
         else:
             const += 2 * numel_besides(out, None) * k
-    attention = 0.0
+    attention = rerun_attention = 0.0
     for a in an.attentions:
         _, width = _attention_width(a.node)
         nq = rows + a.q_rows.pre + a.q_rows.post if a.q_rows is not None else \
             found.captured.size_at(a.q.meta["val"].shape[-2], rows)
         nk = rows + a.kv_rows.pre + a.kv_rows.post
-        attention += width * nq * nk / (2 if a.causal else 1)
+        flops = width * nq * nk / (2 if a.causal else 1)
+        attention += flops
+        rerun_attention += flops * sum(a.node in set(p) for p in ph.kv)
     mem = graph_memory(an, ph, rows, set())
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     weights = sum(numel_besides(n.meta["val"], None) * n.meta["val"].element_size()
@@ -137,7 +141,8 @@ def block_work(found, rows: int) -> BlockWork:
                      sum(per_node.get(n, 0.0) for n in both), written(both),
                      sum(calls(r.nodes) for r in runs),
                      sum(len([m for m in r.inputs if isinstance(an.rows.get(m), Rows)]) + len(r.outputs) for r in runs),
-                     float(sum(mem.per_row.get(o, 0) for r in runs for o in r.outputs)))
+                     float(sum(mem.per_row.get(o, 0) for r in runs for o in r.outputs)),
+                     attention_rerun_flops=rerun_attention)
 
 
 def phase_runs(found) -> list[RowRun]:

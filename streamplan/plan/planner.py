@@ -200,6 +200,8 @@ class Plan:
     # on this device or for this operation)
     row_pieces: int = 1  # a captured block's row-local runs (norms, rotary, modulation) in this many pieces of a
     # chunk's rows: their temporaries a piece's, not the chunk's (1: whole chunks)
+    kept_outputs: bool = False   # attentions a later attention's phase KV runs: their outputs kept whole there for
+    # phase Q to read rather than attended again (``graph.phases.rerun_attentions``)
 
     @property
     def predicted_total(self) -> int:
@@ -219,6 +221,7 @@ class Plan:
         sl = f"  ffn_slice={self.ffn_slice}" if self.ffn_slice and self.tier in SLICED_TIERS else ""
         hg = f"  head_groups={self.head_groups}" if self.head_groups > 1 else ""
         hg += f"  row_pieces={self.row_pieces}" if self.row_pieces > 1 else ""
+        hg += "  kept_outputs" if self.kept_outputs else ""
         kv = "  q=whole (one attention call)" if self.q == "whole" else ""
         if self.kv != "device":
             kv += f"  kv={self.kv} block={self.kv_block}"

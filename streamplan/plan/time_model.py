@@ -73,7 +73,8 @@ def streamed_seconds(w, r: Rates, s: Streamed) -> float:
     gemm = _gemm_s(w.gemm_flops_row * n + k * w.gemm_flops_static + w.rerun_flops_row * n, c, r)
     gemm += w.gemm_flops_const / r.gemm
     memory = (w.bytes_row + w.rerun_bytes_row) * n / r.bandwidth
-    attention = (w.attention_flops * (1 + s.wave_waste) + w.attention_flops_row * n) / r.attention
+    attention = ((w.attention_flops + w.attention_rerun_flops) * (1 + s.wave_waste) + w.attention_flops_row * n) \
+        / r.attention
     groups = (s.groups - 1) * r.group_rerun * (_gemm_s(w.kv_flops_row * n, c, r) + w.kv_bytes_row * n / r.bandwidth)
     ops = k * (w.ops_kv * s.groups + w.ops_q + (s.slices - 1) * w.ops_mlp) * r.op_s
     return gemm + memory + attention + groups + ops + pieces_seconds(w, r, s.pieces, k) + s.store_s

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from ...execute.call_state import rehearsing
 from ...execute.donation import donate
 from .memory import room_for
 from .weights import once_per_loop
@@ -22,16 +23,20 @@ def row_loop(state: Any, *modules: torch.nn.Module):
     the loop (``weights.once_per_loop``), counted in the call's ``ModelCalls.weights_once``."""
     with once_per_loop(*modules) as took:
         yield
-    state.forward.weights_once += len(took.layers)
+    if not rehearsing():   # a rehearsal (``forward_budget``) is not a call
+        state.forward.weights_once += len(took.layers)
 
 
 def chunk_rows(state: Any, device: torch.device, row_bytes: int) -> int:
     """Rows per chunk of the model's own loops (projections, head), recorded for the call's report:
-    ``chunk_tokens`` when given, else as many rows as a quarter of the room on ``device`` holds at ``row_bytes`` per
-    row, within [MIN_CHUNK, DEFAULT_CHUNK]."""
+    ``chunk_tokens`` when given; in a forward planned ahead under a size budget, its blocks' smallest planned chunk
+    (``forward_budget.loop_chunk``: called again before the head, once the blocks planned); else as many rows as a
+    quarter of the room on ``device`` holds at ``row_bytes`` per row, within [MIN_CHUNK, DEFAULT_CHUNK]."""
     options = state.options
     if options.chunk_tokens:
         chunk = int(options.chunk_tokens)
+    elif state.forward.loop_chunk is not None:   # a forward planned ahead (``forward_budget``): its blocks' chunk
+        chunk = state.forward.loop_chunk(state)
     else:
         room = room_for(options, device)
         chunk = DEFAULT_CHUNK if room is None else int(min(DEFAULT_CHUNK, max(MIN_CHUNK,

@@ -28,11 +28,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from ...execute.call_state import rehearsing
 from ...execute.chunk_loop import chunk_bounds
 from ...specs import RowsFrom
 from . import models as comfy_models
 from .embed import grid_chunk_bounds  # noqa: F401 -- forwards' own
 from .embed import grid_chunks, project_into, row_chunks
+from .forward_budget import plans_ahead, run_planned
 from .forward_loops import block_call, chunk_rows, row_loop
 from .forwards_joint import Chroma, Flux, HunyuanVideo
 from .forwards_ltxav import LTXAV
@@ -45,6 +47,9 @@ class ModelCalls:
     streamed_calls: int = 0
     stock_reasons: dict[str, int] = field(default_factory=dict)
     chunk: int | None = None                 # rows per chunk of the last streamed call's own loops
+    planned: dict = field(default_factory=dict)   # input signature -> the whole forward's figures (planned ahead)
+    notes: list[str] = field(default_factory=list)   # what planning the forward ahead said
+    loop_chunk: Any = None                   # while a forward planned ahead runs: its own loops' chunk (``state``)
     donated_blocks: int = 0                  # block calls of the last streamed call that got their input donated
     weights_once: int = 0                    # comfy.ops layers of the last streamed call's row loops cast once a loop
 
@@ -65,18 +70,23 @@ class ModelForward:
         call = None
         if why is None:
             try:
-                call = inspect.signature(type(model)._forward).bind(model, *args, **kwargs).arguments
+                call = _bound(model, args, kwargs)
             except TypeError as exc:
                 why = f"the call does not match {type(model).__name__}._forward ({exc})"
         if why is None:
-            call = dict(call)
-            call.pop(next(iter(call)))   # self
             why = run.problem(model, call)
         if why is not None:
             calls.stock(why)
             return executor(*args, **kwargs)
+        if rehearsing():   # a rehearsal of a forward outside (never counted)
+            return run.forward(model, call, state)
         calls.weights_once = 0
-        out = run.forward(model, call, state)
+        if plans_ahead(run, state.options):
+            state.new_call(call.get("transformer_options") or {})   # a new sampling run plans anew, ahead
+            out = run_planned(state, model, lambda a, k: run.forward(model, _bound(model, a, k), state), args,
+                              kwargs)
+        else:
+            out = run.forward(model, call, state)
         calls.streamed_calls += 1
         return out
 
@@ -94,6 +104,13 @@ class ModelForward:
         if torch.is_grad_enabled() and any(p.requires_grad for p in model.parameters()):
             return "autograd is recording", None
         return None, FORWARDS[comfy_models.class_path(type(model))]
+
+
+def _bound(model: Any, args: tuple, kwargs: dict) -> dict:
+    """The call's arguments by the names of the model's ``_forward`` (``self`` left out)."""
+    call = dict(inspect.signature(type(model)._forward).bind(model, *args, **kwargs).arguments)
+    call.pop(next(iter(call)))
+    return call
 
 
 def _wan_block_wrap(block, context_img_len, frames=None):
@@ -137,6 +154,8 @@ def _per_row(table: torch.Tensor, step: int, rows: int) -> RowsFrom:
 
 
 class _Wan:
+    plans_ahead = True   # rehearsed whole under a size budget (``forward_budget``)
+
     @staticmethod
     def problem(model: Any, call: dict) -> str | None:
         kwargs = call.get("kwargs") or {}
@@ -233,6 +252,8 @@ class _Wan:
 
         # the head: modulated norm and projection on row chunks into its (small) output, then the model's unpatchify;
         # its shift and scale per frame as stock's, each chunk's rows picked from their frames' (repeat_e's layout)
+        if state.forward.loop_chunk is not None:   # planned ahead: the chunk its blocks planned
+            chunk = chunk_rows(state, x.device, model.dim * 6)
         head = model.head
         mod = mm.cast_to(head.modulation, dtype=hidden.dtype, device=hidden.device)
         shift, scale = (mod.unsqueeze(0) + e.unsqueeze(2)).unbind(2)
@@ -261,6 +282,8 @@ _H3_TAG = {"text": 1, "video": 0, "audio": 2}
 
 
 class _H3:
+    plans_ahead = True
+
     @staticmethod
     def problem(model: Any, call: dict) -> str | None:
         x = call.get("x")
@@ -365,6 +388,8 @@ class _H3:
         del rope
 
         # the final layer on row chunks of each target stream, straight into its (small, fp32) output
+        if state.forward.loop_chunk is not None:   # planned ahead: the chunk its blocks planned
+            chunk = chunk_rows(state, device, model.hidden_size * 6)
         final = model.final_layer
         shift, scale = final.adaln_proj(t_emb)
         outs = []

@@ -48,19 +48,20 @@ def forward_problem(block: nn.Module) -> str | None:
 def segment_rows(mod_segments: Any, rows: int, device: torch.device) -> torch.Tensor | str:
     """``[(start, stop, table_row), ...]`` covering rows 0..rows contiguously -> each row's table row ``[1, rows]``
     (int64), or why the segments are not that."""
-    index = torch.empty(1, rows, dtype=torch.int64)
     at = 0
     try:
         for a, b, row in mod_segments:
             if not all(isinstance(v, int) and not isinstance(v, bool) for v in (a, b, row)) or a != at or b < a:
                 return f"mod_segments are not contiguous int (start, stop, row) triples from row 0 ({a, b, row})"
-            index[0, a:b] = row
             at = b
     except (TypeError, ValueError):
         return "mod_segments is not a list of (start, stop, row) triples"
     if at != rows:
         return f"mod_segments cover {at} rows of {rows}"
-    return index.to(device)
+    # built from whole ops (no writes into a fresh tensor): in a forward's rehearsal a small index is a real value and
+    # a large one a fake, as every value there (``execute.rehearsal``)
+    pieces = [torch.full((1, b - a), row, dtype=torch.int64) for a, b, row in mod_segments]
+    return (torch.cat(pieces, dim=1) if pieces else torch.empty(1, 0, dtype=torch.int64)).to(device)
 
 
 class PackedRows(nn.Module):

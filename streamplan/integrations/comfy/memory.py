@@ -10,10 +10,12 @@ is activation room, never a share of the card:
   fills the card with weights it evicts on demand, so a model larger than the card leaves little free), the block
   streams at the smallest peak the planner reaches (its smallest chunk, head groups where the graph allows), and the
   report says so; ComfyUI evicts weights for it as it would for the stock block.
-- bytes (``"12GiB"``): the activation ceiling above what is allocated when the block is entered (its inputs, the
-  residual, ComfyUI's weights): a block plans its chunks to stay within it, and the copies its cast weights need
-  (device moves, dtype casts, patched weights) are paid from it. A ceiling: below the smallest peak the block
-  reaches, ``BudgetError`` before any work runs, naming that peak.
+- bytes (``"12GiB"``): for a model forward streamplan runs and plans whole (``forward_budget``), what the whole
+  model call may add above what was allocated when it began, its blocks planned ahead within it. Otherwise the
+  activation ceiling above what is allocated when the block is entered (its inputs, the residual, ComfyUI's
+  weights): a block plans its chunks to stay within it, and the copies its cast weights need (device moves, dtype
+  casts, patched weights) are paid from it. A ceiling: below the smallest peak the block reaches, ``BudgetError``
+  before any work of that block runs, naming that peak.
 - ``None``: no planning; every long enough call streams at ``chunk_tokens`` (or the default chunk).
 
 ``room_for`` is that room; ``streamer_budget`` turns it into the byte budget a ``BlockStreamer`` plans under (which

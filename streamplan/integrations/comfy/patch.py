@@ -20,6 +20,8 @@ from torch import nn
 
 from ...api import BlockStreamer
 from ...attention import ConsumerCaps, graph_consumer_scope
+from ...execute.call_state import rehearsing
+from ...options import StreamOptions
 from ...plan.budget import parse_budget
 from ...specs import described_whole
 from .attention import OVERRIDE_KEY, ComfyAttention, override_problem
@@ -97,6 +99,8 @@ class PatchState:
     replaced_own: int = 0                                     # keys an earlier streamplan patch held, re-planned
     forward: ModelCalls = field(default_factory=ModelCalls)   # the DIFFUSION_MODEL wrapper's model calls
     runs: int = 0                                             # sampling runs seen (each re-plans the blocks)
+    plan_options: Any = None                                  # what a forward planned ahead plans under
+    # (``forward_budget``): the budget as ``streamplan.apply`` takes it
     last_sigmas: Any = None                                   # the "sigmas" tensor of the last call seen
     last_sigma: float | None = None
 
@@ -117,6 +121,8 @@ class PatchState:
             self.runs += 1
             for b in self.blocks.values():
                 b.streamer, b.module_id = None, None
+            self.forward.planned.clear()   # a forward planned ahead is planned again with its blocks
+            self.forward.notes.clear()
         self.last_sigma = sigma
 
 
@@ -189,18 +195,21 @@ class _StreamedCall:
             with taken(self.module, x.device, x.dtype, direct) as held:
                 if held.layers:
                     self.block.notes.add(held.note())
-                self.block.taken_bytes = held.new_bytes
+                if not rehearsing():
+                    self.block.taken_bytes = held.new_bytes
                 self._budget(o, args, kwargs, x.device, held.new_bytes)
                 consumer = ComfyAttention(COMFY_CAPS, kwargs.get("transformer_options") or {}, self.block.key[1],
                                           self.calls.whole_attention)
                 with graph_consumer_scope(consumer):
                     out = self.calls.call(self.block.streamer, self.block.streamed, args, kwargs)
         if isinstance(out, str):
-            self.block.stock(out)
+            if not rehearsing():
+                self.block.stock(out)
             args, kwargs = described_whole(args, kwargs)   # tables a streamed forward described, built whole
             return self.module(*args, **kwargs)
-        self.block.streamed_calls += 1
-        self.block.consumer = consumer.phrase
+        if not rehearsing():   # a forward's rehearsal (``forward_budget``) is not a call
+            self.block.streamed_calls += 1
+            self.block.consumer = consumer.phrase
         return out
 
     def _budget(self, o: Options, args: tuple, kwargs: dict, device: Any, taken_bytes: int) -> None:
@@ -209,6 +218,8 @@ class _StreamedCall:
             self.block.streamer.handle.options.budget = None
             self.block.notes.add(f"quantized weights ({len(quantized)} layer(s): {quantized[0]}, ...): row chunks "
                                  "only, at chunk_tokens or the default chunk; the budget is not planned")
+        elif o.budget is not None and rehearsing():   # the whole forward's rehearsal plans it: its budget, named
+            self.block.streamer.handle.options.budget = o.budget
         elif o.budget is not None:   # the room at this call, over what it holds live
             options = self.block.streamer.handle.options
             options.budget = streamer_budget(o, args, kwargs, device, taken_bytes)
@@ -236,7 +247,8 @@ class StreamedBlock:
         self.state.new_call(args.get("transformer_options") or {})
         rows = _rows(args)
         if rows is None or rows < self.state.options.min_tokens:
-            block.short_calls += 1
+            if not rehearsing():
+                block.short_calls += 1
             return original(args)
         # attention masks go through: the capture streams a mask over text keys (cross-attention) and keeps a block
         # stock, naming it, when a mask spans the rows' own keys
@@ -252,7 +264,8 @@ class StreamedBlock:
                        f"[batch, rows, features], and its class registered no adapter: the capture cannot find "
                        f"the rows")
         if why is not None:
-            block.stock(why)
+            if not rehearsing():
+                block.stock(why)
             return original(args)
         return swapped(args)
 
@@ -318,8 +331,9 @@ def patch(model_patcher, budget: int | str | None = "auto", chunk_tokens: int | 
     streamed (input projection and head in row chunks, block inputs donated; Flux and HunyuanVideo on one joint
     text+image buffer; LTX-2's per-token tables per chunk). ``budget``: "auto" (ComfyUI's free memory less
     ``--reserve-vram`` and ``reserve``; never refuses: with too little free, the smallest reachable peak, reported),
-    bytes (activation room above what a block call holds at entry,
-    its cast weights paid from it; ``BudgetError`` below the smallest peak) or None (``memory``); ``chunk_tokens`` and
+    bytes (for Wan and MiniMax-H3's forwards without ``chunk_tokens``, what the whole model call may add, planned
+    before it runs, ``forward_budget``; otherwise activation room above what a block call holds at entry; cast weights
+    paid from it; ``BudgetError`` below the smallest) or None (``memory``); ``chunk_tokens`` and
     ``self_check`` are ``BlockStreamer``'s. The input patcher and the shared modules are not changed.
     ``report(patched)`` says what happened.
     """
@@ -333,6 +347,7 @@ def patch(model_patcher, budget: int | str | None = "auto", chunk_tokens: int | 
                              **({} if reserve is None else {"reserve": reserve}))
     dm = _diffusion_model(model_patcher)
     state = PatchState(Options(budget, chunk_tokens, min_tokens, reserve, self_check), type(dm).__name__, dm)
+    state.plan_options = StreamOptions(budget)
     clone = model_patcher.clone()
     existing = (clone.model_options.get("transformer_options", {}).get("patches_replace", {}).get("dit", {}))
     for key, where, module in block_keys(dm):
@@ -377,6 +392,7 @@ def _forward_line(st: PatchState) -> str:
                          f"loop, not per chunk")
     for why, n in f.stock_reasons.items():
         parts.append(f"{n} call(s) stock: {why}")
+    parts += f.notes
     runs = f", {st.runs} sampling run(s) planned" if st.runs else ""
     return f"  model forward ({st.model_class}{runs}): " + ("; ".join(parts) if parts else "not called yet")
 

@@ -8,6 +8,9 @@ by the module's own layers, the rotary of those rows from the grid's tables as `
 the mask's layout (``specs.KVFrame``): the rows at the front, the reference keys where the processor puts them. Each Q
 chunk then attends every key under the block mask cut to its query blocks (``attention.flex``). Follows diffusers
 0.42.1's processor, checked by the source fingerprints below.
+
+The block around it keeps its stock forward on those steps, its parts streamed: a call adapter
+(``block_mask_refusal``) names why no captured graph can stand for it.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from torch import nn
 from ...attention.flex import FlexMask, block_mask_problem, Q_BLOCK
 from ...recognize.checks import call_args
 from .followed import unfollowed
+from ...registries import register_call_adapter
 from ...specs import AttentionCall, AttentionSpec, KVFrame, Segment, Skip
 
 _MODULE = "diffusers.models.transformers.transformer_wan_animate_2"
@@ -149,3 +153,28 @@ def recognize_flex_attention(name: str, module: nn.Module) -> AttentionSpec | Sk
                          heads=heads, kv_heads=heads, head_dim=inner // heads, dim_out=module.to_out[0].out_features,
                          bind=lambda args, kwargs: _bind_wan_animate2(module, mod, args, kwargs),
                          backend=lambda: "flex")
+
+
+# why a captured graph cannot stand for the block on a generation step (each seen tracing it with the mask taken whole)
+BLOCK_MASK_REFUSAL = (
+    "an argument of type BlockMask (its flex in-context mask) no captured graph can take: a captured attention "
+    "attends K/V over the rows plus a fixed count of static rows, under a mask that is a tensor of the graph, while "
+    "this self-attention packs its rows and the cached reference K/V into the mask's 128-aligned layout (the padding "
+    "between them changes with the row count) and its rotary reads the grid's sizes off a tensor (data-dependent in "
+    "a capture)")
+
+
+def block_mask_refusal(block: nn.Module, args: tuple, kwargs: dict) -> str | None:
+    """A call adapter (``registries.register_call_adapter``): for Wan Animate 2's block called with a flex
+    ``BlockMask`` (its generation steps), why it keeps its stock forward (its self-attention then streams as a part);
+    None for any other call, which the capture takes or refuses as it does."""
+    mod = sys.modules.get(_MODULE)
+    if mod is None or type(block) is not getattr(mod, "WanAnimate2TransformerBlock", None):
+        return None
+    from torch.nn.attention.flex_attention import BlockMask
+    if not any(isinstance(a, BlockMask) for a in (*args, *kwargs.values())):
+        return None
+    return BLOCK_MASK_REFUSAL
+
+
+register_call_adapter(block_mask_refusal)

@@ -11,14 +11,17 @@ processor, checked by the source fingerprints below.
 """
 from __future__ import annotations
 
+import contextlib
 import numbers
 import sys
+from typing import Iterator
 
 import torch
 from torch import nn
 
-from ...attention.flex import FlexMask, Q_BLOCK, block_mask_problem
-from ...recognize.checks import call_args
+from ...attention.flex import FlexMask, Q_BLOCK, block_mask_problem, full_block_tables
+from ...recognize.checks import call_args, source_fingerprint
+from ...registries import register_backend_probe, register_capture_context, register_row_contraction_op
 from .followed import unfollowed
 from ...specs import AttentionCall, AttentionSpec, KVFrame, Segment, Skip
 
@@ -116,3 +119,86 @@ def recognize_nabla_attention(name: str, module: nn.Module) -> AttentionSpec | S
                          heads=heads, kv_heads=heads, head_dim=inner // heads, dim_out=module.out_layer.out_features,
                          bind=lambda args, kwargs: _bind_nabla(module, mod, args, kwargs),
                          backend=lambda: "flex")
+
+
+# -- the block captured whole ----------------------------------------------------------------------------------------
+@torch.library.custom_op("streamplan::nabla_block_tables", mutates_args=())
+def nabla_block_tables(query: torch.Tensor, key: torch.Tensor, sta: torch.Tensor, threshold: float,
+                       block_size: int) -> torch.Tensor:
+    """The library's ``nabla_block_mask`` on every row's Q and K ([B, rows, H, D], as the processor holds them), its
+    block tables packed (``attention.flex.full_block_tables``)."""
+    mask = sys.modules[_MODULE].nabla_block_mask(query.transpose(1, 2), key.transpose(1, 2), sta, thr=threshold,
+                                                 block_size=block_size)
+    if bool(mask.kv_num_blocks.any()):   # the followed builder marks every chosen block full: a change is an error
+        raise RuntimeError("NABLA mask with partial blocks: its tables cannot stand for it")
+    return full_block_tables(mask)
+
+
+@nabla_block_tables.register_fake
+def _(query, key, sta, threshold, block_size):
+    blocks = sta.shape[-1]   # the prior's blocks: the rows' (the signature the capture is kept under holds it)
+    return query.new_empty((query.shape[0], query.shape[2], blocks, 1 + blocks), dtype=torch.int32)
+
+
+register_row_contraction_op("streamplan", "nabla_block_tables")
+
+
+def _traced_nabla(q, k, sta, thr=0.9, block_size=_MASK_BLOCK):
+    """Stands in for ``nabla_block_mask`` while a block is traced: its tables, from Q and K as the processor holds
+    them (it passes their [B, H, rows, D] views)."""
+    return torch.ops.streamplan.nabla_block_tables(q.transpose(1, 2), k.transpose(1, 2), sta, float(thr),
+                                                   int(block_size))
+
+
+def _traced_dispatch(query, key, value, attn_mask=None, backend=None, parallel_config=None, **rest):
+    """Stands in for ``dispatch_attention_fn`` while a block is traced: the flex call on the tables, [B, rows, H, D]
+    in and out as diffusers' flex backend takes and gives them."""
+    if rest or parallel_config is not None or not isinstance(attn_mask, torch.Tensor):
+        raise RuntimeError("a NABLA flex dispatch streamplan does not follow")
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    return torch.ops.streamplan.flex_block_attention(q, k, v, attn_mask, None).transpose(1, 2)
+
+
+def _followed_attentions(block: nn.Module) -> list[nn.Module]:
+    """The NABLA attentions inside ``block`` whose processor and sources are the ones streamplan follows."""
+    mod = sys.modules.get(_MODULE)
+    cls = getattr(mod, "Kandinsky6SRAttention", None)
+    if cls is None:
+        return []
+    found = [m for m in block.modules() if type(m) is cls]
+    if not found or any(source_fingerprint(fn) != FOLLOWED[name] for name, fn in _sources(mod).items()):
+        return []
+    return [m for m in found if type(getattr(m, "processor", None)) is mod.Kandinsky6SRAttnProcessor
+            and getattr(m.processor, "_parallel_config", None) is None]
+
+
+def _nabla_backend(block: nn.Module) -> str | None:
+    """A block with a followed NABLA attention attends through flex (its processor dispatches there, whatever the
+    active backend)."""
+    return "flex" if _followed_attentions(block) else None
+
+
+@contextlib.contextmanager
+def _stand_ins(mod) -> Iterator[None]:
+    saved = mod.nabla_block_mask, mod.dispatch_attention_fn
+    mod.nabla_block_mask, mod.dispatch_attention_fn = _traced_nabla, _traced_dispatch
+    try:
+        yield
+    finally:
+        mod.nabla_block_mask, mod.dispatch_attention_fn = saved
+
+
+def _while_traced(block: nn.Module):
+    """The processor's mask builder and flex dispatch as graph ops while a block with a followed NABLA attention, and
+    no other, is traced (an unfollowed one keeps the trace as it was: it fails, and the block stays stock)."""
+    mod = sys.modules.get(_MODULE)
+    cls = getattr(mod, "Kandinsky6SRAttention", None)
+    if cls is None or not any(type(m) is cls for m in block.modules()):
+        return None
+    if len(_followed_attentions(block)) != sum(type(m) is cls for m in block.modules()):
+        return None
+    return _stand_ins(mod)
+
+
+register_backend_probe(_nabla_backend)
+register_capture_context(_while_traced)

@@ -636,9 +636,10 @@ def _k6_sr_inputs(n, device, dtype):
 
 
 _add("kandinsky6_sr", T + "transformer_kandinsky6_sr:Kandinsky6SRTransformerBlock", lambda c: c(64, 32, 128, 16),
-     _k6_sr_inputs, row_output=None, streams=False,
+     _k6_sr_inputs, row_output=None,
      note="NABLA sparse attention on the flex backend, its block mask chosen from the mean Q and K of every 64-row "
-          "block; rows rounded down to whole 64-row (8x8 token) blocks")
+          "block (built once from every row's Q and K in phase KV, integrations.diffusers.flex_nabla); rows rounded "
+          "down to whole 64-row (8x8 token) blocks")
 
 _add("longcat_audio_dit", T + "transformer_longcat_audio_dit:AudioDiTBlock", lambda c: c(64, 64, 4, 16, qk_norm=True),
      lambda n, device, dtype: ((_x(n, device, dtype), _r(1, 64, device=device, dtype=dtype), _txt(device, dtype)),

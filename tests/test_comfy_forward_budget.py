@@ -1,0 +1,118 @@
+"""A size budget on a ComfyUI model forward streamplan runs itself (Wan, MiniMax-H3) is a promise for the whole
+forward (streamplan/integrations/comfy/forward_budget.py): the streamed forward is rehearsed on fake tensors before its
+first op, its blocks planning as they will beside the forward's own whole-row tensors. Accepted budgets hold by the
+meter over the whole model forward (above what was allocated when it began) with the output ComfyUI's own; refused
+ones raise ``BudgetError`` before any block runs, with ``smallest_bytes``; that budget runs within itself. ComfyUI
+0.33.0's own model classes in a real BaseModel and ModelPatcher, through ``apply_model``, fp32 on CPU."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import streamplan
+from comfy_support import comfyui
+from conftest import rel_err
+from test_comfy import _h3_long, _h3_run, _wan_long, fresh_captures, sample_call  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("fresh_captures")
+
+
+def _metered(base):
+    """``base`` with an outer DIFFUSION_MODEL wrapper (added before ``patch``, so streamplan's runs inside it) that
+    measures each model forward's peak: what the forward adds above what was allocated when it began."""
+    import comfy.patcher_extension as ext
+    peaks: list[int] = []
+
+    def meter(executor, *args, **kwargs):
+        if torch._C._autograd._profiler_enabled():   # the whole call is being measured already (a refusal)
+            peaks.append(None)
+            return executor(*args, **kwargs)
+        out, peak = streamplan.measure_peak(lambda: executor(*args, **kwargs))
+        peaks.append(peak)
+        return out
+
+    ext.add_wrapper_with_key(ext.WrappersMP.DIFFUSION_MODEL, "meter", meter, base.model_options,
+                             is_model_options=True)
+    return peaks
+
+
+def _family(name):
+    comfyui()
+    base, x, cond, rows = _wan_long() if name == "wan" else _h3_long()
+    run = (lambda p: p) if name == "wan" else _h3_run
+    dm = base.model.diffusion_model
+    hidden = rows * (dm.dim if name == "wan" else dm.hidden_size) * 4   # the forward's fp32 hidden state
+    return base, x, cond, run, hidden
+
+
+def _state(patched):
+    import streamplan.integrations.comfy as sc
+    (state,) = sc.patch.__globals__["_states"](patched)
+    return state
+
+
+def _refused(patched, x, cond):
+    try:
+        sample_call(patched, x, cond)
+    except streamplan.BudgetError as exc:
+        return exc
+    return None
+
+
+@pytest.mark.parametrize("name", ["wan", "h3"])
+def test_a_comfy_forward_is_held_to_its_budget_or_refused_before_it_runs(name):
+    import streamplan.integrations.comfy as sc
+    base, x, cond, run, hidden = _family(name)
+    peaks = _metered(base)
+    stock = sample_call(run(base), x, cond)
+    (stock_peak,) = peaks
+    weights = {k: v.clone() for k, v in base.model.state_dict().items()}
+    x0, cond0 = x.clone(), {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in cond.items()}
+
+    # refused: before any block ran, nothing of the model or the inputs changed, no whole-row tensor allocated
+    patched = run(sc.patch(base, budget=stock_peak // 50, min_tokens=0))
+    err, refused_peak = streamplan.measure_peak(_refused, patched, x, cond)
+    assert isinstance(err, streamplan.BudgetError), err
+    smallest = err.smallest_bytes
+    assert isinstance(smallest, int) and stock_peak // 50 < smallest < stock_peak, (str(err), stock_peak)
+    assert "cannot hold the whole forward" in str(err) and "nothing ran" in str(err), str(err)
+    assert refused_peak < hidden, (refused_peak, hidden)
+    state = _state(patched)
+    assert state.forward.streamed_calls == 0 and state.forward.planned == {}
+    assert all(b.streamed_calls == b.stock_calls == b.short_calls == 0 for b in state.blocks.values())
+    assert all(not e.plans for b in state.blocks.values() if b.streamer for e in [b.streamer.entry])
+    assert torch.equal(x, x0) and all(torch.equal(v, cond0[k]) for k, v in cond.items()
+                                      if isinstance(v, torch.Tensor))
+    assert all(torch.equal(v, weights[k]) for k, v in base.model.state_dict().items()), "the model is as it was"
+    assert len(peaks) == 2, "the refused call entered the model forward once"
+
+    # accepted: held over the whole forward by the meter, ComfyUI's output, every block call planned ahead
+    for budget in (smallest, (smallest + stock_peak) // 2, 2 * stock_peak):
+        patched = run(sc.patch(base, budget=budget, min_tokens=0))
+        out = sample_call(patched, x, cond)
+        text = sc.report(patched)
+        assert rel_err(out, stock) <= 1e-5, (budget, text)
+        assert peaks[-1] <= budget, (name, budget, peaks[-1], smallest, stock_peak, text)
+        assert "the whole forward planned ahead" in text and "planned during the real call" not in text, text
+        assert text.count("1 call(s) through the streamer") == 2, text
+        print(f"{name}: budget {budget / smallest:.2f}x smallest: peak {peaks[-1] / budget:.3f} of it "
+              f"(stock {stock_peak}, smallest {smallest})")
+
+
+def test_a_second_call_reuses_the_plan_and_auto_and_none_keep_their_meaning():
+    """The forward is rehearsed once per input signature and sampling run; "auto" and None never plan ahead (each
+    block plans as it runs, "auto" never refuses)."""
+    import streamplan.integrations.comfy as sc
+    base, x, cond, run, _ = _family("wan")
+    stock = sample_call(base, x, cond)
+    patched = sc.patch(base, budget=2**30, min_tokens=0)
+    sample_call(patched, x, cond)
+    (figures,) = _state(patched).forward.planned.values()
+    plans = {id(p) for b in _state(patched).blocks.values() for p in b.streamer.entry.plans.values()}
+    assert rel_err(sample_call(patched, x, cond), stock) <= 1e-5
+    assert _state(patched).forward.planned == {next(iter(_state(patched).forward.planned)): figures}
+    assert {id(p) for b in _state(patched).blocks.values() for p in b.streamer.entry.plans.values()} == plans
+    for budget in ("auto", None):
+        patched = sc.patch(base, budget=budget, min_tokens=0)
+        assert rel_err(sample_call(patched, x, cond), stock) <= 1e-5
+        assert _state(patched).forward.planned == {} and "planned ahead" not in sc.report(patched)
