@@ -28,10 +28,15 @@ def register_row_local_op(namespace: str, name: str, kind: Literal["rows", "norm
 # chosen from every row's block statistics): computed once in phase KV from their inputs built whole
 # (``graph.row_contractions``).
 ROW_CONTRACTION_OPS: set[tuple[str, str]] = set()
+# What such an op allocates in its call besides its result, where it declares it: ``(result, *args) -> bytes`` on
+# the values the graph holds (``graph.memory`` prices it at the op's moment in phase KV).
+ROW_CONTRACTION_WORKSPACE: dict[tuple[str, str], Callable[..., int]] = {}
 
 
-def register_row_contraction_op(namespace: str, name: str) -> None:
+def register_row_contraction_op(namespace: str, name: str, workspace: Callable[..., int] | None = None) -> None:
     ROW_CONTRACTION_OPS.add((namespace, name))
+    if workspace is not None:
+        ROW_CONTRACTION_WORKSPACE[(namespace, name)] = workspace
 
 
 # Private attributes a module's forward reads as settings (peft: an adapter switched off, the active adapter's name),

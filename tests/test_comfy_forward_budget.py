@@ -1,9 +1,10 @@
-"""A size budget on a ComfyUI model forward streamplan runs itself (Wan, MiniMax-H3) is a promise for the whole
-forward (streamplan/integrations/comfy/forward_budget.py): the streamed forward is rehearsed on fake tensors before its
-first op, its blocks planning as they will beside the forward's own whole-row tensors. Accepted budgets hold by the
-meter over the whole model forward (above what was allocated when it began) with the output ComfyUI's own; refused
-ones raise ``BudgetError`` before any block runs, with ``smallest_bytes``; that budget runs within itself. ComfyUI
-0.33.0's own model classes in a real BaseModel and ModelPatcher, through ``apply_model``, fp32 on CPU."""
+"""A size budget on a ComfyUI model forward streamplan runs itself (Wan, MiniMax-H3, LTX-2, LTX-Video, Flux, Chroma,
+HunyuanVideo) is a promise for the whole forward (streamplan/integrations/comfy/forward_budget.py): the streamed
+forward is rehearsed on fake tensors before its first op, its blocks planning as they will beside the forward's own
+whole-row tensors. Accepted budgets hold by the meter over the whole model forward (above what was allocated when it
+began) with the output ComfyUI's own; refused ones raise ``BudgetError`` before any block runs, with
+``smallest_bytes``; that budget runs within itself. ComfyUI 0.33.0's own model classes in a real BaseModel and
+ModelPatcher, through ``apply_model``, fp32 on CPU."""
 from __future__ import annotations
 
 import pytest
@@ -13,6 +14,9 @@ import streamplan
 from comfy_support import comfyui
 from conftest import rel_err
 from test_comfy import _h3_long, _h3_run, _wan_long, fresh_captures, sample_call  # noqa: F401
+from test_comfy import flux_patcher, hunyuan_video_patcher, ltxv_patcher
+from test_comfy_ltxav import ltxav_call, ltxav_patcher
+from test_comfy_models import _generic
 
 pytestmark = pytest.mark.usefixtures("fresh_captures")
 
@@ -36,13 +40,34 @@ def _metered(base):
     return peaks
 
 
+def _long(name):
+    """(base, x, cond, rows, width, blocks): the family's tiny model on about 4,096 rows of its hidden width (chunk
+    transients small beside them), as the family's own ComfyUI tests build it, and its block count."""
+    if name == "wan":
+        return (*_wan_long(), 64, 2)
+    if name == "h3":
+        return (*_h3_long(), 64, 2)
+    if name == "ltxav":
+        base = ltxav_patcher()
+        return (base, *ltxav_call(base, frames=16), 16 * 16 * 16, 64, 2)   # and 20 audio rows
+    if name == "ltxv":
+        base, _, cond = ltxv_patcher()
+        return base, torch.randn(1, 8, 4, 32, 32), cond, 4096, 64, 2
+    if name == "flux":
+        base, _, cond = flux_patcher()
+        return base, torch.randn(1, 4, 128, 128), cond, 64 * 64, 64, 4   # and 9 text rows
+    if name == "chroma":
+        base, _, cond = _generic("chroma")
+        return base, torch.randn(1, 4, 128, 128), cond, 64 * 64, 64, 4   # and 7 text rows
+    base, _, cond = hunyuan_video_patcher()
+    return base, torch.randn(1, 4, 4, 64, 64), cond, 4 * 32 * 32, 64, 4   # and 9 text rows
+
+
 def _family(name):
     comfyui()
-    base, x, cond, rows = _wan_long() if name == "wan" else _h3_long()
-    run = (lambda p: p) if name == "wan" else _h3_run
-    dm = base.model.diffusion_model
-    hidden = rows * (dm.dim if name == "wan" else dm.hidden_size) * 4   # the forward's fp32 hidden state
-    return base, x, cond, run, hidden
+    base, x, cond, rows, width, blocks = _long(name)
+    run = _h3_run if name == "h3" else (lambda p: p)
+    return base, x, cond, run, rows * width * 4, blocks   # the forward's fp32 hidden state
 
 
 def _state(patched):
@@ -59,10 +84,10 @@ def _refused(patched, x, cond):
     return None
 
 
-@pytest.mark.parametrize("name", ["wan", "h3"])
+@pytest.mark.parametrize("name", ["wan", "h3", "ltxav", "ltxv", "flux", "chroma", "hunyuan_video"])
 def test_a_comfy_forward_is_held_to_its_budget_or_refused_before_it_runs(name):
     import streamplan.integrations.comfy as sc
-    base, x, cond, run, hidden = _family(name)
+    base, x, cond, run, hidden, blocks = _family(name)
     peaks = _metered(base)
     stock = sample_call(run(base), x, cond)
     (stock_peak,) = peaks
@@ -94,7 +119,7 @@ def test_a_comfy_forward_is_held_to_its_budget_or_refused_before_it_runs(name):
         assert rel_err(out, stock) <= 1e-5, (budget, text)
         assert peaks[-1] <= budget, (name, budget, peaks[-1], smallest, stock_peak, text)
         assert "the whole forward planned ahead" in text and "planned during the real call" not in text, text
-        assert text.count("1 call(s) through the streamer") == 2, text
+        assert text.count("1 call(s) through the streamer") == blocks, text
         print(f"{name}: budget {budget / smallest:.2f}x smallest: peak {peaks[-1] / budget:.3f} of it "
               f"(stock {stock_peak}, smallest {smallest})")
 
@@ -103,7 +128,7 @@ def test_a_second_call_reuses_the_plan_and_auto_and_none_keep_their_meaning():
     """The forward is rehearsed once per input signature and sampling run; "auto" and None never plan ahead (each
     block plans as it runs, "auto" never refuses)."""
     import streamplan.integrations.comfy as sc
-    base, x, cond, run, _ = _family("wan")
+    base, x, cond, run, _, _ = _family("wan")
     stock = sample_call(base, x, cond)
     patched = sc.patch(base, budget=2**30, min_tokens=0)
     sample_call(patched, x, cond)
@@ -116,3 +141,26 @@ def test_a_second_call_reuses_the_plan_and_auto_and_none_keep_their_meaning():
         patched = sc.patch(base, budget=budget, min_tokens=0)
         assert rel_err(sample_call(patched, x, cond), stock) <= 1e-5
         assert _state(patched).forward.planned == {} and "planned ahead" not in sc.report(patched)
+
+
+@pytest.mark.parametrize("name, blocks", [("flux", "single_blocks"), ("ltxav", "transformer_blocks")])
+def test_a_forward_with_quantized_blocks_is_not_planned_ahead(name, blocks, monkeypatch):
+    """Quantized layouts take row chunks only, never a byte budget: where any block list of the model (Flux's single
+    blocks, LTX-2's transformer blocks) holds one, the forward plans block by block, said in the report, and its
+    output is ComfyUI's."""
+    import sys
+
+    import streamplan.integrations.comfy as sc
+    comfyui()
+    base, x, cond, run, _, _ = _family(name)
+    target = getattr(base.model.diffusion_model, blocks)[-1]
+    quantized = lambda block: ["ff.0"] if block is target else []   # noqa: E731 -- what the check reads, per block
+    for module in ("patch", "forward_budget"):
+        monkeypatch.setattr(sys.modules[f"streamplan.integrations.comfy.{module}"], "quantized_layers", quantized)
+    stock = sample_call(base, x, cond)
+    patched = sc.patch(base, budget=2**30, min_tokens=0)
+    assert rel_err(sample_call(patched, x, cond), stock) <= 1e-5
+    text = sc.report(patched)
+    index = len(getattr(base.model.diffusion_model, blocks)) - 1
+    assert f"{blocks}[{index}] holds quantized weights (ff.0, ...)" in text, text
+    assert "the whole forward planned ahead" not in text and _state(patched).forward.planned == {}, text

@@ -49,9 +49,10 @@ FLOOR_BOUND["helios"] = 5.0
 # (measured 2.57x the floor, 0.78x stock); tests/test_grid_halo_frames.py streams it at more frames
 FLOOR_BOUND["sana_video"] = 2.75
 # Kandinsky 6 SR's NABLA attention attends whole 64-row blocks (its case rounds the rows down to them); uncompiled
-# flex holds a chunk's fp32 scores over every key (stock: every row's): measured 3.65x the floor, stock 16.8x
+# flex holds a chunk's fp32 scores over every key (stock: every row's); its chunks are whole 128-row query blocks (the
+# case's 64 rounded up), a third of the 384 rows: measured 6.3x the floor, stock 16.8x
 ROWS = {"kandinsky6_sr": N - N % 64}
-FLOOR_BOUND["kandinsky6_sr"] = 4.0
+FLOOR_BOUND["kandinsky6_sr"] = 7.0
 
 
 def _rel(out, ref):

@@ -24,6 +24,10 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 Q_BLOCK = 128   # torch's default sparse block size: the chunk alignment this consumer asks of the planner
+# a graph's packed tables unpacked (``tables_block_mask``), in multiples of the tables' bytes: what the BlockMask holds
+# through the call's Q chunks (its key-block indices and the two transposed tables torch derives from them), and the
+# most alive at once while it is made (measured on the meter: 3.0 and 8.2)
+UNPACKED_TABLES, UNPACKING_TABLES = 3, 9
 
 
 @dataclass(frozen=True, eq=False)
@@ -144,6 +148,15 @@ class FlexConsumer:
         if keys is None:
             return 0
         return batch * heads * keys * (3 * 4 + 2 + (elem if elem < 4 else 0))
+
+    def graph_mask_bytes(self, mask: torch.Tensor) -> tuple[int, int]:
+        """For a graph's mask (its value as the graph holds it): the bytes this consumer keeps for it through the
+        call's Q chunks, and the most it allocates at once while making them (at the first chunk, before its
+        scores); (0, 0) for a mask it attends as given."""
+        if mask.dtype != torch.int32:
+            return 0, 0
+        packed = mask.numel() * mask.element_size()
+        return UNPACKED_TABLES * packed, UNPACKING_TABLES * packed
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_offset: int, causal: bool,
                mask, scale: float | None, **extra) -> torch.Tensor:

@@ -25,7 +25,7 @@ from ..graph.sliced_mlp import row_dim
 from ..graph.work import phase_runs
 from ..graph.phases import keepable_outputs
 from ..plan.planner import (META_MULTIPROCESSORS, ROW_PIECES, SLICED_TIERS, UTILISATION_FLOOR, BudgetError, Plan,
-                            Tier, Waves, plan_graph)
+                            Tier, Waves, aligned_chunk, plan_graph)
 from ..registries import adapt_call, block_backend
 from ..specs import AdaptedCall, HostRows, RowMask, described_whole
 from .call_ledger import phase
@@ -295,6 +295,10 @@ def _note_unused_options(ctx: CallContext, call: GraphCall) -> None:
     elif o.q_span and o.chunk_tokens is None and o.budget is not None:
         ctx.note(f"q_span={o.q_span} not used: it sets a fixed chunk's span (with chunk_tokens); under a budget the "
                  f"planner picks the span itself")
+    align = query_alignment(call)
+    if o.chunk_tokens and o.chunk_tokens % align:
+        ctx.note(f"chunk_tokens={o.chunk_tokens} rounded to {aligned_chunk(o.chunk_tokens, align)}: chunks start on "
+                 f"the {call.consumer.name} consumer's {align}-row query blocks")
     if o.ffn_slice and not call.found.mlp_regions:
         ctx.note("ffn_slice: no linear -> elementwise -> linear MLP found in the graph to slice")
 
@@ -349,6 +353,14 @@ def _kv_arguments(ctx: CallContext, call: GraphCall) -> dict:
     if call.whole_q:   # the one call attends K/V on the device
         return timed
     return kv_args
+
+
+def query_alignment(call: GraphCall) -> int:
+    """Rows every chunk is a multiple of: the attention consumer's query alignment (``ConsumerCaps.q_align``: a flex
+    mask's query blocks), 1 where the block has no global attention or one call takes every query row."""
+    if call.attention is None or call.whole_q:
+        return 1
+    return max(1, call.consumer.caps.q_align)
 
 
 def whole_output_problem(found) -> str | None:
@@ -460,6 +472,10 @@ def attention_costs(call: GraphCall) -> AttentionCosts:
         built = functools.partial(pm.chunk_bytes, at) if pm else None
         costs.mask_bytes = functools.partial(_given_mask_bytes, att.mask.meta["val"], qv.element_size(), rows,
                                              built=built)
+    held, making = _consumer_mask_bytes(call.consumer, att)
+    if held or making:   # the consumer's own form of the graph's mask (flex's tables unpacked): kept for phase Q
+        costs.mask_bytes = functools.partial(_plus, costs.mask_bytes, held)
+        costs.workspace = functools.partial(_at_least, costs.workspace, making - held)
     out_val = att.node.meta["val"]
     if call.groups or call.whole_q:
         costs.attn_out = numel_besides(out_val, 2) * rows * out_val.element_size()
@@ -509,15 +525,16 @@ def plan_for_budget(call: GraphCall, o, budget: int | None, keep: tuple = ()) ->
     if keep and kv_args.get("costs") is not None and kv_args["costs"].work is not None:   # attended once
         work = dataclasses.replace(kv_args["costs"].work, attention_rerun_flops=0.0)
         kv_args = {**kv_args, "costs": dataclasses.replace(kv_args["costs"], work=work)}
-    plan = plan_graph(rows, mem.kv_bytes + mem.out_bytes + mem.kept_bytes, transient,
+    plan = plan_graph(rows, mem.kv_bytes + mem.out_bytes + mem.kept_bytes + mem.built_bytes, transient,
                       # stock's one call has its workspace too, and its host rows brought whole
                       mem.stock(order) + mask_bytes(rows) + ws(rows) + host_in(rows) + _eager_scores(an, rows) + fill,
                       chunk_tokens=o.chunk_tokens, budget=budget,
                       min_chunk=UTILISATION_FLOOR.get(call.device.type, 0), waves=costs.waves,
                       ffn=max((r.ffn for r in regions), default=0), ffn_slice=o.ffn_slice,
-                      kv=mem.kv_bytes, attn_out=costs.attn_out, groups=call.groups, head_groups=o.head_groups,
+                      kv=mem.kv_bytes - mem.build_inputs, attn_out=costs.attn_out, groups=call.groups,
+                      head_groups=o.head_groups,
                       transient_kv=transient_kv, whole_q=q_whole, q_span=o.q_span, row_pieces=given, pieces=pieces,
-                      priced=priced, fill=fill, fill_host=fill_host, **kv_args)
+                      priced=priced, fill=fill, fill_host=fill_host, align=query_alignment(call), **kv_args)
     plan.kept_outputs = bool(keep) and plan.tier != Tier.L0
     return plan
 
@@ -596,6 +613,24 @@ def _note_chains(note: Callable[[str], None], run: GraphRun) -> None:
     for c, s in states:
         if s is not None and s.ok is False:
             note(f"a chain of {c.ops} ran eager: {s.why}")
+
+
+def _consumer_mask_bytes(consumer, att) -> tuple[int, int]:
+    """(bytes kept through phase Q, most allocated at once while making them) for the consumer's own form of the
+    graph's mask input, as it declares (``graph_mask_bytes``; (0, 0) where it declares none)."""
+    declare = getattr(consumer, "graph_mask_bytes", None)
+    mask = att.mask.meta.get("val") if att.mask is not None else None
+    if declare is None or not isinstance(mask, torch.Tensor):
+        return 0, 0
+    return declare(mask)
+
+
+def _plus(per_chunk: Callable[[int], int], held: int, chunk: int) -> int:
+    return per_chunk(chunk) + held
+
+
+def _at_least(per_chunk: Callable[[int], int], least: int, chunk: int) -> int:
+    return max(per_chunk(chunk), least)
 
 
 def _workspace(consumer, call, elem: int, rows: int, q_static: int, keys: int, chunk: int) -> int:

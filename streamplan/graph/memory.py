@@ -11,6 +11,7 @@ from torch import fx
 
 from .analyze import Analysis, Rows, op_name, numel_besides
 from .analyze import VIEW_OPS
+from ..registries import ROW_CONTRACTION_WORKSPACE
 from .phases import Phases, in_place, last_uses
 from .opaque_layers import workspace_bytes as opaque_workspace
 from .row_pieces import RowRun, find_runs, schedule
@@ -32,6 +33,9 @@ class GraphMemory:
     analysis: Analysis
     pieces: int = 1                    # row-local runs in this many pieces of the chunk (1: whole, no runs)
     kept_bytes: int = 0                # attention outputs phase KV keeps whole for phase Q (``rerun_attentions``)
+    built_bytes: int = 0               # contractions' results (``row_contractions``): from phase KV through the call
+    build_inputs: int = 0              # contractions' inputs whole (within ``kv_bytes``): let go once they are built
+    build_work: int = 0                # the most a contraction op allocates in its call besides its result
 
     def value(self, node: fx.Node, rows: int) -> int:
         return self.per_row.get(node, 0) * rows + self.static.get(node, 0)
@@ -159,12 +163,14 @@ class GraphMemory:
         outputs = {o for o in an.outputs if isinstance(o, fx.Node)}
         kv = max([self._phase(p, chunk, keep={a.k, a.v}) for p, a in zip(self.phases.kv, an.attentions)]
                  + [self._phase(p, chunk, keep=set(c.inputs))
-                    for p, c in zip(contraction_phases(an, self.phases), an.contractions)], default=0)
-        return max(kv - self.out_bytes,
-                   self._phase(self.phases.q, chunk, ffn_slice, regions, at_attention, workspace, keep=outputs))
+                    for p, c in zip(contraction_phases(an, self.phases), an.contractions)] + [self.build_work],
+                 default=0)
+        # phase Q runs after the contractions' inputs are let go (they are in ``kv_bytes`` for phase KV)
+        return max(kv - self.out_bytes, self._phase(self.phases.q, chunk, ffn_slice, regions, at_attention,
+                                                    workspace, keep=outputs) - self.build_inputs)
 
     def predicted(self, chunk: int) -> int:
-        return self.kv_bytes + self.out_bytes + self.kept_bytes + self.transient(chunk)
+        return self.kv_bytes + self.out_bytes + self.kept_bytes + self.built_bytes + self.transient(chunk)
 
     def stock(self, nodes: list[fx.Node]) -> int:
         return self._phase(nodes, self.rows)
@@ -204,10 +210,14 @@ def graph_memory(an: Analysis, ph: Phases, rows: int, donated_outputs: set[int],
             v = t.meta["val"]
             r = att.kv_rows
             kv += numel_besides(v, r.dim) * v.element_size() * (rows + r.pre + r.post)
-    for c in an.contractions:   # a contraction's inputs built whole in phase KV (``row_contractions``)
+    inputs = built = work = 0
+    for c in an.contractions:   # a contraction's inputs built whole in phase KV (``row_contractions``), then its op
         for t in c.inputs:
             v, r = t.meta["val"], an.rows[t]
-            kv += numel_besides(v, r.dim) * v.element_size() * (rows + r.pre + r.post)
+            inputs += numel_besides(v, r.dim) * v.element_size() * (rows + r.pre + r.post)
+        built += _bytes(c.node.meta.get("val"))
+        work = max(work, contraction_workspace(c.node))
+    kv += inputs
     for n in an.built_whole:   # built once over every row, held through the call as K and V are
         v, r = n.meta["val"], an.rows[n]
         kv += numel_besides(v, r.dim) * v.element_size() * (rows + r.pre + r.post)
@@ -222,4 +232,20 @@ def graph_memory(an: Analysis, ph: Phases, rows: int, donated_outputs: set[int],
         v, r = a.node.meta["val"], a.q_rows
         held += numel_besides(v, r.dim) * v.element_size() * (rows + r.pre + r.post)
     return GraphMemory(rows, per_row, static, allocates, ph, kv, out, {a.node for a in an.attentions}, an, pieces,
-                       held)
+                       held, built, inputs, work)
+
+
+def _bytes(val) -> int:
+    return sum(numel_besides(v, None) * v.element_size() for v in (val if isinstance(val, (tuple, list)) else [val])
+               if isinstance(v, torch.Tensor))
+
+
+def contraction_workspace(node: fx.Node) -> int:
+    """What a custom contraction op allocates in its call besides its result, as its integration declares it
+    (``registries.register_row_contraction_op``'s ``workspace``, given the op's result and arguments as the graph
+    holds them); 0 for any other op."""
+    declare = ROW_CONTRACTION_WORKSPACE.get((getattr(node.target, "namespace", None), op_name(node.target)))
+    if declare is None:
+        return 0
+    args = [a.meta.get("val") if isinstance(a, fx.Node) else a for a in node.args]
+    return int(declare(node.meta.get("val"), *args))

@@ -69,6 +69,12 @@ BELOW_QUANTUM_KEEP = 0.85
 META_MULTIPROCESSORS = 132
 
 
+def aligned_chunk(chunk: int, align: int) -> int:
+    """``chunk`` rounded down to whole units of ``align`` rows (at least one): every chunk then starts where the
+    attention's consumer asks (a flex mask's query blocks), so it takes its blocks' rows of the mask as they are."""
+    return chunk if align <= 1 else max(align, chunk // align * align)
+
+
 def wave_waste(waves: Waves, rows: int, groups: int = 1) -> float:
     """Time lost to the last partial wave of one attention call over ``rows`` query rows and a ``groups``-th of the
     heads, as a share of its work (0: nothing known, or whole waves)."""
@@ -553,6 +559,7 @@ class GraphPlanRequest:
     transient_kv: Callable[[int, int, int], int] | None = None
     whole_q: int = 0
     q_span: int | None = None
+    align: int = 1   # every chunk in whole units of this many rows (the attention consumer's ``q_align``)
     row_pieces: int = 1   # the row pieces ``transient`` is priced with (the user's, or a candidate's): its plans'
     pieces: tuple[int, ...] = ()   # other piece counts the planner may try (none: no row-local runs, or forced)
     # a piece count's (transient, transient_kv), priced by the same memory model with its runs in that many pieces
@@ -607,7 +614,8 @@ class GraphPlanRequest:
     @property
     def floors(self) -> tuple[int, ...]:
         """The chunk floors searched in turn: the caller's (GEMMs stay efficient), then the planner's own."""
-        return tuple(dict.fromkeys((max(self.min_chunk, MIN_CHUNK_TOKENS), MIN_CHUNK_TOKENS)))
+        least = max(MIN_CHUNK_TOKENS, self.align)
+        return tuple(dict.fromkeys((max(self.min_chunk, least), least)))
 
     @property
     def exact_kv(self) -> list[KVOption]:
@@ -647,7 +655,7 @@ class GraphPlanRequest:
     def make(self, tier: Tier, chunk: int, sl: int = 0, g: int = 1, opt: KVOption | None = None, blk: int = 0,
              span: int = 0) -> Plan:
         """The plan of one candidate, priced by its tier's peak model; a chunk the planner chose runs in whole
-        attention waves, one the user fixed as given."""
+        attention waves, one the user fixed as given; either in whole units of the consumer's alignment."""
         rows, stock = self.rows, self.stock
         if tier == Tier.L0:
             return Plan(Tier.L0, rows, rows, 0, stock, stock)
@@ -660,7 +668,7 @@ class GraphPlanRequest:
         rows, stock = self.rows, self.stock
         if self.chunk_tokens is None:
             chunk = self.waves.round(chunk, rows)
-        chunk = min(chunk, rows)
+        chunk = min(aligned_chunk(chunk, self.align), rows)
         if opt is not None:   # a forced chunk reads K/V in blocks of its pass's rows (at most the default block
             span = min(span, rows) if span > chunk else 0   # per group)
             blk = min(blk or min(DEFAULT_KV_BLOCK * g, max(span or chunk, MIN_CHUNK_TOKENS)), rows)
@@ -718,7 +726,7 @@ def plan_graph(rows: int, fixed: int, transient, stock: int, *, chunk_tokens: in
                transient_kv: Callable[[int, int, int], int] | None = None, whole_q: int = 0,
                q_span: int | None = None, row_pieces: int = 1, pieces: tuple[int, ...] = (),
                priced: Callable[[int], tuple[Callable, Callable | None]] | None = None, fill: int = 0,
-               fill_host: int = 0) -> Plan:
+               fill_host: int = 0, align: int = 1) -> Plan:
     """A captured block: whole buffers (``fixed``: K and V, the outputs) plus ``transient(chunk, ffn_slice)``, one
     chunk's values at their worst moment, both read off the graph. ``ffn``: the widest feature-sliceable MLP (0: none),
     for L2. L3 (``groups``: the head-group counts the graph allows): K and V of one group of heads at a time
@@ -735,13 +743,14 @@ def plan_graph(rows: int, fixed: int, transient, stock: int, *, chunk_tokens: in
     ``pieces``: other counts the planner may cut the block's row-local runs in, each priced by ``priced(count)``
     (its ``transient`` and ``transient_kv``): a lower peak per row buys larger chunks for more launches. ``fill``:
     device bytes a cache the call fills adds after phase Q, beside K/V still whole on the device (``fill_host``: the
-    host bytes it keeps then); with K/V in a store, its option's ``fill``."""
+    host bytes it keeps then); with K/V in a store, its option's ``fill``. ``align``: the attention consumer's query
+    alignment (``ConsumerCaps.q_align``): every chunk, chosen or forced, in whole units of it."""
     request = GraphPlanRequest(
         rows, fixed, transient, stock, chunk_tokens=chunk_tokens, budget=budget, min_chunk=min_chunk, waves=waves,
         ffn=ffn, ffn_slice=ffn_slice, kv=kv, attn_out=attn_out, groups=groups, head_groups=head_groups,
         kv_options=kv_options, kv_store=kv_store, costs=costs, transient_kv=transient_kv, whole_q=whole_q,
         q_span=q_span, row_pieces=row_pieces, pieces=pieces if priced is not None else (),
-        priced=priced, fill=fill, fill_host=fill_host).normalised()
+        priced=priced, fill=fill, fill_host=fill_host, align=align).normalised()
     plan = _chosen(request)
     plan.predicted_time_ratio = request.time_ratio(plan)
     return plan
@@ -784,7 +793,7 @@ def _store_plan(request: GraphPlanRequest) -> Plan:
         plan = _fit_store(request, forced, floor)
         if plan is not None:
             return plan
-    least = request.peak_kv(forced, min(request.rows, MIN_CHUNK_TOKENS), 256 if request.ffn > 256 else 0,
+    least = request.peak_kv(forced, min(request.rows, request.floors[-1]), 256 if request.ffn > 256 else 0,
                             KV_BLOCKS[-1])
     raise BudgetError(f"captured block over {request.rows} rows with kv={request.kv_store!r}: "
                       f"{fmt_bytes(request.budget)} left for it is below the smallest peak that store reaches "
@@ -991,11 +1000,11 @@ def _refusal(variants: list[GraphPlanRequest]) -> BudgetError:
     held = ", the whole Q and attention output" if r.whole_q else ""
     return BudgetError(f"captured block over {r.rows} rows: {fmt_bytes(r.budget)} left for it is below the smallest "
                        f"peak streamplan can reach ({fmt_bytes(least)}: global K, V{held} and the outputs "
-                       f"{fmt_bytes(r.fixed)}, and one {MIN_CHUNK_TOKENS}-row chunk)", least=least)
+                       f"{fmt_bytes(r.fixed)}, and one {r.floors[-1]}-row chunk)", least=least)
 
 
 def _least(r: GraphPlanRequest) -> int:
     """The smallest peak one request's tiers reach: one floor-sized chunk at the narrowest slice."""
-    c, sl = min(r.rows, MIN_CHUNK_TOKENS), 256 if r.ffn > 256 else 0
+    c, sl = min(r.rows, r.floors[-1]), 256 if r.ffn > 256 else 0
     return min([r.fixed + r.transient(c, sl)] + [r.peak(c, sl, g) for g in r.groups]
                + [r.peak_kv(o, c, sl, KV_BLOCKS[-1]) for o in r.exact_kv])

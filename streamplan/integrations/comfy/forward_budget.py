@@ -67,11 +67,14 @@ def ahead_problem(state: Any, model: nn.Module) -> str | None:
     if state.left:
         return (f"{len(state.left)} block(s) left to another node's replacement: the forward is not planned ahead; "
                 "streamplan's blocks plan as they run")
-    for i, block in enumerate(getattr(model, "blocks", ())):
-        found = quantized_layers(block)
-        if found:
-            return (f"blocks[{i}] holds quantized weights ({found[0]}, ...): they take row chunks only, so the "
-                    "forward is not planned ahead; its other blocks plan as they run")
+    for name, blocks in model.named_children():   # every block list (blocks, transformer_blocks, double_blocks, ...)
+        if not isinstance(blocks, nn.ModuleList):
+            continue
+        for i, block in enumerate(blocks):
+            found = quantized_layers(block)
+            if found:
+                return (f"{name}[{i}] holds quantized weights ({found[0]}, ...): they take row chunks only, so the "
+                        "forward is not planned ahead; its other blocks plan as they run")
     return None
 
 
@@ -107,9 +110,10 @@ def _context(state: Any, model: nn.Module) -> CallContext:
 
 
 def run_planned(state: Any, model: nn.Module, run: Callable[[tuple, dict], Any], args: tuple,
-                kwargs: dict) -> Any:
+                kwargs: dict, read_ahead: Callable[[], None] | None = None) -> Any:
     """``run(args, kwargs)`` (the streamed forward) with the whole forward planned ahead under the size budget, once
-    per input signature and sampling run; ``BudgetError`` before anything runs where it cannot hold."""
+    per input signature and sampling run; ``BudgetError`` before anything runs where it cannot hold. ``read_ahead``:
+    called on the real call before a rehearsal, to read the values the forward decides on (a fake tensor has none)."""
     calls = state.forward
     tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     why = "the call has no tensor argument" if not tensors else ahead_problem(state, model)
@@ -121,15 +125,17 @@ def run_planned(state: Any, model: nn.Module, run: Callable[[tuple, dict], Any],
     sig = (shapes(args, kwargs), tensors[0].dtype, str(device))
     calls.loop_chunk = loop_chunk   # the rehearsal's own loops take the chunk the real call's will
     try:
-        return _planned_run(state, model, run, args, kwargs, sig, device)
+        return _planned_run(state, model, run, args, kwargs, sig, device, read_ahead)
     finally:
         calls.loop_chunk = None
 
 
 def _planned_run(state: Any, model: nn.Module, run: Callable[[tuple, dict], Any], args: tuple, kwargs: dict,
-                 sig: tuple, device: torch.device) -> Any:
+                 sig: tuple, device: torch.device, read_ahead: Callable[[], None] | None) -> Any:
     calls = state.forward
     if sig not in calls.planned:
+        if read_ahead is not None:
+            read_ahead()
         ctx = _context(state, model)
         start = time.perf_counter()
         try:

@@ -83,8 +83,15 @@ class ModelForward:
         calls.weights_once = 0
         if plans_ahead(run, state.options):
             state.new_call(call.get("transformer_options") or {})   # a new sampling run plans anew, ahead
-            out = run_planned(state, model, lambda a, k: run.forward(model, _bound(model, a, k), state), args,
-                              kwargs)
+            # the values the forward decides on, read from the real call for its rehearsal (``rehearsal_inputs``)
+            stand_ins: dict = {}
+            read = getattr(run, "rehearsal_inputs", None)
+
+            def forward(a: tuple, k: dict) -> Any:
+                bound = _bound(model, a, k)
+                return run.forward(model, {**bound, **stand_ins} if rehearsing() else bound, state)
+            out = run_planned(state, model, forward, args, kwargs,
+                              read_ahead=None if read is None else lambda: stand_ins.update(read(model, call)))
         else:
             out = run.forward(model, call, state)
         calls.streamed_calls += 1
@@ -413,7 +420,9 @@ class _H3:
 
 # every model class streamplan follows (a key of ``models.KNOWN``, whose fingerprints gate it) -> its forward:
 # ``problem(model, call) -> str | None`` (why this call keeps the stock forward) and ``forward(model, call, state)``
-# (the call streamed), ``call`` the bound arguments of the model's ``_forward``
+# (the call streamed), ``call`` the bound arguments of the model's ``_forward``; optionally ``plans_ahead`` (rehearsed
+# whole under a size budget, ``forward_budget``) and ``rehearsal_inputs(model, call) -> dict`` (values the forward
+# decides on, read from the real call and handed to its rehearsal in ``call``)
 FORWARDS: dict[str, Any] = {
     comfy_models.WAN_PATH: _Wan,
     comfy_models.H3_PATH: _H3,

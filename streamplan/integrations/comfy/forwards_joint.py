@@ -73,9 +73,19 @@ def _block(blocks_replace: dict, key: tuple, block_wrap, rows: torch.Tensor, mas
     return replacement(make_args(mask), {"original_block": block_wrap}), False
 
 
+def _planned_chunk(state: Any, device: torch.device, model: Any, chunk: int) -> int:
+    """A loop's chunk after blocks ran: in a forward planned ahead, the chunk its blocks planned (``chunk_rows``, as
+    ``forward_budget.loop_chunk`` gives it once they planned); else ``chunk``, the input projection's."""
+    if state.forward.loop_chunk is None:
+        return chunk
+    return chunk_rows(state, device, model.hidden_size * 6)
+
+
 class Joint:
     """The block loops and the head over one joint buffer; ``Flux`` and ``HunyuanVideo`` differ in how they prepare
     rows and conditioning, in the arguments their blocks get and in their layout of the output."""
+
+    plans_ahead = True   # rehearsed whole under a size budget (``forward_budget``)
 
     @classmethod
     def embed(cls, model: Any, call: dict, state: Any, patches: torch.Tensor, img_ids: Any, txt_ids: Any):
@@ -150,6 +160,7 @@ class Joint:
         if img.dtype == torch.float16 and cls.fp16_clean:   # the stock forward's clean-up of the image rows
             torch.nan_to_num(img, nan=0.0, posinf=65504, neginf=-65504, out=img)
         del img
+        chunk = _planned_chunk(state, buf.device, model, chunk)
         hidden = join(buf, txt, chunk)
         del txt
 
@@ -186,6 +197,7 @@ class Joint:
     @staticmethod
     def head(model: Any, img: torch.Tensor, vec: torch.Tensor, chunk: int, state: Any) -> torch.Tensor:
         """The final layer on row chunks of the image rows, into its ``[batch, rows, out]`` output."""
+        chunk = _planned_chunk(state, img.device, model, chunk)
         out = None
         with row_loop(state, model.final_layer):
             for a, b in chunk_bounds(img.shape[1], chunk):

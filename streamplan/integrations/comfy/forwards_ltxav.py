@@ -18,6 +18,7 @@ and the transformer_options ComfyUI's LTX-2 guidance passes set for the blocks t
 modality guidance's severed audio-video cross-attention, the video- or audio-only switches)."""
 from __future__ import annotations
 
+import copy
 import math
 from typing import Any
 
@@ -34,6 +35,9 @@ from .forward_loops import block_call, chunk_rows, row_loop
 # transformer_options the model forward or its blocks read to change a call's math (ComfyUI 0.33.0)
 _BLOCK_OPTIONS = ("stg_self_attn_blocks", "stg_skip_self_attn", "run_vx", "run_ax", "a2v_cross_attn",
                   "v2a_cross_attn")
+# the key under which a rehearsal's call carries the video rows' distinct timesteps, read before it
+# (``rehearsal_inputs``)
+_DISTINCT = "streamplan_distinct_timesteps"
 # the keyword arguments of BasicAVTransformerBlock.forward besides x, as the stock forward's args dict names them
 _BLOCK_KWARGS = ("v_context", "a_context", "attention_mask", "v_timestep", "a_timestep", "v_pe", "a_pe", "v_cross_pe",
                  "a_cross_pe", "v_cross_scale_shift_timestep", "a_cross_scale_shift_timestep",
@@ -154,15 +158,21 @@ class _Picks:
         return table[self.batch, self.index[:, a:b]]
 
 
-def _timesteps(model, timestep: torch.Tensor, batch: int, dtype: torch.dtype, merged: dict, rows: int):
+def _timesteps(model, timestep: torch.Tensor, batch: int, dtype: torch.dtype, merged: dict, rows: int,
+               known: DistinctRows | None = None):
     """``model._prepare_timestep``'s three outputs, with per-row video timesteps handed to it as their distinct values
     (``[B, U]``: each batch entry's own values, a value it lacks standing in as its largest, so the per-entry and
     overall maxima its prompt and gate timesteps take are stock's); and the ``_Picks`` of the video rows, or None
-    where the timestep is one per batch entry (its tables have one row)."""
+    where the timestep is one per batch entry (its tables have one row). ``known``: the rows' distinct values read
+    from the real timestep before a rehearsal (whose fake timestep has none), so its tables are the real call's."""
     if timestep.dim() < 2 or timestep.numel() // batch != rows or rows < 2:
         return (*model._prepare_timestep(timestep, batch, dtype, **merged), None)
     flat = timestep.reshape(batch, rows)
-    distinct = DistinctRows(flat)
+    if known is not None and (known.batch, known.rows) == (batch, rows):
+        distinct = copy.copy(known)
+        distinct.index = known.index.clone()   # held over the forward as the real call's: counted in the rehearsal
+    else:
+        distinct = DistinctRows(flat)
     present = torch.zeros(batch, distinct.values.numel(), dtype=torch.bool, device=flat.device)
     present.scatter_(1, distinct.index, True)
     values = torch.where(present, distinct.values[None], flat.max(dim=1, keepdim=True).values)
@@ -184,6 +194,26 @@ def _video_table(t: Any, picks: _Picks | None) -> Any:
 
 class LTXAV:
     """``LTXAVModel._forward`` streamed: ``problem`` says why a call keeps the stock forward, ``forward`` runs it."""
+
+    plans_ahead = True   # rehearsed whole under a size budget (``forward_budget``)
+
+    @staticmethod
+    def rehearsal_inputs(model: Any, call: dict) -> dict:
+        """What the rehearsal (fake tensors, no values) gets beside or in place of the call's arguments whose values
+        the forward decides on, read from the real call before it. The sampler's denoise mask, which
+        ``_process_input`` reads (whether a frame's rows differ: ``has_spatial_mask``, the video tables' layout) and
+        nothing else reads where ``problem`` passed the call (no keyframes): its stand-in holds each frame's min and
+        max of the entry and channel that check reads, ``[1, 1, frames, 1, 2]``, so the model's own check decides on
+        it as on the whole mask. A per-row video timestep's distinct values (``_DISTINCT``): how many rows its video
+        tables have, so the rehearsal's blocks get the tables (and plan under the signatures) the real call's do."""
+        stand_ins = {}
+        mask, t, batch = call.get("denoise_mask"), call["timestep"], call["x"][0].shape[0]
+        if isinstance(mask, torch.Tensor) and mask.dim() == 5:
+            frames = mask[:1, :1].flatten(3)
+            stand_ins["denoise_mask"] = torch.stack((frames.amin(-1), frames.amax(-1)), -1)[..., None, :]
+        if t.dim() >= 2 and t.numel() // batch >= 2:
+            stand_ins[_DISTINCT] = DistinctRows(t.reshape(batch, -1))
+        return stand_ins
 
     @staticmethod
     def problem(model: Any, call: dict) -> str | None:
@@ -221,7 +251,8 @@ class LTXAV:
         vx, ax = x
         rows = vx.shape[1]
 
-        out, embedded, prompt_timestep, picks = _timesteps(model, timestep, batch, input_dtype, merged, rows)
+        out, embedded, prompt_timestep, picks = _timesteps(model, timestep, batch, input_dtype, merged, rows,
+                                                           call.get(_DISTINCT))
         merged["prompt_timestep"] = prompt_timestep
         v_timestep, a_timestep, cross, v_prompt_timestep, a_prompt_timestep = out
         a_cross_ss, v_cross_ss, v_cross_gate, a_cross_gate = cross

@@ -31,6 +31,8 @@ def _block_wrap(block):
 
 
 class LTXV:
+    plans_ahead = True   # rehearsed whole under a size budget (``forward_budget``)
+
     @staticmethod
     def problem(model: Any, call: dict) -> str | None:
         x, keyframes = call.get("x"), call.get("keyframe_idxs")

@@ -31,15 +31,15 @@ DESCRIPTION = (
     "MiniMax-H3, unknown forwards, custom ops with per-call patches) runs stock; the report says which and why.")
 BUDGET_TOOLTIP = (
     '"auto": plan each block within what ComfyUI reports free on the device, less --reserve-vram and reserve '
-    "(weights DynamicVRAM could evict are not counted as free); where that holds no plan, the block streams at the "
-    "smallest peak it can reach instead of failing (ComfyUI evicts weights for it as for the stock block), and the "
-    'report says so. A size ("12GiB"): for Wan and MiniMax-H3 (chunk_tokens 0) a ceiling on the memory the whole '
-    "model call adds above what was allocated when it began (its rows, tables and every block's work; ComfyUI's "
-    "weights outside it), planned before it runs: an error before any block runs if it cannot fit, naming the "
-    "smallest size that does; for other models a ceiling on the memory a block adds above what it holds when entered "
-    "(its inputs and ComfyUI's weights), an error before that block runs if it cannot fit. Per-call weight copies "
-    '(lowvram, DynamicVRAM, LoRA) are paid from it. "none": no planning, every long enough call at chunk_tokens (or '
-    "the default chunk).")
+    '(weights DynamicVRAM could evict are not counted as free); where that holds no plan, the block streams at '
+    'the smallest peak it can reach instead of failing (ComfyUI evicts weights for it as for the stock block), '
+    'and the report says so. A size ("12GiB"): for Wan, MiniMax-H3, Flux, HunyuanVideo, LTX-Video and LTX-2 '
+    '(chunk_tokens 0) a ceiling on the memory the whole model call adds above what was allocated when it began '
+    "(its rows, tables and every block's work; ComfyUI's weights outside it), planned before it runs: an error "
+    'before any block runs if it cannot fit, naming the smallest size that does; for other models a ceiling on '
+    "the memory a block adds above what it holds when entered (its inputs and ComfyUI's weights), an error before"
+    ' that block runs if it cannot fit. Per-call weight copies (lowvram, DynamicVRAM, LoRA) are paid from it. '
+    '"none": no planning, every long enough call at chunk_tokens (or the default chunk).')
 
 
 def _budget(text: str):

@@ -331,7 +331,7 @@ def patch(model_patcher, budget: int | str | None = "auto", chunk_tokens: int | 
     streamed (input projection and head in row chunks, block inputs donated; Flux and HunyuanVideo on one joint
     text+image buffer; LTX-2's per-token tables per chunk). ``budget``: "auto" (ComfyUI's free memory less
     ``--reserve-vram`` and ``reserve``; never refuses: with too little free, the smallest reachable peak, reported),
-    bytes (for Wan and MiniMax-H3's forwards without ``chunk_tokens``, what the whole model call may add, planned
+    bytes (for the forwards streamplan runs, without ``chunk_tokens``, what the whole model call may add, planned
     before it runs, ``forward_budget``; otherwise activation room above what a block call holds at entry; cast weights
     paid from it; ``BudgetError`` below the smallest) or None (``memory``); ``chunk_tokens`` and
     ``self_check`` are ``BlockStreamer``'s. The input patcher and the shared modules are not changed.

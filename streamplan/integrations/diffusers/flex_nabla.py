@@ -140,7 +140,24 @@ def _(query, key, sta, threshold, block_size):
     return query.new_empty((query.shape[0], query.shape[2], blocks, 1 + blocks), dtype=torch.int32)
 
 
-register_row_contraction_op("streamplan", "nabla_block_tables")
+# what the library's builder allocates per (batch, head, query block, key block) besides the tables it gives: the
+# block-pair scores, their softmax, sorted values and indices, the argsort back, the thresholded, gathered and OR-ed
+# masks, the mask's argsort and BlockMask.from_kv_blocks's transposed tables (fp32, the widest; measured on the
+# meter at 64 and 128 blocks: 48.2 and 47.1)
+BUILD_PAIR_BYTES = 48
+
+
+def _tables_workspace(tables, query, key, sta, threshold, block_size) -> int:
+    """``nabla_block_tables``'s allocations besides its tables (``BUILD_PAIR_BYTES`` a block pair, and the block
+    means of Q and K), from the values a graph holds; 0 where a size is symbolic."""
+    sizes = (query.shape[0], query.shape[2], query.shape[3], tables.shape[-2])
+    if not all(isinstance(n, int) for n in sizes):
+        return 0
+    batch, heads, dim, blocks = sizes
+    return batch * heads * blocks * (BUILD_PAIR_BYTES * blocks + 2 * dim * query.element_size())
+
+
+register_row_contraction_op("streamplan", "nabla_block_tables", workspace=_tables_workspace)
 
 
 def _traced_nabla(q, k, sta, thr=0.9, block_size=_MASK_BLOCK):
