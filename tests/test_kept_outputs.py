@@ -13,6 +13,7 @@ from conftest import OpCounter, rel_err, streamed  # noqa: E402
 from streamplan.graph import streamable  # noqa: E402
 from streamplan.graph.phases import keepable_outputs, rerun_attentions  # noqa: E402
 from streamplan.graph.work import block_work  # noqa: E402
+from streamplan.plan.planner import Tier  # noqa: E402
 from streamplan.tools.catalogue.diffusers_cases import CASES  # noqa: E402
 from streamplan.tools.families import FAMILIES, on_meta  # noqa: E402
 
@@ -100,3 +101,53 @@ def test_the_time_model_counts_the_rerun_and_the_planner_keeps_where_it_is_faste
     found, _ = streamable(module, inputs, {}, 32768)
     assert rerun_attentions(found.analysis, found.phases) == []
     assert block_work(found, 32768).attention_rerun_flops == 0.0
+
+
+class _ThreeAttentions(torch.nn.Module):
+    """A block whose first attention's output feeds both later attentions' K/V: the second attention's phase KV keeps
+    it, the third's reads it back there (and phase Q too)."""
+
+    def __init__(self, dim: int = 32, heads: int = 2):
+        super().__init__()
+        self.heads = heads
+        self.qkv = torch.nn.ModuleList(torch.nn.Linear(dim, 3 * dim) for _ in range(3))
+        self.out = torch.nn.ModuleList(torch.nn.Linear(dim, dim) for _ in range(3))
+
+    def _attend(self, i: int, x: torch.Tensor, kv_from: torch.Tensor) -> torch.Tensor:
+        B, N, D = x.shape
+        q = self.qkv[i](x)[..., :D]
+        k, v = self.qkv[i](kv_from)[..., D:].chunk(2, -1)
+        split = lambda t: t.view(B, N, self.heads, D // self.heads).transpose(1, 2)  # noqa: E731
+        o = torch.nn.functional.scaled_dot_product_attention(split(q), split(k), split(v))
+        return self.out[i](o.transpose(1, 2).reshape(B, N, D))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + self._attend(0, x, x)
+        h2 = h + self._attend(1, h, h)
+        return h2 + self._attend(2, h2, h)
+
+
+@torch.no_grad()
+def test_an_output_kept_for_two_later_attentions_is_read_back_in_both_exactly():
+    torch.manual_seed(0)
+    block, rows = _ThreeAttentions().eval(), 4096
+    x = torch.randn(1, rows, 32)
+    ref = block(x)
+    first = lambda args: args[1].shape[-2] == rows and args[0].shape[-2] < rows  # noqa: E731
+    with streamed(block, capture="prefer", budget=None, chunk_tokens=256) as handle:
+        block(x)
+        (rerun,) = handle.plans[""]
+    assert rerun.tier != Tier.L0 and not rerun.kept_outputs, handle.report()
+    budget = rerun.predicted_total + 4 * rows * 32 * 4
+    with streamed(block, capture="prefer", budget=budget) as handle:
+        block(x)
+        with OpCounter(FLASH, first) as calls:
+            out = block(x)
+        (plan,) = handle.plans[""]
+    assert plan.kept_outputs, handle.report()
+    # every attention is chunked: 3 x the chunks in phase Q and once more per chunk for each later attention's
+    # phase KV that needs an earlier output computed (attention 2's K/V: attention 1; attention 3's: attention 1
+    # read back, attention 2 not needed); kept, attention 1 is attended once per chunk, in phase KV of attention 2
+    chunks = -(-rows // plan.chunk)
+    assert calls.count == 3 * chunks, (calls.count, chunks)
+    assert rel_err(out, ref) <= 1e-5

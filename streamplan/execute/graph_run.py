@@ -98,6 +98,7 @@ class GraphRun:
         self.kv: dict[fx.Node, tuple[torch.Tensor, torch.Tensor]] = {}
         self.attn_out: dict[fx.Node, torch.Tensor] = {}
         self._base = 0   # the first row of what ``attn_out`` holds
+        self._chunk = (0, 0)   # the rows the running chunk's phase covers
         # attentions a later attention's phase KV runs (``phases.keepable_outputs``): the first phase KV that runs
         # one keeps its output whole, and phase Q reads its rows there instead of attending again
         self._keep_in: dict[int, list[GlobalAttention]] = {}
@@ -348,6 +349,7 @@ class GraphRun:
 
             def work(a: int, b: int, att=att, nodes=nodes, bufs=bufs, store=store, keeps=keeps, kept=kept) -> None:
                 dyn = self.static_mode and a > 0
+                self._chunk = (a, b)   # a later phase KV that runs a kept attention reads its rows (``_attention``)
                 values = (att.k, att.v) if store is None else ()
                 watch = self._watch(values) if not bufs else set()
                 env = self._run(nodes, self._inputs(a, b, dyn), a, {att.k, att.v, *(k.node for k in keeps)},
