@@ -468,7 +468,7 @@ def test_q_span_is_validated_and_noted_where_a_block_cannot_use_it():
         streamplan.apply(torch.nn.Linear(4, 4), q_span=512)
     with pytest.raises(ValueError, match="q_span must be a positive int"):
         streamplan.apply(torch.nn.Linear(4, 4), q_span=0, kv="host")
-    module, args, kwargs = _case("flux_double")   # text rows joined to the image rows: no span of its own rows
+    module, args, kwargs = _case("sd35_joint_dual")   # two global attentions: no one attention output to span
     ref = _leaves(module(*args, **kwargs))
     handle = streamplan.apply(module, chunk_tokens=CHUNK, capture="prefer", kv="host", q_span=320)
     try:

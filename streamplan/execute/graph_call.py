@@ -290,8 +290,8 @@ def _note_unused_options(ctx: CallContext, call: GraphCall) -> None:
     if o.head_groups and o.head_groups not in call.groups:
         ctx.note(f"head_groups={o.head_groups} (L3) not used: the graph allows "
                  f"{list(call.groups) or 'none (one global attention without static rows or input writes is needed)'}")
-    if o.q_span and call.whole_problem:
-        ctx.note(f"q_span={o.q_span} not used: {call.whole_problem}")
+    if o.q_span and (why := kv_tiers.span_problem(call.found)):
+        ctx.note(f"q_span={o.q_span} not used: {why}")
     elif o.q_span and o.chunk_tokens is None and o.budget is not None:
         ctx.note(f"q_span={o.q_span} not used: it sets a fixed chunk's span (with chunk_tokens); under a budget the "
                  f"planner picks the span itself")
@@ -344,7 +344,7 @@ def _kv_arguments(ctx: CallContext, call: GraphCall) -> dict:
     """Where K/V may live between the phases (L4 host, L5 int8/fp8; ``kv_tiers``), as planner arguments."""
     att = call.attention
     kv_args = kv_tiers.plan_args(ctx, call.found, call.rows, call.device, call.consumer, call.adapted,
-                                 spans=call.whole_problem is None)
+                                 spans=kv_tiers.span_problem(call.found) is None)
     timed = {"costs": kv_args["costs"]}   # the time model prices every plan; only the stores below may be barred
     if call.par is not None:   # under sequence parallelism K/V live in the exchange buffer (attention.ulysses)
         return timed

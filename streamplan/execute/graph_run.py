@@ -4,6 +4,7 @@ global attention's Q chunk attended against those buffers, the outputs written c
 buffers (phase Q). Freed as soon as their last user has run, as the stock graph would."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import operator
 from typing import Any, Callable
@@ -98,6 +99,7 @@ class GraphRun:
         self.kv: dict[fx.Node, tuple[torch.Tensor, torch.Tensor]] = {}
         self.attn_out: dict[fx.Node, torch.Tensor] = {}
         self._base = 0   # the first row of what ``attn_out`` holds
+        self._held_static = (0, 0)   # static rows ``attn_out`` holds before and after its rows (a first Q span's)
         self._chunk = (0, 0)   # the rows the running chunk's phase covers
         # attentions a later attention's phase KV runs (``phases.keepable_outputs``): the first phase KV that runs
         # one keeps its output whole, and phase Q reads its rows there instead of attending again
@@ -224,14 +226,25 @@ class GraphRun:
 
     def _attention(self, att: GlobalAttention, env: dict, a: int) -> torch.Tensor:
         if att.node in self.attn_out:   # built ahead (L3's head groups, a whole Q, a Q span): its rows from ``_base``
-            o = self.attn_out[att.node]
-            return o.narrow(att.q_rows.dim, a - self._base, self._chunk[1] - a)
+            return self._rows_ahead(att, a)
         store = self.stores.get(att.node)
         if store is not None:
             return self.attend_store(env[att.q], store, q_offset=a, causal=att.causal, scale=att.scale)
         k, v = self.kv[att.node]
         q = env[att.q]
         return self.attend(q, k, v, q_offset=a, causal=att.causal, scale=att.scale, **_attend_kwargs(att, env))
+
+    def _rows_ahead(self, att: GlobalAttention, a: int) -> torch.Tensor:
+        """The running chunk's rows of an attention output built ahead; where it holds static rows around its own
+        (a first Q span's), the phase's first chunk takes them with its rows, later chunks their dynamic rows alone
+        (``_static_rows_once``)."""
+        o, d, (pre, post) = self.attn_out[att.node], att.q_rows.dim, self._held_static
+        rows = o.narrow(d, pre + a - self._base, self._chunk[1] - a)
+        if not (pre or post) or (self.static_mode and a > 0):
+            return rows
+        if not post:   # the static rows before the chunk's: one view
+            return o.narrow(d, 0, pre + self._chunk[1] - a)
+        return torch.cat([*([o.narrow(d, 0, pre)] if pre else []), rows, o.narrow(d, o.shape[d] - post, post)], d)
 
     def _run(self, nodes: list[fx.Node], env: dict, a: int, keep: set[fx.Node], rows: int | None = None,
              into: dict[fx.Node, torch.Tensor] | None = None, watch: set[fx.Node] = frozenset()) -> dict:
@@ -429,15 +442,25 @@ class GraphRun:
         return self.attend(q_all, k, v, q_offset=0, causal=att.causal, scale=att.scale, **mask)
 
     def _q_rows(self, att: GlobalAttention, q_nodes: list[fx.Node], s0: int, s1: int, chunk: int) -> torch.Tensor:
-        """The attention's Q over rows [s0, s1), built chunk by chunk into one buffer."""
+        """The attention's Q over rows [s0, s1), built chunk by chunk into one buffer. With static rows the phase's
+        first chunk computes them and the buffer from row 0 holds them around its rows (``_held_rows``); later chunks
+        run their dynamic rows alone (``_static_rows_once``)."""
+        held = self._held_rows(att, s0)
         q_all = None
         for a, b in chunk_bounds(s1 - s0, chunk, self.cap.min_rows):
-            q = self._run(q_nodes, self._inputs(s0 + a, s0 + b), s0 + a, {att.q})[att.q]
+            dyn = self.static_mode and s0 + a > 0
+            q = self._run(q_nodes, self._inputs(s0 + a, s0 + b, dyn), s0 + a, {att.q}, b - a if dyn else None)[att.q]
             if q_all is None:
-                q_all = whole_buffer(q, att.q_rows, s1 - s0)
-            write_chunk_rows(q_all, q, att.q_rows, s1 - s0, a, b, True)
+                q_all = whole_buffer(q, held, s1 - s0)
+            write_chunk_rows(q_all, q, held, s1 - s0, a, b, not dyn)
             del q
         return q_all
+
+    def _held_rows(self, att: GlobalAttention, s0: int) -> Rows:
+        """Where a buffer of the attention's Q (or output) from row ``s0`` holds its rows: the static rows around
+        them from row 0, none after (a later chunk's dynamic rows alone)."""
+        r = att.q_rows
+        return r if s0 == 0 or not self.static_mode else dataclasses.replace(r, pre=0, post=0)
 
     def query_rows(self, att: GlobalAttention, a: int, b: int) -> torch.Tensor:
         """The attention's Q over rows [a, b) (with any static rows, as a first chunk has them), from the inputs
@@ -514,10 +537,12 @@ class GraphRun:
                 self.attn_out[att.node] = self.attend_store(q, store, q_offset=s0, causal=att.causal, scale=att.scale)
                 del q
                 self._base = s0
+                held = self._held_rows(att, s0)
+                self._held_static = (held.pre, held.post)
                 for a, b in chunk_bounds(s1 - s0, chunk, self.cap.min_rows):
                     attempt(work, s0 + a, s0 + b, self._retries)
                 del self.attn_out[att.node]
-            self._base = 0
+            self._base, self._held_static = 0, (0, 0)
         self.kv.clear()
         self._into.clear()   # they hold the K/V and output buffers: not past the call
         self.attn_out.clear()

@@ -67,6 +67,24 @@ def kv_problem(found, consumer, adapted: Any = None) -> str | None:
     return None
 
 
+def span_problem(found) -> str | None:
+    """Why phase Q cannot attend a span of several chunks' queries in one pass over a store (``Plan.q_span``), or
+    None: one global attention, no halo, Q ``[batch, heads, rows, head_dim]``. Static query rows (text joined to the
+    rows) go with the first span's queries, as with the phase's first chunk; not beside a causal attention, whose
+    query offsets count the dynamic rows alone."""
+    an = found.analysis
+    if len(an.attentions) != 1:
+        return f"the block has {len(an.attentions)} global attentions, not one"
+    if an.halo != (0, 0):   # phase Q's query rows are widened by the halo, chunk by chunk
+        return "a convolution along the rows widens each chunk's query rows by its halo"
+    att = an.attentions[0]
+    if att.q_rows is None or att.q_rows.dim != 2:
+        return "its Q is not [batch, heads, rows, head_dim]"
+    if att.causal and (att.q_rows.pre or att.q_rows.post):
+        return "static query rows beside a causal attention"
+    return None
+
+
 def _ints(shape) -> list[int] | None:
     out = []
     for s in shape:
@@ -96,7 +114,7 @@ def cache_bytes(adapted: Any, kv_bytes: int, stored: bool = False) -> tuple[int,
 def kv_options(found, rows: int, device: torch.device, kinds: tuple[str, ...], spans: bool = False,
                adapted: Any = None) -> tuple[KVOption, ...]:
     """The memory model of each store kind in ``kinds`` for this block at ``rows`` rows; ``spans``: the block can
-    attend a span of several chunks' queries in one pass (one global attention whose output phase Q reads by rows);
+    attend a span of several chunks' queries in one pass (``span_problem``; any static query rows with the first);
     ``adapted``: a cache filled from the store after phase Q (one head group: its rows are one view per K and V)."""
     an = found.analysis
     opts = []
@@ -135,8 +153,13 @@ def kv_options(found, rows: int, device: torch.device, kinds: tuple[str, ...], s
             merge_row = max(merge_row, merge, write)
             merge_io += B * H * D * (4 * 4 + e)   # per block: the accumulator read and written twice, the partial read
             if spans:
-                q_row += B * H * D * q.element_size()
-                out_row += B * H * D * att.node.meta["val"].element_size()
+                qr, orow = B * H * D * q.element_size(), B * H * D * att.node.meta["val"].element_size()
+                q_row, out_row = q_row + qr, out_row + orow
+                # the first span's static query rows (``span_problem``): its Q, merge and output hold them too. A
+                # constant the per-row span bytes cannot carry: held with the store's, so a plan without spans is
+                # priced with them too (its first chunk attends those rows as well)
+                static = att.q_rows.pre + att.q_rows.post if att.q_rows is not None else 0
+                resident += static * (qr + orow + merge + whole_row)
         tier = Tier.L4 if sk.exact else Tier.L5
         groups = head_groups(an) if adapted is None else (1,)
         opts.append(KVOption(kind, tier, resident, block_row, merge_row, host, groups, merge_io, whole_row,
@@ -313,5 +336,5 @@ def plan_args(ctx: CallContext, found, rows: int, device: torch.device, consumer
     return {"kv_options": opts, "kv_store": kv, **timed}
 
 
-__all__ = ["check_kv", "kv_problem", "cache_bytes", "kv_options", "costs", "options_for", "plan_args", "run_stored",
-           "run_with_store", "KVError", "PROBE_ROWS"]
+__all__ = ["check_kv", "kv_problem", "span_problem", "cache_bytes", "kv_options", "costs", "options_for", "plan_args",
+           "run_stored", "run_with_store", "KVError", "PROBE_ROWS"]

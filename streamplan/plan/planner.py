@@ -485,7 +485,7 @@ class KVOption:
     merge_io_row: int = 0  # bytes the merge reads and writes per query row and block (its time)
     whole_row: int = 0    # bytes per query row during the attention that head groups do not divide
     # Q spans (``Plan.q_span``): bytes per query row of the attention's Q and of its output, both whole over a span;
-    # 0: the block cannot attend a span of several chunks at once (``runs.graph.whole_output_problem``)
+    # 0: the block cannot attend a span of several chunks at once (``execute.kv_tiers.span_problem``)
     q_row: int = 0
     out_row: int = 0
     # device bytes the call's cache adds when it is filled after phase Q from this store (a cache that takes the
