@@ -33,7 +33,7 @@ class NotCopyable(ValueError):
 
 def private_copy(value: Any) -> Any:
     """A copy of a call's inputs that a reference run may change freely: tensors cloned, registered state objects
-    (``registries.state_tensors``: transformers' caches) deep-copied, containers rebuilt; other objects shared.
+    (``registries.state_tensors``: a host library's caches) deep-copied, containers rebuilt; other objects shared.
     ``NotCopyable`` where a state object cannot be copied."""
     if isinstance(value, torch.Tensor):
         return value.clone()

@@ -24,7 +24,7 @@ from torch import nn
 
 from ...attention.flex import FlexMask
 from ...recognize.checks import call_args
-from .followed import unfollowed
+from .followed import followed_spec, unfollowed
 from ...specs import AttentionCall, AttentionSpec, KVFrame, Segment, Skip
 
 _MODULE = "diffusers.models.transformers.transformer_anyflow_far"
@@ -166,8 +166,6 @@ def recognize_anyflow_far_attention(name: str, module: nn.Module) -> AttentionSp
     problem = unfollowed(module, mod.AnyFlowAttention.forward, _sources(mod), FOLLOWED)
     if problem:
         return skip(problem)
-    heads, inner = module.heads, module.to_q.out_features
-    return AttentionSpec(module=module, label="diffusers AnyFlowAttention[flex, KV cache + zero padding]",
-                         heads=heads, kv_heads=heads, head_dim=inner // heads, dim_out=module.to_out[0].out_features,
-                         bind=lambda args, kwargs: _bind_anyflow_far(module, mod, args, kwargs),
-                         backend=lambda: "flex")
+    return followed_spec(module, "diffusers AnyFlowAttention[flex, KV cache + zero padding]", module.heads,
+                         module.to_q.out_features, module.to_out[0],
+                         lambda args, kwargs: _bind_anyflow_far(module, mod, args, kwargs), "flex")

@@ -22,7 +22,7 @@ from torch import nn
 
 from ...attention.flex import FlexMask, block_mask_problem, Q_BLOCK
 from ...recognize.checks import call_args
-from .followed import unfollowed
+from .followed import followed_spec, unfollowed
 from ...registries import register_call_adapter
 from ...specs import AttentionCall, AttentionSpec, KVFrame, Segment, Skip
 
@@ -148,11 +148,9 @@ def recognize_flex_attention(name: str, module: nn.Module) -> AttentionSpec | Sk
     problem = unfollowed(module, mod.WanAnimate2Attention.forward, _sources(mod), FOLLOWED)
     if problem:
         return skip(problem)
-    heads, inner = module.heads, module.to_q.out_features
-    return AttentionSpec(module=module, label="diffusers WanAnimate2Attention[flex BlockMask, cached reference]",
-                         heads=heads, kv_heads=heads, head_dim=inner // heads, dim_out=module.to_out[0].out_features,
-                         bind=lambda args, kwargs: _bind_wan_animate2(module, mod, args, kwargs),
-                         backend=lambda: "flex")
+    return followed_spec(module, "diffusers WanAnimate2Attention[flex BlockMask, cached reference]", module.heads,
+                         module.to_q.out_features, module.to_out[0],
+                         lambda args, kwargs: _bind_wan_animate2(module, mod, args, kwargs), "flex")
 
 
 # why a captured graph cannot stand for the block on a generation step (each seen tracing it with the mask taken whole)

@@ -22,7 +22,7 @@ from torch import nn
 from ...attention.flex import FlexMask, Q_BLOCK, block_mask_problem, full_block_tables
 from ...recognize.checks import call_args, source_fingerprint
 from ...registries import register_backend_probe, register_capture_context, register_row_contraction_op
-from .followed import unfollowed
+from .followed import followed_spec, unfollowed
 from ...specs import AttentionCall, AttentionSpec, KVFrame, Segment, Skip
 
 _MODULE = "diffusers.models.transformers.transformer_kandinsky6_sr"
@@ -114,11 +114,9 @@ def recognize_nabla_attention(name: str, module: nn.Module) -> AttentionSpec | S
     problem = unfollowed(module, mod.Kandinsky6SRAttention.forward, _sources(mod), FOLLOWED)
     if problem:
         return skip(problem)
-    heads, inner = module.num_heads, module.to_query.out_features
-    return AttentionSpec(module=module, label="diffusers Kandinsky6SRAttention[flex NABLA BlockMask]",
-                         heads=heads, kv_heads=heads, head_dim=inner // heads, dim_out=module.out_layer.out_features,
-                         bind=lambda args, kwargs: _bind_nabla(module, mod, args, kwargs),
-                         backend=lambda: "flex")
+    return followed_spec(module, "diffusers Kandinsky6SRAttention[flex NABLA BlockMask]", module.num_heads,
+                         module.to_query.out_features, module.out_layer,
+                         lambda args, kwargs: _bind_nabla(module, mod, args, kwargs), "flex")
 
 
 # -- the block captured whole ----------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from typing import Callable
 from torch import nn
 
 from ...recognize.checks import source_fingerprint, stock_problem
+from ...specs import AttentionSpec
 
 FOLLOWED_VERSION = "0.42.1"
 
@@ -23,3 +24,11 @@ def unfollowed(module: nn.Module, forward: Callable, sources: dict[str, Callable
     if changed:
         return f"{', '.join(changed)} differ from the diffusers {FOLLOWED_VERSION} source streamplan follows"
     return None
+
+
+def followed_spec(module: nn.Module, label: str, heads: int, inner: int, out: nn.Linear, bind: Callable,
+                  backend: str) -> AttentionSpec:
+    """The spec of an attention a recognizer follows by its processor's source: as many K/V heads as query heads
+    (``inner`` features over ``heads``), its output projection ``out``, its call bound by ``bind(args, kwargs)``."""
+    return AttentionSpec(module=module, label=label, heads=heads, kv_heads=heads, head_dim=inner // heads,
+                         dim_out=out.out_features, bind=bind, backend=lambda: backend)

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from ...recognize.checks import call_args
-from .followed import unfollowed
+from .followed import followed_spec, unfollowed
 from ...specs import AttentionCall, AttentionSpec, Segment, Skip
 
 _MODULE = "diffusers.models.attention_processor"
@@ -167,8 +167,6 @@ def recognize_mochi_attention(name: str, module: nn.Module) -> AttentionSpec | S
     problem = _heads_ok(module, norms.MochiRMSNorm)
     if problem:
         return skip(problem)
-    heads, inner = module.heads, module.to_q.out_features
-    return AttentionSpec(module=module, label="diffusers MochiAttention[valid text tokens joined]",
-                         heads=heads, kv_heads=heads, head_dim=inner // heads, dim_out=module.to_out[0].out_features,
-                         bind=lambda args, kwargs: _bind_mochi(module, args, kwargs),
-                         backend=lambda: "native")
+    return followed_spec(module, "diffusers MochiAttention[valid text tokens joined]", module.heads,
+                         module.to_q.out_features, module.to_out[0],
+                         lambda args, kwargs: _bind_mochi(module, args, kwargs), "native")
