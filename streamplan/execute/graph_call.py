@@ -34,7 +34,7 @@ from .chunk_attention import ChunkAttention
 from .context import CallContext
 from .rehearsal import ledger_paused
 from .donation import donated
-from .graph_run import GraphRun
+from .graph_run import GraphRun, reduction_attention
 from .row_contraction_run import grid_chunk
 from .part_calls import workspace_bytes, workspace_row_bytes
 
@@ -242,8 +242,10 @@ def _note_capture(ctx: CallContext, found, fresh: bool) -> None:
     pairs = (f"; {len(an.pair_masks) - made} mask(s) over rows x rows built inside the block, each Q chunk's rows "
              f"built alone" if len(an.pair_masks) > made else "") + (
         f"; {made} key mask(s) made inside the block from its inputs, built whole for each Q chunk" if made else "")
+    reduced = (f"; {len(an.reduced)} attention(s) of fixed queries over the rows reduced over the chunks (their "
+               f"partial outputs merged by log-sum-exp, what reads them run once after)") if an.reduced else ""
     ctx.note(f"captured in {cap.seconds:.2f} s: {an.ops} ops, {len(an.attentions)} global attention(s){static}"
-             f"{layers}{built}{pairs}")
+             f"{layers}{built}{pairs}{reduced}")
 
 
 def _attention_problem(call: GraphCall) -> str | None:
@@ -271,6 +273,9 @@ def _attention_problem(call: GraphCall) -> str | None:
                           sinks=any(a.sinks is not None for a in an.attentions))
         if why:
             return f"ran stock: {why}"
+    if call.par is not None and an.reduced:
+        return ("ran stock: an attention of fixed queries over the rows, reduced over the chunks, under sequence "
+                "parallelism (its partial outputs would have to be merged across the ranks)")
     if call.par is not None and att is not None:   # attention across the ranks' rows: K/V and Q chunks exchanged
         why = parallel.consumer_problem(call.par, an) or ("an attention mask under sequence parallelism"
                                                            if att.mask is not None else None)
@@ -562,7 +567,8 @@ def run_call(ctx: CallContext, call: GraphCall, plan: Plan) -> Any:
         return GraphRun(found.captured, found.analysis, found.phases, ctx.entry.module, call.args, call.kwargs,
                         call.rows, attend, ffn_slice=ffn_slice, regions=found.mlp_regions,
                         pieces=o.row_pieces or plan.row_pieces,
-                        fuse=fuse_on, fuse_rows=fuse_rows, host=call.host, keep=keep, **extra)
+                        fuse=fuse_on, fuse_rows=fuse_rows, host=call.host, keep=keep,
+                        attend_lse=reduction_attention(call.consumer), **extra)
 
     run = graph_run(plan.ffn_slice if plan.tier in SLICED_TIERS else 0, 0 if o.fuse else plan.chunk, **stores)
     if call.par is not None:
@@ -589,6 +595,7 @@ def run_call(ctx: CallContext, call: GraphCall, plan: Plan) -> Any:
 
 
 _BOOL_MASK = torch.empty(0, dtype=torch.bool)
+
 
 
 def _note_chains(note: Callable[[str], None], run: GraphRun) -> None:

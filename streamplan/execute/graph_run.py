@@ -31,7 +31,9 @@ from ..graph.row_pieces import run_pieces
 from ..graph.pruned_projections import run_pruned
 from ..graph.schedule import ATTENTION, CHAIN, PIECES, PRUNED, REGION, Schedule, phase_schedule
 from ..graph.in_place import run_over
-from ..graph.phases import Phases, ancestors, rowed_outputs
+from ..graph.phases import Phases, ancestors, last_uses, q_keep, q_roots, rowed_outputs
+from ..attention import SDPA
+from ..attention.lse_merge import LseAccumulator
 
 _LAYOUT = {"cat", "concat", "slice", "narrow", "split", "split_with_sizes", "chunk", "tensor_split"}
 
@@ -51,6 +53,13 @@ def _attend_kwargs(att: GlobalAttention, env: dict) -> dict:
     return {"mask": mask, **extra}
 
 
+def reduction_attention(consumer) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """A reduced attention's partial output with its log-sum-exp: the consumer's own where it returns one, else
+    PyTorch SDPA's (the merge needs the log-sum-exp; fixed queries against one chunk's keys are a small call)."""
+    source = consumer if consumer.caps.kv_blocks_lse and hasattr(consumer, "attend_lse") else SDPA
+    return functools.partial(source.attend_lse, causal=False, mask=None)
+
+
 class GraphRun:
     """One call of a captured block: its inputs bound, its constants computed, ready to run in chunks."""
 
@@ -59,8 +68,10 @@ class GraphRun:
                  regions: list[MLPRegion] | None = None, kv_store: Callable[[GlobalAttention], Any] | None = None,
                  attend_store: Callable[..., torch.Tensor] | None = None, pieces: int = 1,
                  fuse: torch.device | None = None, fuse_rows: int = 0, host: dict | None = None,
-                 keep: tuple = ()):
+                 keep: tuple = (), attend_lse: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None):
         self.cap, self.an, self.ph, self.rows, self.attend = cap, an, ph, rows, attend
+        # a reduced attention's partial output over one chunk's keys, with its log-sum-exp (``reduced_attentions``)
+        self.attend_lse = attend_lse or reduction_attention(SDPA)
         self.pieces = pieces   # row-local runs in this many pieces of a chunk's rows (1: every node on the chunk)
         self.fuse = fuse if pieces == 1 else None   # element-wise chains compiled for this device (``fuse``)
         self.fuse_rows = fuse_rows   # set: only chains whose outputs at this many rows are worth a compiled call
@@ -471,6 +482,23 @@ class GraphRun:
         q = self._run(self._q_nodes(att), self._inputs(lo, hi), lo, {att.q})[att.q]
         return q if (lo, hi) == (a, b) else q.narrow(att.q_rows.dim, att.q_rows.pre + a - lo, b - a)
 
+    def _run_tail(self, merged: dict, outs: list) -> None:
+        """After phase Q's last chunk: the reduced attentions' outputs, and what reads them, once."""
+        env = {**self.consts, **{n: v for n, v in self.base.items() if not isinstance(self.an.rows.get(n), Rows)}}
+        for r in self.an.reduced:
+            env[r.node] = merged.pop(r.node).result(r.node.meta["val"].dtype)
+        frees = last_uses(self.ph.tail)
+        wanted = {o for o in self.an.outputs if isinstance(o, fx.Node)}
+        for i, node in enumerate(self.ph.tail):
+            if node not in self.an.ignored:
+                env[node] = self._call(node, env)
+            for m in frees.get(i, ()):
+                if m not in wanted and m not in self.consts:
+                    env.pop(m, None)
+        for i, o in enumerate(self.an.outputs):
+            if isinstance(o, fx.Node) and o in env and o in self.ph.tail:
+                outs[i] = env[o]
+
     def _q_nodes(self, att: GlobalAttention) -> list[fx.Node]:
         return [n for n in self.ph.q if n in ancestors([att.q], self._stop(), self.ph.writes, {})]
 
@@ -484,15 +512,15 @@ class GraphRun:
         pass over the store, then the span's chunks run over rows of that output (fewer passes, fewer copies back)."""
         chunk = self._before_phases(chunk)
         outs: list[Any] = [None] * len(self.an.outputs)
-        keep = {o for o in self.an.outputs if isinstance(o, fx.Node)}
+        keep = q_keep(self.an)
+        merged: dict[fx.Node, LseAccumulator] = {}   # each reduced attention's output so far
         span = span if span > chunk and self.stores and len(self.an.attentions) == 1 and self.an.halo == (0, 0) \
             else 0
 
         nodes = self.ph.q
         if self.attn_out or span:   # an attention reads its rows of an output built ahead: its Q is not computed again
             ahead = set(self.attn_out) | ({self.an.attentions[0].node} if span else set())
-            need = ancestors([o for o in self.an.outputs if isinstance(o, fx.Node)], self._stop(), self.ph.writes,
-                              {n: [] for n in ahead})
+            need = ancestors(q_roots(self.an, self.ph.tail), self._stop(), self.ph.writes, {n: [] for n in ahead})
             nodes = [n for n in nodes if n in need]
 
         rowed = rowed_outputs(self.an)
@@ -507,6 +535,11 @@ class GraphRun:
                                   if o in rowed)) if first and not widened else set()
             env = self._run(nodes, self._inputs(lo, hi, dyn), lo, keep, b - a if dyn else None,
                             {} if widened else self._dests(rowed, a, b), watch)
+            for r in self.an.reduced:   # the fixed queries against this chunk's keys, merged into the output so far
+                q = env[r.q]
+                o, lse = self.attend_lse(q, env.pop(r.k), env.pop(r.v), scale=r.scale)
+                merged.setdefault(r.node, LseAccumulator(q)).add(o, lse)
+                del o, lse
             for i, o in enumerate(self.an.outputs):
                 if not isinstance(o, fx.Node):
                     outs[i] = o
@@ -543,6 +576,8 @@ class GraphRun:
                     attempt(work, s0 + a, s0 + b, self._retries)
                 del self.attn_out[att.node]
             self._base, self._held_static = 0, (0, 0)
+        if self.ph.tail:
+            self._run_tail(merged, outs)
         self.kv.clear()
         self._into.clear()   # they hold the K/V and output buffers: not past the call
         self.attn_out.clear()

@@ -14,6 +14,7 @@ from .contraction_phases import phase_kv_problem
 from .analyze import Analysis, op_name, analyze
 from .eager_attention import fuse_eager_attention
 from .phases import Phases, phases_of
+from .reduced_attentions import reduce_static_queries
 from .export import Captured, capture, rows_of_call, rows_problem, signatures
 from .opaque_layers import running  # noqa: F401  (declares the opaque layers' op and capture context)
 
@@ -69,6 +70,7 @@ def streamable(module: nn.Module, args: tuple, kwargs: dict, rows: int) -> tuple
     if isinstance(an, str):
         found: Streamable | str = f"{an} (captured in {cap.seconds:.2f} s)"
     else:
+        reduce_static_queries(an, cap.graph)
         ph = phases_of(cap, an)
         twice = an.input_writes & {n for kv in ph.kv for n in kv}
         unwidened = phase_kv_problem(an, cap.graph)   # phase KV's chunks are not widened by a halo

@@ -78,6 +78,8 @@ class Analysis:
     # takes its part of every side (``fixed_row_slices``); ``fixed_joins`` the cats that join the sides back
     fixed_joins: set = field(default_factory=set)
     halo_nodes: set = field(default_factory=set)   # the ops that read a halo of rows (phase KV may not run them)
+    reduced: list = field(default_factory=list)   # global attentions of fixed queries reduced over phase Q's chunks
+    # (``reduced_attentions``): not among ``attentions``
 
     @property
     def read_as_inputs(self) -> set:

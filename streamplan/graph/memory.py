@@ -12,7 +12,7 @@ from torch import fx
 from .analyze import Analysis, Rows, op_name, numel_besides
 from .analyze import VIEW_OPS
 from ..registries import ROW_CONTRACTION_WORKSPACE
-from .phases import Phases, in_place, last_uses
+from .phases import Phases, in_place, last_uses, q_keep
 from .opaque_layers import workspace_bytes as opaque_workspace
 from .row_pieces import RowRun, find_runs, schedule
 from .contraction_phases import contraction_phases
@@ -36,6 +36,7 @@ class GraphMemory:
     built_bytes: int = 0               # contractions' results (``row_contractions``): from phase KV through the call
     build_inputs: int = 0              # contractions' inputs whole (within ``kv_bytes``): let go once they are built
     build_work: int = 0                # the most a contraction op allocates in its call besides its result
+    reduced_bytes: int = 0             # reduced attentions' merged outputs so far (fp32) and a chunk's partial ones
 
     def value(self, node: fx.Node, rows: int) -> int:
         return self.per_row.get(node, 0) * rows + self.static.get(node, 0)
@@ -160,14 +161,15 @@ class GraphMemory:
         in pieces). Phase KV runs before the outputs' buffers exist: its moment is counted without them."""
         chunk = min(chunk, self.rows)
         an = self.analysis
-        outputs = {o for o in an.outputs if isinstance(o, fx.Node)}
         kv = max([self._phase(p, chunk, keep={a.k, a.v}) for p, a in zip(self.phases.kv, an.attentions)]
                  + [self._phase(p, chunk, keep=set(c.inputs))
                     for p, c in zip(contraction_phases(an, self.phases), an.contractions)] + [self.build_work],
                  default=0)
         # phase Q runs after the contractions' inputs are let go (they are in ``kv_bytes`` for phase KV)
+        # phase Q with the reduced attentions' merges beside it; their tail once after it, its own values alone
         return max(kv - self.out_bytes, self._phase(self.phases.q, chunk, ffn_slice, regions, at_attention,
-                                                    workspace, keep=outputs) - self.build_inputs)
+                                                    workspace, keep=q_keep(an)) - self.build_inputs
+                   + self.reduced_bytes, self._phase(self.phases.tail, chunk))
 
     def predicted(self, chunk: int) -> int:
         return self.kv_bytes + self.out_bytes + self.kept_bytes + self.built_bytes + self.transient(chunk)
@@ -182,7 +184,7 @@ def graph_memory(an: Analysis, ph: Phases, rows: int, donated_outputs: set[int],
     per_row: dict[fx.Node, int] = {}
     static: dict[fx.Node, int] = {}
     allocates: dict[fx.Node, bool] = {}
-    nodes = {n for p in [*ph.kv, *contraction_phases(an, ph)] for n in p} | set(ph.q) | set(ph.const)
+    nodes = {n for p in [*ph.kv, *contraction_phases(an, ph)] for n in p} | set(ph.q) | set(ph.const) | set(ph.tail)
     for n in nodes:
         val = n.meta.get("val")
         vals = val if isinstance(val, (tuple, list)) else [val]
@@ -231,8 +233,12 @@ def graph_memory(an: Analysis, ph: Phases, rows: int, donated_outputs: set[int],
     for a in kept:
         v, r = a.node.meta["val"], a.q_rows
         held += numel_besides(v, r.dim) * v.element_size() * (rows + r.pre + r.post)
+    merging = 0
+    for r in an.reduced:   # fp32 output and log-sum-exp merged so far, a chunk's partial output and log-sum-exp
+        o = r.node.meta["val"]
+        merging += numel_besides(o, None) * (4 + o.element_size()) + numel_besides(o, o.dim() - 1) * 8
     return GraphMemory(rows, per_row, static, allocates, ph, kv, out, {a.node for a in an.attentions}, an, pieces,
-                       held, built, inputs, work)
+                       held, built, inputs, work, merging)
 
 
 def _bytes(val) -> int:

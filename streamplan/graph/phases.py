@@ -14,6 +14,7 @@ from .direct_writes import producer
 from .export import Captured
 from .in_place import find_reuse
 from .joins_in_place import Join, find_joins
+from .reduced_attentions import tail_nodes
 from .row_pieces import is_view
 
 
@@ -29,6 +30,7 @@ class Phases:
     producers: dict = field(default_factory=dict)  # K, V or output -> the op that may write it into its buffer
     last: set = field(default_factory=set)       # outputs whose producer only views follow: may write a donated input
     done: dict = field(default_factory=dict)     # ``in_place``'s and ``find_chains``' answers per phase and keep
+    tail: list = field(default_factory=list)     # what reads a reduced attention's output: run once after phase Q
 
 
 def writes_before(order: list[fx.Node], base: dict[fx.Node, fx.Node] | None = None) -> dict[fx.Node, set[fx.Node]]:
@@ -90,14 +92,27 @@ def phases_of(cap: Captured, an: Analysis) -> Phases:
         kv.append([n for n in order if n in first] + [n for n in order if n in need and n not in first])
     q_only = {att.node: [att.q, *(w for w in extra.get(att.node, ()) if base.get(w) == base.get(att.q, att.q))]
               for att in an.attentions}
-    need = ancestors([o for o in an.outputs if isinstance(o, fx.Node)] + list(extra.get(output, ())), stop, extra,
-                      q_only)
+    tail = tail_nodes(an)
+    need = ancestors(q_roots(an, tail) + list(extra.get(output, ())), stop, extra, q_only)
     q = [n for n in order if n in need]
     values = [v for att in an.attentions for v in (att.k, att.v)] + rowed_outputs(an)
     producers = {v: p for v in values if (p := producer(v, an)) is not None}
     # a donated output's producer overwrites the input's rows: nothing after it in phase Q may read them
     last = {v for v, p in producers.items() if p in q and all(is_view(n) for n in q[q.index(p) + 1:])}
-    return Phases(const, kv, q, extra, producers, last)
+    return Phases(const, kv, q, extra, producers, last, tail=[n for n in order if n in tail])
+
+
+def q_roots(an: Analysis, tail: set[fx.Node] | list[fx.Node]) -> list[fx.Node]:
+    """What phase Q computes per chunk: the outputs, except those a reduced attention's tail makes after the chunks,
+    and each reduced attention's K and V over the chunk's rows."""
+    tail = set(tail)
+    return [o for o in an.outputs if isinstance(o, fx.Node) and o not in tail] + [
+        t for r in an.reduced for t in (r.k, r.v)]
+
+
+def q_keep(an: Analysis) -> set[fx.Node]:
+    """What phase Q hands on from a chunk: the outputs, and each reduced attention's K and V (merged after it)."""
+    return {o for o in an.outputs if isinstance(o, fx.Node)} | {t for r in an.reduced for t in (r.k, r.v)}
 
 
 def in_place(nodes: list[fx.Node], an: Analysis, ph: Phases, keep: set) -> tuple[dict[fx.Node, Join],

@@ -12,6 +12,7 @@ from torch import fx
 
 from .analyze import Rows, bind, numel_besides, op_name, SDPA_OPS
 from .memory import graph_memory
+from .phases import q_keep
 from .opaque_layers import OPS as OPAQUE_OPS, work as opaque_work
 from .pruned_projections import find_prunings
 from .row_pieces import RowRun, find_runs
@@ -82,7 +83,7 @@ def block_work(found, rows: int) -> BlockWork:
     an, ph, graph = found.analysis, found.phases, found.captured.graph
     row = static = const = att_row = 0.0
     per_node: dict[fx.Node, float] = {}
-    global_ = {a.node for a in an.attentions}
+    global_ = {a.node for a in an.attentions} | {r.node for r in an.reduced}
     for n in graph.nodes:
         if n.op != "call_function" or n in an.ignored or n in global_:
             continue
@@ -119,6 +120,9 @@ def block_work(found, rows: int) -> BlockWork:
         flops = width * nq * nk / (2 if a.causal else 1)
         attention += flops
         rerun_attention += flops * sum(a.node in set(p) for p in ph.kv)
+    for r in an.reduced:   # fixed queries against every row's keys, over the chunks
+        _, width = _attention_width(r.node)
+        attention += width * found.captured.size_at(r.q.meta["val"].shape[-2], rows) * rows
     mem = graph_memory(an, ph, rows, set())
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     weights = sum(numel_besides(n.meta["val"], None) * n.meta["val"].element_size()
@@ -150,4 +154,4 @@ def phase_runs(found) -> list[RowRun]:
     what row pieces re-launch per piece, and whether the block has any for the planner to cut in pieces."""
     an, ph = found.analysis, found.phases
     runs = [r for p, a in zip(ph.kv, an.attentions) for r in find_runs(p, an, {a.k, a.v})]
-    return runs + find_runs(ph.q, an, {o for o in an.outputs if isinstance(o, fx.Node)})
+    return runs + find_runs(ph.q, an, q_keep(an))
