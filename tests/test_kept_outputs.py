@@ -1,8 +1,10 @@
-"""An attention whose output a later attention's K/V read (LTX-2's video self-attention, then the audio's attention
-over the video rows): streamed, the later attention's phase KV runs the earlier one over every chunk, and phase Q ran
-it again. Where a budget holds its output whole, phase KV keeps it and phase Q reads its rows (``Plan.kept_outputs``):
-the attention runs once. Checked on the real diffusers block against its own forward, by counting the attention's
-kernel calls, and with the meter; on meta tensors, what the time model prices either way."""
+"""An attention whose output a later attention's K/V read (diffusers' ``BasicTransformerBlock`` with
+``double_self_attention``: its second self-attention reads the first one's output): streamed, the later attention's
+phase KV runs the earlier one over every chunk, and phase Q ran it again. Where a budget holds its output whole, phase
+KV keeps it and phase Q reads its rows (``Plan.kept_outputs``): the attention runs once. Checked on the real diffusers
+block against its own forward, by counting the attention's kernel calls, and with the meter; on meta tensors, what the
+time model prices either way. (LTX-2's audio attention over the video rows, once such a case, is reduced over the
+chunks instead: ``tests/test_reduced_attentions.py``.)"""
 import pytest
 import torch
 
@@ -10,34 +12,27 @@ pytest.importorskip("diffusers")
 
 import streamplan  # noqa: E402
 from conftest import OpCounter, rel_err, streamed  # noqa: E402
+from diffusers.models.attention import BasicTransformerBlock  # noqa: E402
 from streamplan.graph import streamable  # noqa: E402
 from streamplan.graph.phases import keepable_outputs, rerun_attentions  # noqa: E402
 from streamplan.graph.work import block_work  # noqa: E402
 from streamplan.plan.planner import Tier  # noqa: E402
-from streamplan.tools.catalogue.diffusers_cases import CASES  # noqa: E402
 from streamplan.tools.families import FAMILIES, on_meta  # noqa: E402
 
-ROWS, CHUNK, AUDIO = 1024, 256, 12
+ROWS, CHUNK, DIM = 1024, 256, 64
 FLASH = (torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,)
 
 
 def _block():
     torch.manual_seed(0)
-    block = CASES["ltx2"].build().eval()
-    args, kwargs = CASES["ltx2"].inputs(ROWS, torch.device("cpu"), torch.float32)
-    return block, args, kwargs
-
-
-def _video_self_attention(args) -> bool:
-    """A call of the video rows' self-attention: every video row's keys, queries of more rows than the audio's."""
-    q, k = args[0], args[1]
-    return k.shape[-2] == ROWS and q.shape[-2] > AUDIO
+    block = BasicTransformerBlock(DIM, 4, DIM // 4, double_self_attention=True).eval()
+    return block, (torch.randn(1, ROWS, DIM),), {}
 
 
 def _run(block, args, kwargs, **options):
     with streamed(block, capture="prefer", **options) as handle:
         block(*args, **kwargs)   # the first call plans and captures
-        with OpCounter(FLASH, _video_self_attention) as calls:
+        with OpCounter(FLASH, lambda a: a[1].shape[-2] == ROWS) as calls:
             out, peak = streamplan.measure_peak(lambda: block(*args, **kwargs), device=torch.device("cpu"))
         (plan,) = handle.plans[""]
         return out, peak, plan, calls.count, handle.report()
@@ -50,17 +45,15 @@ def test_the_output_kept_from_phase_kv_runs_the_attention_once_exactly_within_it
     rerun_out, rerun_peak, rerun, rerun_calls, _ = _run(block, args, kwargs, budget=None, chunk_tokens=CHUNK)
     chunks = ROWS // rerun.chunk
     assert not rerun.kept_outputs
-    assert rerun_calls == 2 * chunks, rerun_calls   # in the audio attention's phase KV, then in phase Q
-    kept_bytes = ROWS * 64 * 4   # the video rows' attention output (4 heads x 16 features, fp32)
+    # the first attention: in the second's phase KV, then in phase Q; the second: in phase Q
+    assert rerun_calls == 3 * chunks, rerun_calls
+    kept_bytes = ROWS * DIM * 4   # the first attention's output (4 heads x 16 features, fp32)
     budget = rerun.predicted_total + 4 * kept_bytes   # room for it whole, short of stock's
     out, peak, plan, calls, report = _run(block, args, kwargs, budget=budget)
     assert plan.kept_outputs and "kept_outputs" in report, report
-    assert calls == ROWS // plan.chunk + (ROWS % plan.chunk > 0), (calls, plan.chunk)
-    for got, want in zip((out, rerun_out), (ref, ref)):
-        for g, w in zip(got, want):
-            assert rel_err(g, w) <= 1e-5
-    # the memory model misses ~0.1 MB of this tiny block whatever the plan (tests/test_planned_pieces.py): the kept
-    # output is priced as it is held, the plan misses no more than the rerun one at the same chunk
+    assert calls == 2 * (ROWS // plan.chunk + (ROWS % plan.chunk > 0)), (calls, plan.chunk)
+    assert rel_err(out, ref) <= 1e-5 and rel_err(rerun_out, ref) <= 1e-5
+    # the kept output is priced as it is held: the plan misses no more than the rerun one at the same chunk
     assert plan.chunk == rerun.chunk
     assert peak - plan.predicted_peak <= rerun_peak - rerun.predicted_peak + 4096, \
         (peak, plan.predicted_peak, rerun_peak, rerun.predicted_peak)
@@ -79,28 +72,28 @@ def test_fixed_chunks_keep_nothing_and_a_budget_short_of_the_kept_output_attends
     smallest = refused.value.smallest_bytes
     out, peak, plan, calls, report = _run(block, args, kwargs, budget=int(smallest * 1.02))
     assert not plan.kept_outputs, report
-    assert calls == 2 * -(-ROWS // plan.chunk)
-    assert all(rel_err(g, w) <= 1e-5 for g, w in zip(out, ref))
+    assert calls == 3 * -(-ROWS // plan.chunk)
+    assert rel_err(out, ref) <= 1e-5
 
 
-def test_the_time_model_counts_the_rerun_and_the_planner_keeps_where_it_is_faster():
-    """On meta at the real width: LTX-2's video self-attention is run by the audio attention's phase KV (its FLOPs
-    counted again), Wan's is not; at 206,040 rows under 1.15x the floor the kept plan is priced well under the
-    rerun one's 1.99x."""
-    fam, rows = FAMILIES["ltx2-block"], 206040
-    module, inputs = on_meta(fam, rows, torch.bfloat16)
-    args, kwargs = (inputs, {}) if isinstance(inputs, tuple) else ((), inputs)
-    found, _ = streamable(module, args, kwargs, rows)
+def test_the_time_model_counts_the_rerun():
+    """The first attention is run by the second's phase KV (its FLOPs counted again); Wan's block has no such
+    attention, and LTX-2's audio attention over the video rows, reduced over the chunks, no longer runs its video
+    self-attention twice."""
+    block, args, kwargs = _block()
+    found, _ = streamable(block, args, kwargs, ROWS)
     assert not isinstance(found, str), found
-    (att,) = rerun_attentions(found.analysis, found.phases)
-    assert keepable_outputs(found.analysis, found.phases) == [att]
-    work = block_work(found, rows)
-    assert 0.95 * work.attention_flops < work.attention_rerun_flops < work.attention_flops
-    wan = FAMILIES["wan-14b-block"]
-    module, inputs = on_meta(wan, 32768, torch.bfloat16)
-    found, _ = streamable(module, inputs, {}, 32768)
-    assert rerun_attentions(found.analysis, found.phases) == []
-    assert block_work(found, 32768).attention_rerun_flops == 0.0
+    first = rerun_attentions(found.analysis, found.phases)
+    assert [a.node for a in first] == [found.analysis.attentions[0].node]
+    assert keepable_outputs(found.analysis, found.phases) == first
+    work = block_work(found, ROWS)
+    assert 0.45 * work.attention_flops < work.attention_rerun_flops < 0.55 * work.attention_flops
+    for name, rows in (("wan-14b-block", 32768), ("ltx2-block", 206040)):
+        module, inputs = on_meta(FAMILIES[name], rows, torch.bfloat16)
+        args, kwargs = (inputs, {}) if isinstance(inputs, tuple) else ((), inputs)
+        found, _ = streamable(module, args, kwargs, rows)
+        assert rerun_attentions(found.analysis, found.phases) == [], name
+        assert block_work(found, rows).attention_rerun_flops == 0.0
 
 
 class _ThreeAttentions(torch.nn.Module):
