@@ -29,9 +29,9 @@ from ..graph.sliced_mlp import MLPRegion, row_dim, run_region
 from ..graph.pair_masks import PairRows
 from ..graph.row_pieces import run_pieces
 from ..graph.pruned_projections import run_pruned
-from ..graph.schedule import ATTENTION, CHAIN, PIECES, PRUNED, REGION, Schedule, phase_schedule
+from ..graph.schedule import ATTENTION, CHAIN, PIECES, PRUNED, REDUCE, REGION, Schedule, phase_schedule
 from ..graph.in_place import run_over
-from ..graph.phases import Phases, ancestors, last_uses, q_keep, q_roots, rowed_outputs
+from ..graph.phases import Phases, ancestors, last_uses, q_roots, rowed_outputs
 from ..attention import SDPA
 from ..attention.lse_merge import LseAccumulator
 
@@ -273,6 +273,8 @@ class GraphRun:
                 env[node] = run_region(step.item, env, self.ffn_slice, row_dim(step.item, self.an))
             elif kind == ATTENTION:
                 env[node] = self._attention(step.item, env, a)
+            elif kind == REDUCE:
+                env[node] = self._reduce(step.item, env)
             elif kind == PRUNED:
                 self._pruned(step.item, env, rows, into, watch)
             elif node in self.an.fixed_cuts:   # rows cut at a fixed count: the chunk's part of each side
@@ -482,11 +484,18 @@ class GraphRun:
         q = self._run(self._q_nodes(att), self._inputs(lo, hi), lo, {att.q})[att.q]
         return q if (lo, hi) == (a, b) else q.narrow(att.q_rows.dim, att.q_rows.pre + a - lo, b - a)
 
-    def _run_tail(self, merged: dict, outs: list) -> None:
+    def _reduce(self, r, env: dict) -> torch.Tensor:
+        """A reduced attention's fixed queries against this chunk's keys, merged into its output so far."""
+        q = env[r.q]
+        o, lse = self.attend_lse(q, env[r.k], env[r.v], scale=r.scale)
+        self._merged.setdefault(r.node, LseAccumulator(q)).add(o, lse)
+        return o
+
+    def _run_tail(self, outs: list) -> None:
         """After phase Q's last chunk: the reduced attentions' outputs, and what reads them, once."""
         env = {**self.consts, **{n: v for n, v in self.base.items() if not isinstance(self.an.rows.get(n), Rows)}}
         for r in self.an.reduced:
-            env[r.node] = merged.pop(r.node).result(r.node.meta["val"].dtype)
+            env[r.node] = self._merged.pop(r.node).result(r.node.meta["val"].dtype)
         frees = last_uses(self.ph.tail)
         wanted = {o for o in self.an.outputs if isinstance(o, fx.Node)}
         for i, node in enumerate(self.ph.tail):
@@ -512,8 +521,8 @@ class GraphRun:
         pass over the store, then the span's chunks run over rows of that output (fewer passes, fewer copies back)."""
         chunk = self._before_phases(chunk)
         outs: list[Any] = [None] * len(self.an.outputs)
-        keep = q_keep(self.an)
-        merged: dict[fx.Node, LseAccumulator] = {}   # each reduced attention's output so far
+        keep = {o for o in self.an.outputs if isinstance(o, fx.Node)}
+        self._merged: dict[fx.Node, LseAccumulator] = {}   # each reduced attention's output so far
         span = span if span > chunk and self.stores and len(self.an.attentions) == 1 and self.an.halo == (0, 0) \
             else 0
 
@@ -535,11 +544,6 @@ class GraphRun:
                                   if o in rowed)) if first and not widened else set()
             env = self._run(nodes, self._inputs(lo, hi, dyn), lo, keep, b - a if dyn else None,
                             {} if widened else self._dests(rowed, a, b), watch)
-            for r in self.an.reduced:   # the fixed queries against this chunk's keys, merged into the output so far
-                q = env[r.q]
-                o, lse = self.attend_lse(q, env.pop(r.k), env.pop(r.v), scale=r.scale)
-                merged.setdefault(r.node, LseAccumulator(q)).add(o, lse)
-                del o, lse
             for i, o in enumerate(self.an.outputs):
                 if not isinstance(o, fx.Node):
                     outs[i] = o
@@ -577,7 +581,7 @@ class GraphRun:
                 del self.attn_out[att.node]
             self._base, self._held_static = 0, (0, 0)
         if self.ph.tail:
-            self._run_tail(merged, outs)
+            self._run_tail(outs)
         self.kv.clear()
         self._into.clear()   # they hold the K/V and output buffers: not past the call
         self.attn_out.clear()

@@ -117,7 +117,7 @@ def find_chains(nodes: list[fx.Node], an: Analysis, keep: set, extra: dict | Non
     there (a cut along the rows). None where the block writes into its inputs (as ``row_pieces``)."""
     if an.input_writes:
         return []
-    attention = {a.node for a in an.attentions} | set(exclude)
+    attention = {a.node for a in an.attentions} | {r.node for r in an.reduced} | set(exclude)
     chains, seg = [], []
     for i, n in enumerate(nodes + [None]):
         if n is not None and _member(n, an, attention):

@@ -12,7 +12,7 @@ from torch import fx
 from .analyze import Analysis, Rows, op_name, numel_besides
 from .analyze import VIEW_OPS
 from ..registries import ROW_CONTRACTION_WORKSPACE
-from .phases import Phases, in_place, last_uses, q_keep
+from .phases import Phases, in_place, last_uses
 from .opaque_layers import workspace_bytes as opaque_workspace
 from .row_pieces import RowRun, find_runs, schedule
 from .contraction_phases import contraction_phases
@@ -161,6 +161,7 @@ class GraphMemory:
         in pieces). Phase KV runs before the outputs' buffers exist: its moment is counted without them."""
         chunk = min(chunk, self.rows)
         an = self.analysis
+        outputs = {o for o in an.outputs if isinstance(o, fx.Node)}
         kv = max([self._phase(p, chunk, keep={a.k, a.v}) for p, a in zip(self.phases.kv, an.attentions)]
                  + [self._phase(p, chunk, keep=set(c.inputs))
                     for p, c in zip(contraction_phases(an, self.phases), an.contractions)] + [self.build_work],
@@ -168,7 +169,7 @@ class GraphMemory:
         # phase Q runs after the contractions' inputs are let go (they are in ``kv_bytes`` for phase KV)
         # phase Q with the reduced attentions' merges beside it; their tail once after it, its own values alone
         return max(kv - self.out_bytes, self._phase(self.phases.q, chunk, ffn_slice, regions, at_attention,
-                                                    workspace, keep=q_keep(an)) - self.build_inputs
+                                                    workspace, keep=outputs) - self.build_inputs
                    + self.reduced_bytes, self._phase(self.phases.tail, chunk))
 
     def predicted(self, chunk: int) -> int:
@@ -234,9 +235,9 @@ def graph_memory(an: Analysis, ph: Phases, rows: int, donated_outputs: set[int],
         v, r = a.node.meta["val"], a.q_rows
         held += numel_besides(v, r.dim) * v.element_size() * (rows + r.pre + r.post)
     merging = 0
-    for r in an.reduced:   # fp32 output and log-sum-exp merged so far, a chunk's partial output and log-sum-exp
-        o = r.node.meta["val"]
-        merging += numel_besides(o, None) * (4 + o.element_size()) + numel_besides(o, o.dim() - 1) * 8
+    for r in an.reduced:   # fp32 output and log-sum-exp merged so far, and a chunk's log-sum-exp (its partial output
+        o = r.node.meta["val"]   # is the node's own value in phase Q)
+        merging += numel_besides(o, None) * 4 + numel_besides(o, o.dim() - 1) * 8
     return GraphMemory(rows, per_row, static, allocates, ph, kv, out, {a.node for a in an.attentions}, an, pieces,
                        held, built, inputs, work, merging)
 

@@ -104,15 +104,9 @@ def phases_of(cap: Captured, an: Analysis) -> Phases:
 
 def q_roots(an: Analysis, tail: set[fx.Node] | list[fx.Node]) -> list[fx.Node]:
     """What phase Q computes per chunk: the outputs, except those a reduced attention's tail makes after the chunks,
-    and each reduced attention's K and V over the chunk's rows."""
+    and each reduced attention (the chunk's part of it merged where the graph has it, its K and V let go there)."""
     tail = set(tail)
-    return [o for o in an.outputs if isinstance(o, fx.Node) and o not in tail] + [
-        t for r in an.reduced for t in (r.k, r.v)]
-
-
-def q_keep(an: Analysis) -> set[fx.Node]:
-    """What phase Q hands on from a chunk: the outputs, and each reduced attention's K and V (merged after it)."""
-    return {o for o in an.outputs if isinstance(o, fx.Node)} | {t for r in an.reduced for t in (r.k, r.v)}
+    return [o for o in an.outputs if isinstance(o, fx.Node) and o not in tail] + [r.node for r in an.reduced]
 
 
 def in_place(nodes: list[fx.Node], an: Analysis, ph: Phases, keep: set) -> tuple[dict[fx.Node, Join],
@@ -128,8 +122,8 @@ def in_place(nodes: list[fx.Node], an: Analysis, ph: Phases, keep: set) -> tuple
     else:
         joins = find_joins(nodes, an)
         # a join's slots are slices of its buffer; a join itself is a buffer of its own unless it writes into one
-        avoid = {a.node for a in an.attentions} | set(ph.producers.values()) | {n for n, j in joins.items()
-                                                                                if n is not j.node}
+        avoid = {a.node for a in [*an.attentions, *an.reduced]} | set(ph.producers.values()) | {
+            n for n, j in joins.items() if n is not j.node}
         found = (joins, find_reuse(nodes, an, keep, avoid))
     ph.done[key] = found
     return found

@@ -77,7 +77,7 @@ def find_runs(nodes: list[fx.Node], an: Analysis, keep: set, extra: dict | None 
     if any(n.op == "call_function" and (op_name(n.target).endswith("_") or written_args(n)) for n in nodes
            if n.target is not operator.getitem):
         return []
-    attention = {a.node for a in an.attentions}
+    attention = {a.node for a in an.attentions} | {r.node for r in an.reduced}
     segments, seg = [], []
     for n in nodes:
         if _member(n, an, attention):

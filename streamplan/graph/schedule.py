@@ -23,6 +23,7 @@ PIECES = "row pieces"        # ``item``: a ``row_pieces.RowRun`` run at its mark
 CHAIN = "fused chain"        # ``item``: a ``fused_chains.FusedChain`` run at its marker node
 REGION = "sliced mlp"        # ``item``: a ``sliced_mlp.MLPRegion`` run at its exit
 ATTENTION = "attention"      # ``item``: the ``analyze.GlobalAttention`` this node is
+REDUCE = "reduced attention"  # ``item``: the ``reduced_attentions.ReducedAttention`` this node is (merged per chunk)
 PRUNED = "pruned projection"  # ``item``: a ``pruned_projections.PrunedProjection`` run at its linear
 OP = "op"                    # the node's own op (with ``join`` / ``over`` where it may run in place)
 
@@ -70,6 +71,7 @@ def phase_schedule(nodes: list[fx.Node], keep: set[fx.Node], an: Analysis, ph: P
     at_run, at_chain = {r.marker: r for r in runs}, {c.marker: c for c in chains}
     at_region, at_attention = {r.exit: r for r in regions}, {att.node: att for att in an.attentions}
     at_pruned = {p.marker: p for p in prunings}
+    at_reduced = {r.node: r for r in an.reduced}
     steps = []
     for i, node in enumerate(run):
         if node in at_pruned:
@@ -82,6 +84,8 @@ def phase_schedule(nodes: list[fx.Node], keep: set[fx.Node], an: Analysis, ph: P
             step = Step(node, REGION, at_region[node])
         elif node in at_attention:
             step = Step(node, ATTENTION, at_attention[node])
+        elif node in at_reduced:
+            step = Step(node, REDUCE, at_reduced[node])
         else:
             step = Step(node, OP, join=joins.get(node), over=reuse.get(node))
         step.frees = tuple(frees.get(i, ()))

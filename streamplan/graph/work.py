@@ -12,7 +12,6 @@ from torch import fx
 
 from .analyze import Rows, bind, numel_besides, op_name, SDPA_OPS
 from .memory import graph_memory
-from .phases import q_keep
 from .opaque_layers import OPS as OPAQUE_OPS, work as opaque_work
 from .pruned_projections import find_prunings
 from .row_pieces import RowRun, find_runs
@@ -154,4 +153,4 @@ def phase_runs(found) -> list[RowRun]:
     what row pieces re-launch per piece, and whether the block has any for the planner to cut in pieces."""
     an, ph = found.analysis, found.phases
     runs = [r for p, a in zip(ph.kv, an.attentions) for r in find_runs(p, an, {a.k, a.v})]
-    return runs + find_runs(ph.q, an, q_keep(an))
+    return runs + find_runs(ph.q, an, {o for o in an.outputs if isinstance(o, fx.Node)})
