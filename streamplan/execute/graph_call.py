@@ -530,7 +530,7 @@ def plan_for_budget(call: GraphCall, o, budget: int | None, keep: tuple = ()) ->
     if keep and kv_args.get("costs") is not None and kv_args["costs"].work is not None:   # attended once
         work = dataclasses.replace(kv_args["costs"].work, attention_rerun_flops=0.0)
         kv_args = {**kv_args, "costs": dataclasses.replace(kv_args["costs"], work=work)}
-    plan = plan_graph(rows, mem.kv_bytes + mem.out_bytes + mem.kept_bytes + mem.built_bytes, transient,
+    plan = plan_graph(rows, mem.fixed, transient,
                       # stock's one call has its workspace too, and its host rows brought whole
                       mem.stock(order) + mask_bytes(rows) + ws(rows) + host_in(rows) + _eager_scores(an, rows) + fill,
                       chunk_tokens=o.chunk_tokens, budget=budget,

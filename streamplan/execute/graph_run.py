@@ -121,9 +121,13 @@ class GraphRun:
         self.consts: dict[fx.Node, Any] = {}
         self._static_rows_once(cap)
         env = dict(self.base)
-        for node in ph.const:
+        frees = last_uses(ph.const)
+        for i, node in enumerate(ph.const):   # each value let go after its last use unless a later phase reads it
             env[node] = self._call(node, env)
-        self.consts = {n: env[n] for n in ph.const}
+            for m in frees.get(i, ()):
+                if m in an.const and m not in ph.held_consts:
+                    env.pop(m, None)
+        self.consts = {n: env[n] for n in ph.const if n in ph.held_consts}
         self._builtwhole_buffer(env)
         self._pair_masks(env)
 

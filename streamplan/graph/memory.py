@@ -37,6 +37,12 @@ class GraphMemory:
     build_inputs: int = 0              # contractions' inputs whole (within ``kv_bytes``): let go once they are built
     build_work: int = 0                # the most a contraction op allocates in its call besides its result
     reduced_bytes: int = 0             # reduced attentions' merged outputs so far (fp32) and a chunk's partial ones
+    const_bytes: int = 0               # values without rows held from the constant phase through the call
+
+    @property
+    def fixed(self) -> int:
+        """What the call holds whatever the chunk: K/V, outputs, kept outputs, contractions' results, constants."""
+        return self.kv_bytes + self.out_bytes + self.kept_bytes + self.built_bytes + self.const_bytes
 
     def value(self, node: fx.Node, rows: int) -> int:
         return self.per_row.get(node, 0) * rows + self.static.get(node, 0)
@@ -167,13 +173,15 @@ class GraphMemory:
                     for p, c in zip(contraction_phases(an, self.phases), an.contractions)] + [self.build_work],
                  default=0)
         # phase Q runs after the contractions' inputs are let go (they are in ``kv_bytes`` for phase KV)
-        # phase Q with the reduced attentions' merges beside it; their tail once after it, its own values alone
+        # phase Q with the reduced attentions' merges beside it; their tail once after it, its own values alone; the
+        # constant phase first, its held values within ``const_bytes``
         return max(kv - self.out_bytes, self._phase(self.phases.q, chunk, ffn_slice, regions, at_attention,
                                                     workspace, keep=outputs) - self.build_inputs
-                   + self.reduced_bytes, self._phase(self.phases.tail, chunk))
+                   + self.reduced_bytes, self._phase(self.phases.tail, chunk),
+                   self._phase(self.phases.const, chunk) - self.const_bytes)
 
     def predicted(self, chunk: int) -> int:
-        return self.kv_bytes + self.out_bytes + self.kept_bytes + self.built_bytes + self.transient(chunk)
+        return self.fixed + self.transient(chunk)
 
     def stock(self, nodes: list[fx.Node]) -> int:
         return self._phase(nodes, self.rows)
@@ -238,8 +246,21 @@ def graph_memory(an: Analysis, ph: Phases, rows: int, donated_outputs: set[int],
     for r in an.reduced:   # fp32 output and log-sum-exp merged so far, and a chunk's log-sum-exp (its partial output
         o = r.node.meta["val"]   # is the node's own value in phase Q)
         merging += numel_besides(o, None) * 4 + numel_besides(o, o.dim() - 1) * 8
+    consts = sum(static.get(n, 0) for n in _storages(ph.held_consts, allocates, set(an.const)))
     return GraphMemory(rows, per_row, static, allocates, ph, kv, out, {a.node for a in an.attentions}, an, pieces,
-                       held, built, inputs, work, merging)
+                       held, built, inputs, work, merging, consts)
+
+
+def _storages(values, allocates: dict, const: set) -> set[fx.Node]:
+    """The constant-phase nodes whose storage ``values`` hold: a view's (a permute of a projection, a cast to the
+    same dtype) is its base's; a view of an input or a parameter holds nothing new."""
+    found = set()
+    for n in values:
+        while not allocates.get(n, True) and n.all_input_nodes:
+            n = n.all_input_nodes[0]
+        if n in const and allocates.get(n, True):
+            found.add(n)
+    return found
 
 
 def _bytes(val) -> int:

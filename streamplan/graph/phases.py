@@ -31,6 +31,8 @@ class Phases:
     last: set = field(default_factory=set)       # outputs whose producer only views follow: may write a donated input
     done: dict = field(default_factory=dict)     # ``in_place``'s and ``find_chains``' answers per phase and keep
     tail: list = field(default_factory=list)     # what reads a reduced attention's output: run once after phase Q
+    held_consts: set = field(default_factory=set)  # values without rows that a phase or an output reads: kept
+    # through the call (every other value of the constant phase is let go once the constants are computed)
 
 
 def writes_before(order: list[fx.Node], base: dict[fx.Node, fx.Node] | None = None) -> dict[fx.Node, set[fx.Node]]:
@@ -99,7 +101,19 @@ def phases_of(cap: Captured, an: Analysis) -> Phases:
     producers = {v: p for v in values if (p := producer(v, an)) is not None}
     # a donated output's producer overwrites the input's rows: nothing after it in phase Q may read them
     last = {v for v, p in producers.items() if p in q and all(is_view(n) for n in q[q.index(p) + 1:])}
-    return Phases(const, kv, q, extra, producers, last, tail=[n for n in order if n in tail])
+    return Phases(const, kv, q, extra, producers, last, tail=[n for n in order if n in tail],
+                  held_consts=_held_consts(cap, an, order))
+
+
+def _held_consts(cap: Captured, an: Analysis, order: list[fx.Node]) -> set[fx.Node]:
+    """The constant values something after the constant phase reads: a node with rows (or any node not computed
+    once), a mask built from them, an output. The others (LTX-2's audio side: a few hundred MiB at real width) die
+    with the constant phase."""
+    const = set(an.const)
+    held = {m for n in order if n not in const for m in n.all_input_nodes if m in const}
+    held |= {o for o in an.outputs if isinstance(o, fx.Node) and o in const}
+    held |= {m for pm in an.pair_masks.values() for m in pm.leaves if m in const}
+    return held
 
 
 def q_roots(an: Analysis, tail: set[fx.Node] | list[fx.Node]) -> list[fx.Node]:
