@@ -82,9 +82,10 @@ class GraphRun:
         self.kv_store, self.attend_store = kv_store, attend_store
         self.stores: dict[fx.Node, Any] = {}
         self.ffn_slice = ffn_slice
-        # a chunk that runs out of memory is retried in halves, unless the block writes into its inputs (a half-done
-        # chunk would leave them changed) or its capture holds only from more rows than a half might have
-        self._retries = 0 if an.input_writes or cap.min_rows > 2 else MAX_SPLITS
+        # a chunk that runs out of memory is retried in halves, unless the block writes into its inputs or merges a
+        # reduced attention (a half-done chunk would leave them changed) or its capture holds only from more rows
+        # than a half might have
+        self._retries = 0 if an.input_writes or an.reduced or cap.min_rows > 2 else MAX_SPLITS
         self.regions = list(regions or []) if ffn_slice else []
         self._schedules: dict[tuple, Schedule] = {}
         self._into: dict[fx.Node, Into] = {}   # a K/V/output value whose producer writes into its buffer: direct_writes
