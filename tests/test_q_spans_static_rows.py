@@ -71,7 +71,9 @@ def test_q_spans_with_static_rows_are_exact(name):
 def test_q_spans_price_the_static_rows_of_the_first_span():
     """As many text rows as a span: the first span's Q, merge and output hold twice a span's rows. The plan's peak
     covers the measured one (priced without the static rows it would promise 0.85x of it) and stays within the span
-    model's margin (its CPU attention buffers are an upper bound: 1.16x on Wan, which has no static rows)."""
+    model's margin: its CPU attention buffers are an upper bound (1.16x on Wan, which has no static rows; here 1.66x
+    since the constant phase's values no later phase reads are let go: the measured peak fell from 6.26 to 4.95 MB,
+    and the text K/V held from that phase are priced now)."""
     n, chunk, span, text = 4096, 256, 1024, 1024
     module, args, kwargs = _flux2_with_text(n, text)
     ref, stock = streamplan.measure_peak(lambda: _leaves(module(*args, **kwargs)), device=CPU)
@@ -85,5 +87,5 @@ def test_q_spans_price_the_static_rows_of_the_first_span():
     for o, r in zip(out, ref):
         assert rel_err(o, r) <= 1e-5, rel_err(o, r)
     assert plan.tier == Tier.L4 and plan.q_span == span, plan
-    assert peak <= plan.predicted_peak <= 1.25 * peak, (plan.predicted_peak, peak)
+    assert peak <= plan.predicted_peak <= 1.75 * peak, (plan.predicted_peak, peak)
     assert peak < stock / 2, (peak, stock)
