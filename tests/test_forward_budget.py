@@ -299,3 +299,18 @@ def test_a_rehearsal_over_its_budget_is_planned_again_with_less_for_its_parts(mo
     handle = streamplan.apply(model, budget=err.smallest_bytes)
     assert rel_err(call(), ref) <= 1e-5   # planned within it: no refusal at the smallest it named
     handle.remove()
+
+
+def test_a_cuda_budget_without_expandable_segments_says_what_the_card_also_holds():
+    """A whole-forward budget counts allocated bytes; on a card the caching allocator's reserved, unused blocks count
+    too (a 2-layer Llama under its smallest budget ran out with 631 MiB of them). The forward's report says so on CUDA
+    unless expandable segments are set, in either variable torch reads; never on the CPU."""
+    from streamplan.plan.budget import stranded_blocks_note
+    cuda = torch.device("cuda", 0)
+    said = stranded_blocks_note(cuda, {})
+    assert said is not None and "expandable_segments:True" in said
+    assert stranded_blocks_note(cuda, {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}) == said
+    for conf in ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
+                 {"PYTORCH_ALLOC_CONF": "max_split_size_mb:64, expandable_segments:true"}):
+        assert stranded_blocks_note(cuda, conf) is None, conf
+    assert stranded_blocks_note(torch.device("cpu"), {}) is None

@@ -20,7 +20,7 @@ from . import hook_chains as hooks
 from .call_state import bypass, rehearsal_settings
 from .context import CallContext
 from .rehearsal import Rehearsed, RehearsalFailed, rehearsal_problem, rehearse
-from ..plan.budget import auto_budget, fmt_bytes
+from ..plan.budget import auto_budget, fmt_bytes, stranded_blocks_note
 from ..plan.planner import BudgetError
 
 log = logging.getLogger("streamplan")
@@ -74,6 +74,8 @@ def plan_forward(ctx: CallContext, run: Callable[..., Any], args: tuple, kwargs:
     hidden state goes to host memory (L6, ``run(..., host=True)``) only where the forward can keep it there and the
     budget is below what it reaches with the hidden state on the device."""
     budget = budget_bytes(ctx, device)
+    if (stranded := stranded_blocks_note(device)) is not None:
+        ctx.note(stranded)
     before = _plan_keys(ctx)
     why = ""
     for host in host_ladder(ctx):

@@ -1,7 +1,9 @@
 """Turning what users type as a memory budget into bytes."""
 from __future__ import annotations
 
+import os
 import re
+from collections.abc import Mapping
 
 import torch
 
@@ -60,3 +62,17 @@ def fmt_bytes(n: int | float) -> str:
         if abs(n) >= size:
             return f"{n / size:.2f} {unit}"
     return f"{int(n)} B"
+
+
+def stranded_blocks_note(device: torch.device, environ: Mapping[str, str] = os.environ) -> str | None:
+    """Why a whole-forward budget the plan holds may still run out on a real card, or None: a budget counts allocated
+    bytes, a card also what the caching allocator keeps reserved and unused. Measured: a 2-layer Llama under its
+    smallest budget ran out with 631 MiB reserved but unallocated, where expandable segments reuse such blocks."""
+    if device.type != "cuda":
+        return None
+    conf = ",".join(environ.get(k, "") for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"))
+    if "expandable_segments:true" in conf.replace(" ", "").lower():
+        return None
+    return ("the budget counts allocated bytes; a card also holds what PyTorch's caching allocator reserves and leaves "
+            "unused: under a budget near the card's size set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before "
+            "torch starts, or leave room above the budget")
