@@ -13,6 +13,7 @@ from . import cache_views, fixed_row_slices
 from .contraction_phases import phase_kv_problem
 from .analyze import Analysis, op_name, analyze
 from .eager_attention import fuse_eager_attention
+from .elementwise_pieces import split_read_in_pieces
 from .phases import Phases, phases_of
 from .reduced_attentions import reduce_static_queries
 from .export import Captured, capture, rows_of_call, rows_problem, signatures
@@ -64,6 +65,7 @@ def streamable(module: nn.Module, args: tuple, kwargs: dict, rows: int) -> tuple
     if cap.row_unit > 1:
         key = lines
     fuse_eager_attention(cap.graph)   # attention written by hand: one op the analysis knows
+    split_read_in_pieces(cap.graph)   # a per-row table read in pieces: each piece made where it is first read
     placeholders = [n for n in cap.graph.nodes if n.op == "placeholder"]
     user = {n for n, (kind, _) in zip(placeholders, cap.inputs) if kind == "user"}
     an = analyze(cap.graph, cap.row_symbol, user, unit=cap.row_unit, cuts=fixed_row_slices)
