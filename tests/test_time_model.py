@@ -238,13 +238,13 @@ def test_a_store_plan_prices_its_attention_over_its_query_span_not_its_chunk():
 
 
 def test_a_store_takes_the_head_groups_the_time_model_prices_fastest(monkeypatch):
-    """LTX-2's block at 206,040 rows under 1.15x its floor: K/V do not fit whole, so a host store. Each head-group
+    """LTX-2's block at 206,040 rows under 0.8x its floor: K/V do not fit whole, so a host store. Each head-group
     count reaches its own settings under the budget; the planner takes the one the time model prices fastest (it
-    once ranked them by the store's copy time alone and took 8 groups, priced 1.51x, beside 1 group at 1.17x), and no
-    store setting it tried is faster by that model."""
+    once ranked them by the store's copy time alone and took 8 groups, priced 1.51x, beside 1 group at 1.17x, under
+    1.15x; there the K/V now fit whole), and no store setting it tried is faster by that model."""
     fam, rows = FAMILIES["ltx2-block"], 206040
     module, inputs = on_meta(fam, rows, torch.bfloat16)
-    budget = int(_nbytes(inputs) + 1.15 * fam.floor_bytes_per_token(torch.bfloat16) * rows)
+    budget = int(_nbytes(inputs) + 0.8 * fam.floor_bytes_per_token(torch.bfloat16) * rows)
     tried = []   # (request, every store setting that fitted)
     store_fit = planner._store_fit
 
