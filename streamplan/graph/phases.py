@@ -102,10 +102,10 @@ def phases_of(cap: Captured, an: Analysis) -> Phases:
     # a donated output's producer overwrites the input's rows: nothing after it in phase Q may read them
     last = {v for v, p in producers.items() if p in q and all(is_view(n) for n in q[q.index(p) + 1:])}
     return Phases(const, kv, q, extra, producers, last, tail=[n for n in order if n in tail],
-                  held_consts=_held_consts(cap, an, order))
+                  held_consts=_held_consts(an, order))
 
 
-def _held_consts(cap: Captured, an: Analysis, order: list[fx.Node]) -> set[fx.Node]:
+def _held_consts(an: Analysis, order: list[fx.Node]) -> set[fx.Node]:
     """The constant values something after the constant phase reads: a node with rows (or any node not computed
     once), a mask built from them, an output. The others (LTX-2's audio side: a few hundred MiB at real width) die
     with the constant phase."""
