@@ -5,10 +5,11 @@ diffusers' active attention backend). A backend with no registered consumer gets
 """
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Iterator, Protocol
+from typing import Callable, Iterator, Protocol
 
 import torch
 
@@ -117,6 +118,14 @@ def unsupported(consumer: AttentionConsumer, *, heads: int, kv_heads: int, head_
     if sinks and not caps.sinks:
         return f"attention backend {consumer.name} does not take attention sinks"
     return None
+
+
+def lse_attention(consumer: AttentionConsumer | None) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """``attend(q, k, v, scale=)`` returning the output and its fp32 log-sum-exp, unmasked and not causal (a merge
+    of partial attentions needs it): the consumer's own where it has one, else PyTorch SDPA's."""
+    source = consumer if consumer is not None and consumer.caps.kv_blocks_lse and hasattr(consumer, "attend_lse") \
+        else SDPA
+    return functools.partial(source.attend_lse, causal=False, mask=None)
 
 
 # attend_lse: K/V in blocks, merged by log-sum-exp; softcap: soft-capped scores by its fp32 math, in bounded pieces;

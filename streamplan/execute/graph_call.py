@@ -15,7 +15,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from . import hook_chains as hooks, host_rows, kv_tiers, sequence_parallel as parallel
-from ..attention import graph_consumer, unsupported
+from ..attention import graph_consumer, lse_attention, unsupported
 from ..graph import cache_views, fused_chains as fuse, rows_of_call, rows_problem, running, streamable
 from ..graph.autocast_regions import autocast_problem
 from ..graph.analyze import numel_besides
@@ -34,7 +34,7 @@ from .chunk_attention import ChunkAttention
 from .context import CallContext
 from .rehearsal import ledger_paused
 from .donation import donated
-from .graph_run import GraphRun, reduction_attention
+from .graph_run import GraphRun
 from .row_contraction_run import grid_chunk
 from .part_calls import workspace_bytes, workspace_row_bytes
 
@@ -568,7 +568,7 @@ def run_call(ctx: CallContext, call: GraphCall, plan: Plan) -> Any:
                         call.rows, attend, ffn_slice=ffn_slice, regions=found.mlp_regions,
                         pieces=o.row_pieces or plan.row_pieces,
                         fuse=fuse_on, fuse_rows=fuse_rows, host=call.host, keep=keep,
-                        attend_lse=reduction_attention(call.consumer), **extra)
+                        attend_lse=lse_attention(call.consumer), **extra)
 
     run = graph_run(plan.ffn_slice if plan.tier in SLICED_TIERS else 0, 0 if o.fuse else plan.chunk, **stores)
     if call.par is not None:

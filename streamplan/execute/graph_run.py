@@ -32,7 +32,7 @@ from ..graph.pruned_projections import run_pruned
 from ..graph.schedule import ATTENTION, CHAIN, PIECES, PRUNED, REDUCE, REGION, Schedule, phase_schedule
 from ..graph.in_place import run_over
 from ..graph.phases import Phases, ancestors, last_uses, q_roots, rowed_outputs
-from ..attention import SDPA
+from ..attention import lse_attention
 from ..attention.lse_merge import LseAccumulator
 
 _LAYOUT = {"cat", "concat", "slice", "narrow", "split", "split_with_sizes", "chunk", "tensor_split"}
@@ -53,13 +53,6 @@ def _attend_kwargs(att: GlobalAttention, env: dict) -> dict:
     return {"mask": mask, **extra}
 
 
-def reduction_attention(consumer) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
-    """A reduced attention's partial output with its log-sum-exp: the consumer's own where it returns one, else
-    PyTorch SDPA's (the merge needs the log-sum-exp; fixed queries against one chunk's keys are a small call)."""
-    source = consumer if consumer.caps.kv_blocks_lse and hasattr(consumer, "attend_lse") else SDPA
-    return functools.partial(source.attend_lse, causal=False, mask=None)
-
-
 class GraphRun:
     """One call of a captured block: its inputs bound, its constants computed, ready to run in chunks."""
 
@@ -71,7 +64,7 @@ class GraphRun:
                  keep: tuple = (), attend_lse: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None):
         self.cap, self.an, self.ph, self.rows, self.attend = cap, an, ph, rows, attend
         # a reduced attention's partial output over one chunk's keys, with its log-sum-exp (``reduced_attentions``)
-        self.attend_lse = attend_lse or reduction_attention(SDPA)
+        self.attend_lse = attend_lse or lse_attention(None)
         self.pieces = pieces   # row-local runs in this many pieces of a chunk's rows (1: every node on the chunk)
         self.fuse = fuse if pieces == 1 else None   # element-wise chains compiled for this device (``fuse``)
         self.fuse_rows = fuse_rows   # set: only chains whose outputs at this many rows are worth a compiled call

@@ -255,9 +255,7 @@ def fuse_eager_attention(graph: fx.Graph) -> int:
             for u in list(n.users):
                 if u.target in IGNORED_OPS and not u.users:
                     graph.erase_node(u)
-        for n in sorted([m.out, *m.chain], key=_order(graph), reverse=True):
-            if not n.users:
-                graph.erase_node(n)
+        erase_unused(graph, [m.out, *m.chain])
         found += 1
     if found:
         graph.lint()
@@ -271,6 +269,14 @@ def _unsqueezed(graph: fx.Graph, t: fx.Node) -> fx.Node:
     return node
 
 
-def _order(graph: fx.Graph):
+def graph_order(graph: fx.Graph):
+    """A sort key: a node's place in ``graph`` as it stands now."""
     index = {n: i for i, n in enumerate(graph.nodes)}
     return lambda n: index[n]
+
+
+def erase_unused(graph: fx.Graph, nodes) -> None:
+    """Erase those of ``nodes`` nothing uses, the latest first (a node freed by a later one's erasure goes too)."""
+    for n in sorted(nodes, key=graph_order(graph), reverse=True):
+        if not n.users:
+            graph.erase_node(n)

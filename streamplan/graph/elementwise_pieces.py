@@ -1,9 +1,8 @@
 """An element-wise result read only in pieces along one dimension (a per-row modulation table,
-``table + temb.reshape(B, N, 6, D)`` then ``unbind(2)``: LTX-2's six shifts, scales and gates of every row) is
-rewritten as one element-wise op per piece, each placed where its piece is first read. Stock holds the whole table
-from the block's first line to its last (LTX-2: 48 KB a row in bf16 for the first, 32 KB for the cross-attention's);
-per piece, each 8 KB slice lives from its first use to its last. Exact: the same op on the same elements; the pieces
-are only read by element-wise ops, whose results do not depend on their operands' strides."""
+``table + temb.reshape(B, N, 6, D)`` then ``unbind(2)``: six shifts, scales and gates of every row) is rewritten as
+one element-wise op per piece, each placed where its piece is first read. Stock holds the whole table from the block's
+first line to its last; per piece, each slice lives from its first use to its last. Exact: the same op on the same
+elements; the pieces are only read by element-wise ops, whose results do not depend on their operands' strides."""
 from __future__ import annotations
 
 import operator
@@ -12,6 +11,7 @@ import torch
 from torch import fx
 
 from .analyze import VIEW_OPS, op_name
+from .eager_attention import erase_unused, graph_order
 
 _BINARY = {"add", "sub", "mul", "div"}
 _SPLITS = {"unbind", "chunk", "split", "split_with_sizes"}
@@ -28,19 +28,18 @@ def split_read_in_pieces(graph: fx.Graph) -> int:
         pieces = _pieces(split, x)
         if pieces is None:
             continue
+        order = graph_order(graph)   # the readers are nodes already there: one index serves every piece
         for item, (dim, start, length, keep) in pieces.items():
             if not item.users:
                 continue
-            first = min(item.users, key=_order(graph))
+            first = min(item.users, key=order)
             with graph.inserting_before(first):
                 args = [_piece(graph, a, x, dim, start, length, keep) for a in x.args]
                 new = graph.call_function(x.target, tuple(args), dict(x.kwargs))
                 new.meta = {**x.meta, "val": item.meta["val"].new_empty(item.meta["val"].shape,
                                                                          dtype=item.meta["val"].dtype)}
             item.replace_all_uses_with(new)
-        for n in sorted([*split.users, split, x], key=_order(graph), reverse=True):
-            if not n.users:
-                graph.erase_node(n)
+        erase_unused(graph, [*split.users, split, x])
         done += 1
     if done:
         graph.lint()
@@ -134,7 +133,3 @@ def _piece(graph: fx.Graph, a, x: fx.Node, dim: int, start: int, length: int, ke
     node.meta = {"val": av.select(dim, 0 if broadcast else start)}
     return node
 
-
-def _order(graph: fx.Graph):
-    index = {n: i for i, n in enumerate(graph.nodes)}
-    return lambda n: index[n]

@@ -107,8 +107,8 @@ def phases_of(cap: Captured, an: Analysis) -> Phases:
 
 def _held_consts(an: Analysis, order: list[fx.Node]) -> set[fx.Node]:
     """The constant values something after the constant phase reads: a node with rows (or any node not computed
-    once), a mask built from them, an output. The others (LTX-2's audio side: a few hundred MiB at real width) die
-    with the constant phase."""
+    once), a mask built from them, an output. The others (a second stream's intermediates computed once) die with
+    the constant phase."""
     const = set(an.const)
     held = {m for n in order if n not in const for m in n.all_input_nodes if m in const}
     held |= {o for o in an.outputs if isinstance(o, fx.Node) and o in const}

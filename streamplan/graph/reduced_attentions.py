@@ -1,9 +1,9 @@
-"""Attentions whose queries are a small fixed set and whose keys are the rows (LTX-2's audio queries against the video
-rows): where nothing computed over the rows reads their output, phase Q reduces them over its chunks instead of phase
-KV building their K and V whole. Each chunk attends the fixed queries to its own rows' K/V and merges the partial
-output by its log-sum-exp (``attention.lse_merge``); after the last chunk the values that read the output (the
-"tail": the audio side's gate, norm and MLP) run once. The attention then costs one pass over the rows, no K/V buffer
-over every row, and no earlier attention run again in a phase KV of its own.
+"""Attentions whose queries are a small fixed set and whose keys are the rows (an audio stream's queries against
+the video rows): where nothing computed over the rows reads their output, phase Q reduces them over its chunks
+instead of phase KV building their K and V whole. Each chunk attends the fixed queries to its own rows' K/V and
+merges the partial output by its log-sum-exp (``attention.lse_merge``); after the last chunk the values that read
+the output (the "tail": the audio side's gate, norm and MLP) run once. The attention then costs one pass over the
+rows, no K/V buffer over every row, and no earlier attention run again in a phase KV of its own.
 
 Found once per capture: the attention leaves ``Analysis.attentions`` for ``Analysis.reduced``, and ``phases_of``
 takes its K/V into phase Q and its tail out of it."""

@@ -66,8 +66,8 @@ def fmt_bytes(n: int | float) -> str:
 
 def stranded_blocks_note(device: torch.device, environ: Mapping[str, str] = os.environ) -> str | None:
     """Why a whole-forward budget the plan holds may still run out on a real card, or None: a budget counts allocated
-    bytes, a card also what the caching allocator keeps reserved and unused. Measured: a 2-layer Llama under its
-    smallest budget ran out with 631 MiB reserved but unallocated, where expandable segments reuse such blocks."""
+    bytes, a card also what the caching allocator keeps reserved and unused; expandable segments reuse such blocks
+    (docs/budgets-and-tiers.md has the run that showed it)."""
     if device.type != "cuda":
         return None
     conf = ",".join(environ.get(k, "") for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"))
