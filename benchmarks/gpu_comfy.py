@@ -221,21 +221,28 @@ def held_as(comfy, base, dev, weights: str, lora: float):
     return patcher, line
 
 
-def build(comfy, dev, dtype, smoke: bool, n: int, text: int, model_dev=None):
+def init_weights(base, init_dev=None) -> None:
+    """Random weights (comfy.ops layers skip init: every weight is uninitialised memory), norms near 1. ``init_dev``:
+    where the random numbers are drawn (the GPU for a many-layer model built on the CPU: minutes faster)."""
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in base.named_parameters():
+            noise = torch.randn_like(p) if init_dev is None else torch.randn(p.shape, dtype=p.dtype, device=init_dev)
+            p.copy_(float(p.dim() == 1 and name.endswith("weight")) + noise * 0.02)
+
+
+def build(comfy, dev, dtype, smoke: bool, n: int, text: int, model_dev=None, layers: int = 1, init_dev=None):
     dims = (dict(dim=64, ffn_dim=128, num_heads=4, text_dim=32, freq_dim=32) if smoke else
             dict(dim=5120, ffn_dim=13824, num_heads=40, text_dim=4096, freq_dim=256))
-    unet = {"image_model": "wan2.1", "model_type": "t2v", "num_layers": 1, "in_dim": 16, "out_dim": 16, "eps": 1e-6,
-            "patch_size": (1, 2, 2), "dtype": dtype, **dims}
+    unet = {"image_model": "wan2.1", "model_type": "t2v", "num_layers": layers, "in_dim": 16, "out_dim": 16,
+            "eps": 1e-6, "patch_size": (1, 2, 2), "dtype": dtype, **dims}
 
     class Config(comfy.supported_models_base.BASE):
         unet_config, unet_extra_config, sampling_settings = {}, {}, {"shift": 1.0}
         supported_inference_dtypes = [dtype]
         latent_format = comfy.latent_formats.Wan21
     base = comfy.model_base.WAN21(Config(unet), device=model_dev or dev)
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for name, p in base.named_parameters():   # comfy.ops layers skip init: every weight is uninitialised memory
-            p.copy_(float(p.dim() == 1 and name.endswith("weight")) + torch.randn_like(p) * 0.02)  # norms near 1
+    init_weights(base, init_dev)
     f, h, w = latent_grid(n)
     g = torch.Generator(device=dev).manual_seed(1)
     x = torch.randn(1, 16, f, 2 * h, 2 * w, device=dev, generator=g)
@@ -249,13 +256,15 @@ H3_SMOKE_DIMS = dict(hidden_size=64, num_attention_heads=2, attention_head_dim=3
                      time_embed_dim=32, rope_inv_freq_len=4)
 
 
-def build_h3(comfy, dev, dtype, smoke: bool, n: int, text: int, audio: int, model_dev=None):
-    """MiniMax-H3 with 1 DiTBlock; the packed latent (video then audio) and its conditioning as ComfyUI samples it.
-    ``n`` counts every packed row: text + audio + video (video takes the patched grid closest to the rest)."""
+def build_h3(comfy, dev, dtype, smoke: bool, n: int, text: int, audio: int, model_dev=None, layers: int = 1,
+             init_dev=None):
+    """MiniMax-H3 with ``layers`` DiTBlocks; the packed latent (video then audio) and its conditioning as ComfyUI
+    samples it. ``n`` counts every packed row: text + audio + video (video takes the patched grid closest to the
+    rest)."""
     importlib.import_module("comfy.ldm.minimax.model")
     importlib.import_module("comfy.utils")
     dims = H3_SMOKE_DIMS if smoke else H3_DIMS
-    unet = {"image_model": "minimax_h3", "num_layers": 1, "dtype": dtype, **dims}
+    unet = {"image_model": "minimax_h3", "num_layers": layers, "dtype": dtype, **dims}
 
     class Config(comfy.supported_models_base.BASE):   # comfy.supported_models.MiniMaxH3's sampling settings
         unet_config, unet_extra_config = {}, {}
@@ -264,10 +273,8 @@ def build_h3(comfy, dev, dtype, smoke: bool, n: int, text: int, audio: int, mode
         latent_format = comfy.latent_formats.MiniMaxH3AV
     base = comfy.model_base.MiniMaxH3(Config(unet), device=model_dev or dev)
     model = base.diffusion_model
-    torch.manual_seed(0)
+    init_weights(base, init_dev)
     with torch.no_grad():
-        for name, p in base.named_parameters():   # comfy.ops layers skip init: every weight is uninitialised memory
-            p.copy_(float(p.dim() == 1 and name.endswith("weight")) + torch.randn_like(p) * 0.02)  # norms near 1
         inv = model.rope.inv_freq                  # a buffer, left uninitialised like the weights
         inv.copy_(1.0 / 10000.0 ** (torch.arange(inv.numel(), device=inv.device, dtype=torch.float32) / inv.numel()))
     if audio % 2:
