@@ -165,6 +165,10 @@ def main() -> int:
         raise SystemExit("--weights dynamic needs a GPU (comfy-aimdo's VBAR is CUDA memory); no --smoke")
     if a.layers < 1:
         raise SystemExit(f"--layers {a.layers}: give at least 1")
+    try:   # read before the model is built: a wrong value says so at once, not after minutes of stock
+        budgets_gib = [float(b) for b in a.budgets_gib.split(",") if b]
+    except ValueError:
+        raise SystemExit(f"--budgets-gib {a.budgets_gib!r}: give a comma list of numbers, e.g. 8 or 6,8") from None
     cuda, dtype = not a.smoke, torch.bfloat16
     layers = 3 if a.smoke and a.layers == 50 else a.layers
     n, text = a.tokens or (1024 if a.smoke else 217088), a.text or (16 if a.smoke else 512)
@@ -177,7 +181,7 @@ def main() -> int:
     t0 = time.perf_counter()
     if a.model == "h3":
         audio = a.audio if a.audio is not None else (80 if a.smoke else 2000)
-        base, x, cond, grid, widths, _ = gpu_comfy.build_h3(comfy, dev, dtype, a.smoke, n, text, audio, cpu,
+        base, x, cond, grid, _, _ = gpu_comfy.build_h3(comfy, dev, dtype, a.smoke, n, text, audio, cpu,
                                                             layers=layers, init_dev=dev)
         tokens = text + audio + grid[0] * grid[1] * grid[2]
     else:
@@ -205,11 +209,7 @@ def main() -> int:
                    stock_vbar_bytes=_vbar_bytes(cuda))
     print(f"stock: forward peak {stock_peak / GIB:.2f} GiB above its start, {stock_s:.1f} s", flush=True)
     scale = GIB if cuda else stock_peak / 8
-    try:
-        budgets = [int(float(b) * scale) for b in a.budgets_gib.split(",") if b]
-    except ValueError:
-        raise SystemExit(f"--budgets-gib {a.budgets_gib!r}: give a comma list of numbers, e.g. 8 or 6,8") from None
-    for budget in budgets:
+    for budget in [int(b * scale) for b in budgets_gib]:
         keep(run_budget(sc, stock, stock_peaks, call, budget, ref, stock_s, cuda))
     if a.refuse_gib > 0:
         keep(run_budget(sc, stock, stock_peaks, call, int(a.refuse_gib * scale), ref, stock_s, cuda))
