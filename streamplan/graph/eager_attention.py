@@ -23,6 +23,7 @@ import torch
 from torch import fx
 
 from .analyze import IGNORED_OPS, op_name
+from .graph_edits import erase_unused
 
 
 @torch.library.custom_op("streamplan::eager_attention", mutates_args=())
@@ -267,16 +268,3 @@ def _unsqueezed(graph: fx.Graph, t: fx.Node) -> fx.Node:
     node = graph.call_function(torch.ops.aten.unsqueeze.default, (t, 0))
     node.meta = {"val": t.meta["val"].unsqueeze(0)}
     return node
-
-
-def graph_order(graph: fx.Graph):
-    """A sort key: a node's place in ``graph`` as it stands now."""
-    index = {n: i for i, n in enumerate(graph.nodes)}
-    return lambda n: index[n]
-
-
-def erase_unused(graph: fx.Graph, nodes) -> None:
-    """Erase those of ``nodes`` nothing uses, the latest first (a node freed by a later one's erasure goes too)."""
-    for n in sorted(nodes, key=graph_order(graph), reverse=True):
-        if not n.users:
-            graph.erase_node(n)

@@ -11,7 +11,7 @@ import torch
 from torch import fx
 
 from .analyze import VIEW_OPS, op_name
-from .eager_attention import erase_unused, graph_order
+from .graph_edits import erase_unused, graph_order
 
 _BINARY = {"add", "sub", "mul", "div"}
 _SPLITS = {"unbind", "chunk", "split", "split_with_sizes"}

@@ -5,7 +5,7 @@ from typing import Callable
 
 from torch import nn
 
-from ..recognize.generic import block_candidates, recognize_generic
+from ..recognize.generic import block_candidates, part_candidates, recognize_generic
 from ..recognize.row_local import recognize_row_local
 from ..specs import AttentionSpec, GraphSpec, MLPSpec, ModelSpec, RowLocalSpec, Skip
 # imported for what they declare at import: hook chains, row-local ops, argument records, capture contexts, state
@@ -47,14 +47,16 @@ def _first(name: str, module: nn.Module):
 def recognize(root: nn.Module, capture: str = "fallback") -> tuple[
         dict[str, MLPSpec | AttentionSpec | ModelSpec | RowLocalSpec | GraphSpec], list[Skip]]:
     """Walk ``root`` top-down. A block (``block_candidates``) streams from its captured graph, and its parts keep
-    their own specs for the calls the graph cannot take; any other recognised module's children are not visited
-    again. ``capture``: "fallback" (default) lets a part recognizer that knows the block itself (an MLP in a list of
-    experts) take it, "prefer" captures every block, "off" never captures (parts only)."""
+    their own specs for the calls the graph cannot take: a part no recognizer knows that looks like a block (a
+    cross-attention, an MLP; ``part_candidates``) its own captured graph. Any other recognised module's children are
+    not visited again. ``capture``: "fallback" (default) lets a part recognizer that knows the block itself (an MLP in
+    a list of experts) take it, "prefer" captures every block, "off" never captures (parts only)."""
     specs: dict[str, MLPSpec | AttentionSpec | ModelSpec | RowLocalSpec | GraphSpec] = {}
     skipped: list[Skip] = []
     claimed: list[str] = []
     graphs: list[str] = []
     candidates = block_candidates(root) if capture != "off" else set()
+    parts = part_candidates(root, candidates)
     for name, module in root.named_modules():
         if any(name == c or name.startswith(c + ".") for c in claimed if c) or "" in claimed:
             continue
@@ -63,7 +65,8 @@ def recognize(root: nn.Module, capture: str = "fallback") -> tuple[
             (skipped.append if isinstance(model, Skip) else lambda s: specs.__setitem__(name, s))(model)
             continue
         found = _first(name, module)
-        if id(module) in candidates and (capture == "prefer" or found is None or isinstance(found, Skip)):
+        if (id(module) in candidates and (capture == "prefer" or found is None or isinstance(found, Skip))) or \
+                (id(module) in parts and found is None):
             graph = recognize_generic(name, module)
             if isinstance(graph, Skip):
                 skipped.append(graph)        # its parts are still considered on their own

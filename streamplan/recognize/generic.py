@@ -27,6 +27,18 @@ def block_candidates(root: nn.Module) -> set[int]:
     return found
 
 
+def part_candidates(root: nn.Module, blocks: set[int]) -> set[int]:
+    """ids of the direct children of the blocks in ``blocks`` that look like blocks themselves (a cross-attention, an
+    MLP in a ``Sequential``): where no part recognizer knows one, it streams from its own captured graph on the calls
+    its block's graph cannot take (the block left stock), as a known part would."""
+    found: set[int] = set()
+    for m in root.modules():
+        if id(m) in blocks:
+            found.update(id(c) for c in m.children() if _block_like(c) and id(c) not in blocks
+                         and not isinstance(c, (nn.ModuleList, nn.ModuleDict)))
+    return found
+
+
 def _block_like(m: nn.Module) -> bool:
     # two linear layers suffice: Flux.2's single block fuses Q, K, V and the MLP input into one projection
     return len(list(m.children())) >= 2 and sum(_linear(x) for x in m.modules()) >= 2
