@@ -135,3 +135,34 @@ def test_ltx2_model_budget_is_held_for_the_whole_forward_or_refused_before_it_ru
     out, peak = streamplan.measure_peak(lambda: model(**kw))
     assert _close(out, ref) and peak <= smallest, (peak, smallest)
     handle.remove()
+
+
+def _batched(kw: dict, n: int = 2) -> dict:
+    """The same call for a batch of ``n`` (the guidance passes a sampler batches), each element's latents its own."""
+    g = torch.Generator().manual_seed(2)
+    out = {k: (torch.cat([v] * n) if isinstance(v, torch.Tensor) and v.shape[0] == 1 else v) for k, v in kw.items()}
+    out["hidden_states"] = torch.randn(out["hidden_states"].shape, generator=g)
+    return out
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("mask", [[0.0], [1.0], [0.0, 1.0]], ids=["all-perturbed", "none-perturbed", "mixed"])
+def test_ltx2_spatio_temporal_guidance_blocks_stream_exactly(mask):
+    """LTX-2.X's perturbed attention (STG) on block 0, as its pipelines' guidance passes call it: the model forward
+    hands the block a Python bool for "every element perturbed" where stock hands a 0-d tensor (the processor only
+    branches on it), so the perturbed block streams from its graph instead of staying stock on a data-dependent
+    branch."""
+    model, kw = _model(perturbed_attn=True), _inputs()
+    if len(mask) > 1:
+        kw = _batched(kw, len(mask))
+    kw.update(spatio_temporal_guidance_blocks=[0], perturbation_mask=torch.tensor(mask))
+    ref, stock_peak = streamplan.measure_peak(lambda: model(**kw))
+    handle = streamplan.apply(model, chunk_tokens=48)
+    out, peak = streamplan.measure_peak(lambda: model(**kw))
+    report = handle.report()
+    assert _close(out, ref), report
+    for i in range(2):
+        (plan,) = handle.plans[f"transformer_blocks.{i}"]
+        assert plan.tier == "L1", report
+    assert peak < stock_peak / 2, (peak, stock_peak, report)
+    handle.remove()

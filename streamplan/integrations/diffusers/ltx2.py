@@ -190,7 +190,9 @@ def _forward(model, args: tuple, kwargs: dict, chunk: RowLoops):
         perturbation_mask = torch.zeros((batch_size,))
     if perturbation_mask is not None and perturbation_mask.ndim == 1:
         perturbation_mask = perturbation_mask[:, None, None]
-    all_perturbed = torch.all(perturbation_mask == 0) if perturbation_mask is not None else False
+    # a Python bool where stock passes a 0-d tensor (one read of a [batch] mask per call): the processor only branches
+    # on it, and a capture keys on a bool where the tensor's branch would be data-dependent (the block left stock)
+    all_perturbed = bool(torch.all(perturbation_mask == 0)) if perturbation_mask is not None else False
     isolate = c.get("isolate_modalities", False)
     kept = None
     for block_idx, block in enumerate(model.transformer_blocks):
