@@ -129,7 +129,7 @@ def test_block_stays_stock_with_reason(name):
     try:
         out = module(*args, **kwargs)
         assert not [p for p in handle.plans.get("", []) if p.tier != "L0"], handle.report()
-        assert STOCK[name] in handle.report(), handle.report()
+        assert STOCK[name] in " ".join(handle.report().split()), handle.report()   # (the report's columns aside)
         parts = any(p.tier != "L0" for ps in handle.plans.values() for p in ps)   # streamed parts: within 1e-5
         for o, r in zip(pytree.tree_leaves(out), pytree.tree_leaves(ref)):
             assert _rel(o, r) <= 1e-5 if parts else torch.equal(o, r)

@@ -266,3 +266,17 @@ def test_the_report_says_what_the_plans_were_held_to_and_what_its_tier_codes_mea
     handle.remove()
     assert "budget: auto (the free device memory less a reserve of 1.00 GiB)" in text, text
     assert "tiers: L0 stock (the module's own forward)" in text, text
+
+
+def test_a_phase_envelope_keeps_the_largest_line_at_every_row_count():
+    """The memory model's lines (bytes = per row x rows + fixed) with the dominated ones dropped give the same worst
+    moment as all of them at every row count: the planner's chunk search reads the envelope."""
+    import random
+    from streamplan.graph.memory import _at, _envelope
+    rng = random.Random(0)
+    for _ in range(200):
+        lines = [(rng.randrange(0, 50_000), rng.randrange(0, 10**9)) for _ in range(rng.randrange(1, 60))]
+        kept = _envelope(lines)
+        assert len(kept) <= len(lines) and set(kept) <= set(lines)
+        for rows in (1, 2, 7, 64, 1000, 8192, 65_536, 10**6):
+            assert _at(kept, rows) == max(a * rows + b for a, b in lines)

@@ -4,7 +4,8 @@ of one chunk's values is the predicted peak; the whole graph at every row is the
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from torch import fx
@@ -38,6 +39,7 @@ class GraphMemory:
     build_work: int = 0                # the most a contraction op allocates in its call besides its result
     reduced_bytes: int = 0             # reduced attentions' merged outputs so far (fp32) and a chunk's partial ones
     const_bytes: int = 0               # values without rows held from the constant phase through the call
+    compiled: dict = field(default_factory=dict, repr=False, compare=False)   # each phase's walk (``PhaseLines``)
 
     @property
     def fixed(self) -> int:
@@ -53,18 +55,29 @@ class GraphMemory:
         of their hidden features at a time (the region's worst moment at that width, ``_region_peak``);
         ``at_attention``: bytes per row alive while a global attention runs, beside what is live there (a K/V store's
         merge); ``workspace``: bytes the attention call itself allocates then (the consumer's declaration); ``keep``
-        (what the phase hands on) given: its row-local runs in pieces, as ``GraphRun`` runs them."""
-        extra = at_attention * rows + workspace
-        work = {n: extra for n in self.attention_nodes} if extra else {}
-        for n in nodes:   # what an opaque module allocates inside its call (a dequantised weight, routed rows)
-            if (w := opaque_workspace(n, rows)):
-                work[n] = work.get(n, 0) + w
+        (what the phase hands on) given: its row-local runs in pieces, as ``GraphRun`` runs them. The walk over the
+        nodes does not depend on the row count, so it is made once per phase and setting (``PhaseLines``) and each
+        chunk the planner tries is a few multiply-adds."""
+        key = (id(nodes), ffn_slice > 0, tuple(map(id, regions)) if ffn_slice else (),
+               None if keep is None else frozenset(keep))
+        lines = self.compiled.get(key)
+        if lines is None:
+            lines = self.compiled[key] = self._lines(nodes, ffn_slice > 0, regions, keep)
+        return lines.peak(rows, ffn_slice, at_attention * rows + workspace)
+
+    def _lines(self, nodes: list[fx.Node], sliced: bool, regions, keep: set | None) -> PhaseLines:
+        """The phase's walk with every byte count as (per row, fixed): the live bytes at each node's moment, and what
+        is alive beside it there that is not linear in the rows (an opaque module's workspace, an MLP region's slice,
+        a row-local run's piece), as functions of the rows."""
+        calls: list[tuple[int, int, Callable[[int, int], int]]] = []
         reads: dict[fx.Node, list[fx.Node]] = {}
-        if ffn_slice:
+        region_exit: dict[fx.Node, object] = {}
+        held = nodes   # the cache key is this list's id: the compiled lines keep the list alive
+        if sliced:
             inside = {n for r in regions for n in r.nodes}
             nodes = [n for n in nodes if n not in inside]
             for r in regions:   # the exit's own value (the accumulator) is live at the exit already
-                work[r.exit] = int(self._region_peak(r, rows) * min(1.0, ffn_slice / r.ffn))
+                region_exit[r.exit] = r
                 reads[r.exit] = [r.x, *(m for n in r.nodes for m in n.all_input_nodes)]
         runs = self._runs(nodes, keep, reads) if keep is not None and self.pieces > 1 else []
         at_run = {r.marker: r for r in runs}
@@ -74,16 +87,20 @@ class GraphMemory:
         frees = last_uses(nodes, extra={**reads, **{r.marker: r.inputs for r in runs}})
         owner: dict[fx.Node, fx.Node] = {}
         refs: dict[fx.Node, int] = {}
-        live = peak = 0
+        moments: list[tuple[int, int]] = []     # (per row, fixed) alive at each moment, nothing non-linear beside it
+        attention: list[tuple[int, int]] = []   # the same at a global attention (a store's merge beside it)
+        live_r = live_f = 0
         for i, n in enumerate(nodes):
             run = at_run.get(n)
             if run is not None:   # its outputs whole, beside one piece's values at their worst
-                outs = sum(self.value(o, rows) for o in run.outputs if o not in run.reuse)
-                peak = max(peak, live + outs + self._pieces_peak(run, -(-rows // self.pieces)))
+                outs = [o for o in run.outputs if o not in run.reuse]
+                out_r, out_f = sum(self.per_row.get(o, 0) for o in outs), sum(self.static.get(o, 0) for o in outs)
+                calls.append((live_r + out_r, live_f + out_f,
+                              lambda rows, _sl, run=run: self._pieces_peak(run, -(-rows // self.pieces))))
                 for o in run.outputs:   # an output in a dead input's storage keeps that storage alive
                     b = owner.get(run.reuse.get(o)) or o
                     owner[o], refs[b] = b, refs.get(b, 0) + 1
-                live += outs
+                live_r, live_f = live_r + out_r, live_f + out_f
             elif n in reuse and reuse[n] in owner:   # over an operand that dies here: its storage, no new one
                 owner[n] = owner[reuse[n]]
                 refs[owner[n]] += 1
@@ -91,20 +108,29 @@ class GraphMemory:
                 if n is not j.node:   # a slot: its slice of the join's buffer, which the first slot makes
                     if j.node not in owner:
                         owner[j.node], refs[j.node] = j.node, 1
-                        live += self.value(j.node, rows)
+                        live_r, live_f = live_r + self.per_row.get(j.node, 0), live_f + self.static.get(j.node, 0)
                     owner[n] = j.node
                     refs[j.node] += 1
             elif self.allocates.get(n, True):
                 owner[n], refs[n] = n, 1
-                live += self.value(n, rows)
+                live_r, live_f = live_r + self.per_row.get(n, 0), live_f + self.static.get(n, 0)
             elif (base := next((owner[m] for m in n.all_input_nodes if m in owner), None)) is not None:
                 owner[n] = base
                 refs[base] += 1
             # else: a view of an input or a constant, which this chunk does not allocate
-            peak = max(peak, live + work.get(n, 0))
+            region = region_exit.get(n)
+            if region is not None:   # (its slice replaces whatever else the exit would hold beside it)
+                calls.append((live_r, live_f, lambda rows, sl, r=region: int(self._region_peak(r, rows)
+                                                                           * min(1.0, sl / r.ffn))))
+            else:   # what an opaque module allocates inside its call: a fixed part and a part per row
+                at_r, at_f = live_r + opaque_workspace(n, 1) - opaque_workspace(n, 0), \
+                    live_f + opaque_workspace(n, 0)
+                (attention if n in self.attention_nodes else moments).append((at_r, at_f))
             for m in frees.get(i, ()):
-                live -= self._release(owner, refs, m, rows)
-        return peak
+                b = self._freed(owner, refs, m)
+                if b is not None:
+                    live_r, live_f = live_r - self.per_row.get(b, 0), live_f - self.static.get(b, 0)
+        return PhaseLines(_envelope(moments), _envelope(attention), tuple(calls), held, tuple(regions))
 
     def _runs(self, nodes: list[fx.Node], keep: set, reads: dict) -> list[RowRun]:
         """``find_runs`` once per capture, phase and MLP slicing: the planner prices many chunks and piece counts."""
@@ -113,40 +139,50 @@ class GraphMemory:
             self.phases.done[key] = find_runs(nodes, self.analysis, keep, reads)
         return self.phases.done[key]
 
-    def _release(self, owner: dict, refs: dict, m: fx.Node, rows: int) -> int:
-        """Bytes freed when ``m`` dies: its storage's, once no other value (a view, an output written into it) holds
-        that storage."""
+    @staticmethod
+    def _freed(owner: dict, refs: dict, m: fx.Node) -> fx.Node | None:
+        """The storage freed when ``m`` dies (None: none): its own or its base's, once no other value (a view, an
+        output written into it) holds that storage."""
         if m not in owner:
-            return 0
+            return None
         b = owner.pop(m)
         refs[b] -= 1
-        return self.value(b, rows) if refs[b] == 0 else 0
+        return b if refs[b] == 0 else None
 
     def _pieces_peak(self, run: RowRun, rows: int) -> int:
         """One piece of ``rows`` rows through a run: its values, each freed after its last use in the run (a view keeps
         its base), the piece's outputs until they are copied into their buffers; an expert layer's routed copies of
         the piece's rows beside them at its call."""
-        return self._walk(run.nodes, run.dead, rows, joined=lambda n, own: opaque_workspace(n, rows))
+        key = ("pieces", id(run))
+        if key not in self.compiled:
+            self.compiled[key] = (run, self._walk(run.nodes, run.dead, beside=lambda n, own: (
+                opaque_workspace(n, 1) - opaque_workspace(n, 0), opaque_workspace(n, 0))))
+        return _at(self.compiled[key][1], rows)
 
     def _region_peak(self, r, rows: int) -> int:
         """The worst moment of one MLP region's values at full width (``run_region`` takes it a slice at a time):
         entries, then the elementwise nodes in graph order, each freed after its last use inside the region (what
         the exit reads stays); a fused entry's parts and their join are alive together where something joins them."""
-        nodes = [*r.entries, *r.inner]
-        return self._walk(nodes, last_uses(nodes), rows, joined=lambda n, own: own if r.joins_parts(n) else 0,
-                          over=r.over)
+        key = ("region", id(r))
+        if key not in self.compiled:
+            nodes = [*r.entries, *r.inner]
+            self.compiled[key] = (r, self._walk(nodes, last_uses(nodes), over=r.over,
+                                                beside=lambda n, own: own if r.joins_parts(n) else (0, 0)))
+        return _at(self.compiled[key][1], rows)
 
-    def _walk(self, nodes: list[fx.Node], dead: dict[int, list[fx.Node]], rows: int, joined=None,
-              over: dict | None = None) -> int:
-        """Peak bytes of ``nodes`` run in order at ``rows`` rows, ``dead[i]`` freed after node ``i`` (a view keeps its
-        base's storage alive); ``joined(node, own bytes)``: bytes alive beside a node at its own moment only;
-        ``over``: nodes written over an operand (its storage, no new one)."""
+    def _walk(self, nodes: list[fx.Node], dead: dict[int, list[fx.Node]], beside=None,
+              over: dict | None = None) -> tuple[tuple[int, int], ...]:
+        """The peak bytes of ``nodes`` run in order, as lines in the rows (``_envelope``), ``dead[i]`` freed after node
+        ``i`` (a view keeps its base's storage alive); ``beside(node, own (per row, fixed))``: bytes alive beside a
+        node at its own moment only, (per row, fixed); ``over``: nodes written over an operand (its storage, no new
+        one)."""
         owner: dict[fx.Node, fx.Node] = {}
         refs: dict[fx.Node, int] = {}
-        live = peak = 0
+        live_r = live_f = 0
+        moments: list[tuple[int, int]] = []
         over = over or {}
         for i, n in enumerate(nodes):
-            own = 0
+            own = (0, 0)
             base = owner.get(over[n]) if n in over else None
             if base is None and not self.allocates.get(n, True):
                 base = next((owner[m] for m in n.all_input_nodes if m in owner), None)
@@ -155,12 +191,15 @@ class GraphMemory:
                 refs[base] += 1
             elif self.allocates.get(n, True):
                 owner[n], refs[n] = n, 1
-                own = self.value(n, rows)
-                live += own
-            peak = max(peak, live + (joined(n, own) if joined is not None else 0))
+                own = (self.per_row.get(n, 0), self.static.get(n, 0))
+                live_r, live_f = live_r + own[0], live_f + own[1]
+            add = beside(n, own) if beside is not None else (0, 0)
+            moments.append((live_r + add[0], live_f + add[1]))
             for m in dead.get(i, ()):
-                live -= self._release(owner, refs, m, rows)
-        return peak
+                b = self._freed(owner, refs, m)
+                if b is not None:
+                    live_r, live_f = live_r - self.per_row.get(b, 0), live_f - self.static.get(b, 0)
+        return _envelope(moments)
 
     def transient(self, chunk: int, ffn_slice: int = 0, regions=(), at_attention: int = 0, workspace: int = 0) -> int:
         """One chunk's worst moment over the phases beyond the whole buffers, as the executor runs them (row-local runs
@@ -185,6 +224,43 @@ class GraphMemory:
 
     def stock(self, nodes: list[fx.Node]) -> int:
         return self._phase(nodes, self.rows)
+
+
+@dataclass(frozen=True, eq=False)
+class PhaseLines:
+    """One phase's walk at any row count: the moments whose bytes are linear in the rows as (per row, fixed) lines
+    with the dominated ones dropped (plain, and at a global attention, where a store's merge adds its own), and the
+    moments beside something that is not (an MLP region's slice, a run's piece) with it as ``(rows, ffn_slice) ->
+    bytes``. ``held``: the phase's node list and regions, whose ids key the cache."""
+
+    lines: tuple[tuple[int, int], ...]
+    attention: tuple[tuple[int, int], ...]
+    calls: tuple[tuple[int, int, Callable[[int, int], int]], ...]
+    held: tuple
+    regions: tuple
+
+    def peak(self, rows: int, ffn_slice: int, at_attention: int) -> int:
+        peak = _at(self.lines, rows)
+        if self.attention:
+            peak = max(peak, _at(self.attention, rows) + at_attention)
+        for a, b, extra in self.calls:
+            peak = max(peak, a * rows + b + extra(rows, ffn_slice))
+        return peak
+
+
+def _at(lines: tuple[tuple[int, int], ...], rows: int) -> int:
+    """The largest of ``lines`` at ``rows`` rows (0 where there are none)."""
+    return max((a * rows + b for a, b in lines), default=0)
+
+
+def _envelope(lines: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    """The lines ``a * rows + b`` that are the largest at some row count >= 1: any line another beats on both parts is
+    dropped (exact for every row count, not an approximation)."""
+    kept: list[tuple[int, int]] = []
+    for a, b in sorted(set(lines), key=lambda x: (-x[0], -x[1])):   # steepest first: a later line survives only higher
+        if not kept or b > kept[-1][1]:   # (each kept line is higher at 0 rows than every steeper one)
+            kept.append((a, b))
+    return tuple(kept)
 
 
 def graph_memory(an: Analysis, ph: Phases, rows: int, donated_outputs: set[int], pieces: int = 1,
