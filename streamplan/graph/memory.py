@@ -46,9 +46,6 @@ class GraphMemory:
         """What the call holds whatever the chunk: K/V, outputs, kept outputs, contractions' results, constants."""
         return self.kv_bytes + self.out_bytes + self.kept_bytes + self.built_bytes + self.const_bytes
 
-    def value(self, node: fx.Node, rows: int) -> int:
-        return self.per_row.get(node, 0) * rows + self.static.get(node, 0)
-
     def _phase(self, nodes: list[fx.Node], rows: int, ffn_slice: int = 0, regions=(), at_attention: int = 0,
                workspace: int = 0, keep: set | None = None) -> int:
         """Peak bytes of one chunk of ``rows`` through ``nodes``; with ``ffn_slice`` the MLP ``regions`` hold one slice
@@ -66,9 +63,9 @@ class GraphMemory:
         return lines.peak(rows, ffn_slice, at_attention * rows + workspace)
 
     def _lines(self, nodes: list[fx.Node], sliced: bool, regions, keep: set | None) -> PhaseLines:
-        """The phase's walk with every byte count as (per row, fixed): the live bytes at each node's moment, and what
-        is alive beside it there that is not linear in the rows (an opaque module's workspace, an MLP region's slice,
-        a row-local run's piece), as functions of the rows."""
+        """The phase's walk with every byte count as (per row, fixed): the live bytes at each node's moment (with what
+        an opaque module allocates inside its call, linear too), and what is alive beside it there that is not linear
+        in the rows (an MLP region's slice, a row-local run's piece), as functions of the rows."""
         calls: list[tuple[int, int, Callable[[int, int], int]]] = []
         reads: dict[fx.Node, list[fx.Node]] = {}
         region_exit: dict[fx.Node, object] = {}
@@ -236,7 +233,7 @@ class PhaseLines:
     lines: tuple[tuple[int, int], ...]
     attention: tuple[tuple[int, int], ...]
     calls: tuple[tuple[int, int, Callable[[int, int], int]], ...]
-    held: tuple
+    held: list
     regions: tuple
 
     def peak(self, rows: int, ffn_slice: int, at_attention: int) -> int:
