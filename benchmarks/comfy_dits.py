@@ -15,6 +15,8 @@ import math
 
 import torch
 
+from common import random_weights
+
 FLUX = dict(in_channels=16, out_channels=16, vec_in_dim=768, context_in_dim=4096, hidden_size=3072, mlp_ratio=4.0,
             num_heads=24, depth=1, depth_single_blocks=1, axes_dim=[16, 56, 56], theta=10000, patch_size=2,
             qkv_bias=True, guidance_embed=True, txt_ids_dims=[])
@@ -61,10 +63,7 @@ def build(comfy, name: str, dev, dtype, smoke: bool, n: int, text: int, latent_g
         supported_inference_dtypes = [dtype]
         latent_format = getattr(comfy.latent_formats, latent)
     base = getattr(comfy.model_base, base_cls)(Config(unet), device=model_dev or dev)
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for pname, p in base.named_parameters():   # comfy.ops layers skip init: every weight is uninitialised memory
-            p.copy_(float(p.dim() == 1 and pname.endswith(("weight", "scale"))) + torch.randn_like(p) * 0.02)
+    random_weights(base, ("weight", "scale"))
     g = torch.Generator(device=dev).manual_seed(1)
     hidden = width(dims)
     text_dim = dims.get("context_in_dim", dims.get("caption_channels"))

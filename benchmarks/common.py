@@ -118,3 +118,26 @@ def send_to_device_without_accelerate() -> None:
     def send_to_device(obj, device, non_blocking=False, **_):
         return tree_map(lambda t: t.to(device, non_blocking=non_blocking) if isinstance(t, torch.Tensor) else t, obj)
     go.send_to_device = send_to_device
+
+
+# a simulated card's room above the budget for the caching allocator's rounding (``cap_card``)
+CAP_ALLOWANCE = 256 << 20
+
+
+def cap_card(limit: int | None) -> None:
+    """Simulate a card of ``limit`` bytes (``set_per_process_memory_fraction``; None: the whole card again). No-op off
+    CUDA."""
+    if torch.cuda.is_available():
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(1.0 if limit is None else min(1.0, limit / total))
+
+
+def random_weights(module: torch.nn.Module, norm_suffixes: tuple[str, ...] = ("weight",), device=None) -> None:
+    """Random weights for a model whose layers skip init (ComfyUI's ``comfy.ops``: uninitialised memory), the 1-D
+    parameters named with ``norm_suffixes`` near 1. ``device``: where the numbers are drawn (the GPU for a many-layer
+    model built on the CPU: minutes faster)."""
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            noise = torch.randn_like(p) if device is None else torch.randn(p.shape, dtype=p.dtype, device=device)
+            p.copy_(float(p.dim() == 1 and name.endswith(norm_suffixes)) + noise * 0.02)

@@ -89,7 +89,7 @@ import torch
 import streamplan
 import comfy_blocks
 import comfy_dits
-from common import cuda_peak, cuda_time, device_info, wall_time, write_results
+from common import cuda_peak, cuda_time, device_info, random_weights, wall_time, write_results
 from streamplan.verify import compare_outputs
 
 COMFY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".vendor", "comfyui")
@@ -221,16 +221,6 @@ def held_as(comfy, base, dev, weights: str, lora: float):
     return patcher, line
 
 
-def init_weights(base, init_dev=None) -> None:
-    """Random weights (comfy.ops layers skip init: every weight is uninitialised memory), norms near 1. ``init_dev``:
-    where the random numbers are drawn (the GPU for a many-layer model built on the CPU: minutes faster)."""
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for name, p in base.named_parameters():
-            noise = torch.randn_like(p) if init_dev is None else torch.randn(p.shape, dtype=p.dtype, device=init_dev)
-            p.copy_(float(p.dim() == 1 and name.endswith("weight")) + noise * 0.02)
-
-
 def build(comfy, dev, dtype, smoke: bool, n: int, text: int, model_dev=None, layers: int = 1, init_dev=None):
     dims = (dict(dim=64, ffn_dim=128, num_heads=4, text_dim=32, freq_dim=32) if smoke else
             dict(dim=5120, ffn_dim=13824, num_heads=40, text_dim=4096, freq_dim=256))
@@ -242,7 +232,7 @@ def build(comfy, dev, dtype, smoke: bool, n: int, text: int, model_dev=None, lay
         supported_inference_dtypes = [dtype]
         latent_format = comfy.latent_formats.Wan21
     base = comfy.model_base.WAN21(Config(unet), device=model_dev or dev)
-    init_weights(base, init_dev)
+    random_weights(base, device=init_dev)
     f, h, w = latent_grid(n)
     g = torch.Generator(device=dev).manual_seed(1)
     x = torch.randn(1, 16, f, 2 * h, 2 * w, device=dev, generator=g)
@@ -273,7 +263,7 @@ def build_h3(comfy, dev, dtype, smoke: bool, n: int, text: int, audio: int, mode
         latent_format = comfy.latent_formats.MiniMaxH3AV
     base = comfy.model_base.MiniMaxH3(Config(unet), device=model_dev or dev)
     model = base.diffusion_model
-    init_weights(base, init_dev)
+    random_weights(base, device=init_dev)
     with torch.no_grad():
         inv = model.rope.inv_freq                  # a buffer, left uninitialised like the weights
         inv.copy_(1.0 / 10000.0 ** (torch.arange(inv.numel(), device=inv.device, dtype=torch.float32) / inv.numel()))

@@ -36,23 +36,16 @@ import torch  # noqa: E402
 
 import gpu_comfy  # noqa: E402
 import streamplan  # noqa: E402
-from common import device_info, write_results  # noqa: E402
+from common import CAP_ALLOWANCE, cap_card, device_info, write_results  # noqa: E402
 from streamplan.verify import compare_outputs  # noqa: E402
 
 GIB = 1 << 30
-ALLOWANCE = 256 << 20   # the allocator's rounding above the budget, as gpu_forward_budget.py allows
 REHEARSED = re.compile(r"rehearsed on fake tensors in ([0-9.]+) s")
 
 
 def _sync(cuda: bool) -> None:
     if cuda:
         torch.cuda.synchronize()
-
-
-def _cap(cuda: bool, limit: int | None) -> None:
-    if cuda:
-        total = torch.cuda.get_device_properties(0).total_memory
-        torch.cuda.set_per_process_memory_fraction(1.0 if limit is None else min(1.0, limit / total))
 
 
 def _allocated(cuda: bool) -> int:
@@ -111,9 +104,9 @@ def run_budget(sc, stock, peaks: list, call, budget: int, ref, stock_s: float, c
     del peaks[:]
     gc.collect()
     before = _allocated(cuda)
-    _cap(cuda, before + budget + ALLOWANCE)
+    cap_card(before + budget + CAP_ALLOWANCE if cuda else None)
     row = {"budget_bytes": budget, "budget_GiB": budget / GIB,
-           "cap_bytes": before + budget + ALLOWANCE if cuda else None}
+           "cap_bytes": before + budget + CAP_ALLOWANCE if cuda else None}
     start = time.perf_counter()
     try:
         out, first_s, call_peak = timed_call(call, patched, cuda)
@@ -136,7 +129,7 @@ def run_budget(sc, stock, peaks: list, call, budget: int, ref, stock_s: float, c
         traceback.print_exc()
         row.update(error=f"{type(exc).__name__}: {exc}"[:600])
     finally:
-        _cap(cuda, None)
+        cap_card(None)
         patched = None
         gc.collect()
         if cuda:
@@ -162,13 +155,13 @@ def main() -> int:
     p.add_argument("--smoke", action="store_true", help="tiny sizes on CPU")
     a = p.parse_args()
     if a.weights == "dynamic" and a.smoke:
-        raise SystemExit("--weights dynamic needs a GPU (comfy-aimdo's VBAR is CUDA memory); no --smoke")
+        p.error("--weights dynamic needs a GPU (comfy-aimdo's VBAR is CUDA memory): drop --smoke")
     if a.layers < 1:
-        raise SystemExit(f"--layers {a.layers}: give at least 1")
+        p.error(f"--layers {a.layers}: give at least 1")
     try:   # read before the model is built: a wrong value says so at once, not after minutes of stock
         budgets_gib = [float(b) for b in a.budgets_gib.split(",") if b]
     except ValueError:
-        raise SystemExit(f"--budgets-gib {a.budgets_gib!r}: give a comma list of numbers, e.g. 8 or 6,8") from None
+        p.error(f"--budgets-gib {a.budgets_gib!r}: give a comma list of numbers, e.g. 8 or 6,8")
     cuda, dtype = not a.smoke, torch.bfloat16
     layers = 3 if a.smoke and a.layers == 50 else a.layers
     n, text = a.tokens or (1024 if a.smoke else 217088), a.text or (16 if a.smoke else 512)
@@ -194,7 +187,7 @@ def main() -> int:
     call = lambda patcher: gpu_comfy.sample_call(patcher, x, cond)  # noqa: E731
     name = f"gpu_comfy_card_{a.model}_{layers}l_{a.weights}_{'smoke_' if a.smoke else ''}{tokens}"
     payload = {**info, "model": f"ComfyUI 0.33.0 {a.model}, {layers} layers, real width" if cuda else "smoke",
-               "tokens": tokens, "layers": layers, "weights": held, "allowance_bytes": ALLOWANCE, "rows": []}
+               "tokens": tokens, "layers": layers, "weights": held, "allowance_bytes": CAP_ALLOWANCE, "rows": []}
 
     def keep(row: dict) -> None:
         payload["rows"].append(row)

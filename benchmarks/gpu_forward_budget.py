@@ -38,13 +38,13 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 import torch  # noqa: E402
 
-import streamplan
+import streamplan  # noqa: E402
+from common import CAP_ALLOWANCE, cap_card  # noqa: E402
 
 DEV = "cuda"
 BF16 = torch.bfloat16
 GIB = 1 << 30
 HIDDEN = "auto"         # apply(hidden=...): where the forward keeps its hidden state (--hidden)
-ALLOWANCE = 256 << 20   # the cap's room above the budget for the caching allocator's rounding
 LATENTS = {32768: (8, 64, 256), 75600: (21, 90, 160), 217088: (53, 128, 128),   # frames, height, width (1x2x2 patches)
            434176: (106, 128, 128)}
 
@@ -202,12 +202,6 @@ def _allocated() -> int:
     return torch.cuda.memory_allocated() if DEV == "cuda" else 0
 
 
-def _cap(limit: int | None) -> None:
-    if DEV == "cuda":
-        total = torch.cuda.get_device_properties(0).total_memory
-        torch.cuda.set_per_process_memory_fraction(1.0 if limit is None else min(1.0, limit / total))
-
-
 def timed(fn):
     _sync()
     t = time.perf_counter()
@@ -254,8 +248,8 @@ def accepted(model, call, budget: int, ref, stock_s: float, repeat: int = 1, war
     handle = streamplan.apply(model, budget=budget, hidden=HIDDEN)
     gc.collect()
     base = _allocated()
-    _cap(base + budget + ALLOWANCE)
-    row = {"budget_bytes": budget, "budget_GiB": budget / GIB, "cap_bytes": base + budget + ALLOWANCE}
+    cap_card(base + budget + CAP_ALLOWANCE)
+    row = {"budget_bytes": budget, "budget_GiB": budget / GIB, "cap_bytes": base + budget + CAP_ALLOWANCE}
     try:
         if warm is not None:
             warm()                          # a small call: the capture and the offload hooks' prefetch order
@@ -285,7 +279,7 @@ def accepted(model, call, budget: int, ref, stock_s: float, repeat: int = 1, war
     except torch.OutOfMemoryError as exc:
         row.update(error=f"out of memory under an accepted budget: {str(exc)[:300]}")
     finally:
-        _cap(None)
+        cap_card(None)
         handle.remove()
         gc.collect()
         if DEV == "cuda":
@@ -358,7 +352,7 @@ def main() -> int:
                          f"LTX2VideoTransformer3DModel, real width, {a.layers} layers, per-token timesteps (the "
                          "first latent frame clean), 1024 text tokens" if a.model == "ltx2" else
                          f"WanTransformer3DModel, Wan2.1-14B config, {a.layers} layers") + f", random weights, bf16, "
-                        f"weights {where}", "tokens": a.tokens, "allowance_bytes": ALLOWANCE, "rows": rows,
+                        f"weights {where}", "tokens": a.tokens, "allowance_bytes": CAP_ALLOWANCE, "rows": rows,
                "hidden": a.hidden}
     family = {"llama": "llama3_8b", "h3": "minimax_h3", "ltx2": "ltx2"}.get(a.model, "wan14b")
     name = f"gpu_forward_budget_{family}_{a.layers}l_{a.tokens}{'_offload' if a.offload else ''}"

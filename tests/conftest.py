@@ -71,3 +71,9 @@ class RecordingConsumer:
 # the tiny decoder config the transformers LLM tests share (test_llm_models, test_row_masks)
 TINY_DECODER = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                     num_hidden_layers=2, vocab_size=128, head_dim=16, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def is_block(name: str) -> bool:
+    """An installed entry's name is a block's (the root, or an element of a block list), not a part's: a stock block's
+    unknown parts stream from captured graphs of their own too (``recognize.generic.part_candidates``)."""
+    return name == "" or name.rsplit(".", 1)[-1].isdigit()

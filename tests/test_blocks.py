@@ -7,7 +7,7 @@ from diffusers.models.transformers.transformer_wan import WanTransformerBlock
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import streamplan
-from conftest import rel_err
+from conftest import is_block, rel_err
 
 
 def _max_rel(out, ref):
@@ -19,7 +19,7 @@ def _max_rel(out, ref):
 def _graphs(handle):
     """The blocks installed on their captured graph (not the parts a stock block would stream from their own)."""
     return {n: e for n, e in handle.installed.items() if isinstance(e.spec, streamplan.specs.GraphSpec)
-            and (n == "" or n.rsplit(".", 1)[-1].isdigit())}
+            and is_block(n)}
 
 
 def _quiet(handle, allow=()):

@@ -8,7 +8,7 @@ from diffusers.hooks import (FasterCacheConfig, HookRegistry, ModelHook,
 
 import streamplan
 import compose_setups as setups
-from conftest import rel_err
+from conftest import is_block, rel_err
 import streamplan.execute.hook_chains
 import streamplan.plan.weight_formats
 from streamplan.specs import STREAMED_MARK
@@ -38,7 +38,7 @@ def _hook_orders(model):
 def _streamed(handle):
     """The blocks (not the parts a stock block streams from their own graphs) that streamed from their graph."""
     return {n for n, e in handle.installed.items() if isinstance(e.spec, streamplan.specs.GraphSpec)
-            and (n == "" or n.rsplit(".", 1)[-1].isdigit()) and any(p.tier == "L1" for p in e.plans.values())}
+            and is_block(n) and any(p.tier == "L1" for p in e.plans.values())}
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
