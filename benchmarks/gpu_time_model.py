@@ -8,7 +8,8 @@ at 1.15x and 0.5x the floor (residual + K + V) above the inputs. Every variant r
 (``streamplan.plan.time_model``) reads the rows back with each plan re-made on meta tensors.
 
 ``held``: the issue's table: each block at each length under ``inputs + x * floor`` for the holds given, the
-planner's plan, its predicted time ratio beside the measured one.
+planner's plan, its predicted time ratio beside the measured one; each hold again with chunk replay off
+(``/noreplay``). Forced chunks run with replay off, and again replayed (``c512/r``...).
 
     python benchmarks/gpu_time_model.py sweep --cases wan-14b-block,h3-block --tokens 32768,75600 --seconds 500
     python benchmarks/gpu_time_model.py held --cases wan-14b-block --tokens 32768,75600 --holds 1.15,0.5
@@ -59,7 +60,14 @@ def variants(n: int, ffn: int, live: int, floor: int, holds: list[float]) -> lis
     if ffn:
         out.insert(len(out) - 4, ("c4096/s1024", {"chunk_tokens": 4096, "ffn_slice": 1024}))
         out.insert(len(out) - 4, ("c8192/s2048", {"chunk_tokens": 8192, "ffn_slice": 2048}))
-    out += [(f"hold{h}", {"budget": int(live + h * floor)}) for h in holds]
+    # chunks replayed as one recorded CUDA graph (``replay=True``) beside the same chunks eager (``replay=False``)
+    out += [(f"c{c}/r", {"chunk_tokens": c, "replay": True}) for c in (512, 1024, 2048, 4096) if c <= n // 8]
+    for label, kw in out:
+        kw.setdefault("replay", False)
+    # the planner's own plan (replay its choice), and the same hold with replay off
+    for h in holds:
+        out += [(f"hold{h}", {"budget": int(live + h * floor)}),
+                (f"hold{h}/noreplay", {"budget": int(live + h * floor), "replay": False})]
     return out
 
 
@@ -112,15 +120,17 @@ def run_case(name: str, n: int, repeats: int, holds: list[float], deadline: floa
                 continue
             plans = handle.plans.get("", [])
             plan = plans[-1].to_dict() if plans else None
+            notes = [n for n in handle.report().splitlines() if "replay" in n and "note" in n]
             handle.remove()
             budget = kw.get("budget")
             rows.append({**base, "variant": label, "kw": kw, "plan": plan, "first_call_s": first_s, "time_s": secs,
                          "times_s": times, "time_ratio": secs / stock_s, "peak_bytes": peak,
                          "peak_vs_floor": peak / floor, "rel_diff": diff,
-                         "held": None if budget is None else peak + live <= budget})
+                         "held": None if budget is None else peak + live <= budget, "replay_notes": notes})
             print({k: v for k, v in rows[-1].items() if k not in ("times_s", "plan")},
                   plan and {k: plan[k] for k in ("tier", "chunk", "ffn_slice", "head_groups", "kv", "q_span",
-                                                 "predicted_peak", "predicted_time_ratio") if k in plan}, flush=True)
+                                                 "replay", "predicted_peak", "predicted_time_ratio") if k in plan},
+                  flush=True)
     del block, inputs, ref
     torch.cuda.empty_cache()
     return rows

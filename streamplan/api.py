@@ -488,7 +488,8 @@ def apply(module: nn.Module, budget: int | str | None = "auto", chunk_tokens: in
           ffn_slice: int | None = None, head_groups: int | None = None, reserve: int | str = DEFAULT_RESERVE,
           self_check: bool = False, capture: str = "fallback", kv: str = "device",
           row_pieces: int | None = None, q_span: int | None = None, fuse: bool | None = None,
-          hidden: str = "auto", options: StreamOptions | None = None) -> "StreamHandle | PipelineHandle":
+          hidden: str = "auto", replay: bool | None = None,
+          options: StreamOptions | None = None) -> "StreamHandle | PipelineHandle":
     """Stream every recognised structure inside ``module`` in place; returns a handle to report and undo.
 
     ``module`` may be a diffusers pipeline: each of its denoisers (``transformer``, Wan 2.2 A14B's ``transformer_2``,
@@ -503,7 +504,7 @@ def apply(module: nn.Module, budget: int | str | None = "auto", chunk_tokens: in
         raise ValueError(f"module must be a torch.nn.Module or a diffusers pipeline, got {type(module).__name__}")
     if options is None:
         options = StreamOptions(budget, chunk_tokens, ffn_slice, head_groups, reserve, self_check, capture, kv,
-                                row_pieces, q_span, fuse, hidden=hidden)
+                                row_pieces, q_span, fuse, hidden=hidden, replay=replay)
     else:
         given = _keywords_besides_options(locals())
         if given:

@@ -55,6 +55,13 @@ class StreamOptions:
             on the device), ``"device"`` (never in host memory), ``"host"`` (always, where the forward can: pinned
             host memory, each block reading its chunks back). Host memory needed is in the report; where it cannot
             be had, ``HostMemoryError`` before anything runs.
+        replay: a captured block's chunks of one size, after its first two, replayed as one recorded CUDA graph:
+            one launch a chunk where each of its ~100 ops costs microseconds of dispatch that short chunks no longer
+            hide; the same kernels on the same values (its rows are staged in and out, priced in the plan).
+            ``None`` (default): where the planner's time model says it is faster (CUDA); ``True``: wherever the block
+            allows it (off CUDA the chunks re-run through the same staging: a check, not a speed-up); ``False``:
+            never. What a block does not allow (a causal attention, a mask over the rows, static rows) is in the
+            report when asked for.
         smallest_when_short: the budget is a target, not a ceiling: where no plan fits it, plan at the smallest
             peak the planner reaches (noted in the report) instead of raising (ComfyUI's ``"auto"``, whose weights
             fill the card and are evicted on demand).
@@ -78,6 +85,7 @@ class StreamOptions:
     fuse: bool | None = None
     smallest_when_short: bool = False
     hidden: str = "auto"
+    replay: bool | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.hidden, str) or self.hidden.strip().lower() not in HIDDEN_PLACES:
@@ -102,6 +110,9 @@ class StreamOptions:
         if self.fuse is not None and not isinstance(self.fuse, bool):
             raise ValueError(f"fuse must be True, False or None (None: fuse where the device is CUDA with Triton), "
                              f"got {self.fuse!r}")
+        if self.replay is not None and not isinstance(self.replay, bool):
+            raise ValueError(f"replay must be True, False or None (None: where the planner's time model says it is "
+                             f"faster), got {self.replay!r}")
         if self.capture not in CAPTURE_MODES:
             raise ValueError(f"capture must be one of {', '.join(CAPTURE_MODES)}; got {self.capture!r}")
         self.self_check = bool(self.self_check)

@@ -31,6 +31,7 @@ from ..specs import AdaptedCall, HostRows, RowMask, described_whole
 from .call_ledger import phase
 from .call_state import bypass, needs_grad, shapes
 from .chunk_attention import ChunkAttention
+from .chunk_replay import RECORDS, replay_problem, staged_row_bytes
 from .context import CallContext
 from .rehearsal import ledger_paused
 from .donation import donated
@@ -406,6 +407,11 @@ def plan_call(ctx: CallContext, call: GraphCall, budget: int | None) -> Plan:
     """The plan for ``budget`` bytes; under sequence parallelism the fullest rank's budget, and the same plan on every
     rank (collectives)."""
     budget = parallel.agreed_budget(budget, call.par, call.device)
+    if ctx.options.replay:
+        an = call.found.analysis
+        why = replay_problem(an, call.consumer, call.row_mask, call.host, call.par is not None, call.whole_q)
+        if why:
+            ctx.note(f"chunk replay (replay=True) not for this block: {why}")
     plan = _keep_or_rerun(call, ctx.options, budget)
     if plan.tier != Tier.L0:   # rows on a grid: chunks of whole lines (rounded down, priced at the larger chunk)
         plan.chunk = grid_chunk(call.found.captured, plan.chunk)
@@ -539,9 +545,21 @@ def plan_for_budget(call: GraphCall, o, budget: int | None, keep: tuple = ()) ->
                       kv=mem.kv_bytes - mem.build_inputs, attn_out=costs.attn_out, groups=call.groups,
                       head_groups=o.head_groups,
                       transient_kv=transient_kv, whole_q=q_whole, q_span=o.q_span, row_pieces=given, pieces=pieces,
-                      priced=priced, fill=fill, fill_host=fill_host, align=query_alignment(call), **kv_args)
+                      priced=priced, fill=fill, fill_host=fill_host, align=query_alignment(call),
+                      replay_row=replay_row(call, o), replay=o.replay, **kv_args)
     plan.kept_outputs = bool(keep) and plan.tier != Tier.L0
     return plan
+
+
+def replay_row(call: GraphCall, o) -> int | None:
+    """Device bytes per row a replayed chunk of this call stages (``chunk_replay``); None where its chunks cannot be
+    replayed, or the user said no, or (left to the planner) the device records no graphs."""
+    if o.replay is False or (o.replay is None and call.device.type not in RECORDS):
+        return None
+    an = call.found.analysis
+    if replay_problem(an, call.consumer, call.row_mask, call.host, call.par is not None, call.whole_q):
+        return None
+    return staged_row_bytes(an, call.found.captured.graph)
 
 
 # -- stage 3: the call run -----------------------------------------------------------------------------------------
@@ -568,7 +586,7 @@ def run_call(ctx: CallContext, call: GraphCall, plan: Plan) -> Any:
                         call.rows, attend, ffn_slice=ffn_slice, regions=found.mlp_regions,
                         pieces=o.row_pieces or plan.row_pieces,
                         fuse=fuse_on, fuse_rows=fuse_rows, host=call.host, keep=keep,
-                        attend_lse=lse_attention(call.consumer), **extra)
+                        attend_lse=lse_attention(call.consumer), replay=plan.replay, **extra)
 
     run = graph_run(plan.ffn_slice if plan.tier in SLICED_TIERS else 0, 0 if o.fuse else plan.chunk, **stores)
     if call.par is not None:
@@ -589,6 +607,8 @@ def run_call(ctx: CallContext, call: GraphCall, plan: Plan) -> Any:
     with phase("phase Q"):
         out = run.run_q(plan.chunk, call.donate)
     _note_chains(ctx.note, run)
+    for why in dict.fromkeys(run.replay_problems):
+        ctx.note(f"chunk replay off for a call: its recording failed ({why}); its chunks ran eager")
     if kv is not None:
         call.adapted.fill(*kv)
     return out

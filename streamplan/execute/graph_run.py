@@ -16,6 +16,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .call_state import rehearsing
 from .chunk_loop import MAX_SPLITS, attempt, chunk_bounds
+from .chunk_replay import MIN_REPLAYS, ChunkReplay
 from .kv_stores import write_rows
 from .row_contraction_run import build_contractions, grid_chunk
 from .whole_rows import whole_buffer, write_chunk_rows
@@ -61,8 +62,12 @@ class GraphRun:
                  regions: list[MLPRegion] | None = None, kv_store: Callable[[GlobalAttention], Any] | None = None,
                  attend_store: Callable[..., torch.Tensor] | None = None, pieces: int = 1,
                  fuse: torch.device | None = None, fuse_rows: int = 0, host: dict | None = None,
-                 keep: tuple = (), attend_lse: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None):
+                 keep: tuple = (), attend_lse: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
+                 replay: bool = False):
         self.cap, self.an, self.ph, self.rows, self.attend = cap, an, ph, rows, attend
+        # the plan's chunk replay (``chunk_replay``): each phase's chunks of one size replayed as one recording
+        self.replay = replay
+        self.replay_problems: list[str] = []   # recordings that failed (the report)
         # a reduced attention's partial output over one chunk's keys, with its log-sum-exp (``reduced_attentions``)
         self.attend_lse = attend_lse or lse_attention(None)
         self.pieces = pieces   # row-local runs in this many pieces of a chunk's rows (1: every node on the chunk)
@@ -364,6 +369,26 @@ class GraphRun:
         build_contractions(self, chunk)
         return chunk
 
+    def _replayer(self, chunk: int) -> ChunkReplay | None:
+        """A phase's replay, where the plan asks for one and enough chunks of ``chunk`` rows follow the first two."""
+        if not self.replay or self.rows // max(chunk, 1) < 2 + MIN_REPLAYS or self.attn_out or self.stores:
+            return None
+        staged = [n for n in self.base if n not in self.an.whole_inputs
+                  and (isinstance(self.an.rows.get(n), Rows) or n in self.sources)]
+        device = next(v.device for v in self.base.values() if isinstance(v, torch.Tensor))
+        return ChunkReplay(device, staged, chunk, fake=rehearsing())
+
+    def _close(self, replay: ChunkReplay | None) -> None:
+        if replay is not None:
+            if replay.problem:
+                self.replay_problems.append(replay.problem)
+            replay.close()
+
+    @staticmethod
+    def _picked(env: dict, values) -> dict:
+        """What a replayed chunk hands on: its outputs (the rest of its environment is the recording's)."""
+        return {v: env[v] for v in values if v in env}
+
     def build_kv(self, chunk: int) -> None:
         chunk = self._before_phases(chunk)
         for j, (att, nodes) in enumerate(zip(self.an.attentions, self.ph.kv)):
@@ -371,13 +396,21 @@ class GraphRun:
             store = self.kv_store(att) if self.kv_store is not None else None
             keeps, kept = self._keep_in.get(j, []), {}
 
-            def work(a: int, b: int, att=att, nodes=nodes, bufs=bufs, store=store, keeps=keeps, kept=kept) -> None:
+            replay = self._replayer(chunk) if store is None and not keeps else None
+
+            def work(a: int, b: int, att=att, nodes=nodes, bufs=bufs, store=store, keeps=keeps, kept=kept,
+                     replay=replay) -> None:
                 dyn = self.static_mode and a > 0
                 self._chunk = (a, b)   # a later phase KV that runs a kept attention reads its rows (``_attention``)
                 values = (att.k, att.v) if store is None else ()
-                watch = self._watch(values) if not bufs else set()
-                env = self._run(nodes, self._inputs(a, b, dyn), a, {att.k, att.v, *(k.node for k in keeps)},
-                                b - a if dyn else None, self._dests(values, a, b), watch)
+                wanted = {att.k, att.v, *(k.node for k in keeps)}
+                if replay is not None and replay.takes(a, b):
+                    env = replay.run(self._inputs(a, b, dyn), lambda e: self._picked(
+                        self._run(nodes, e, a, wanted, b - a if dyn else None, {}, set()), (att.k, att.v)))
+                else:
+                    watch = self._watch(values) if not bufs else set()
+                    env = self._run(nodes, self._inputs(a, b, dyn), a, wanted, b - a if dyn else None,
+                                    self._dests(values, a, b), watch)
                 for k in keeps:   # an earlier attention's output, kept for phase Q
                     o = env.pop(k.node)
                     if k.node not in kept:
@@ -398,6 +431,7 @@ class GraphRun:
 
             for a, b in chunk_bounds(self.rows, chunk, self.cap.min_rows):
                 attempt(work, a, b, self._retries)
+            self._close(replay)
             self.attn_out.update(kept)
             if store is not None:
                 store.finish()
@@ -532,16 +566,21 @@ class GraphRun:
 
         rowed = rowed_outputs(self.an)
         widened = self.an.halo != (0, 0)   # convolutions along the rows: a chunk runs on its rows and their halo
+        replay = self._replayer(chunk) if not span and not widened else None
 
         def work(a: int, b: int) -> None:
             dyn = self.static_mode and a > 0
             self._chunk = (a, b)
             lo, hi = max(0, a - self.an.halo[0]), min(self.rows, b + self.an.halo[1])
-            first = outs[self.an.outputs.index(rowed[0])] is None if rowed else False
-            watch = set().union(*(self._watch([o], i in donate) for i, o in enumerate(self.an.outputs)
-                                  if o in rowed)) if first and not widened else set()
-            env = self._run(nodes, self._inputs(lo, hi, dyn), lo, keep, b - a if dyn else None,
-                            {} if widened else self._dests(rowed, a, b), watch)
+            if replay is not None and replay.takes(a, b):   # (with static rows: the dynamic rows, as every later chunk)
+                env = replay.run(self._inputs(a, b, dyn), lambda e: self._picked(
+                    self._run(nodes, e, a, keep, b - a if dyn else None, {}, set()), keep))
+            else:
+                first = outs[self.an.outputs.index(rowed[0])] is None if rowed else False
+                watch = set().union(*(self._watch([o], i in donate) for i, o in enumerate(self.an.outputs)
+                                      if o in rowed)) if first and not widened else set()
+                env = self._run(nodes, self._inputs(lo, hi, dyn), lo, keep, b - a if dyn else None,
+                                {} if widened else self._dests(rowed, a, b), watch)
             for i, o in enumerate(self.an.outputs):
                 if not isinstance(o, fx.Node):
                     outs[i] = o
@@ -564,6 +603,7 @@ class GraphRun:
         if not span:
             for a, b in chunk_bounds(self.rows, chunk, self.cap.min_rows):
                 attempt(work, a, b, self._retries)
+            self._close(replay)
         else:
             att = self.an.attentions[0]
             q_nodes, store = self._q_nodes(att), self.stores[att.node]

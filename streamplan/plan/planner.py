@@ -208,6 +208,8 @@ class Plan:
     # chunk's rows: their temporaries a piece's, not the chunk's (1: whole chunks)
     kept_outputs: bool = False   # attentions a later attention's phase KV runs: their outputs kept whole there for
     # phase Q to read rather than attended again (``graph.phases.rerun_attentions``)
+    replay: bool = False   # a captured block's chunks of one size replayed as one recorded CUDA graph after the first
+    # two (``execute.chunk_replay``): their rows staged in and out, priced in ``predicted_peak``
 
     @property
     def predicted_total(self) -> int:
@@ -228,6 +230,7 @@ class Plan:
         hg = f"  head_groups={self.head_groups}" if self.head_groups > 1 else ""
         hg += f"  row_pieces={self.row_pieces}" if self.row_pieces > 1 else ""
         hg += "  kept_outputs" if self.kept_outputs else ""
+        hg += "  replayed" if self.replay else ""
         kv = "  q=whole (one attention call)" if self.q == "whole" else ""
         if self.kv != "device":
             kv += f"  kv={self.kv} block={self.kv_block}"
@@ -568,6 +571,10 @@ class GraphPlanRequest:
     fill_host: int = 0   # host bytes that cache keeps then (an offloading cache's copy)
     # ``transient`` without the fill (a store's spans: K/V in the store, the cache's fill priced by the store)
     bare: Callable[[int, int], int] | None = field(default=None, repr=False, compare=False)
+    replay_row: int | None = None   # device bytes per row a replayed chunk stages (None: the block cannot replay)
+    replay: bool | None = None      # replay chunks: None the planner's choice by the time model, True where it
+    # can (else as if False), False never
+    replayed: bool = False          # this request's plans replay their chunks (``with_replay``)
     # at_attention's answers: a graph walk each, asked for again and again by the store searches
     _at_attention: dict[tuple[int, int, int], int] = field(default_factory=dict, init=False, repr=False,
                                                            compare=False)
@@ -593,6 +600,15 @@ class GraphPlanRequest:
         bare = functools.lru_cache(maxsize=None)(transient)
         return replace(self, transient=self._filled(bare), bare=bare, transient_kv=transient_kv, row_pieces=pieces,
                        pieces=())
+
+    def with_replay(self) -> GraphPlanRequest:
+        """This request with its chunks replayed: each chunk's staged rows on top of its transient, and only the
+        tiers a replay runs in (K/V whole on the device, no head groups)."""
+        row, rows, inner, kv_inner = self.replay_row or 0, self.rows, self.bare or self.transient, self.transient_kv
+        bare = functools.lru_cache(maxsize=None)(lambda c, sl: inner(c, sl) + min(c, rows) * row)
+        kv = (lambda c, sl, extra: kv_inner(c, sl, extra) + min(c, rows) * row) if kv_inner is not None else None
+        return replace(self, transient=self._filled(bare), bare=bare, transient_kv=kv, groups=(), head_groups=None,
+                       kv_options=(), pieces=(), priced=None, replayed=True)
 
     def _filled(self, transient: Callable[[int, int], int]) -> Callable[[int, int], int]:
         """``transient`` with the cache's fill as one more moment beside the whole buffers: after phase Q, whose
@@ -661,6 +677,7 @@ class GraphPlanRequest:
             return Plan(Tier.L0, rows, rows, 0, stock, stock)
         plan = self._make(tier, chunk, sl, g, opt, blk, span)
         plan.row_pieces = self.row_pieces
+        plan.replay = self.replayed and tier in (Tier.L1, Tier.L2)
         return plan
 
     def _make(self, tier: Tier, chunk: int, sl: int, g: int, opt: KVOption | None, blk: int, span: int) -> Plan:
@@ -707,8 +724,9 @@ class GraphPlanRequest:
         waste = max(0.0, wave_waste(self.waves, q_rows, plan.head_groups) - wave_waste(self.waves, self.rows))
         # a store's head groups read its K/V back a group at a time (priced in ``store``); phase KV runs once
         groups = plan.head_groups if plan.kv == "device" else 1
+        staged = 2 * self.rows * (self.replay_row or 0) if plan.replay else 0   # copied in and out of the staging
         ratio = time_ratio(self.costs.work, self.costs.rates,
-                           Streamed(plan.chunk, slices, groups, waste, store, plan.row_pieces))
+                           Streamed(plan.chunk, slices, groups, waste, store, plan.row_pieces, plan.replay, staged))
         return ratio * self.costs.rates.grouped_store if plan.kv != "device" and plan.head_groups > 1 else ratio
 
     def staged_seconds(self, opt: KVOption, q_rows: int, blk: int, g: int) -> float:
@@ -726,7 +744,7 @@ def plan_graph(rows: int, fixed: int, transient, stock: int, *, chunk_tokens: in
                transient_kv: Callable[[int, int, int], int] | None = None, whole_q: int = 0,
                q_span: int | None = None, row_pieces: int = 1, pieces: tuple[int, ...] = (),
                priced: Callable[[int], tuple[Callable, Callable | None]] | None = None, fill: int = 0,
-               fill_host: int = 0, align: int = 1) -> Plan:
+               fill_host: int = 0, align: int = 1, replay_row: int | None = None, replay: bool | None = None) -> Plan:
     """A captured block: whole buffers (``fixed``: K and V, the outputs) plus ``transient(chunk, ffn_slice)``, one
     chunk's values at their worst moment, both read off the graph. ``ffn``: the widest feature-sliceable MLP (0: none),
     for L2. L3 (``groups``: the head-group counts the graph allows): K and V of one group of heads at a time
@@ -744,29 +762,53 @@ def plan_graph(rows: int, fixed: int, transient, stock: int, *, chunk_tokens: in
     (its ``transient`` and ``transient_kv``): a lower peak per row buys larger chunks for more launches. ``fill``:
     device bytes a cache the call fills adds after phase Q, beside K/V still whole on the device (``fill_host``: the
     host bytes it keeps then); with K/V in a store, its option's ``fill``. ``align``: the attention consumer's query
-    alignment (``ConsumerCaps.q_align``): every chunk, chosen or forced, in whole units of it."""
+    alignment (``ConsumerCaps.q_align``): every chunk, chosen or forced, in whole units of it. ``replay_row``: device
+    bytes per row a replayed chunk stages (None: the block's chunks cannot replay); ``replay``: the user's choice
+    (None: by the time model, True: where a replayed plan fits, False: never)."""
     request = GraphPlanRequest(
         rows, fixed, transient, stock, chunk_tokens=chunk_tokens, budget=budget, min_chunk=min_chunk, waves=waves,
         ffn=ffn, ffn_slice=ffn_slice, kv=kv, attn_out=attn_out, groups=groups, head_groups=head_groups,
         kv_options=kv_options, kv_store=kv_store, costs=costs, transient_kv=transient_kv, whole_q=whole_q,
         q_span=q_span, row_pieces=row_pieces, pieces=pieces if priced is not None else (),
-        priced=priced, fill=fill, fill_host=fill_host, align=align).normalised()
+        priced=priced, fill=fill, fill_host=fill_host, align=align, replay_row=replay_row,
+        replay=replay).normalised()
     plan = _chosen(request)
     plan.predicted_time_ratio = request.time_ratio(plan)
     return plan
 
 
 def _chosen(request: GraphPlanRequest) -> Plan:
+    """Chunk replay where asked for and a replayed plan fits (else as if not asked), then ``_chosen_plan``."""
+    if request.replay and request.replay_row is not None and request.kv_store == "device":
+        try:
+            return _chosen_plan(request.with_replay())
+        except BudgetError:
+            pass
+    return _chosen_plan(request)
+
+
+def _replay_weighed(request: GraphPlanRequest) -> bool:
+    """Whether the planner weighs replayed plans against the others by the time model (the user left it to it)."""
+    return request.replay is None and request.replay_row is not None and request.timed and not request.replayed
+
+
+def _chosen_plan(request: GraphPlanRequest) -> Plan:
     """The store asked for, the plan forced, stock where it fits, else the fastest legal plan under the budget."""
     if request.kv_store != "device":
         return _store_plan(request)
     forced = _forced_plan(request)
     if forced is not None:
+        replayed = _forced_plan(request.with_replay()) if _replay_weighed(request) else None
+        if replayed is not None and replayed.tier == forced.tier and \
+                request.time_ratio(replayed) < request.time_ratio(forced):
+            return replayed
         return forced
     if stock_fits(request.stock, request.budget):
         return request.make(Tier.L0, request.rows)
     variants = request.variants()   # the request, then its runs in each count of row pieces
-    if request.timed:   # every floor's candidates, the fastest by the time model (ties: fewer pieces)
+    if request.timed:   # every floor's candidates, the fastest by the time model (ties: fewer pieces, no replay)
+        if _replay_weighed(request):
+            variants = variants + [v.with_replay() for v in variants]
         legal = [p for v in variants for floor in request.floors for p in _candidates(v, floor)]
         if legal:
             return min(legal, key=request.time_ratio)

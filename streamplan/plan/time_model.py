@@ -26,6 +26,8 @@ class Rates:
     store_share: float = 1.0  # share of the store model's seconds (``planner.l4_extra_seconds``) that shows
     grouped_store: float = 1.0  # a store read back a head group at a time runs this much longer than priced (its
     # passes' per-group calls and copies that hide under less attention: the model's parts miss it)
+    replay_op: float = 0.15   # share of ``op_s`` an op costs in a replayed chunk (one graph launch for the chunk)
+    replay_setup: float = 2.0  # chunks' worth of ``op_s`` a phase's recording costs (its eager warm-up and capture)
 
 
 # fitted on the benchmark device's sweep (docs/budgets-and-tiers.md, "The time model"); "meta" plans as for that
@@ -63,6 +65,8 @@ class Streamed:
     wave_waste: float = 0.0  # share of the attention's time its chunked calls leave in part-empty waves
     store_s: float = 0.0     # a K/V store's extra seconds (copies, merges), priced by the planner
     pieces: int = 1          # row pieces of a chunk its row-local runs run in (1: whole)
+    replayed: bool = False   # chunks after the first two replayed as one recording (``execute.chunk_replay``)
+    staged: int = 0          # bytes the replay's staging copies (each chunk's rows in and out)
 
 
 def streamed_seconds(w, r: Rates, s: Streamed) -> float:
@@ -76,7 +80,11 @@ def streamed_seconds(w, r: Rates, s: Streamed) -> float:
     attention = ((w.attention_flops + w.attention_rerun_flops) * (1 + s.wave_waste) + w.attention_flops_row * n) \
         / r.attention
     groups = (s.groups - 1) * r.group_rerun * (_gemm_s(w.kv_flops_row * n, c, r) + w.kv_bytes_row * n / r.bandwidth)
-    ops = k * (w.ops_kv * s.groups + w.ops_q + (s.slices - 1) * w.ops_mlp) * r.op_s
+    per_chunk = (w.ops_kv * s.groups + w.ops_q + (s.slices - 1) * w.ops_mlp) * r.op_s
+    ops = k * per_chunk
+    if s.replayed and k > 2:   # the first two chunks eager, the recording, the rest replayed
+        ops = (2 + r.replay_setup + (k - 2) * r.replay_op) * per_chunk
+    memory += s.staged / r.bandwidth
     return gemm + memory + attention + groups + ops + pieces_seconds(w, r, s.pieces, k) + s.store_s
 
 

@@ -1,0 +1,161 @@
+"""Chunk replay (``execute.chunk_replay``): a captured block's chunks of one size, after the first two, replayed as one
+recording. On the CPU the recording is re-run through the same staging (``RerunRecorder``), so what is checked here
+is the staging: every chunk's rows copied in, its outputs copied out, exact against the real modules' own forwards;
+the memory the staging takes priced by the plan and held under a budget; what cannot replay refused and said; a
+recording that fails leaving the call's chunks eager. The CUDA graph itself runs in ``benchmarks/gpu_time_model.py``."""
+import pytest
+import torch
+
+import streamplan
+from conftest import rel_err, streamed
+from streamplan.execute import chunk_replay
+from streamplan.tools.families import FAMILIES, on_meta
+
+ROWS, CHUNK = 1024, 64
+
+
+@pytest.fixture
+def replays(monkeypatch):
+    """How many chunks the CPU recorder replayed."""
+    seen = {"replays": 0}
+    replay = chunk_replay.RerunRecorder.replay
+
+    def counted(self):
+        seen["replays"] += 1
+        return replay(self)
+    monkeypatch.setattr(chunk_replay.RerunRecorder, "replay", counted)
+    return seen
+
+
+def _wan(rows: int = ROWS):
+    from diffusers.models.transformers.transformer_wan import WanTransformerBlock
+    block = WanTransformerBlock(64, 128, 2, cross_attn_norm=True).eval()
+    pos = torch.randn(1, rows, 1, 32)
+    return block, (torch.randn(1, rows, 64), torch.randn(1, 16, 64), torch.randn(1, 6, 64), (pos.cos(), pos.sin()))
+
+
+def _flux_double():
+    """Text rows joined to the image rows inside the block (static rows: later chunks run the image rows alone)."""
+    from diffusers.models.transformers.transformer_flux import FluxTransformerBlock
+    block = FluxTransformerBlock(64, 2, 32).eval()
+    pos = torch.randn(32 + ROWS, 32)
+    return block, (torch.randn(1, ROWS, 64), torch.randn(1, 32, 64), torch.randn(1, 64), (pos.cos(), pos.sin()))
+
+
+def _outputs(out):
+    return out if isinstance(out, tuple) else (out,)
+
+
+def _root_plan(handle):
+    return next(iter(handle.installed[""].plans.values()))
+
+
+@pytest.mark.parametrize("make", [_wan, _flux_double], ids=["wan", "flux-double-static-rows"])
+def test_replayed_chunks_are_the_eager_chunks_and_stock(make, replays):
+    block, args = make()
+    with torch.no_grad():
+        ref = _outputs(block(*args))
+        with streamed(block, budget=None, chunk_tokens=CHUNK, replay=False) as handle:
+            eager = _outputs(block(*args))
+            assert not _root_plan(handle).replay
+        assert replays["replays"] == 0
+        with streamed(block, budget=None, chunk_tokens=CHUNK, replay=True) as handle:
+            out = _outputs(block(*args))
+            plan = _root_plan(handle)
+            assert plan.replay and "replayed" in handle.report(), handle.report()
+    chunks = ROWS // CHUNK
+    # phase KV and phase Q each: the first chunk eager, the second recorded, the rest replayed
+    assert replays["replays"] == 2 * (chunks - 2)
+    for o, e, r in zip(out, eager, ref):
+        assert torch.equal(o, e)
+        assert rel_err(o, r) <= 1e-5
+
+
+def test_replay_under_a_budget_prices_its_staging_and_holds(replays):
+    block, args = _wan(4096)   # chunks of the planner's 256-row floor and up: enough of them to replay
+    with torch.no_grad():
+        ref = block(*args)
+        _, stock = streamplan.measure_peak(block, *args)
+        live = sum(t.numel() * t.element_size() for t in torch.utils._pytree.tree_leaves(args))
+        budget = live + int(0.7 * stock)
+        plans = {}
+        for replay in (False, True):
+            with streamed(block, budget=budget, replay=replay) as handle:
+                out, peak = streamplan.measure_peak(block, *args)
+                plans[replay] = _root_plan(handle)
+                assert rel_err(out, ref) <= 1e-5
+                assert live + peak <= budget, handle.report()
+                assert peak <= plans[replay].predicted_peak, handle.report()
+    assert plans[True].replay and not plans[False].replay
+    assert replays["replays"] > 0
+    # the staging (each chunk's rows in and out) is priced: under the same budget a replayed chunk is no larger
+    assert plans[True].chunk <= plans[False].chunk
+
+
+def test_a_causal_layer_is_not_replayed_and_the_report_says_why(replays):
+    from transformers import LlamaConfig, LlamaModel
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                      num_hidden_layers=1, vocab_size=128, attn_implementation="sdpa")
+    model = LlamaModel(cfg).eval()
+    ids = torch.randint(0, 128, (1, 512))
+    with torch.no_grad():
+        ref = model(input_ids=ids, use_cache=False).last_hidden_state
+        with streamed(model, budget=None, chunk_tokens=CHUNK, replay=True, capture="prefer") as handle:
+            out = model(input_ids=ids, use_cache=False).last_hidden_state
+            report = handle.report()
+            plans = [p for e in handle.installed.values() for p in e.plans.values()]
+    assert "chunk replay (replay=True) not for this block: a causal attention" in report, report
+    assert plans and not any(p.replay for p in plans)
+    assert replays["replays"] == 0
+    assert rel_err(out, ref) <= 1e-5
+
+
+class _FailingRecorder(chunk_replay.RerunRecorder):
+    """A recording that fails as a CUDA capture does on an op it cannot record (the warm-up's values stand)."""
+
+    def record(self, fn):
+        outs = fn()
+        self.failed = "RuntimeError: operation not permitted when stream is capturing"
+        return outs
+
+
+def test_a_recording_that_fails_leaves_the_chunks_eager_and_is_reported(monkeypatch, replays):
+    monkeypatch.setattr(chunk_replay, "recorder_for", lambda device, fake: _FailingRecorder)
+    block, args = _wan()
+    with torch.no_grad():
+        ref = block(*args)
+        with streamed(block, budget=None, chunk_tokens=CHUNK, replay=True) as handle:
+            out = block(*args)
+            report = handle.report()
+    assert "chunk replay off for a call: its recording failed (RuntimeError: operation not permitted" in report, \
+        report
+    assert replays["replays"] == 0
+    assert rel_err(out, ref) <= 1e-5
+
+
+def test_replay_must_be_a_bool_or_none():
+    with pytest.raises(ValueError, match="replay must be True, False or None"):
+        streamplan.StreamOptions(replay="yes")
+
+
+def _nbytes(x) -> int:
+    return sum(t.numel() * t.element_size() for t in torch.utils._pytree.tree_leaves(x) if isinstance(t, torch.Tensor))
+
+
+def test_meta_planner_weighs_replay_by_the_time_model():
+    """Wan2.1-14B at 32,768 rows under its inputs + 1.15x the floor, planned on meta as the benchmark GPU: the time
+    model prices short chunks replayed below every plan without replay, and the planner takes one; with
+    ``replay=False`` it never does."""
+    fam = FAMILIES["wan-14b-block"]
+    module, inputs = on_meta(fam, 32768, torch.bfloat16)
+    budget = int(_nbytes(inputs) + 1.15 * fam.floor_bytes_per_token(torch.bfloat16) * 32768)
+    plans = {}
+    for replay in (None, False):
+        with streamed(module, capture="prefer", budget=budget, replay=replay) as handle:
+            with torch.inference_mode():
+                module(*inputs)
+            plans[replay] = _root_plan(handle)
+    chosen, eager = plans[None], plans[False]
+    assert chosen.replay and not eager.replay, (chosen.describe(), eager.describe())
+    assert chosen.predicted_time_ratio < eager.predicted_time_ratio
+    assert chosen.predicted_peak <= budget - _nbytes(inputs)
