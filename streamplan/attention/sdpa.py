@@ -293,7 +293,6 @@ def _softcapped(q, k, v, q_offset: int, causal: bool, mask, scale, softcap: floa
 
 class SDPAConsumer:
     name = "sdpa"
-    replayable = True   # its calls record into a CUDA graph (``execute.chunk_replay``): no host reads of values
 
     def __init__(self, caps):
         self.caps = caps

@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .call_state import rehearsing
 from .chunk_loop import MAX_SPLITS, attempt, chunk_bounds
-from .chunk_replay import MIN_REPLAYS, ChunkReplay
+from .chunk_replay import MIN_REPLAYS, ChunkProgram, ChunkReplay
 from .kv_stores import write_rows
 from .row_contraction_run import build_contractions, grid_chunk
 from .whole_rows import whole_buffer, write_chunk_rows
@@ -86,6 +86,7 @@ class GraphRun:
         self._retries = 0 if an.input_writes or an.reduced or cap.min_rows > 2 else MAX_SPLITS
         self.regions = list(regions or []) if ffn_slice else []
         self._schedules: dict[tuple, Schedule] = {}
+        self._cuts: dict[int, tuple[list, list]] = {}   # a schedule's runs and attentions, cut for a replay
         self._into: dict[fx.Node, Into] = {}   # a K/V/output value whose producer writes into its buffer: direct_writes
         self._made: dict[fx.Node, Made | None] = {}   # what a watched producer made on a first chunk
         flat = pytree.tree_leaves((args, kwargs), is_leaf=lambda x: x is None)
@@ -265,8 +266,13 @@ class GraphRun:
         """Run ``nodes`` on one chunk, step by step as their schedule says; ``rows`` set: the chunk's dynamic rows
         alone (static rows done once); ``into``: producers that write into the given tensors (their ``out=``);
         ``watch``: producers whose value's layout ``_made`` records."""
+        return self._steps(self._schedule(nodes, keep).steps, env, a, keep, rows, into, watch)
+
+    def _steps(self, steps: list, env: dict, a: int, keep: set[fx.Node], rows: int | None = None,
+               into: dict[fx.Node, torch.Tensor] | None = None, watch: set[fx.Node] = frozenset()) -> dict:
+        """``_run``'s steps (a whole schedule, or a replay's run between attentions)."""
         built: dict[fx.Node, torch.Tensor] = {}   # this chunk's joins built in place so far
-        for step in self._schedule(nodes, keep).steps:
+        for step in steps:
             node, kind = step.node, step.kind
             if kind == PIECES:
                 run_pieces(step.item, env, self.an, self.cap.row_symbol, self._call, self.pieces)
@@ -298,10 +304,37 @@ class GraphRun:
                     self.cache[node] = env[node]
             if node in watch:
                 self._made[node] = Made.of(env[node])
-            for m in step.frees:
-                if m not in keep and m not in self.consts and m not in self.base:
-                    env.pop(m, None)
+            self._drop(step, env, keep)
         return env
+
+    def _drop(self, step, env: dict, keep: set[fx.Node]) -> None:
+        """Let go of the values ``step`` reads last."""
+        for m in step.frees:
+            if m not in keep and m not in self.consts and m not in self.base:
+                env.pop(m, None)
+
+    def _program(self, nodes: list[fx.Node], keep: set[fx.Node], a: int, rows: int | None,
+                 outputs) -> ChunkProgram:
+        """One chunk's schedule cut at its attentions for a replay (``chunk_replay``): the runs between them recorded,
+        each attention run eager for this chunk (its rows start at ``a``)."""
+        schedule = self._schedule(nodes, keep)
+        cut = self._cuts.get(id(schedule))
+        if cut is None:
+            runs, breaks, run = [], [], []
+            for step in schedule.steps:
+                if step.kind == ATTENTION:
+                    runs.append(run)
+                    breaks.append(step)
+                    run = []
+                else:
+                    run.append(step)
+            cut = self._cuts[id(schedule)] = (runs + [run], breaks)
+        return ChunkProgram(
+            cut[0], cut[1], run=lambda steps, env: self._steps(steps, env, a, keep, rows),
+            brk=lambda step, env: self._steps([step], env, a, keep, rows), drop=lambda step, env: self._drop(
+                step, env, keep), reads=lambda step: [n for n in (step.item.q, step.item.mask, step.item.sinks)
+                                                      if n is not None],
+            outputs=tuple(outputs))
 
     def _pruned(self, p, env: dict, rows: int | None, into: dict | None, watch: set) -> None:
         """A projection for the columns its phase reads; as the graph says where its linear writes into a buffer
@@ -384,11 +417,6 @@ class GraphRun:
                 self.replay_problems.append(replay.problem)
             replay.close()
 
-    @staticmethod
-    def _picked(env: dict, values) -> dict:
-        """What a replayed chunk hands on: its outputs (the rest of its environment is the recording's)."""
-        return {v: env[v] for v in values if v in env}
-
     def build_kv(self, chunk: int) -> None:
         chunk = self._before_phases(chunk)
         for j, (att, nodes) in enumerate(zip(self.an.attentions, self.ph.kv)):
@@ -405,8 +433,8 @@ class GraphRun:
                 values = (att.k, att.v) if store is None else ()
                 wanted = {att.k, att.v, *(k.node for k in keeps)}
                 if replay is not None and replay.takes(a, b):
-                    env = replay.run(self._inputs(a, b, dyn), lambda e: self._picked(
-                        self._run(nodes, e, a, wanted, b - a if dyn else None, {}, set()), (att.k, att.v)))
+                    env = replay.run(self._inputs(a, b, dyn),
+                                     self._program(nodes, wanted, a, b - a if dyn else None, (att.k, att.v)))
                 else:
                     watch = self._watch(values) if not bufs else set()
                     env = self._run(nodes, self._inputs(a, b, dyn), a, wanted, b - a if dyn else None,
@@ -573,8 +601,7 @@ class GraphRun:
             self._chunk = (a, b)
             lo, hi = max(0, a - self.an.halo[0]), min(self.rows, b + self.an.halo[1])
             if replay is not None and replay.takes(a, b):   # (with static rows: the dynamic rows, as every later chunk)
-                env = replay.run(self._inputs(a, b, dyn), lambda e: self._picked(
-                    self._run(nodes, e, a, keep, b - a if dyn else None, {}, set()), keep))
+                env = replay.run(self._inputs(a, b, dyn), self._program(nodes, keep, a, b - a if dyn else None, keep))
             else:
                 first = outs[self.an.outputs.index(rowed[0])] is None if rowed else False
                 watch = set().union(*(self._watch([o], i in donate) for i, o in enumerate(self.an.outputs)
