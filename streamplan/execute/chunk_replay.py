@@ -204,14 +204,14 @@ class ChunkReplay:
         self.env, self.reads = {}, []
 
 
-def replay_problem(an, host: dict, parallel: bool, whole_q: bool) -> str:
+def replay_problem(an, parallel: bool, whole_q: bool) -> str:
     """Why a captured block's chunks cannot be replayed ('': they can): what runs between its attentions must be the
     same ops on the same shapes at fixed addresses for every chunk, reading nothing from where the chunk starts."""
     causes = [(an.reduced, "an attention reduced over the chunks (its merge carries from chunk to chunk)"),
               (an.halo != (0, 0), "convolutions along the rows (a chunk reads its neighbours' rows)"),
               (an.fixed_cuts, "rows cut at a fixed count (a chunk's side of the cut depends on where it starts)"),
               (an.input_writes, "in-place writes into the block's inputs"),
-              (host, "host rows (L6)"), (parallel, "sequence parallelism (exchanges between ranks)"),
+              (parallel, "sequence parallelism (exchanges between ranks)"),
               (whole_q, "a whole-Q attention (phase Q reads rows of its output)")]
     return next((why for cond, why in causes if cond), "")
 

@@ -409,7 +409,7 @@ def plan_call(ctx: CallContext, call: GraphCall, budget: int | None) -> Plan:
     budget = parallel.agreed_budget(budget, call.par, call.device)
     if ctx.options.replay:
         an = call.found.analysis
-        why = replay_problem(an, call.host, call.par is not None, call.whole_q)
+        why = replay_problem(an, call.par is not None, call.whole_q)
         if why:
             ctx.note(f"chunk replay (replay=True) not for this block: {why}")
     plan = _keep_or_rerun(call, ctx.options, budget)
@@ -557,7 +557,7 @@ def replay_row(call: GraphCall, o) -> int | None:
     if o.replay is False or (o.replay is None and call.device.type not in RECORDS):
         return None
     an = call.found.analysis
-    if replay_problem(an, call.host, call.par is not None, call.whole_q):
+    if replay_problem(an, call.par is not None, call.whole_q):
         return None
     return staged_row_bytes(an, call.found.captured.graph)
 
