@@ -171,7 +171,7 @@ class _NaiveChunkedFFN:
 
 def run_case(case: Case, tokens_list: list[int], modes: list[str], repeats: int = 3,
              progress: Callable[[str], None] | None = None, kv: str = "device",
-             fuse: bool | None = None, timelines: list | None = None) -> Iterator[Row]:
+             fuse: bool | None = None, replay: bool | None = None, timelines: list | None = None) -> Iterator[Row]:
     """Yield one row per (tokens, mode). Modes: stock, naive-chunked-ffn, forward-chunking, streamplan-<rows>
     (forced chunk), streamplan-<N>GiB (the planner given what an N GiB card leaves after the weights),
     streamplan-floor<x> (the planner given the inputs plus x times the floor). ``progress``, if given, is called
@@ -221,13 +221,14 @@ def run_case(case: Case, tokens_list: list[int], modes: list[str], repeats: int 
                     factor = float(mode[len("streamplan-floor"):])
                     inputs = sum(t.numel() * t.element_size() for t in _tensors(args))
                     handle, ctx = apply(model, budget=int(inputs + factor * case.floor_bytes_per_token * tokens),
-                                        kv=kv, fuse=fuse), None
+                                        kv=kv, fuse=fuse, replay=replay), None
                 else:
                     size = mode.rsplit("-", 1)[1]
                     if size.endswith("GiB"):
-                        handle = apply(model, budget=int(float(size[:-3]) * GiB) - weights, kv=kv, fuse=fuse)
+                        handle = apply(model, budget=int(float(size[:-3]) * GiB) - weights, kv=kv, fuse=fuse,
+                                       replay=replay)
                     else:
-                        handle = apply(model, chunk_tokens=int(size), kv=kv, fuse=fuse)
+                        handle = apply(model, chunk_tokens=int(size), kv=kv, fuse=fuse, replay=replay)
                     ctx = None
                 try:
                     out, peak, reserved = _measure(lambda: case.call(model, args))

@@ -71,6 +71,10 @@ FUSE_CHOICES = {"auto": None, "on": True, "off": False}   # apply's fuse=
 FUSE_HELP = ("compile a captured block's element-wise chains into exact kernels (checked bit for bit before use): "
              "auto = on CUDA with Triton where chunks are large enough, on = anywhere Inductor runs (the first "
              "call compiles, seconds), off = never (default: auto)")
+REPLAY_CHOICES = {"auto": None, "on": True, "off": False}   # apply's replay=
+REPLAY_HELP = ("replay a captured block's chunks after the first two as recorded CUDA graphs (one launch where each "
+               "of ~100 ops would cost microseconds): auto = where the time model says it is faster (CUDA, and meta "
+               "planned as the benchmark GPU), on = wherever the block allows it, off = never (default: auto)")
 _BENCH_MODE = re.compile(r"^(stock|naive-chunked-ffn|forward-chunking|streamplan-[1-9][0-9]*"
                          r"|streamplan-[0-9]*\.?[0-9]+GiB|streamplan-floor[0-9]*\.?[0-9]+)$")
 _NEGATIVE_LOOKING = re.compile(r"^-\.?[0-9]")
@@ -264,7 +268,8 @@ def _plan(args: argparse.Namespace) -> int:
     module, inputs = on_meta(family, args.tokens, dtype)
     call = lambda: module(*inputs, **(family.call_kwargs or {}))  # noqa: E731
     stages(f"planning {args.tokens} tokens")
-    handle = streamplan.apply(module, budget=args.budget, chunk_tokens=args.chunk_tokens, kv=args.kv)
+    handle = streamplan.apply(module, budget=args.budget, chunk_tokens=args.chunk_tokens, kv=args.kv,
+                              replay=REPLAY_CHOICES[args.replay])
     try:
         with torch.inference_mode():
             call()
@@ -359,7 +364,7 @@ def _bench(args: argparse.Namespace) -> int:
     for i, name in enumerate(args.cases, 1):
         progress(f"[case {i}/{len(args.cases)}] {name}: {BENCH_CASES[name]}")
         for row in run_case(CASES[name](), args.tokens, args.modes, args.repeats, progress=progress, kv=args.kv,
-                            fuse=FUSE_CHOICES[args.fuse], timelines=timelines):
+                            fuse=FUSE_CHOICES[args.fuse], replay=REPLAY_CHOICES[args.replay], timelines=timelines):
             rows.append(row)
             print(f"{to_markdown([row]).splitlines()[-1]}   [{len(rows)}/{total}]", flush=True)
     os.makedirs(args.out, exist_ok=True)
@@ -445,6 +450,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--chunk-tokens", type=_positive_int, default=None, metavar="N",
                       help="force row streaming with this many tokens per chunk")
     plan.add_argument("--kv", choices=KV_CHOICES, default="device", help=kv_help)
+    plan.add_argument("--replay", choices=list(REPLAY_CHOICES), default="auto", help=REPLAY_HELP)
     plan.add_argument("--json", action="store_true", help="print the plans as JSON instead of the report")
     plan.add_argument("--smallest", action="store_true",
                       help="also find the smallest budget every operation plans under at this length, and the card "
@@ -471,6 +477,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help=kv_help + "; applies to the streamplan modes")
     bench.add_argument("--fuse", choices=list(FUSE_CHOICES), default="auto",
                        help=FUSE_HELP + "; applies to the streamplan modes")
+    bench.add_argument("--replay", choices=list(REPLAY_CHOICES), default="auto",
+                       help=REPLAY_HELP + "; applies to the streamplan modes")
     bench.add_argument("--repeats", type=_positive_int, default=3, metavar="N",
                        help="timed runs per row, the median reported (default: 3)")
     bench.add_argument("--out", default="streamplan-bench", metavar="DIR",
