@@ -102,8 +102,14 @@ class CudaGraphRecorder:
     def record(self, i: int, fn: Callable[[Env], None], env: Env) -> None:
         graph = torch.cuda.CUDAGraph()
         pool = next(iter(self.graphs.values())).pool() if self.graphs else None
-        with torch.cuda.graph(graph, pool=pool, stream=self.stream, capture_error_mode="thread_local"):
-            fn(env)
+        # ``capture_begin`` directly: ``torch.cuda.graph`` would synchronise and empty the allocator's cache first,
+        # at every recording of every block's call
+        with torch.cuda.stream(self.stream):
+            graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+            try:
+                fn(env)
+            finally:
+                graph.capture_end()
         self.graphs[i] = graph
 
     def replay(self, i: int) -> None:
