@@ -55,13 +55,14 @@ class StreamOptions:
             on the device), ``"device"`` (never in host memory), ``"host"`` (always, where the forward can: pinned
             host memory, each block reading its chunks back). Host memory needed is in the report; where it cannot
             be had, ``HostMemoryError`` before anything runs.
-        replay: a captured block's chunks of one size, after its first two, replayed as one recorded CUDA graph:
-            one launch a chunk where each of its ~100 ops costs microseconds of dispatch that short chunks no longer
-            hide; the same kernels on the same values (its rows are staged in and out, priced in the plan).
-            ``None`` (default): where the planner's time model says it is faster (CUDA); ``True``: wherever the block
-            allows it (off CUDA the chunks re-run through the same staging: a check, not a speed-up); ``False``:
-            never. What a block does not allow (a causal attention, a mask over the rows, static rows) is in the
-            report when asked for.
+        replay: a captured block's chunks of one size, after its first two, replayed as recorded CUDA graphs (the
+            runs between its attentions; each attention eager for its chunk): a few launches a chunk where each of
+            its ~100 ops costs microseconds of dispatch that short chunks no longer hide; the same kernels on the
+            same values (its rows are staged in and out, priced in the plan). ``None`` (default): where the
+            planner's time model says it is faster, on a device whose replay rates are fitted (none yet:
+            docs/budgets-and-tiers.md, the time model); ``True``: wherever the block allows it (off CUDA the chunks
+            re-run through the same staging: a check, not a speed-up; what a block does not allow, such as a
+            convolution along the rows, is in the report); ``False``: never.
         smallest_when_short: the budget is a target, not a ceiling: where no plan fits it, plan at the smallest
             peak the planner reaches (noted in the report) instead of raising (ComfyUI's ``"auto"``, whose weights
             fill the card and are evicted on demand).

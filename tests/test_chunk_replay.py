@@ -3,12 +3,15 @@ recording. On the CPU the recording is re-run through the same staging (``RerunR
 is the staging: every chunk's rows copied in, its outputs copied out, exact against the real modules' own forwards;
 the memory the staging takes priced by the plan and held under a budget; what cannot replay refused and said; a
 recording that fails leaving the call's chunks eager. The CUDA graph itself runs in ``benchmarks/gpu_time_model.py``."""
+import dataclasses
+
 import pytest
 import torch
 
 import streamplan
 from conftest import rel_err, streamed
 from streamplan.execute import chunk_replay
+from streamplan.plan import time_model
 from streamplan.tools.families import FAMILIES, on_meta
 
 ROWS, CHUNK = 1024, 64
@@ -156,20 +159,36 @@ def _nbytes(x) -> int:
     return sum(t.numel() * t.element_size() for t in torch.utils._pytree.tree_leaves(x) if isinstance(t, torch.Tensor))
 
 
-def test_meta_planner_weighs_replay_by_the_time_model():
-    """Wan2.1-14B at 32,768 rows under its inputs + 1.15x the floor, planned on meta as the benchmark GPU: the time
-    model prices short chunks replayed below every plan without replay, and the planner takes one; with
-    ``replay=False`` it never does."""
+def _meta_wan_plans(replays=(None, False)) -> tuple[dict, int]:
+    """Wan2.1-14B at 32,768 rows under its inputs + 1.15x the floor, planned on meta as the benchmark GPU."""
     fam = FAMILIES["wan-14b-block"]
     module, inputs = on_meta(fam, 32768, torch.bfloat16)
     budget = int(_nbytes(inputs) + 1.15 * fam.floor_bytes_per_token(torch.bfloat16) * 32768)
     plans = {}
-    for replay in (None, False):
+    for replay in replays:
         with streamed(module, capture="prefer", budget=budget, replay=replay) as handle:
             with torch.inference_mode():
                 module(*inputs)
             plans[replay] = _root_plan(handle)
+    return plans, budget - _nbytes(inputs)
+
+
+def test_meta_planner_weighs_replay_once_the_device_has_replay_rates(monkeypatch):
+    """With replay rates fitted for the device, the time model prices short chunks replayed below every plan without
+    replay and the planner takes one; ``replay=False`` never does."""
+    monkeypatch.setitem(time_model.RATES, "meta", dataclasses.replace(time_model.H200, replay_op=0.15))
+    plans, budget = _meta_wan_plans()
     chosen, eager = plans[None], plans[False]
     assert chosen.replay and not eager.replay, (chosen.describe(), eager.describe())
     assert chosen.predicted_time_ratio < eager.predicted_time_ratio
-    assert chosen.predicted_peak <= budget - _nbytes(inputs)
+    assert chosen.predicted_peak <= budget
+
+
+def test_without_fitted_replay_rates_the_planner_leaves_replay_to_the_user():
+    """The shipped rates have no replay terms until a GPU sweep fits them: ``replay=None`` plans as ``False`` does,
+    and ``replay=True`` replays, priced as eager chunks."""
+    assert time_model.H200.replay_op is None
+    plans, budget = _meta_wan_plans((None, False, True))
+    assert not plans[None].replay
+    assert plans[None].describe(figures=False) == plans[False].describe(figures=False)
+    assert plans[True].replay and plans[True].predicted_peak <= budget

@@ -789,7 +789,8 @@ def _chosen(request: GraphPlanRequest) -> Plan:
 
 def _replay_weighed(request: GraphPlanRequest) -> bool:
     """Whether the planner weighs replayed plans against the others by the time model (the user left it to it)."""
-    return request.replay is None and request.replay_row is not None and request.timed and not request.replayed
+    return (request.replay is None and request.replay_row is not None and request.timed and not request.replayed
+            and request.costs.rates.replay_op is not None)
 
 
 def _chosen_plan(request: GraphPlanRequest) -> Plan:

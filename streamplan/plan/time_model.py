@@ -26,8 +26,11 @@ class Rates:
     store_share: float = 1.0  # share of the store model's seconds (``planner.l4_extra_seconds``) that shows
     grouped_store: float = 1.0  # a store read back a head group at a time runs this much longer than priced (its
     # passes' per-group calls and copies that hide under less attention: the model's parts miss it)
-    replay_op: float = 0.15   # share of ``op_s`` an op costs in a replayed chunk (one graph launch for the chunk)
-    replay_setup: float = 2.0  # chunks' worth of ``op_s`` a phase's recording costs (its eager warm-up and capture)
+    # chunk replay (``execute.chunk_replay``): the share of ``op_s`` an op costs in a replayed chunk, and the chunks'
+    # worth of ``op_s`` a phase's recording costs (its eager warm-up and capture). None: not fitted on this device,
+    # so the planner does not weigh replay on its own there (``replay=True`` still replays, priced as eager chunks)
+    replay_op: float | None = None
+    replay_setup: float = 2.0
 
 
 # fitted on the benchmark device's sweep (docs/budgets-and-tiers.md, "The time model"); "meta" plans as for that
@@ -82,7 +85,7 @@ def streamed_seconds(w, r: Rates, s: Streamed) -> float:
     groups = (s.groups - 1) * r.group_rerun * (_gemm_s(w.kv_flops_row * n, c, r) + w.kv_bytes_row * n / r.bandwidth)
     per_chunk = (w.ops_kv * s.groups + w.ops_q + (s.slices - 1) * w.ops_mlp) * r.op_s
     ops = k * per_chunk
-    if s.replayed and k > 2:   # the first two chunks eager, the recording, the rest replayed
+    if s.replayed and k > 2 and r.replay_op is not None:   # two chunks eager, the recording, the rest replayed
         ops = (2 + r.replay_setup + (k - 2) * r.replay_op) * per_chunk
     memory += s.staged / r.bandwidth
     return gemm + memory + attention + groups + ops + pieces_seconds(w, r, s.pieces, k) + s.store_s

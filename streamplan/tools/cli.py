@@ -73,8 +73,8 @@ FUSE_HELP = ("compile a captured block's element-wise chains into exact kernels 
              "call compiles, seconds), off = never (default: auto)")
 REPLAY_CHOICES = {"auto": None, "on": True, "off": False}   # apply's replay=
 REPLAY_HELP = ("replay a captured block's chunks after the first two as recorded CUDA graphs (one launch where each "
-               "of ~100 ops would cost microseconds): auto = where the time model says it is faster (CUDA, and meta "
-               "planned as the benchmark GPU), on = wherever the block allows it, off = never (default: auto)")
+               "of ~100 ops would cost microseconds): auto = where the time model says it is faster, on a device whose "
+               "replay rates are fitted (none yet), on = wherever the block allows it, off = never (default: auto)")
 _BENCH_MODE = re.compile(r"^(stock|naive-chunked-ffn|forward-chunking|streamplan-[1-9][0-9]*"
                          r"|streamplan-[0-9]*\.?[0-9]+GiB|streamplan-floor[0-9]*\.?[0-9]+)$")
 _NEGATIVE_LOOKING = re.compile(r"^-\.?[0-9]")
