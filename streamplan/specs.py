@@ -349,11 +349,11 @@ def described_whole(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
 def address(t: torch.Tensor) -> object:
     """Where a tensor's first element lives, comparable between tensors: its data pointer, or for a fake tensor (a
     rehearsal's, which has no memory) its storage and offset."""
-    if is_fake(t):
+    if type(t) is not torch.Tensor and is_fake(t):   # (a plain tensor is never fake: the common case, checked fast)
         return (t.untyped_storage()._cdata, t.storage_offset() * t.element_size())
     return t.data_ptr()
 
 
 def storage_address(t: torch.Tensor) -> object:
     """Which memory a tensor views (its storage's data pointer; a fake tensor's storage)."""
-    return t.untyped_storage()._cdata if is_fake(t) else t.untyped_storage().data_ptr()
+    return t.untyped_storage()._cdata if type(t) is not torch.Tensor and is_fake(t) else t.untyped_storage().data_ptr()

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import operator
 from typing import Any, Callable
 
 import torch
@@ -23,6 +22,7 @@ from .whole_rows import whole_buffer, write_chunk_rows
 from ..graph.analyze import Analysis, GlobalAttention, Rows
 from ..graph.export import Captured
 from ..graph.fused_chains import FusedChain, run_chain
+from ..graph.node_calls import call_node
 from ..graph.fixed_row_slices import run_cut
 from ..graph.direct_writes import Into, Made, call_into, found
 from ..graph.joins_in_place import run_join
@@ -30,7 +30,7 @@ from ..graph.sliced_mlp import MLPRegion, row_dim, run_region
 from ..graph.pair_masks import PairRows
 from ..graph.row_pieces import run_pieces
 from ..graph.pruned_projections import run_pruned
-from ..graph.schedule import ATTENTION, CHAIN, PIECES, PRUNED, REDUCE, REGION, Schedule, phase_schedule
+from ..graph.schedule import ATTENTION, CHAIN, OP, PIECES, PRUNED, REDUCE, REGION, Schedule, phase_schedule
 from ..graph.in_place import run_over
 from ..graph.phases import Phases, ancestors, last_uses, q_roots, rowed_outputs
 from ..attention import lse_attention
@@ -87,6 +87,8 @@ class GraphRun:
         self.regions = list(regions or []) if ffn_slice else []
         self._schedules: dict[tuple, Schedule] = {}
         self._cuts: dict[int, tuple[list, list]] = {}   # a schedule's runs and attentions, cut for a replay
+        self._input_parts: tuple | None = None   # ``_split_inputs``' answer, and the input counts it holds for
+        self._freed: dict = {}   # a step -> the values it lets go of (``_frees``)
         self._into: dict[fx.Node, Into] = {}   # a K/V/output value whose producer writes into its buffer: direct_writes
         self._made: dict[fx.Node, Made | None] = {}   # what a watched producer made on a first chunk
         flat = pytree.tree_leaves((args, kwargs), is_leaf=lambda x: x is None)
@@ -204,18 +206,28 @@ class GraphRun:
         return self._call(node, env)
 
     # -- one node ---------------------------------------------------------------------------------------------
-    @staticmethod
-    def _call(node: fx.Node, env: dict) -> Any:
-        args = fx.node.map_arg(node.args, lambda n: env[n])
-        kwargs = fx.node.map_arg(node.kwargs, lambda n: env[n])
-        if node.target is operator.getitem:
-            return args[0][args[1]]
-        return node.target(*args, **kwargs)
+    _call = staticmethod(call_node)
 
-    def _inputs(self, a: int, b: int, dynamic: bool = False) -> dict:
-        env = dict(self.consts)
+    def _split_inputs(self) -> tuple[dict, list]:
+        """The environment every chunk starts from (constants, weights, inputs read whole), and the inputs each
+        chunk takes its part of: worked out once per call, not per chunk (a block reads dozens of weights)."""
+        key = (len(self.base), len(self.sources))
+        if self._input_parts is not None and self._input_parts[0] == key:
+            return self._input_parts[1]
+        fixed, rowed = dict(self.consts), []
         for node, value in self.base.items():
             r = self.an.rows.get(node)
+            if node not in self.sources and (node in self.an.whole_inputs or not isinstance(r, Rows)):
+                fixed[node] = value
+            else:
+                rowed.append((node, value, r))
+        self._input_parts = (key, (fixed, rowed))
+        return fixed, rowed
+
+    def _inputs(self, a: int, b: int, dynamic: bool = False) -> dict:
+        fixed, rowed = self._split_inputs()
+        env = dict(fixed)
+        for node, value, r in rowed:
             part = functools.partial(self._part, node, value)
             if node in self.an.whole_inputs:   # a mask over the keys: every chunk attends all of them
                 env[node] = part(0, 0, None)
@@ -272,9 +284,15 @@ class GraphRun:
                into: dict[fx.Node, torch.Tensor] | None = None, watch: set[fx.Node] = frozenset()) -> dict:
         """``_run``'s steps (a whole schedule, or a replay's run between attentions)."""
         built: dict[fx.Node, torch.Tensor] = {}   # this chunk's joins built in place so far
+        call, cuts, wanted = self._call, self.an.fixed_cuts, (self.wanted if self.static_mode else ())
         for step in steps:
             node, kind = step.node, step.kind
-            if kind == PIECES:
+            if kind == OP and rows is None and step.join is None and step.over is None and node not in cuts \
+                    and not (into and node in into):   # the common case first: the node's own op
+                env[node] = call(node, env)
+                if node in wanted:
+                    self.cache[node] = env[node]
+            elif kind == PIECES:
                 run_pieces(step.item, env, self.an, self.cap.row_symbol, self._call, self.pieces)
             elif kind == CHAIN:
                 run_chain(step.item, env, self.an, self.cap.row_symbol, self._call, self.fuse)
@@ -302,16 +320,23 @@ class GraphRun:
                 env[node] = self._call(node, env)
                 if self.static_mode and node in self.wanted:
                     self.cache[node] = env[node]
-            if node in watch:
+            if watch and node in watch:
                 self._made[node] = Made.of(env[node])
-            self._drop(step, env, keep)
+            for m in self._freed.get(step) or self._frees(step, keep):
+                env.pop(m, None)
         return env
+
+    def _frees(self, step, keep: set[fx.Node]) -> tuple:
+        """The values ``step`` reads last that the chunk lets go of (not what it hands on, the constants or the
+        inputs), worked out once per step: a step belongs to one schedule, and so to one ``keep``."""
+        got = self._freed[step] = tuple(m for m in step.frees
+                                        if m not in keep and m not in self.consts and m not in self.base)
+        return got
 
     def _drop(self, step, env: dict, keep: set[fx.Node]) -> None:
         """Let go of the values ``step`` reads last."""
-        for m in step.frees:
-            if m not in keep and m not in self.consts and m not in self.base:
-                env.pop(m, None)
+        for m in self._freed.get(step) or self._frees(step, keep):
+            env.pop(m, None)
 
     def _program(self, nodes: list[fx.Node], keep: set[fx.Node], a: int, rows: int | None,
                  outputs) -> ChunkProgram:

@@ -10,6 +10,8 @@ from typing import Any
 import torch
 from torch import fx
 
+from .node_calls import call_node_out
+
 from .analyze import Analysis, Rows, op_name, pointwise
 from .direct_writes import has_out
 from .row_pieces import is_view
@@ -80,6 +82,4 @@ def run_over(node: fx.Node, operand: fx.Node, env: dict, call) -> Any:
     v = env[operand]
     if not takes(v, node):
         return call(node, env)
-    args = fx.node.map_arg(node.args, lambda n: env[n])
-    kwargs = fx.node.map_arg(node.kwargs, lambda n: env[n])
-    return node.target.overloadpacket.out(*args, **kwargs, out=v)
+    return call_node_out(node, env, v)

@@ -1,0 +1,84 @@
+"""A graph node's call as one generated function of the run's environment. Why: a chunk runs its ~100 nodes again
+for every chunk, and mapping each node's arguments through ``fx.node.map_arg`` cost about as much host time as the op's
+own dispatch; the generated function looks its inputs up directly (the way ``torch.fx``'s code generation does for a
+whole graph). Made once per node, and again if the node's arguments are replaced."""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from torch import fx
+
+_ATTR = "_streamplan_call"       # on the node: (its args, its kwargs, the function made from them)
+_ATTR_OUT = "_streamplan_call_out"   # the same for its op's ``out=`` form
+
+
+def call_node(node: fx.Node, env: dict) -> Any:
+    """``node.target`` called on its arguments' values in ``env``."""
+    made = getattr(node, _ATTR, None)
+    if made is None or made[0] is not node._args or made[1] is not node._kwargs:
+        made = (node._args, node._kwargs, _generate(node, "target"))
+        setattr(node, _ATTR, made)
+    return made[2](env)
+
+
+def call_node_out(node: fx.Node, env: dict, out: Any) -> Any:
+    """``node``'s op in its ``out=`` form (``target.overloadpacket.out``), written into ``out``."""
+    made = getattr(node, _ATTR_OUT, None)
+    if made is None or made[0] is not node._args or made[1] is not node._kwargs:
+        made = (node._args, node._kwargs, _generate(node, "target.overloadpacket.out", out=True))
+        setattr(node, _ATTR_OUT, made)
+    return made[2](env, out)
+
+
+def _generate(node: fx.Node, call_of: str, out: bool = False) -> Callable[..., Any]:
+    bound: dict[str, Any] = {"target": node.target}
+
+    def source(value: Any) -> str | None:
+        """The expression for one argument; None where it holds a container this does not rebuild."""
+        if isinstance(value, fx.Node):
+            name = f"n{len(bound)}"
+            bound[name] = value
+            return f"env[{name}]"
+        if isinstance(value, (list, tuple)):
+            parts = [source(v) for v in value]
+            if any(p is None for p in parts):
+                return None
+            if isinstance(value, list):
+                return f"[{', '.join(parts)}]"
+            if type(value) is not tuple:   # a named tuple or torch.Size: bound as it is where nothing inside is a node
+                return _bound(bound, value) if not any(isinstance(v, fx.Node) for v in value) else None
+            return f"({', '.join(parts)}{',' if len(parts) == 1 else ''})"
+        if isinstance(value, (dict, slice)):
+            return None if _has_node(value) else _bound(bound, value)
+        return _bound(bound, value)
+
+    args = [source(a) for a in node.args]
+    kwargs = {k: source(v) for k, v in node.kwargs.items()}
+    if any(a is None for a in args) or any(v is None for v in kwargs.values()) \
+            or not all(k.isidentifier() for k in kwargs) or (out and "out" in kwargs):
+        return (lambda env, into: _mapped(node, env, into)) if out else (lambda env: _mapped(node, env))
+    call = ", ".join([*args, *(f"{k}={v}" for k, v in kwargs.items()), *(["out=into"] if out else [])])
+    scope: dict[str, Any] = dict(bound)
+    params = "env, into" if out else "env"
+    exec(f"def call({params}):\n    return {call_of}({call})\n", scope)   # noqa: S102 - code made from the graph
+    return scope["call"]
+
+
+def _bound(bound: dict, value: Any) -> str:
+    name = f"c{len(bound)}"
+    bound[name] = value
+    return name
+
+
+def _has_node(value: Any) -> bool:
+    found = []
+    fx.node.map_arg(value, found.append)
+    return bool(found)
+
+
+def _mapped(node: fx.Node, env: dict, into: Any = None) -> Any:
+    args = fx.node.map_arg(node.args, lambda n: env[n])
+    kwargs = fx.node.map_arg(node.kwargs, lambda n: env[n])
+    if into is not None:
+        return node.target.overloadpacket.out(*args, **kwargs, out=into)
+    return node.target(*args, **kwargs)
