@@ -6,6 +6,7 @@ of parts each linear in one constant (1 / GEMM rate, 1 / attention rate, 1 / ban
 groups' rerun share), so the constants are a non-negative least-squares fit of the measured seconds, each row weighed
 by 1 / its time (relative error), with the GEMM efficiency's half-rate rows searched on a grid. Rows with K/V in a
 store (L4) are priced with the planner's own store model on top and reported, not fitted; row pieces are reported.
+Replayed rows (``c512/r``...) fit ``replay_op`` and ``replay_setup`` once the rest is fitted.
 
     python benchmarks/fit_time_model.py benchmarks/results/latest/gpu_time_model_sweep.json
 """
@@ -23,6 +24,7 @@ import streamplan
 
 from common import write_results
 from streamplan.graph import streamable
+from streamplan.execute.chunk_replay import staged_row_bytes
 from streamplan.graph.work import block_work
 from streamplan.plan.planner import META_MULTIPROCESSORS, Waves, wave_waste
 from streamplan.plan.time_model import H200, Rates, Streamed, stock_seconds, streamed_seconds
@@ -30,12 +32,14 @@ from streamplan.tools.families import FAMILIES, on_meta
 
 
 def _work(case: str, n: int):
+    """The block's work at ``n`` rows, its attention's waves, and the bytes per row a replayed chunk stages."""
     module, inputs = on_meta(FAMILIES[case], n, torch.bfloat16)
     found, _ = streamable(module, inputs, {}, n)
     if isinstance(found, str):
         raise RuntimeError(f"{case}: {found}")
     qv = found.analysis.attentions[0].q.meta["val"]
-    return block_work(found, n), Waves(META_MULTIPROCESSORS, qv.shape[0] * qv.shape[1])
+    return (block_work(found, n), Waves(META_MULTIPROCESSORS, qv.shape[0] * qv.shape[1]),
+            staged_row_bytes(found.analysis, found.captured.graph))
 
 
 def _shape(row: dict, waves: Waves) -> Streamed | None:
@@ -79,9 +83,12 @@ def main(path: str) -> int:
         key = (r["case"], r["tokens"])
         if key not in works:
             works[key] = _work(*key)
-    fit_rows, other = [], []
+    fit_rows, other, replayed = [], [], []
     for r in rows:
         p = r.get("plan")
+        if p and p.get("replay"):   # fitted apart, once the rest is (``_fit_replay``)
+            replayed.append(r)
+            continue
         if p and (p["kv"] != "device" or r.get("kw", {}).get("row_pieces")):
             other.append(r)
             continue
@@ -102,6 +109,8 @@ def main(path: str) -> int:
     inv = lambda c: float(1 / c) if c else float("inf")  # noqa: E731
     rates = replace(H200, gemm=inv(coef[0]), gemm_half_rows=float(half), attention=inv(coef[1]),
                     bandwidth=inv(coef[2]), op_s=float(coef[3]), group_rerun=float(coef[4]))
+    if replayed:
+        rates = _fit_replay(replayed, works, rates, coef, half)
     print(f"fit over {len(t)} rows: rms relative error {score:.3f}; {rates}")
     # ratio errors: predicted (plan / stock of the same case) against measured
     out = []
@@ -135,6 +144,29 @@ def main(path: str) -> int:
     return 0
 
 
+def _fit_replay(replayed: list[dict], works: dict, rates: Rates, coef: np.ndarray, half: float) -> Rates:
+    """``replay_op`` and ``replay_setup`` from the replayed rows, the other constants as fitted: what a replayed row
+    took beyond the model's work without ops and its staging's copies is ``op_s`` times a chunk's ops times
+    (2 + setup + (chunks - 2) * replay_op), a non-negative least-squares fit in relative error."""
+    a, y, t = [], [], []
+    for r in replayed:
+        w, waves, staged_row = works[(r["case"], r["tokens"])]
+        s = _shape(r, waves)
+        parts = _parts(w, s, half)
+        k = -(-w.rows // max(1, min(s.chunk, w.rows)))
+        per_chunk = parts[3] / k * coef[3]   # a chunk's ops' seconds at op_s
+        rest = parts @ coef - parts[3] * coef[3] + 2 * w.rows * staged_row / rates.bandwidth
+        a.append([per_chunk, (k - 2) * per_chunk])
+        y.append(r["time_s"] - rest - 2 * per_chunk)
+        t.append(r["time_s"])
+    a, y, t = np.array(a), np.array(y), np.array(t)
+    (setup, op), _ = nnls(a / t[:, None], y / t)
+    err = (a @ np.array([setup, op]) - y) / t
+    print(f"replay fit over {len(t)} rows: replay_setup {setup:.2f} chunks, replay_op {op:.3f} of op_s; "
+          f"rms relative error {np.sqrt(np.mean(err ** 2)):.3f}")
+    return replace(rates, replay_setup=float(setup), replay_op=float(op))
+
+
 def _planned(row: dict, stock: dict) -> dict:
     """The measured plan re-made on meta tensors by the planner itself (its shape forced), and the predicted time
     ratio it carries: what `report()` would have said before the run."""
@@ -148,6 +180,7 @@ def _planned(row: dict, stock: dict) -> dict:
         kw["q_span"] = p["q_span"]
     if row.get("kw", {}).get("row_pieces"):
         kw["row_pieces"] = row["kw"]["row_pieces"]
+    kw["replay"] = bool(p.get("replay"))
     module, inputs = on_meta(FAMILIES[row["case"]], n, torch.bfloat16)
     handle = streamplan.apply(module, capture="prefer", **kw)
     with torch.inference_mode():
