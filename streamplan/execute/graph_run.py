@@ -284,7 +284,8 @@ class GraphRun:
                into: dict[fx.Node, torch.Tensor] | None = None, watch: set[fx.Node] = frozenset()) -> dict:
         """``_run``'s steps (a whole schedule, or a replay's run between attentions)."""
         built: dict[fx.Node, torch.Tensor] = {}   # this chunk's joins built in place so far
-        call, cuts, wanted = self._call, self.an.fixed_cuts, (self.wanted if self.static_mode else ())
+        call, cuts, freed = self._call, self.an.fixed_cuts, self._freed
+        wanted = self.wanted if self.static_mode else ()
         for step in steps:
             node, kind = step.node, step.kind
             if kind == OP and rows is None and step.join is None and step.over is None and node not in cuts \
@@ -322,7 +323,8 @@ class GraphRun:
                     self.cache[node] = env[node]
             if watch and node in watch:
                 self._made[node] = Made.of(env[node])
-            for m in self._freed.get(step) or self._frees(step, keep):
+            frees = freed.get(step)
+            for m in frees if frees is not None else self._frees(step, keep):
                 env.pop(m, None)
         return env
 
@@ -335,7 +337,8 @@ class GraphRun:
 
     def _drop(self, step, env: dict, keep: set[fx.Node]) -> None:
         """Let go of the values ``step`` reads last."""
-        for m in self._freed.get(step) or self._frees(step, keep):
+        frees = self._freed.get(step)
+        for m in frees if frees is not None else self._frees(step, keep):
             env.pop(m, None)
 
     def _program(self, nodes: list[fx.Node], keep: set[fx.Node], a: int, rows: int | None,

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from torch import fx
+from torch._ops import OpOverload
 
 _ATTR = "_streamplan_call"       # on the node: (its args, its kwargs, the function made from them)
 _ATTR_OUT = "_streamplan_call_out"   # the same for its op's ``out=`` form
@@ -16,7 +17,7 @@ def call_node(node: fx.Node, env: dict) -> Any:
     """``node.target`` called on its arguments' values in ``env``."""
     made = getattr(node, _ATTR, None)
     if made is None or made[0] is not node._args or made[1] is not node._kwargs:
-        made = (node._args, node._kwargs, _generate(node, "target"))
+        made = (node._args, node._kwargs, _generate(node, "op"))
         setattr(node, _ATTR, made)
     return made[2](env)
 
@@ -25,13 +26,18 @@ def call_node_out(node: fx.Node, env: dict, out: Any) -> Any:
     """``node``'s op in its ``out=`` form (``target.overloadpacket.out``), written into ``out``."""
     made = getattr(node, _ATTR_OUT, None)
     if made is None or made[0] is not node._args or made[1] is not node._kwargs:
-        made = (node._args, node._kwargs, _generate(node, "target.overloadpacket.out", out=True))
+        made = (node._args, node._kwargs, _generate(node, "out_op", out=True))
         setattr(node, _ATTR_OUT, made)
     return made[2](env, out)
 
 
 def _generate(node: fx.Node, call_of: str, out: bool = False) -> Callable[..., Any]:
-    bound: dict[str, Any] = {"target": node.target}
+    # an ATen overload's C++ callable itself (its ``__call__`` is one more Python frame that only forwards to it)
+    target = node.target
+    bound: dict[str, Any] = {"op": getattr(target, "_op", target) if isinstance(target, OpOverload) else target}
+    if out:
+        packet_out = target.overloadpacket.out
+        bound["out_op"] = getattr(packet_out, "_op", packet_out)
 
     def source(value: Any) -> str | None:
         """The expression for one argument; None where it holds a container this does not rebuild."""
