@@ -129,6 +129,23 @@ def test_a_block_that_cannot_replay_runs_eager_and_the_report_says_why(replays):
     assert rel_err(o, r) <= 1e-5
 
 
+def test_what_the_user_forced_is_kept_and_the_report_says_replay_was_not_used(replays):
+    """Head groups the user set (L3) are not replayed, nor a plan of too few chunks: the plan is the user's, and the
+    report says why replay did not run."""
+    block, args = _wan()
+    with torch.no_grad():
+        ref = block(*args)
+        for kw in ({"chunk_tokens": CHUNK, "head_groups": 2}, {"chunk_tokens": ROWS // 2}):
+            with streamed(block, budget=None, replay=True, **kw) as handle:
+                out = block(*args)
+                plan, report = _root_plan(handle), handle.report()
+            assert not plan.replay and plan.chunk == kw["chunk_tokens"], plan.describe()
+            assert plan.head_groups == kw.get("head_groups", 1)
+            assert "chunk replay (replay=True) not used by this plan" in report, report
+            assert rel_err(out, ref) <= 1e-5
+    assert replays["replays"] == 0
+
+
 class _FailingRecorder(chunk_replay.RerunRecorder):
     """A recording that fails as a CUDA capture does on an op it cannot record."""
 

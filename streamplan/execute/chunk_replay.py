@@ -28,9 +28,6 @@ from ..graph.analyze import Rows, numel_besides
 
 log = logging.getLogger(__name__)
 
-# full-size chunks past the first two a phase needs before recording pays: the eager warm-up and the recording cost
-# about two chunks' host time (the time model prices it: ``time_model.Rates.replay_setup``)
-MIN_REPLAYS = 2
 # devices whose plans the planner may replay on its own: CUDA, and meta planned as the benchmark device
 RECORDS = ("cuda", "meta")
 

@@ -24,8 +24,8 @@ from ..graph.opaque_layers import opaque_layers
 from ..graph.sliced_mlp import row_dim
 from ..graph.work import phase_runs
 from ..graph.phases import keepable_outputs
-from ..plan.planner import (META_MULTIPROCESSORS, ROW_PIECES, SLICED_TIERS, UTILISATION_FLOOR, BudgetError, Plan,
-                            Tier, Waves, aligned_chunk, plan_graph)
+from ..plan.planner import (META_MULTIPROCESSORS, REPLAY_MIN_CHUNKS, ROW_PIECES, SLICED_TIERS, UTILISATION_FLOOR,
+                            BudgetError, Plan, Tier, Waves, aligned_chunk, plan_graph)
 from ..registries import adapt_call, block_backend
 from ..specs import AdaptedCall, HostRows, RowMask, described_whole
 from .call_ledger import phase
@@ -415,6 +415,10 @@ def plan_call(ctx: CallContext, call: GraphCall, budget: int | None) -> Plan:
     plan = _keep_or_rerun(call, ctx.options, budget)
     if plan.tier != Tier.L0:   # rows on a grid: chunks of whole lines (rounded down, priced at the larger chunk)
         plan.chunk = grid_chunk(call.found.captured, plan.chunk)
+    if ctx.options.replay and plan.tier != Tier.L0 and not plan.replay and replay_row(call, ctx.options) is not None:
+        ctx.note(f"chunk replay (replay=True) not used by this plan ({plan.describe(figures=False)}): it replays "
+                 f"L1 and L2 plans with K/V on the device, the planner's head groups not forced, and at least "
+                 f"{REPLAY_MIN_CHUNKS} chunks")
     parallel.agreed_plan(ctx.entry.name or type(ctx.entry.module).__name__, plan, call.par, call.device)
     return plan
 

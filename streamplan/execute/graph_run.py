@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .call_state import rehearsing
 from .chunk_loop import MAX_SPLITS, attempt, chunk_bounds
-from .chunk_replay import MIN_REPLAYS, ChunkProgram, ChunkReplay
+from .chunk_replay import ChunkProgram, ChunkReplay
 from .kv_stores import write_rows
 from .row_contraction_run import build_contractions, grid_chunk
 from .whole_rows import whole_buffer, write_chunk_rows
@@ -34,6 +34,7 @@ from ..graph.schedule import ATTENTION, CHAIN, OP, PIECES, PRUNED, REDUCE, REGIO
 from ..graph.in_place import run_over
 from ..graph.phases import Phases, ancestors, last_uses, q_roots, rowed_outputs
 from ..attention import lse_attention
+from ..plan.planner import REPLAY_MIN_CHUNKS
 from ..attention.lse_merge import LseAccumulator
 
 _LAYOUT = {"cat", "concat", "slice", "narrow", "split", "split_with_sizes", "chunk", "tensor_split"}
@@ -432,7 +433,7 @@ class GraphRun:
 
     def _replayer(self, chunk: int) -> ChunkReplay | None:
         """A phase's replay, where the plan asks for one and enough chunks of ``chunk`` rows follow the first two."""
-        if not self.replay or self.rows // max(chunk, 1) < 2 + MIN_REPLAYS or self.attn_out or self.stores:
+        if not self.replay or self.rows // max(chunk, 1) < REPLAY_MIN_CHUNKS or self.attn_out or self.stores:
             return None
         staged = [n for n in self.base if n not in self.an.whole_inputs
                   and (isinstance(self.an.rows.get(n), Rows) or n in self.sources)]

@@ -529,6 +529,10 @@ def l4_extra_seconds(option: KVOption, rows: int, chunk: int, costs: Costs, bloc
     return out + unhidden + merge + passes * blocks * groups * BLOCK_STEP_S
 
 
+# chunks of one size a replayed plan needs (``execute.chunk_replay``): the first two run eager, and recording pays
+# for itself over the rest
+REPLAY_MIN_CHUNKS = 4
+
 # row pieces the planner may cut a captured block's row-local runs in (fewest first), where the user did not set
 # ``row_pieces``: each count's transient priced by the memory model, its launches by the time model (a choice)
 ROW_PIECES = (2, 4, 8)
@@ -677,7 +681,8 @@ class GraphPlanRequest:
             return Plan(Tier.L0, rows, rows, 0, stock, stock)
         plan = self._make(tier, chunk, sl, g, opt, blk, span)
         plan.row_pieces = self.row_pieces
-        plan.replay = self.replayed and tier in (Tier.L1, Tier.L2)
+        plan.replay = self.replayed and tier in (Tier.L1, Tier.L2) and self.rows // max(plan.chunk, 1) \
+            >= REPLAY_MIN_CHUNKS
         return plan
 
     def _make(self, tier: Tier, chunk: int, sl: int, g: int, opt: KVOption | None, blk: int, span: int) -> Plan:
@@ -779,7 +784,8 @@ def plan_graph(rows: int, fixed: int, transient, stock: int, *, chunk_tokens: in
 
 def _chosen(request: GraphPlanRequest) -> Plan:
     """Chunk replay where asked for and a replayed plan fits (else as if not asked), then ``_chosen_plan``."""
-    if request.replay and request.replay_row is not None and request.kv_store == "device":
+    if request.replay and request.replay_row is not None and request.kv_store == "device" \
+            and request.head_groups in (None, 1):   # (head groups the user set are not replayed: theirs is kept)
         try:
             return _chosen_plan(request.with_replay())
         except BudgetError:
