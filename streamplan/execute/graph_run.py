@@ -66,7 +66,7 @@ class GraphRun:
                  keep: tuple = (), attend_lse: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
                  replay: bool = False):
         self.cap, self.an, self.ph, self.rows, self.attend = cap, an, ph, rows, attend
-        # the plan's chunk replay (``chunk_replay``): each phase's chunks of one size replayed as one recording
+        # the plan's chunk replay (``chunk_replay``): each phase's chunks of one size replayed as recordings
         self.replay = replay
         self.replay_problems: list[str] = []   # recordings that failed (the report)
         # a reduced attention's partial output over one chunk's keys, with its log-sum-exp (``reduced_attentions``)

@@ -208,8 +208,8 @@ class Plan:
     # chunk's rows: their temporaries a piece's, not the chunk's (1: whole chunks)
     kept_outputs: bool = False   # attentions a later attention's phase KV runs: their outputs kept whole there for
     # phase Q to read rather than attended again (``graph.phases.rerun_attentions``)
-    replay: bool = False   # a captured block's chunks of one size replayed as one recorded CUDA graph after the first
-    # two (``execute.chunk_replay``): their rows staged in and out, priced in ``predicted_peak``
+    replay: bool = False   # a captured block's chunks of one size, after the first two, replayed as CUDA graphs
+    # recorded around its attentions (``execute.chunk_replay``): their rows staged in and out, priced in the peak
 
     @property
     def predicted_total(self) -> int:
