@@ -307,16 +307,29 @@ def block_input_bytes(patcher, x, cond) -> int:
     return sum(seen.values())
 
 
+BLOCK_MODES = {"chunk": 0, "held": 1, "held-residual": 2}   # --modes: which of the block calls' modes run
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"a positive whole number, got {text!r}")
+    return value
+
+
 def main() -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("--tokens", type=int, default=None, help="block sequence length (default 217088; smoke 4096)")
-    p.add_argument("--text", type=int, default=None, help="text tokens (default 512; smoke 16)")
-    p.add_argument("--chunk", type=int, default=None, help="chunk_tokens of mode (a) (default 16384; smoke 512)")
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=_positive, default=None, help="block sequence length (default 217088; smoke 4096)")
+    p.add_argument("--text", type=_positive, default=None, help="text tokens (default 512; smoke 16)")
+    p.add_argument("--chunk", type=_positive, default=None, help="chunk_tokens of mode (a) (default 16384; smoke 512)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes on CPU")
     p.add_argument("--model", choices=("wan", "h3", *comfy_dits.MODELS), default="wan",
                    help="wan: WanModel (default); h3: MiniMax-H3, --tokens counting every packed row; flux, "
                         "hunyuan_video, ltxv, chroma: comfy_dits.py, --tokens counting the rows a block sees")
-    p.add_argument("--audio", type=int, default=None, help="h3: audio rows, even (default 2000; smoke 80)")
+    p.add_argument("--audio", type=_positive, default=None, help="h3: audio rows, even (default 2000; smoke 80)")
     p.add_argument("--weights", choices=("device", "lowvram", "dynamic"), default="device",
                    help="where ComfyUI holds the weights: device (default), lowvram (on the CPU, cast per call), "
                         "dynamic (DynamicVRAM, comfy-aimdo; GPU only)")
@@ -328,7 +341,13 @@ def main() -> int:
                         "against the stock block's; modes stock, fixed chunks, held (and auto off the device)")
     a = p.parse_args()
     if a.weights == "dynamic" and a.smoke:
-        raise SystemExit("--weights dynamic needs a GPU (comfy-aimdo's VBAR is CUDA memory); no --smoke")
+        p.error("--weights dynamic needs a GPU (comfy-aimdo's VBAR is CUDA memory); no --smoke")
+    if a.audio is not None and a.audio % 2:
+        p.error(f"--audio: an even number of audio rows, got {a.audio}")
+    if a.modes is not None and not a.blocks:
+        p.error("--modes chooses the block calls' modes: it needs --blocks")
+    if a.modes and not set(a.modes.split(",")) <= set(BLOCK_MODES):
+        p.error(f"--modes {a.modes!r}: choose from {', '.join(BLOCK_MODES)}")
     cuda, dtype = not a.smoke, torch.bfloat16
     n, text = a.tokens or (4096 if a.smoke else 217088), a.text or (16 if a.smoke else 512)
     chunk, dev = a.chunk or (512 if a.smoke else 16384), torch.device("cpu" if a.smoke else "cuda")
@@ -432,10 +451,7 @@ def main() -> int:
         modes = modes[:2] + [("patch budget held to 1.15x floor counting the residual, min_tokens=0",
                               dict(budget=budget - tokens * dim * 2, min_tokens=0), True)]
         if a.modes:
-            keep = {"chunk": 0, "held": 1, "held-residual": 2}
-            if not set(a.modes.split(",")) <= set(keep):
-                raise SystemExit(f"--modes {a.modes!r}: choose from {', '.join(keep)}")
-            modes = [modes[keep[m]] for m in a.modes.split(",")]
+            modes = [modes[BLOCK_MODES[m]] for m in a.modes.split(",")]
     if a.weights != "device":   # what "auto" reads where ComfyUI holds the weights off the device (memory.py)
         modes.append(("patch budget='auto', min_tokens=0", dict(budget="auto", min_tokens=0), True))
     for label, kw, wrapper in modes:
