@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -22,7 +23,7 @@ from .whole_rows import whole_buffer, write_chunk_rows
 from ..graph.analyze import Analysis, GlobalAttention, Rows
 from ..graph.export import Captured
 from ..graph.fused_chains import FusedChain, run_chain
-from ..graph.node_calls import call_node
+from ..graph.node_calls import call_node, compile_run
 from ..graph.fixed_row_slices import run_cut
 from ..graph.direct_writes import Into, Made, call_into, found
 from ..graph.joins_in_place import run_join
@@ -53,6 +54,13 @@ def _attend_kwargs(att: GlobalAttention, env: dict) -> dict:
     if mask.dim() >= 2 and mask.shape[-2] > 1 and mask.stride(-2) == 0:   # the same for every query row: as a key
         mask = mask.narrow(-2, 0, 1)                                         # mask, with no [chunk, keys] copy
     return {"mask": mask, **extra}
+
+
+@dataclass(eq=False)
+class PlainRun:
+    """Consecutive plain ops of a chunk's steps as one generated function of the environment (``compile_run``)."""
+
+    run: Callable[[dict], None]
 
 
 class GraphRun:
@@ -90,6 +98,7 @@ class GraphRun:
         self._cuts: dict[int, tuple[list, list]] = {}   # a schedule's runs and attentions, cut for a replay
         self._input_parts: tuple | None = None   # ``_split_inputs``' answer, and the input counts it holds for
         self._freed: dict = {}   # a step -> the values it lets go of (``_frees``)
+        self._plain: dict[int, tuple[list, list]] = {}   # a list of steps -> it with its plain runs compiled
         self._into: dict[fx.Node, Into] = {}   # a K/V/output value whose producer writes into its buffer: direct_writes
         self._made: dict[fx.Node, Made | None] = {}   # what a watched producer made on a first chunk
         flat = pytree.tree_leaves((args, kwargs), is_leaf=lambda x: x is None)
@@ -283,51 +292,85 @@ class GraphRun:
 
     def _steps(self, steps: list, env: dict, a: int, keep: set[fx.Node], rows: int | None = None,
                into: dict[fx.Node, torch.Tensor] | None = None, watch: set[fx.Node] = frozenset()) -> dict:
-        """``_run``'s steps (a whole schedule, or a replay's run between attentions)."""
+        """``_run``'s steps (a whole schedule, or a replay's run between attentions); runs of plain ops as one
+        generated function each (``_plain_runs``) where the chunk has every row (static rows' later chunks run their
+        dynamic rows step by step)."""
         built: dict[fx.Node, torch.Tensor] = {}   # this chunk's joins built in place so far
-        call, cuts, freed = self._call, self.an.fixed_cuts, self._freed
-        wanted = self.wanted if self.static_mode else ()
-        for step in steps:
-            node, kind = step.node, step.kind
-            if kind == OP and rows is None and step.join is None and step.over is None and node not in cuts \
-                    and not (into and node in into):   # the common case first: the node's own op
-                env[node] = call(node, env)
-                if node in wanted:
-                    self.cache[node] = env[node]
-            elif kind == PIECES:
-                run_pieces(step.item, env, self.an, self.cap.row_symbol, self._call, self.pieces)
-            elif kind == CHAIN:
-                run_chain(step.item, env, self.an, self.cap.row_symbol, self._call, self.fuse)
-            elif kind == REGION:
-                env[node] = run_region(step.item, env, self.ffn_slice, row_dim(step.item, self.an))
-            elif kind == ATTENTION:
-                env[node] = self._attention(step.item, env, a)
-            elif kind == REDUCE:
-                env[node] = self._reduce(step.item, env)
-            elif kind == PRUNED:
-                self._pruned(step.item, env, rows, into, watch)
-            elif node in self.an.fixed_cuts:   # rows cut at a fixed count: the chunk's part of each side
-                env[node] = run_cut(self.an.fixed_cuts[node], env[node.args[0]], self.rows, a, rows is not None,
-                                    self.cap.row_symbol)
-            elif rows is not None:
-                env[node] = self._dynamic(node, env, rows)
-            elif step.join is not None and (joined := run_join(step.join, node, env, built, into)) is not None:
-                env[node] = joined
-                del joined   # the name would hold the joined buffer to the chunk's end
-            elif into and node in into:
-                env[node] = call_into(node, env, into[node])
-            elif step.over is not None:
-                env[node] = run_over(node, step.over, env, self._call)
+        for item in self._plain_runs(steps, keep) if rows is None and len(steps) > 1 else steps:
+            if type(item) is PlainRun:
+                item.run(env)
             else:
-                env[node] = self._call(node, env)
-                if self.static_mode and node in self.wanted:
-                    self.cache[node] = env[node]
-            if watch and node in watch:
-                self._made[node] = Made.of(env[node])
-            frees = freed.get(step)
-            for m in frees if frees is not None else self._frees(step, keep):
-                env.pop(m, None)
+                self._step(item, env, a, keep, rows, into, watch, built)
         return env
+
+    def _plain_runs(self, steps: list, keep: set[fx.Node]) -> list:
+        """``steps`` with each run of two or more plain ops (the node's own op, none of the rewrites, not a producer
+        that may write into a buffer or be watched, nor a static value a first chunk caches) compiled into one
+        function (``node_calls.compile_run``): worked out once per list of steps (a schedule's, a replay's run)."""
+        found = self._plain.get(id(steps))
+        if found is not None:
+            return found[1]
+        cuts, special = self.an.fixed_cuts, set(self.ph.producers.values())
+        if self.static_mode:
+            special |= self.wanted
+        out, run = [], []
+
+        def flush() -> None:
+            fn = compile_run([(s.node, self._frees_of(s, keep)) for s in run]) if len(run) > 1 else None
+            out.extend([PlainRun(fn)] if fn is not None else run)
+            run.clear()
+
+        for step in steps:
+            if step.kind == OP and step.join is None and step.over is None and step.node not in cuts \
+                    and step.node not in special:
+                run.append(step)
+            else:
+                flush()
+                out.append(step)
+        flush()
+        self._plain[id(steps)] = (steps, out)   # (the list held, so its id is not reused)
+        return out
+
+    def _step(self, step, env: dict, a: int, keep: set[fx.Node], rows: int | None, into: dict | None, watch: set,
+              built: dict) -> None:
+        """One step of a chunk, as its kind says."""
+        node, kind = step.node, step.kind
+        if kind == PIECES:
+            run_pieces(step.item, env, self.an, self.cap.row_symbol, self._call, self.pieces)
+        elif kind == CHAIN:
+            run_chain(step.item, env, self.an, self.cap.row_symbol, self._call, self.fuse)
+        elif kind == REGION:
+            env[node] = run_region(step.item, env, self.ffn_slice, row_dim(step.item, self.an))
+        elif kind == ATTENTION:
+            env[node] = self._attention(step.item, env, a)
+        elif kind == REDUCE:
+            env[node] = self._reduce(step.item, env)
+        elif kind == PRUNED:
+            self._pruned(step.item, env, rows, into, watch)
+        elif node in self.an.fixed_cuts:   # rows cut at a fixed count: the chunk's part of each side
+            env[node] = run_cut(self.an.fixed_cuts[node], env[node.args[0]], self.rows, a, rows is not None,
+                                self.cap.row_symbol)
+        elif rows is not None:
+            env[node] = self._dynamic(node, env, rows)
+        elif step.join is not None and (joined := run_join(step.join, node, env, built, into)) is not None:
+            env[node] = joined
+            del joined   # the name would hold the joined buffer to the chunk's end
+        elif into and node in into:
+            env[node] = call_into(node, env, into[node])
+        elif step.over is not None:
+            env[node] = run_over(node, step.over, env, self._call)
+        else:
+            env[node] = self._call(node, env)
+            if self.static_mode and node in self.wanted:
+                self.cache[node] = env[node]
+        if watch and node in watch:
+            self._made[node] = Made.of(env[node])
+        for m in self._frees_of(step, keep):
+            env.pop(m, None)
+
+    def _frees_of(self, step, keep: set[fx.Node]) -> tuple:
+        frees = self._freed.get(step)
+        return frees if frees is not None else self._frees(step, keep)
 
     def _frees(self, step, keep: set[fx.Node]) -> tuple:
         """The values ``step`` reads last that the chunk lets go of (not what it hands on, the constants or the
@@ -338,8 +381,7 @@ class GraphRun:
 
     def _drop(self, step, env: dict, keep: set[fx.Node]) -> None:
         """Let go of the values ``step`` reads last."""
-        frees = self._freed.get(step)
-        for m in frees if frees is not None else self._frees(step, keep):
+        for m in self._frees_of(step, keep):
             env.pop(m, None)
 
     def _program(self, nodes: list[fx.Node], keep: set[fx.Node], a: int, rows: int | None,

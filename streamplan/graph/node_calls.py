@@ -88,3 +88,53 @@ def _mapped(node: fx.Node, env: dict, into: Any = None) -> Any:
     if into is not None:
         return node.target.overloadpacket.out(*args, **kwargs, out=into)
     return node.target(*args, **kwargs)
+
+
+def compile_run(items: list[tuple[fx.Node, tuple]]) -> Callable[[dict], None] | None:
+    """Consecutive nodes run as one generated function of the environment: each node's value a local until its last
+    use in the run (``del`` there, where the step-by-step run would let it go), the values read last in the run from
+    before it popped from the environment there, and what outlives the run written back at its end. ``items``: each
+    node with the values it is the last to read (``GraphRun._frees``). None where a node's arguments hold a container
+    this does not rebuild."""
+    bound: dict[str, Any] = {}
+    local: dict[fx.Node, str] = {}
+
+    def bind(value: Any, prefix: str) -> str:
+        name = f"{prefix}{len(bound)}"
+        bound[name] = value
+        return name
+
+    def source(value: Any) -> str | None:
+        if isinstance(value, fx.Node):
+            return local[value] if value in local else f"env[{bind(value, 'n')}]"
+        if isinstance(value, (list, tuple)):
+            parts = [source(v) for v in value]
+            if any(p is None for p in parts):
+                return None
+            if isinstance(value, list):
+                return f"[{', '.join(parts)}]"
+            if type(value) is not tuple:
+                return bind(value, "c") if not any(isinstance(v, fx.Node) for v in value) else None
+            return f"({', '.join(parts)}{',' if len(parts) == 1 else ''})"
+        if isinstance(value, (dict, slice)):
+            return None if _has_node(value) else bind(value, "c")
+        return bind(value, "c")
+
+    lines = []
+    for i, (node, frees) in enumerate(items):
+        target = node.target
+        op = bind(getattr(target, "_op", target) if isinstance(target, OpOverload) else target, "op")
+        args = [source(a) for a in node.args]
+        kwargs = {k: source(v) for k, v in node.kwargs.items()}
+        if any(a is None for a in args) or any(v is None for v in kwargs.values()) \
+                or not all(k.isidentifier() for k in kwargs):
+            return None
+        var = f"v{i}"
+        lines.append(f"    {var} = {op}({', '.join([*args, *(f'{k}={v}' for k, v in kwargs.items())])})")
+        local[node] = var
+        for m in frees:
+            lines.append(f"    del {local.pop(m)}" if m in local else f"    env.pop({bind(m, 'n')}, None)")
+    lines += [f"    env[{bind(node, 'n')}] = {var}" for node, var in local.items()]
+    scope: dict[str, Any] = dict(bound)
+    exec("def run(env):\n" + "\n".join(lines or ["    pass"]) + "\n", scope)   # noqa: S102 - code made from the graph
+    return scope["run"]
