@@ -11,6 +11,7 @@ from torch._ops import OpOverload
 
 _ATTR = "_streamplan_call"       # on the node: (its args, its kwargs, the function made from them)
 _ATTR_OUT = "_streamplan_call_out"   # the same for its op's ``out=`` form
+_ATTR_RUNS = "_streamplan_runs"      # on a run's first node: the runs compiled from it (``compile_run``)
 
 
 def call_node(node: fx.Node, env: dict) -> Any:
@@ -95,7 +96,21 @@ def compile_run(items: list[tuple[fx.Node, tuple]]) -> Callable[[dict], None] | 
     use in the run (``del`` there, where the step-by-step run would let it go), the values read last in the run from
     before it popped from the environment there, and what outlives the run written back at its end. ``items``: each
     node with the values it is the last to read (``GraphRun._frees``). None where a node's arguments hold a container
-    this does not rebuild."""
+    this does not rebuild. Made once per run of the capture (kept on its first node: every call of the block, and
+    every block of its class, runs the same runs)."""
+    key = tuple((node, tuple(frees)) for node, frees in items)
+    arguments = [(node._args, node._kwargs) for node, _ in items]   # (a node whose arguments are replaced: again)
+    made = getattr(items[0][0], _ATTR_RUNS, None)
+    if made is None:
+        made = {}
+        setattr(items[0][0], _ATTR_RUNS, made)
+    found = made.get(key)
+    if found is None or any(a is not b or k is not w for (a, k), (b, w) in zip(found[0], arguments)):
+        found = made[key] = (arguments, _compile_run(items))
+    return found[1]
+
+
+def _compile_run(items: list[tuple[fx.Node, tuple]]) -> Callable[[dict], None] | None:
     bound: dict[str, Any] = {}
     local: dict[fx.Node, str] = {}
 
