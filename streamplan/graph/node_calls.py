@@ -18,7 +18,7 @@ def call_node(node: fx.Node, env: dict) -> Any:
     """``node.target`` called on its arguments' values in ``env``."""
     made = getattr(node, _ATTR, None)
     if made is None or made[0] is not node._args or made[1] is not node._kwargs:
-        made = (node._args, node._kwargs, _generate(node, "op"))
+        made = (node._args, node._kwargs, _generate(node))
         setattr(node, _ATTR, made)
     return made[2](env)
 
@@ -27,54 +27,67 @@ def call_node_out(node: fx.Node, env: dict, out: Any) -> Any:
     """``node``'s op in its ``out=`` form (``target.overloadpacket.out``), written into ``out``."""
     made = getattr(node, _ATTR_OUT, None)
     if made is None or made[0] is not node._args or made[1] is not node._kwargs:
-        made = (node._args, node._kwargs, _generate(node, "out_op", out=True))
+        made = (node._args, node._kwargs, _generate(node, out=True))
         setattr(node, _ATTR_OUT, made)
     return made[2](env, out)
 
 
-def _generate(node: fx.Node, call_of: str, out: bool = False) -> Callable[..., Any]:
-    # an ATen overload's C++ callable itself (its ``__call__`` is one more Python frame that only forwards to it)
-    target = node.target
-    bound: dict[str, Any] = {"op": getattr(target, "_op", target) if isinstance(target, OpOverload) else target}
-    if out:
-        packet_out = target.overloadpacket.out
-        bound["out_op"] = getattr(packet_out, "_op", packet_out)
+class _Source:
+    """The names a generated function reads (bound into its scope) and the expressions of a node's call over them:
+    a node's value from the run's environment, or from a local where the function made it."""
 
-    def source(value: Any) -> str | None:
-        """The expression for one argument; None where it holds a container this does not rebuild."""
+    def __init__(self):
+        self.bound: dict[str, Any] = {}
+        self.local: dict[fx.Node, str] = {}
+
+    def bind(self, value: Any, prefix: str) -> str:
+        name = f"{prefix}{len(self.bound)}"
+        self.bound[name] = value
+        return name
+
+    def op(self, target: Any) -> str:
+        """An ATen overload's C++ callable itself (its ``__call__`` is one more Python frame that only forwards)."""
+        return self.bind(getattr(target, "_op", target) if isinstance(target, OpOverload) else target, "op")
+
+    def value(self, value: Any) -> str | None:
+        """One argument's expression; None where it holds a container this does not rebuild."""
         if isinstance(value, fx.Node):
-            name = f"n{len(bound)}"
-            bound[name] = value
-            return f"env[{name}]"
+            return self.local[value] if value in self.local else f"env[{self.bind(value, 'n')}]"
         if isinstance(value, (list, tuple)):
-            parts = [source(v) for v in value]
+            parts = [self.value(v) for v in value]
             if any(p is None for p in parts):
                 return None
             if isinstance(value, list):
                 return f"[{', '.join(parts)}]"
             if type(value) is not tuple:   # a named tuple or torch.Size: bound as it is where nothing inside is a node
-                return _bound(bound, value) if not any(isinstance(v, fx.Node) for v in value) else None
+                return self.bind(value, "c") if not any(isinstance(v, fx.Node) for v in value) else None
             return f"({', '.join(parts)}{',' if len(parts) == 1 else ''})"
         if isinstance(value, (dict, slice)):
-            return None if _has_node(value) else _bound(bound, value)
-        return _bound(bound, value)
+            return None if _has_node(value) else self.bind(value, "c")
+        return self.bind(value, "c")
 
-    args = [source(a) for a in node.args]
-    kwargs = {k: source(v) for k, v in node.kwargs.items()}
-    if any(a is None for a in args) or any(v is None for v in kwargs.values()) \
-            or not all(k.isidentifier() for k in kwargs) or (out and "out" in kwargs):
+    def arguments(self, node: fx.Node, extra: tuple[str, ...] = ()) -> str | None:
+        """``node``'s arguments as a call's argument list (``extra`` after them); None where one cannot be written."""
+        args = [self.value(a) for a in node.args]
+        kwargs = {k: self.value(v) for k, v in node.kwargs.items()}
+        if any(a is None for a in args) or any(v is None for v in kwargs.values()) \
+                or not all(k.isidentifier() for k in kwargs):
+            return None
+        return ", ".join([*args, *(f"{k}={v}" for k, v in kwargs.items()), *extra])
+
+    def function(self, params: str, body: list[str]) -> Callable[..., Any]:
+        scope: dict[str, Any] = dict(self.bound)
+        exec(f"def f({params}):\n" + "\n".join(body or ["    pass"]) + "\n", scope)   # noqa: S102 - from the graph
+        return scope["f"]
+
+
+def _generate(node: fx.Node, out: bool = False) -> Callable[..., Any]:
+    src = _Source()
+    op = src.op(node.target.overloadpacket.out if out else node.target)
+    arguments = src.arguments(node, ("out=into",) if out else ())
+    if arguments is None or (out and "out" in node.kwargs):
         return (lambda env, into: _mapped(node, env, into)) if out else (lambda env: _mapped(node, env))
-    call = ", ".join([*args, *(f"{k}={v}" for k, v in kwargs.items()), *(["out=into"] if out else [])])
-    scope: dict[str, Any] = dict(bound)
-    params = "env, into" if out else "env"
-    exec(f"def call({params}):\n    return {call_of}({call})\n", scope)   # noqa: S102 - code made from the graph
-    return scope["call"]
-
-
-def _bound(bound: dict, value: Any) -> str:
-    name = f"c{len(bound)}"
-    bound[name] = value
-    return name
+    return src.function("env, into" if out else "env", [f"    return {op}({arguments})"])
 
 
 def _has_node(value: Any) -> bool:
@@ -111,45 +124,14 @@ def compile_run(items: list[tuple[fx.Node, tuple]]) -> Callable[[dict], None] | 
 
 
 def _compile_run(items: list[tuple[fx.Node, tuple]]) -> Callable[[dict], None] | None:
-    bound: dict[str, Any] = {}
-    local: dict[fx.Node, str] = {}
-
-    def bind(value: Any, prefix: str) -> str:
-        name = f"{prefix}{len(bound)}"
-        bound[name] = value
-        return name
-
-    def source(value: Any) -> str | None:
-        if isinstance(value, fx.Node):
-            return local[value] if value in local else f"env[{bind(value, 'n')}]"
-        if isinstance(value, (list, tuple)):
-            parts = [source(v) for v in value]
-            if any(p is None for p in parts):
-                return None
-            if isinstance(value, list):
-                return f"[{', '.join(parts)}]"
-            if type(value) is not tuple:
-                return bind(value, "c") if not any(isinstance(v, fx.Node) for v in value) else None
-            return f"({', '.join(parts)}{',' if len(parts) == 1 else ''})"
-        if isinstance(value, (dict, slice)):
-            return None if _has_node(value) else bind(value, "c")
-        return bind(value, "c")
-
-    lines = []
+    src, lines = _Source(), []
     for i, (node, frees) in enumerate(items):
-        target = node.target
-        op = bind(getattr(target, "_op", target) if isinstance(target, OpOverload) else target, "op")
-        args = [source(a) for a in node.args]
-        kwargs = {k: source(v) for k, v in node.kwargs.items()}
-        if any(a is None for a in args) or any(v is None for v in kwargs.values()) \
-                or not all(k.isidentifier() for k in kwargs):
+        op, arguments = src.op(node.target), src.arguments(node)
+        if arguments is None:
             return None
-        var = f"v{i}"
-        lines.append(f"    {var} = {op}({', '.join([*args, *(f'{k}={v}' for k, v in kwargs.items())])})")
-        local[node] = var
+        lines.append(f"    v{i} = {op}({arguments})")
+        src.local[node] = f"v{i}"
         for m in frees:
-            lines.append(f"    del {local.pop(m)}" if m in local else f"    env.pop({bind(m, 'n')}, None)")
-    lines += [f"    env[{bind(node, 'n')}] = {var}" for node, var in local.items()]
-    scope: dict[str, Any] = dict(bound)
-    exec("def run(env):\n" + "\n".join(lines or ["    pass"]) + "\n", scope)   # noqa: S102 - code made from the graph
-    return scope["run"]
+            lines.append(f"    del {src.local.pop(m)}" if m in src.local else f"    env.pop({src.bind(m, 'n')}, None)")
+    lines += [f"    env[{src.bind(node, 'n')}] = {var}" for node, var in src.local.items()]
+    return src.function("env", lines)
