@@ -416,9 +416,11 @@ def plan_call(ctx: CallContext, call: GraphCall, budget: int | None) -> Plan:
     if plan.tier != Tier.L0:   # rows on a grid: chunks of whole lines (rounded down, priced at the larger chunk)
         plan.chunk = grid_chunk(call.found.captured, plan.chunk)
     if ctx.options.replay and plan.tier != Tier.L0 and not plan.replay and replay_row(call, ctx.options) is not None:
-        ctx.note(f"chunk replay (replay=True) not used by this plan ({plan.describe(figures=False)}): it replays "
-                 f"L1 and L2 plans with K/V on the device, the planner's head groups not forced, and at least "
-                 f"{REPLAY_MIN_CHUNKS} chunks")
+        chunks = -(-plan.rows // max(plan.chunk, 1))
+        why = (f"its {chunks} chunks are fewer than the {REPLAY_MIN_CHUNKS} a replay needs"
+               if plan.tier in (Tier.L1, Tier.L2) and plan.kv == "device" else
+               "a replay runs L1 and L2 plans with K/V on the device, their head groups not forced")
+        ctx.note(f"chunk replay (replay=True) not used by this plan ({plan.describe(figures=False)}): {why}")
     parallel.agreed_plan(ctx.entry.name or type(ctx.entry.module).__name__, plan, call.par, call.device)
     return plan
 
