@@ -42,15 +42,17 @@ def write_results(name: str, payload: dict) -> str:
     return path
 
 
-def wall_time(fn: Callable[[], Any], repeats: int = 2) -> float:
-    """Median wall seconds of ``fn`` over ``repeats`` runs after one warm-up (the CPU smoke runs' cuda_time)."""
+def wall_time(fn: Callable[[], Any], repeats: int = 2, reduce: Callable[[list[float]], float] = statistics.median
+              ) -> float:
+    """Wall seconds of ``fn`` over ``repeats`` runs after one warm-up, their median (the CPU smoke runs' cuda_time)
+    or another ``reduce`` (``min``: host time on a shared machine, the run nothing else slowed)."""
     fn()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return reduce(times)
 
 
 STAGES = [("streamplan.integrations.transformers.decoders", "_rope"),

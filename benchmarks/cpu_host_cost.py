@@ -19,23 +19,12 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 
 import streamplan  # noqa: E402
-from common import write_results  # noqa: E402
+from common import wall_time, write_results  # noqa: E402
 from streamplan.graph import streamable  # noqa: E402
 
 ROWS, WIDTH = 2048, 64
 CHUNKS = (16, 64, 256)
-
-
-def _least_s(fn, repeats: int = 15) -> float:
-    """The least of ``repeats`` timed calls after one untimed: host time is what is measured, and on a shared
-    machine the least is the call nothing else slowed."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+LEAST_OF = 15   # timed calls per figure, the least taken
 
 
 def main() -> int:
@@ -52,12 +41,12 @@ def main() -> int:
         found, _ = streamable(block, args, {}, ROWS)
         ops = sum(len(p) for p in (*found.phases.kv, found.phases.q))   # the nodes a chunk runs, both phases
         ref = block(*args)
-        stock = _least_s(lambda: block(*args))
+        stock = wall_time(lambda: block(*args), LEAST_OF, min)
         for chunk in CHUNKS:
             handle = streamplan.apply(block, budget=None, chunk_tokens=chunk, replay=False)
             try:
                 out = block(*args)
-                secs = _least_s(lambda: block(*args))
+                secs = wall_time(lambda: block(*args), LEAST_OF, min)
             finally:
                 handle.remove()
             n = ROWS // chunk

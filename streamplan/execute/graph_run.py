@@ -97,7 +97,7 @@ class GraphRun:
         self._schedules: dict[tuple, Schedule] = {}
         self._cuts: dict[int, tuple[list, list]] = {}   # a schedule's runs and attentions, cut for a replay
         self._input_parts: tuple | None = None   # ``_split_inputs``' answer, and the input counts it holds for
-        self._freed: dict = {}   # a step -> the values it lets go of (``_frees``)
+        self._freed: dict = {}   # a step -> the values it lets go of (``_frees_of``)
         self._plain: dict[int, tuple[list, list]] = {}   # a list of steps -> it with its plain runs compiled
         self._into: dict[fx.Node, Into] = {}   # a K/V/output value whose producer writes into its buffer: direct_writes
         self._made: dict[fx.Node, Made | None] = {}   # what a watched producer made on a first chunk
@@ -365,19 +365,16 @@ class GraphRun:
                 self.cache[node] = env[node]
         if watch and node in watch:
             self._made[node] = Made.of(env[node])
-        for m in self._frees_of(step, keep):
-            env.pop(m, None)
+        self._drop(step, env, keep)
 
     def _frees_of(self, step, keep: set[fx.Node]) -> tuple:
-        frees = self._freed.get(step)
-        return frees if frees is not None else self._frees(step, keep)
-
-    def _frees(self, step, keep: set[fx.Node]) -> tuple:
         """The values ``step`` reads last that the chunk lets go of (not what it hands on, the constants or the
         inputs), worked out once per step: a step belongs to one schedule, and so to one ``keep``."""
-        got = self._freed[step] = tuple(m for m in step.frees
-                                        if m not in keep and m not in self.consts and m not in self.base)
-        return got
+        frees = self._freed.get(step)
+        if frees is None:
+            frees = self._freed[step] = tuple(m for m in step.frees
+                                              if m not in keep and m not in self.consts and m not in self.base)
+        return frees
 
     def _drop(self, step, env: dict, keep: set[fx.Node]) -> None:
         """Let go of the values ``step`` reads last."""
@@ -477,8 +474,7 @@ class GraphRun:
         """A phase's replay, where the plan asks for one and enough chunks of ``chunk`` rows follow the first two."""
         if not self.replay or self.rows // max(chunk, 1) < REPLAY_MIN_CHUNKS or self.attn_out or self.stores:
             return None
-        staged = [n for n in self.base if n not in self.an.whole_inputs
-                  and (isinstance(self.an.rows.get(n), Rows) or n in self.sources)]
+        staged = [n for n, _, _ in self._split_inputs()[1] if n not in self.an.whole_inputs]   # each chunk's own
         device = next(v.device for v in self.base.values() if isinstance(v, torch.Tensor))
         return ChunkReplay(device, staged, chunk, fake=rehearsing())
 
