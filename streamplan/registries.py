@@ -1,6 +1,6 @@
 """Extension points: what a host library's integration declares so the generic path can take its blocks (row-local
-custom ops, capture-time settings and contexts, opaque layers, argument records, attention backends, call adapters,
-state objects). Each registry is filled at import by the library's file under ``streamplan.integrations``."""
+custom ops, capture-time settings and contexts, opaque layers, argument records, attention backends, call adapters and
+describers, state objects). Each registry is filled at import by the library's file under ``streamplan.integrations``."""
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
@@ -147,6 +147,27 @@ def register_call_adapter(adapter: Callable[[nn.Module, tuple, dict], "AdaptedCa
 def adapt_call(block: nn.Module, args: tuple, kwargs: dict) -> "AdaptedCall | str | None":
     for adapter in CALL_ADAPTERS:
         found = adapter(block, args, kwargs)
+        if found is not None:
+            return found
+    return None
+
+
+# A library whose block takes a value no capture can hold but streamplan can describe (Wan Animate 2's flex
+# ``BlockMask``) registers a describer ``(block, args, kwargs) -> (args, kwargs) | reason | None``: the call with
+# those values replaced by described ones (a ``RowMask``) and plain values the capture bakes in (None: not its call;
+# a reason: the call runs stock, named). The stock forward, wherever the block runs stock, gets the call as given.
+CALL_DESCRIBERS: list[Callable[[nn.Module, tuple, dict], "tuple[tuple, dict] | str | None"]] = []
+
+
+def register_call_describer(describer: Callable[[nn.Module, tuple, dict], "tuple[tuple, dict] | str | None"]
+                            ) -> None:
+    if describer not in CALL_DESCRIBERS:
+        CALL_DESCRIBERS.append(describer)
+
+
+def describe_call(block: nn.Module, args: tuple, kwargs: dict) -> "tuple[tuple, dict] | str | None":
+    for describer in CALL_DESCRIBERS:
+        found = describer(block, args, kwargs)
         if found is not None:
             return found
     return None

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import Any, Callable, Literal
 
 import torch
 import torch.nn.functional as F
@@ -312,11 +312,18 @@ class RowMask:
     # eager attention's additive masks: a row that sees no key adds the same minimum to every score, so it attends
     # every key of the call evenly (not only the keys ``span`` gives its chunk)
     blind_rows_see_all: bool = False
+    # a flex mask (``attention.flex.FlexMask``) over the call's rows x its ``keys``: the rows, then ``keys - rows``
+    # static keys the graph joins after them; attended through the flex consumer, cut to each Q chunk's query blocks
+    # (``part`` and ``span`` unused). ``flex_bytes``: its block tables, held through the call
+    flex: Any = None
+    flex_bytes: int = 0
 
     def chunk_bytes(self, chunk: int, elem: int, row_bytes: int = 0) -> int:
         """Bytes of one chunk's mask rows at their worst: the bool rows and the kernel's additive copy of them; with
         ``spans``, no mask rows but each batch element's attention output (``row_bytes`` per row) copied in."""
         c = min(chunk, self.rows)
+        if self.flex is not None:
+            return self.flex_bytes
         if self.spans is not None:
             return c * row_bytes
         keys = min(self.keys, c + self.window - 1) if self.window else self.keys

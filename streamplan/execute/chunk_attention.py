@@ -1,6 +1,7 @@
 """A captured block's global attention, one Q chunk at a time, through its consumer. Where the model forward described
 the block's mask instead of building it (``specs.RowMask``), each chunk's mask rows are built here against the keys
-they can see, so no mask over rows x rows ever exists."""
+they can see, so no mask over rows x rows ever exists; a described flex mask goes to the flex consumer, which cuts its
+block tables to the chunk."""
 from __future__ import annotations
 
 import weakref
@@ -26,6 +27,8 @@ class ChunkAttention:
         if row_mask is None:   # a mask the block was given: its chunk rows (or whole, over the keys alone)
             return consumer.attend(q, k, v, q_offset=q_offset, causal=causal, mask=mask, scale=scale, **cap)
         a, b = q_offset, q_offset + q.shape[-2]
+        if row_mask.flex is not None:   # a flex mask over the rows and the keys after them: the consumer cuts it
+            return consumer.attend(q, k, v, q_offset=a, causal=False, mask=row_mask.flex, scale=scale, **cap)
         if row_mask.spans is not None:   # padding and causality: each batch element's keys without a mask
             return attend_spans(consumer, row_mask, q, k, v, a, scale, cap, self.mean_of)
         lo, hi = row_mask.span(a, b)

@@ -26,7 +26,7 @@ from ..graph.work import phase_runs
 from ..graph.phases import keepable_outputs
 from ..plan.planner import (META_MULTIPROCESSORS, REPLAY_MIN_CHUNKS, ROW_PIECES, SLICED_TIERS, UTILISATION_FLOOR,
                             BudgetError, Plan, Tier, Waves, aligned_chunk, plan_graph)
-from ..registries import adapt_call, block_backend
+from ..registries import adapt_call, block_backend, describe_call
 from ..specs import AdaptedCall, HostRows, RowMask, described_whole
 from .call_ledger import phase
 from .call_state import bypass, needs_grad, shapes
@@ -105,6 +105,10 @@ def stream_call(ctx: CallContext, args: tuple, kwargs: dict) -> Any:
 def check_call(ctx: CallContext, args: tuple, kwargs: dict) -> GraphCall | str:
     """The call as the graph takes it, or why it runs stock ("" to run stock without a note)."""
     module = ctx.entry.module
+    described = describe_call(module, args, kwargs)   # a value no capture holds, described (a flex BlockMask)
+    if isinstance(described, str):
+        return f"ran stock: {described}"
+    args, kwargs = described if described is not None else (args, kwargs)
     taken = _take_row_mask(args, kwargs)
     if isinstance(taken, str):
         return taken
@@ -254,7 +258,7 @@ def _attention_problem(call: GraphCall) -> str | None:
     form (``whole_problem``, ``whole_q``) and, under sequence parallelism, the consumer across the ranks."""
     an, att, consumer = call.found.analysis, call.attention, call.consumer
     if call.row_mask is not None:
-        why = _row_mask_problem(an, call.row_mask, call.rows)
+        why = _row_mask_problem(an, call.row_mask, call.rows, consumer.name)
         if why:
             return f"ran stock (its mask built whole): {why}"
     call.whole_problem = whole_output_problem(call.found)   # None: the attention output can be built ahead
@@ -339,7 +343,11 @@ def _signature(ctx: CallContext, call: GraphCall, tensors: list) -> tuple:
     if call.adapted is not None:   # planned apart from the same call without its cache (the fill is priced, and
         # a cache that takes host rows allows a store)
         sig += (("cache", call.adapted.held, call.adapted.host_fill is not None),)
-    if call.row_mask is not None:
+    if call.row_mask is not None and call.row_mask.flex is not None:
+        sig += (("flex row mask", call.row_mask.keys),)
+        ctx.note(f"its flex BlockMask described over its rows and the {call.row_mask.keys - call.rows} keys after "
+                 "them, cut to each Q chunk's query blocks")
+    elif call.row_mask is not None:
         sig += (("row mask", call.row_mask.window),)
         ctx.note("its attention mask built a Q chunk's rows at a time, against the keys they can see"
                  + (f" (sliding window of {call.row_mask.window})" if call.row_mask.window else ""))
@@ -711,17 +719,21 @@ def _stock_described(entry, args: tuple, kwargs: dict) -> Any:
     return entry.stock(*args, **kwargs)
 
 
-def _row_mask_problem(an, row_mask: RowMask, rows: int) -> str | None:
+def _row_mask_problem(an, row_mask: RowMask, rows: int, consumer: str) -> str | None:
     """Why a described mask cannot stand for the mask this graph's attention was captured without, or None: the graph
-    must have one global attention, with no mask input, over the call's rows alone."""
+    must have one global attention, with no mask input, over the call's rows alone (a flex mask: the rows, then the
+    static keys it describes after them, through the flex consumer)."""
     if len(an.attentions) != 1:
         return f"a row mask for a graph with {len(an.attentions)} global attentions"
     att = an.attentions[0]
+    after = row_mask.keys - rows if row_mask.flex is not None else 0
     # captured with no mask, the attention is causal (SDPA's is_causal: the row mask replaces that rule) or attends
     # every key (eager's, hand-written: the row mask is its whole rule); either way the row mask is what it lacks
-    if att.mask is not None or (att.kv_rows.pre, att.kv_rows.post) != (0, 0) or att.q_rows is None or (
-            att.q_rows.pre, att.q_rows.post) != (0, 0):
+    if att.mask is not None or (att.kv_rows.pre, att.kv_rows.post) != (0, after) or att.q_rows is None or (
+            att.q_rows.pre, att.q_rows.post) != (0, 0) or (att.causal and row_mask.flex is not None):
         return "a row mask for an attention that takes a mask of its own or is not over the call's rows alone"
-    if (row_mask.rows, row_mask.keys) != (rows, rows):
+    if row_mask.rows != rows or (row_mask.flex is None and row_mask.keys != rows):
         return f"a row mask of {row_mask.rows} x {row_mask.keys} rows for a call of {rows}"
+    if row_mask.flex is not None and consumer != "flex":
+        return f"a flex mask for a block whose attention backend is {consumer}, not flex"
     return None

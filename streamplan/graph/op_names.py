@@ -13,9 +13,14 @@ REDUCE_OPS = {"mean", "sum", "amax", "amin", "var", "std", "var_mean", "std_mean
               "argmax", "argmin", "any", "all", "linalg_vector_norm", "norm"}
 
 
+# elementwise ops torch leaves without its pointwise tag
+_UNTAGGED_POINTWISE = {"floor_divide"}
+
+
 def pointwise(target) -> bool:
     """An elementwise op (torch's own tag): each output element from the inputs' elements at its place."""
-    return torch.Tag.pointwise in getattr(target, "tags", ())
+    return torch.Tag.pointwise in getattr(target, "tags", ()) or (
+        op_name(target) in _UNTAGGED_POINTWISE and not op_name(target).endswith("_out"))
 
 
 def op_name(target) -> str:

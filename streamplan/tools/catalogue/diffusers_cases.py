@@ -769,6 +769,7 @@ def _wan_animate2_inputs(n, device, dtype):
 
 
 _add("wan_animate2", T + "transformer_wan_animate_2:WanAnimate2TransformerBlock", lambda c: c(64, 128, 4, True),
-     _wan_animate2_inputs, row_output=None, streams=False,
+     _wan_animate2_inputs, row_output=None,
      note="a generation step (kv_cache_mode='cached'): the rows packed with the cached reference K/V into 128-aligned "
-          "buffers for one flex attention under the model's in-context block mask")
+          "buffers for one flex attention under the model's in-context block mask (described over the rows and the "
+          "reference keys, integrations.diffusers.flex)")
