@@ -6,12 +6,16 @@ of parts each linear in one constant (1 / GEMM rate, 1 / attention rate, 1 / ban
 groups' rerun share), so the constants are a non-negative least-squares fit of the measured seconds, each row weighed
 by 1 / its time (relative error), with the GEMM efficiency's half-rate rows searched on a grid. Rows with K/V in a
 store (L4) are priced with the planner's own store model on top and reported, not fitted; row pieces are reported.
-Replayed rows (``c512/r``...) fit ``replay_op`` and ``replay_setup`` once the rest is fitted.
+Replayed rows (``c512/r``...) fit ``replay_op`` and ``replay_setup`` once the rest is fitted. ``--fixed-rates``: a
+sweep of one block's chunk sizes alone (too few rows for every constant) keeps the shipped rates and fits the host
+time per op (``op_s``) and the replay's terms on top of them.
 
     python benchmarks/fit_time_model.py benchmarks/results/latest/gpu_time_model_sweep.json
+    python benchmarks/fit_time_model.py --fixed-rates benchmarks/results/latest/gpu_time_model_sweep_replay.json
 """
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from dataclasses import replace
@@ -75,7 +79,45 @@ def _parts(w, s: Streamed | None, half: float) -> np.ndarray:
     return np.array(cols)
 
 
-def main(path: str) -> int:
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("sweep", help="a gpu_time_model.py sweep's JSON")
+    p.add_argument("--fixed-rates", action="store_true", help="keep the shipped H200 rates; fit op_s (and the "
+                   "replay's terms) alone")
+    a = p.parse_args()
+    return fit(a.sweep, a.fixed_rates)
+
+
+def _fit_all(fit_rows: list[dict], works: dict) -> tuple:
+    """Every constant, the GEMM half-rate rows searched on a grid: (rms relative error, half, coefficients, the
+    parts matrix, measured seconds)."""
+    best = None
+    for half in (0, 50, 100, 130, 200, 300, 400, 600):
+        a = np.array([_parts(works[(r["case"], r["tokens"])][0], _shape(r, works[(r["case"], r["tokens"])][1]), half)
+                      for r in fit_rows])
+        t = np.array([r["time_s"] for r in fit_rows])
+        coef, _ = nnls(a / t[:, None], np.ones(len(t)))
+        err = a @ coef / t - 1
+        score = float(np.sqrt(np.mean(err ** 2)))
+        if best is None or score < best[0]:
+            best = (score, half, coef, a, t)
+    return best
+
+
+def _fit_op_s(fit_rows: list[dict], works: dict) -> tuple:
+    """``op_s`` alone, the shipped rates kept for the rest: what each row took beyond their parts."""
+    half = H200.gemm_half_rows
+    a = np.array([_parts(works[(r["case"], r["tokens"])][0], _shape(r, works[(r["case"], r["tokens"])][1]), half)
+                  for r in fit_rows])
+    t = np.array([r["time_s"] for r in fit_rows])
+    coef = np.array([1 / H200.gemm, 1 / H200.attention, 1 / H200.bandwidth, 0.0, H200.group_rerun])
+    (op_s,), _ = nnls((a[:, 3] / t)[:, None], (t - a @ coef) / t)
+    coef[3] = op_s
+    err = a @ coef / t - 1
+    return float(np.sqrt(np.mean(err ** 2))), half, coef, a, t
+
+
+def fit(path: str, fixed_rates: bool = False) -> int:
     sweep = json.load(open(path))
     rows = [r for r in sweep["rows"] if "time_s" in r]
     works = {}
@@ -95,17 +137,7 @@ def main(path: str) -> int:
         if p and p["tier"] == "L2":
             r = {**r, "slices": -(-_ffn_of(r["case"]) // p["ffn_slice"])}
         fit_rows.append(r)
-    best = None
-    for half in (0, 50, 100, 130, 200, 300, 400, 600):
-        a = np.array([_parts(works[(r["case"], r["tokens"])][0], _shape(r, works[(r["case"], r["tokens"])][1]), half)
-                      for r in fit_rows])
-        t = np.array([r["time_s"] for r in fit_rows])
-        coef, _ = nnls(a / t[:, None], np.ones(len(t)))
-        err = a @ coef / t - 1
-        score = float(np.sqrt(np.mean(err ** 2)))
-        if best is None or score < best[0]:
-            best = (score, half, coef, a, t)
-    score, half, coef, a, t = best
+    score, half, coef, a, t = (_fit_op_s if fixed_rates else _fit_all)(fit_rows, works)
     inv = lambda c: float(1 / c) if c else float("inf")  # noqa: E731
     rates = replace(H200, gemm=inv(coef[0]), gemm_half_rows=float(half), attention=inv(coef[1]),
                     bandwidth=inv(coef[2]), op_s=float(coef[3]), group_rerun=float(coef[4]))
@@ -134,13 +166,13 @@ def main(path: str) -> int:
     errs = np.array([o["error"] for o in out])
     print(f"ratio error: rms {np.sqrt(np.mean(errs ** 2)):.3f}, max {np.max(np.abs(errs)):.3f}, "
           f"within 20%: {np.mean(np.abs(errs) <= 0.2):.0%}")
-    write_results("gpu_time_model_fit", {"source": path, "rows_fitted": len(t), "rms_relative_error": score,
-                                         "rates_fitted": rates.__dict__, "rates_used": H200.__dict__,
-                                         "ratio_error_rms": float(np.sqrt(np.mean(errs ** 2))),
-                                         "ratio_error_max": float(np.max(np.abs(errs))),
-                                         "within_20pct": float(np.mean(np.abs(errs) <= 0.2)), "ratios": out,
-                                         "not_fitted": [{k: r[k] for k in ("case", "tokens", "variant", "time_s")}
-                                                        for r in other]})
+    write_results("gpu_time_model_fit" + ("_fixed_rates" if fixed_rates else ""),
+                  {"source": path, "fixed_rates": fixed_rates, "rows_fitted": len(t), "rms_relative_error": score,
+                   "rates_fitted": rates.__dict__, "rates_used": H200.__dict__,
+                   "ratio_error_rms": float(np.sqrt(np.mean(errs ** 2))),
+                   "ratio_error_max": float(np.max(np.abs(errs))),
+                   "within_20pct": float(np.mean(np.abs(errs) <= 0.2)), "ratios": out,
+                   "not_fitted": [{k: r[k] for k in ("case", "tokens", "variant", "time_s")} for r in other]})
     return 0
 
 
@@ -200,4 +232,4 @@ def _ffn_of(case: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    sys.exit(main())
