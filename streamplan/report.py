@@ -12,13 +12,21 @@ from .execute.stock_watch import StockWatch, matters
 STOCK_WHY = "runs stock (streamplan streams no structure here)"
 
 
+def _shown(shape) -> bool:
+    """A shape worth showing: a tensor's, or a tuple holding one (plain values a call passes show as None)."""
+    if isinstance(shape, tuple) and shape and not isinstance(shape[0], int):
+        return any(_shown(x) for x in shape)
+    return shape is not None
+
+
 def describe_sig(sig: tuple) -> str:
     shapes = sig[0]
     if shapes and isinstance(shapes[0], int):
         text = str(list(shapes))
     else:
-        text = ", ".join(str(s if not isinstance(s, tuple) or not s or not isinstance(s[0], str) else f"{s[0]}={s[1]}")
-                         for s in shapes if s is not None and (not isinstance(s, tuple) or s[-1] is not None))
+        named = lambda s: isinstance(s, tuple) and s and isinstance(s[0], str)  # noqa: E731 -- (keyword, shape)
+        text = ", ".join(f"{s[0]}={s[1]}" if named(s) else str(s) for s in shapes
+                         if _shown(s[1] if named(s) else s))
     return f"{text} {str(sig[1]).replace('torch.', '')}"
 
 
