@@ -21,6 +21,9 @@ then ``--repeat`` calls are timed whole.
     python benchmarks/gpu_forward_budget.py --model llama --layers 6 --tokens 1048576 --stock-once \
         --card-budgets-gib 2 --offload --budgets-gib 3 --refuse-gib 0 --repeat 0
     python benchmarks/gpu_forward_budget.py --cpu-dry-run      # the same steps on the CPU with a tiny model
+
+A reference that takes most of a device call (Llama-3-8B width, 32 layers, 1M tokens: ~9 min) runs in a call of its
+own: ``--stock-save stock_llama_1m.pt`` there, then ``--stock-from <that file, carried> --card-budgets-gib 17``.
 """
 from __future__ import annotations
 
@@ -306,6 +309,11 @@ def main() -> int:
                    "on each decoder layer")
     p.add_argument("--stock-noise", action="store_true", help="stock again under SDPA's memory-efficient kernel: "
                    "its difference from the reference is stock's own noise, beside streamplan's")
+    p.add_argument("--stock-save", default="", help="run stock alone and save its output, time and peak to this "
+                   "file (under $OUT when relative), then stop: a reference too long to share one device call with "
+                   "the budgets (Llama at 1M tokens, 32 layers)")
+    p.add_argument("--stock-from", default="", help="stock's output, time and peak from a --stock-save file (the "
+                   "same model, length and seed), instead of running it")
     p.add_argument("--card-budgets-gib", default="", help="with --offload: budgets run first with the weights still "
                    "on the card (one stock run serving both)")
     p.add_argument("--warmup-tokens", type=int, default=8192, help="with --offload: the small first call's length")
@@ -371,11 +379,25 @@ def main() -> int:
         small = inputs(a.warmup_tokens)
         warm = lambda: model(*small).sample  # noqa: E731
     with torch.inference_mode():
-        if a.offload or a.stock_once:   # stock once at the small size: first-call costs out of its time
-            warm()
-        (ref, stock_peak), stock_s = timed(lambda: peak_of(call))
-        if not (a.offload or a.stock_once):
-            _, stock_s = timed(call)
+        if a.stock_from:   # a reference run in an earlier call (its process gone): what it kept
+            held = torch.load(a.stock_from, map_location=DEV)
+            ref, stock_peak, stock_s = held["output"], held["peak_bytes"], held["time_s"]
+            payload["stock_from"] = {k: v for k, v in held.items() if k != "output"}
+        else:
+            if a.offload or a.stock_once or a.stock_save:   # stock once at the small size: first-call costs out
+                warm()
+            (ref, stock_peak), stock_s = timed(lambda: peak_of(call))
+            if not (a.offload or a.stock_once or a.stock_save):
+                _, stock_s = timed(call)
+        if a.stock_save:
+            path = os.path.join(os.environ.get("OUT", "."), a.stock_save)
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            torch.save({"output": ref, "peak_bytes": stock_peak, "time_s": stock_s, "model": payload["model"],
+                        "tokens": a.tokens, "layers": a.layers, "date": time.strftime("%Y-%m-%d"),
+                        **(device_info() if DEV == "cuda" else {})}, path)
+            print(f"stock: peak {stock_peak / GIB:.2f} GiB above the weights, {stock_s:.1f} s; saved to {path}",
+                  flush=True)
+            return 0
         payload.update(stock_peak_bytes=stock_peak, stock_time_s=stock_s)
         if a.stock_noise:
             from torch.nn.attention import SDPBackend, sdpa_kernel
