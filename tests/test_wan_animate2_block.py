@@ -100,16 +100,18 @@ def test_the_whole_model_streams_its_generation_step_exactly():
 
     with torch.no_grad():
         torch.manual_seed(1)
-        ref = run(cache_cls(2))
-        with streamed(model, chunk_tokens=128) as handle:
+        ref, stock = streamplan.measure_peak(lambda: run(cache_cls(2)))
+        budget = stock // 2
+        with streamed(model, budget=budget) as handle:
             torch.manual_seed(1)
-            out = run(cache_cls(2))
+            out, peak = streamplan.measure_peak(lambda: run(cache_cls(2)))
             report = handle.report()
             tiers = {name: [p.tier for p in handle.plans[name]] for name in ("blocks.0", "blocks.1")}
     assert "CacheWritten" in report, report   # the reference pass: each block fills its cache, stock
     assert all("L1" in t for t in tiers.values()), report
     assert report.count("its flex BlockMask described over its rows and the") == 2, report
     assert rel_err(out, ref) <= 1e-5
+    assert peak <= budget, (peak, budget, stock)   # both passes under the budget
 
 
 @torch.no_grad()
