@@ -154,3 +154,34 @@ def test_other_calls_are_not_claimed():
     assert isinstance(described, tuple), described
     assert described[0][6] == (10, 10) and described[1]["reference_grid_sizes"] == (3, 10, 10)
     assert type(described[1]["attention_mask"]).__name__ == "RowMask"
+
+
+def test_the_described_masks_block_tables_cover_every_key_it_lets_through():
+    """Compiled flex visits only the listed key blocks, and skips mask_mod on full ones (uncompiled flex, the CPU's,
+    decides every element by mask_mod alone, so the exactness tests above cannot see a table's fault): every block
+    holding a key the described mask lets a row see is listed, and a block listed full lets every row see every key."""
+    from streamplan.integrations.diffusers.flex import _BLOCK_ARGS, _compact_mask, _layout, _mask_limits
+    from streamplan.recognize.checks import call_args
+    block, args, kwargs = _block(800)
+    for kw in (kwargs, _shorter_segment(kwargs, 800)):
+        call = call_args(_BLOCK_ARGS, args, kw)
+        bm, lay = call["attention_mask"], _layout(call, 800)
+        flex, _ = _compact_mask(bm, lay, 800, _mask_limits(bm))
+        mask = flex.block_mask
+        keys = mask.seq_lengths[1]
+        q, kv = torch.arange(800)[:, None], torch.arange(keys)[None, :]
+        seen = mask.mask_mod(torch.tensor(0), torch.tensor(0), q, kv)   # [rows, keys]
+        qb, kb = mask.BLOCK_SIZE
+        pad = torch.zeros(-(-800 // qb) * qb, -(-keys // kb) * kb, dtype=torch.bool)
+        pad[:800, :keys] = seen
+        any_seen = pad.unflatten(0, (-1, qb)).unflatten(2, (-1, kb)).any(3).any(1)   # [q blocks, kv blocks]
+        listed = torch.zeros_like(any_seen)
+        full = torch.zeros_like(any_seen)
+        for i in range(any_seen.shape[0]):
+            listed[i, mask.kv_indices[0, 0, i, :mask.kv_num_blocks[0, 0, i]].long()] = True
+            full[i, mask.full_kv_indices[0, 0, i, :mask.full_kv_num_blocks[0, 0, i]].long()] = True
+        assert not (any_seen & ~(listed | full)).any()
+        for i, j in full.nonzero().tolist():
+            rows_i = slice(i * qb, min((i + 1) * qb, 800))
+            assert seen[rows_i, j * kb:(j + 1) * kb].all(), (i, j)
+        assert full.any() and listed.any()
