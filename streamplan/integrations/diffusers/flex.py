@@ -383,6 +383,9 @@ _PROCESSOR_CALL = None   # the processor's own __call__, while the stand-in repl
 def _stand_in(mod) -> Iterator[None]:
     global _PROCESSOR_CALL
     cls = mod.WanAnimate2AttnProcessor
+    if cls.__call__ is _traced_generation_step:   # already standing in (a trace inside a trace)
+        yield
+        return
     _PROCESSOR_CALL = cls.__call__
     cls.__call__ = _traced_generation_step
     try:
