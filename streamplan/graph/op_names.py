@@ -19,8 +19,7 @@ _UNTAGGED_POINTWISE = {"floor_divide"}
 
 def pointwise(target) -> bool:
     """An elementwise op (torch's own tag): each output element from the inputs' elements at its place."""
-    return torch.Tag.pointwise in getattr(target, "tags", ()) or (
-        op_name(target) in _UNTAGGED_POINTWISE and not op_name(target).endswith("_out"))
+    return torch.Tag.pointwise in getattr(target, "tags", ()) or op_name(target) in _UNTAGGED_POINTWISE
 
 
 def op_name(target) -> str:
