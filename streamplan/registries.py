@@ -1,6 +1,7 @@
 """Extension points: what a host library's integration declares so the generic path can take its blocks (row-local
 custom ops, capture-time settings and contexts, opaque layers, argument records, attention backends, call adapters and
-describers, state objects). Each registry is filled at import by the library's file under ``streamplan.integrations``."""
+describers, state objects). Each registry is filled at import by the library's file under
+``streamplan.integrations``."""
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
