@@ -176,11 +176,11 @@ def _nbytes(x) -> int:
     return sum(t.numel() * t.element_size() for t in torch.utils._pytree.tree_leaves(x) if isinstance(t, torch.Tensor))
 
 
-def _meta_wan_plans(replays=(None, False)) -> tuple[dict, int]:
-    """Wan2.1-14B at 32,768 rows under its inputs + 1.15x the floor, planned on meta as the benchmark GPU."""
+def _meta_wan_plans(replays=(None, False), hold: float = 1.15) -> tuple[dict, int]:
+    """Wan2.1-14B at 32,768 rows under its inputs + ``hold`` x the floor, planned on meta as the benchmark GPU."""
     fam = FAMILIES["wan-14b-block"]
     module, inputs = on_meta(fam, 32768, torch.bfloat16)
-    budget = int(_nbytes(inputs) + 1.15 * fam.floor_bytes_per_token(torch.bfloat16) * 32768)
+    budget = int(_nbytes(inputs) + hold * fam.floor_bytes_per_token(torch.bfloat16) * 32768)
     plans = {}
     for replay in replays:
         with streamed(module, capture="prefer", budget=budget, replay=replay) as handle:
@@ -191,10 +191,12 @@ def _meta_wan_plans(replays=(None, False)) -> tuple[dict, int]:
 
 
 def test_meta_planner_weighs_replay_once_the_device_has_replay_rates(monkeypatch):
-    """With replay rates fitted for the device, the time model prices short chunks replayed below every plan without
-    replay and the planner takes one; ``replay=False`` never does."""
-    monkeypatch.setitem(time_model.RATES, "meta", dataclasses.replace(time_model.H200, replay_op=0.15))
-    plans, budget = _meta_wan_plans()
+    """With replay rates fitted for the device (a hypothetical 0.05 of the host time per op), the time model prices
+    short chunks replayed below every plan without replay and the planner takes one; ``replay=False`` never does.
+    (At 1.15x the floor the recording stream's workspace leaves replayed chunks of 512 rows, under the host-staged
+    plan by the model even with replay free: 1.2x here.)"""
+    monkeypatch.setitem(time_model.RATES, "meta", dataclasses.replace(time_model.H200, replay_op=0.05))
+    plans, budget = _meta_wan_plans(hold=1.2)
     chosen, eager = plans[None], plans[False]
     assert chosen.replay and not eager.replay, (chosen.describe(), eager.describe())
     assert chosen.predicted_time_ratio < eager.predicted_time_ratio
@@ -209,3 +211,27 @@ def test_without_fitted_replay_rates_the_planner_leaves_replay_to_the_user():
     assert not plans[None].replay
     assert plans[None].describe(figures=False) == plans[False].describe(figures=False)
     assert plans[True].replay and plans[True].predicted_peak <= budget
+
+
+def test_a_replayed_plan_prices_the_recording_streams_workspace(monkeypatch):
+    """A recording stream's first GEMM gets a cuBLAS workspace of its own (32 MiB on an H100, measured), held from
+    then on: where graphs are recorded a replayed plan prices it beside its staging, at the size
+    ``CUBLAS_WORKSPACE_CONFIG`` sets where it is set; the CPU's re-run recorder makes none."""
+    from streamplan.execute.chunk_replay import DEFAULT_CUBLAS_WORKSPACE, replay_held_bytes
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    assert replay_held_bytes(torch.device("meta")) == DEFAULT_CUBLAS_WORKSPACE == 32 << 20
+    assert replay_held_bytes(torch.device("cpu")) == 0
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:2:16:8")
+    assert replay_held_bytes(torch.device("meta")) == (4096 * 2 + 16 * 8) << 10
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")
+    fam = FAMILIES["wan-14b-block"]
+    module, inputs = on_meta(fam, 32768, torch.bfloat16)
+    peaks = {}
+    for replay in (False, True):
+        with streamed(module, capture="prefer", chunk_tokens=1024, replay=replay) as handle:
+            with torch.inference_mode():
+                module(*inputs)
+            plan = _root_plan(handle)
+        assert plan.replay == replay
+        peaks[replay] = plan.predicted_peak
+    assert peaks[True] - peaks[False] >= DEFAULT_CUBLAS_WORKSPACE, peaks

@@ -31,7 +31,7 @@ from ..specs import AdaptedCall, HostRows, RowMask, described_whole
 from .call_ledger import phase
 from .call_state import bypass, needs_grad, shapes
 from .chunk_attention import ChunkAttention
-from .chunk_replay import RECORDS, replay_problem, staged_row_bytes
+from .chunk_replay import RECORDS, replay_held_bytes, replay_problem, staged_row_bytes
 from .context import CallContext
 from .rehearsal import ledger_paused
 from .donation import donated
@@ -560,7 +560,8 @@ def plan_for_budget(call: GraphCall, o, budget: int | None, keep: tuple = ()) ->
                       head_groups=o.head_groups,
                       transient_kv=transient_kv, whole_q=q_whole, q_span=o.q_span, row_pieces=given, pieces=pieces,
                       priced=priced, fill=fill, fill_host=fill_host, align=query_alignment(call),
-                      replay_row=replay_row(call, o), replay=o.replay, **kv_args)
+                      replay_row=replay_row(call, o), replay_held=replay_held_bytes(call.device),
+                      replay=o.replay, **kv_args)
     plan.kept_outputs = bool(keep) and plan.tier != Tier.L0
     return plan
 

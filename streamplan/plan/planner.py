@@ -576,6 +576,7 @@ class GraphPlanRequest:
     # ``transient`` without the fill (a store's spans: K/V in the store, the cache's fill priced by the store)
     bare: Callable[[int, int], int] | None = field(default=None, repr=False, compare=False)
     replay_row: int | None = None   # device bytes per row a replayed chunk stages (None: the block cannot replay)
+    replay_held: int = 0            # device bytes a replayed call holds besides (the recording stream's workspace)
     replay: bool | None = None      # replay chunks: None the planner's choice by the time model, True where it
     # can (else as if False), False never
     replayed: bool = False          # this request's plans replay their chunks (``with_replay``)
@@ -609,8 +610,10 @@ class GraphPlanRequest:
         """This request with its chunks replayed: each chunk's staged rows on top of its transient, and only the
         tiers a replay runs in (K/V whole on the device, no head groups)."""
         row, rows, inner, kv_inner = self.replay_row or 0, self.rows, self.bare or self.transient, self.transient_kv
-        bare = functools.lru_cache(maxsize=None)(lambda c, sl: inner(c, sl) + min(c, rows) * row)
-        kv = (lambda c, sl, extra: kv_inner(c, sl, extra) + min(c, rows) * row) if kv_inner is not None else None
+        held = self.replay_held
+        bare = functools.lru_cache(maxsize=None)(lambda c, sl: inner(c, sl) + min(c, rows) * row + held)
+        kv = (lambda c, sl, extra: kv_inner(c, sl, extra) + min(c, rows) * row + held) if kv_inner is not None \
+            else None
         return replace(self, transient=self._filled(bare), bare=bare, transient_kv=kv, groups=(), head_groups=None,
                        kv_options=(), pieces=(), priced=None, replayed=True)
 
@@ -749,7 +752,8 @@ def plan_graph(rows: int, fixed: int, transient, stock: int, *, chunk_tokens: in
                transient_kv: Callable[[int, int, int], int] | None = None, whole_q: int = 0,
                q_span: int | None = None, row_pieces: int = 1, pieces: tuple[int, ...] = (),
                priced: Callable[[int], tuple[Callable, Callable | None]] | None = None, fill: int = 0,
-               fill_host: int = 0, align: int = 1, replay_row: int | None = None, replay: bool | None = None) -> Plan:
+               fill_host: int = 0, align: int = 1, replay_row: int | None = None, replay_held: int = 0,
+               replay: bool | None = None) -> Plan:
     """A captured block: whole buffers (``fixed``: K and V, the outputs) plus ``transient(chunk, ffn_slice)``, one
     chunk's values at their worst moment, both read off the graph. ``ffn``: the widest feature-sliceable MLP (0: none),
     for L2. L3 (``groups``: the head-group counts the graph allows): K and V of one group of heads at a time
@@ -768,14 +772,15 @@ def plan_graph(rows: int, fixed: int, transient, stock: int, *, chunk_tokens: in
     device bytes a cache the call fills adds after phase Q, beside K/V still whole on the device (``fill_host``: the
     host bytes it keeps then); with K/V in a store, its option's ``fill``. ``align``: the attention consumer's query
     alignment (``ConsumerCaps.q_align``): every chunk, chosen or forced, in whole units of it. ``replay_row``: device
-    bytes per row a replayed chunk stages (None: the block's chunks cannot replay); ``replay``: the user's choice
-    (None: by the time model, True: where a replayed plan fits, False: never)."""
+    bytes per row a replayed chunk stages (None: the block's chunks cannot replay), ``replay_held`` the bytes a
+    replayed call holds besides (the recording stream's workspace); ``replay``: the user's choice (None: by the time
+    model, True: where a replayed plan fits, False: never)."""
     request = GraphPlanRequest(
         rows, fixed, transient, stock, chunk_tokens=chunk_tokens, budget=budget, min_chunk=min_chunk, waves=waves,
         ffn=ffn, ffn_slice=ffn_slice, kv=kv, attn_out=attn_out, groups=groups, head_groups=head_groups,
         kv_options=kv_options, kv_store=kv_store, costs=costs, transient_kv=transient_kv, whole_q=whole_q,
         q_span=q_span, row_pieces=row_pieces, pieces=pieces if priced is not None else (),
-        priced=priced, fill=fill, fill_host=fill_host, align=align, replay_row=replay_row,
+        priced=priced, fill=fill, fill_host=fill_host, align=align, replay_row=replay_row, replay_held=replay_held,
         replay=replay).normalised()
     plan = _chosen(request)
     plan.predicted_time_ratio = request.time_ratio(plan)
