@@ -85,6 +85,13 @@ def main() -> int:
     p.add_argument("--fixed-rates", action="store_true", help="keep the shipped H200 rates; fit op_s (and the "
                    "replay's terms) alone")
     a = p.parse_args()
+    try:
+        with open(a.sweep) as f:
+            rows = json.load(f).get("rows")
+    except (OSError, ValueError) as exc:
+        p.error(f"cannot read the sweep {a.sweep!r}: {exc}")
+    if not isinstance(rows, list) or not any(r.get("variant") == "stock" for r in rows):
+        p.error(f"{a.sweep!r} is not a gpu_time_model.py sweep with stock rows")
     return fit(a.sweep, a.fixed_rates)
 
 
