@@ -322,6 +322,10 @@ def main() -> int:
                    help="apply(hidden=): where the forward keeps its hidden state between blocks")
     p.add_argument("--cpu-dry-run", action="store_true")
     a = p.parse_args()
+    if a.stock_from and a.stock_save:
+        p.error("--stock-from and --stock-save: one run saves stock's reference, a later one reads it")
+    if a.stock_from and not os.path.isfile(a.stock_from):
+        p.error(f"--stock-from {a.stock_from!r}: no such file (carry the file --stock-save wrote)")
     HIDDEN = a.hidden
     if a.cpu_dry_run:
         DEV = "cpu"
