@@ -385,7 +385,9 @@ def main() -> int:
     with torch.inference_mode():
         if a.stock_from:   # a reference run in an earlier call (its process gone): what it kept
             held = torch.load(a.stock_from, map_location=DEV)
-            if (held.get("tokens"), held.get("layers"), held.get("model")) != (a.tokens, a.layers, payload["model"]):
+            same = lambda m: str(m).split(", random weights")[0]  # noqa: E731 -- where the weights live aside
+            if (held.get("tokens"), held.get("layers"), same(held.get("model"))) != (a.tokens, a.layers,
+                                                                                    same(payload["model"])):
                 p.error(f"--stock-from {a.stock_from!r} holds {held.get('model')!r} at {held.get('tokens')} tokens, "
                         f"{held.get('layers')} layers: not this run's")
             ref, stock_peak, stock_s = held["output"], held["peak_bytes"], held["time_s"]
