@@ -31,8 +31,8 @@ log = logging.getLogger(__name__)
 
 # devices whose plans the planner may replay on its own: CUDA, and meta planned as the benchmark device
 RECORDS = ("cuda", "meta")
-# cuBLAS gives each stream its first GEMM runs on a workspace of its own, from the caching allocator, and keeps it for
-# the stream's life: 32 MiB on an H100 with torch 2.11 (measured: a bf16 matmul on a new stream allocated its output
+# cuBLAS gives each stream a GEMM runs on a workspace of its own, from the caching allocator, and keeps it for the
+# stream's life: 32 MiB on an H100 with torch 2.11 (measured: a bf16 matmul on a new stream allocated its output
 # + 32 MiB). Recording runs on one stream per device for the process (``recording_stream``), so that workspace is
 # made once, at the first replayed call, which the planner prices with every replayed plan (``replay_held_bytes``).
 DEFAULT_CUBLAS_WORKSPACE = 32 << 20
