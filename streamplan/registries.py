@@ -128,11 +128,7 @@ def register_backend_probe(probe: Callable[[nn.Module], "str | None"]) -> None:
 
 def block_backend(block: nn.Module) -> str | None:
     """The attention backend a block's own library dispatches to, where one says (None: plain PyTorch SDPA)."""
-    for probe in BACKEND_PROBES:
-        found = probe(block)
-        if found is not None:
-            return found
-    return None
+    return _first_answer(BACKEND_PROBES, block)
 
 
 # A library whose blocks take an object a capture cannot (transformers' caches) registers an adapter
@@ -145,12 +141,17 @@ def register_call_adapter(adapter: Callable[[nn.Module, tuple, dict], "AdaptedCa
         CALL_ADAPTERS.append(adapter)
 
 
-def adapt_call(block: nn.Module, args: tuple, kwargs: dict) -> "AdaptedCall | str | None":
-    for adapter in CALL_ADAPTERS:
-        found = adapter(block, args, kwargs)
+def _first_answer(hooks: list[Callable], *args) -> Any:
+    """The first registered hook's answer that is not None (None: no hook claims the call)."""
+    for hook in hooks:
+        found = hook(*args)
         if found is not None:
             return found
     return None
+
+
+def adapt_call(block: nn.Module, args: tuple, kwargs: dict) -> "AdaptedCall | str | None":
+    return _first_answer(CALL_ADAPTERS, block, args, kwargs)
 
 
 # A library whose block takes a value no capture can hold but streamplan can describe (Wan Animate 2's flex
@@ -167,11 +168,7 @@ def register_call_describer(describer: Callable[[nn.Module, tuple, dict], "tuple
 
 
 def describe_call(block: nn.Module, args: tuple, kwargs: dict) -> "tuple[tuple, dict] | str | None":
-    for describer in CALL_DESCRIBERS:
-        found = describer(block, args, kwargs)
-        if found is not None:
-            return found
-    return None
+    return _first_answer(CALL_DESCRIBERS, block, args, kwargs)
 
 
 # A library whose calls pass objects that hold tensors (transformers' caches) registers how to list them:

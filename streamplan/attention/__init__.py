@@ -22,7 +22,8 @@ class ConsumerCaps:
     bounded_q: bool = True                 # accepts a chunk of Q rows against global K/V
     q_offset: bool = True                  # handles causal masks for a chunk that starts at row q_offset
     gqa: bool = True                       # K/V with fewer heads than Q
-    masks: frozenset[str] = frozenset({"bool", "additive"})  # mask forms, given cut to the chunk's rows
+    masks: frozenset[str] = frozenset({"bool", "additive"})  # mask forms, given cut to the chunk's rows ("flex":
+    # an ``attention.flex.FlexMask`` over the call's global indices, cut by the consumer itself)
     kv_blocks_lse: bool = False            # can attend K/V in blocks and return log-sum-exp
     dtypes: frozenset[torch.dtype] = frozenset({torch.float32, torch.float16, torch.bfloat16})
     max_head_dim: int | None = None
@@ -134,7 +135,7 @@ SDPA = SDPAConsumer(ConsumerCaps(kv_blocks_lse=True, softcap=True, sinks=True))
 for _name in ("sdpa", "eager", "native"):   # eager attention is the same math as SDPA's
     register_consumer(_name, SDPA)
 # flex: a call with a BlockMask one Q chunk at a time (chunks start on the mask's query blocks); plain SDPA otherwise
-FLEX = FlexConsumer(ConsumerCaps(q_align=Q_BLOCK), SDPA)
+FLEX = FlexConsumer(ConsumerCaps(q_align=Q_BLOCK, masks=frozenset({"bool", "additive", "flex"})), SDPA)
 register_consumer("flex", FLEX)
 
 __all__ = ["ConsumerCaps", "AttentionConsumer", "register_consumer", "unregister_consumer", "consumer_for",

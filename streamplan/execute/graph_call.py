@@ -258,7 +258,7 @@ def _attention_problem(call: GraphCall) -> str | None:
     form (``whole_problem``, ``whole_q``) and, under sequence parallelism, the consumer across the ranks."""
     an, att, consumer = call.found.analysis, call.attention, call.consumer
     if call.row_mask is not None:
-        why = _row_mask_problem(an, call.row_mask, call.rows, consumer.name)
+        why = _row_mask_problem(an, call.row_mask, call.rows, consumer)
         if why:
             return f"ran stock (its mask built whole): {why}"
     call.whole_problem = whole_output_problem(call.found)   # None: the attention output can be built ahead
@@ -720,7 +720,7 @@ def _stock_described(entry, args: tuple, kwargs: dict) -> Any:
     return entry.stock(*args, **kwargs)
 
 
-def _row_mask_problem(an, row_mask: RowMask, rows: int, consumer: str) -> str | None:
+def _row_mask_problem(an, row_mask: RowMask, rows: int, consumer) -> str | None:
     """Why a described mask cannot stand for the mask this graph's attention was captured without, or None: the graph
     must have one global attention, with no mask input, over the call's rows alone (a flex mask: the rows, then the
     static keys it describes after them, through the flex consumer)."""
@@ -735,6 +735,6 @@ def _row_mask_problem(an, row_mask: RowMask, rows: int, consumer: str) -> str | 
         return "a row mask for an attention that takes a mask of its own or is not over the call's rows alone"
     if row_mask.rows != rows or (row_mask.flex is None and row_mask.keys != rows):
         return f"a row mask of {row_mask.rows} x {row_mask.keys} rows for a call of {rows}"
-    if row_mask.flex is not None and consumer != "flex":
-        return f"a flex mask for a block whose attention backend is {consumer}, not flex"
+    if row_mask.flex is not None and "flex" not in consumer.caps.masks:
+        return f"a flex mask for a block whose attention consumer ({consumer.name}) takes none"
     return None

@@ -116,27 +116,35 @@ def _layout(call: dict, rows: int) -> _Layout | str:
     return lay
 
 
-def _bind_wan_animate2(attn, mod, args: tuple, kwargs: dict) -> AttentionCall | str:
+def _generation_step(call: dict) -> tuple[torch.Tensor, object, _Layout] | str:
+    """A generation step's rows, its ``BlockMask`` and packing, as the part's binder and the block's describer both
+    take them; or why the call cannot be streamed."""
     from torch.nn.attention.flex_attention import BlockMask
-    call = call_args(_ARGS, args, kwargs)
-    if isinstance(call, str):
-        return call
     if call.get("kv_cache_mode") != "cached":
         return f"kv_cache_mode={call.get('kv_cache_mode')!r} (the reference pass fills its cache: stock)"
     x, bm = call["hidden_states"], call.get("attention_mask")
     if not isinstance(bm, BlockMask):
         return f"its attention mask is {type(bm).__name__}, not a flex BlockMask"
-    if getattr(attn.processor, "_parallel_config", None) is not None:
-        return "under diffusers' context parallelism"
     if not isinstance(x, torch.Tensor) or x.dim() != 3:
         return "hidden_states is not [batch, tokens, dim]"
-    B, N, _ = x.shape
-    lay = _layout(call, N)
+    lay = _layout(call, x.shape[1])
     if isinstance(lay, str):
         return lay
     why = block_mask_problem(bm, q_len=lay.packed, kv_len=lay.packed + lay.packed_ref, q_align=Q_BLOCK)
-    if why:
-        return why
+    return why or (x, bm, lay)
+
+
+def _bind_wan_animate2(attn, mod, args: tuple, kwargs: dict) -> AttentionCall | str:
+    call = call_args(_ARGS, args, kwargs)
+    if isinstance(call, str):
+        return call
+    if getattr(attn.processor, "_parallel_config", None) is not None:
+        return "under diffusers' context parallelism"
+    step = _generation_step(call)
+    if isinstance(step, str):
+        return step
+    x, bm, lay = step
+    B = x.shape[0]
     H = attn.heads
     D = attn.to_q.out_features // H
     h, w = lay.grid[1], lay.grid[2]
@@ -308,18 +316,11 @@ def describe_generation_step(block: nn.Module, args: tuple, kwargs: dict) -> tup
     call = call_args(_BLOCK_ARGS, args, kwargs)
     if isinstance(call, str):
         return call
-    x, bm = call["hidden_states"], call.get("attention_mask")
-    if call.get("kv_cache_mode") != "cached" or not isinstance(bm, BlockMask):
-        return "a flex BlockMask outside a generation step's attention_mask"
-    if not isinstance(x, torch.Tensor) or x.dim() != 3:
-        return "hidden_states is not [batch, tokens, dim]"
+    step = _generation_step(call)
+    if isinstance(step, str):
+        return step
+    x, bm, lay = step
     B, N, _ = x.shape
-    lay = _layout(call, N)
-    if isinstance(lay, str):
-        return lay
-    why = block_mask_problem(bm, q_len=lay.packed, kv_len=lay.packed + lay.packed_ref, q_align=Q_BLOCK)
-    if why:
-        return why
     limits = _mask_limits(bm)
     if isinstance(limits, str):
         return limits
