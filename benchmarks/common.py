@@ -1,6 +1,7 @@
 """Shared helpers for GPU benchmarks; the measuring itself is the library's (timing, peaks, comparison)."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -12,6 +13,61 @@ import torch
 from streamplan import measure_peak
 from streamplan.tools.bench import cuda_time, header as device_info  # noqa: F401  (shared with the suite)
 from streamplan.verify import compare_outputs
+
+
+def script_parser(doc: str) -> argparse.ArgumentParser:
+    """An argument parser for a benchmark script (nothing in it touches CUDA, so ``--help`` runs anywhere): the module
+    docstring's first paragraph as the description, the command lines it quotes (its lines indented four spaces) as
+    the epilog."""
+    examples = "\n".join(line for line in doc.splitlines() if line.startswith("    "))
+    return argparse.ArgumentParser(description=doc.split("\n\n")[0],
+                                   epilog="examples:\n" + examples if examples else None,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def bare_options(argv: list[str], keys: tuple[str, ...] = (), flags: tuple[str, ...] = ()) -> list[str]:
+    """``argv`` with the older scripts' options in argparse's form: a ``key=value`` token whose key is in ``keys`` as
+    ``--key=value`` (underscores as dashes), a bare word in ``flags`` as ``--word``; every other token as it is."""
+    def option(token: str) -> str:
+        key, eq, _ = token.partition("=")
+        if (eq and key in keys) or (not eq and token in flags):
+            return "--" + key.replace("_", "-") + token[len(key):]
+        return token
+    return [option(t) for t in argv]
+
+
+def int_list(text: str) -> list[int]:
+    """argparse type: comma-separated integers (``3584,4224``)."""
+    try:
+        return [int(s) for s in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of integers: {text!r}") from None
+
+
+def int_or(*words: str) -> Callable[[str], int | str]:
+    """argparse type: an integer, or one of ``words`` as it is."""
+    def parse(text: str) -> int | str:
+        if text in words:
+            return text
+        try:
+            return int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"neither an integer nor one of {', '.join(words)}: {text!r}" if words
+                                             else f"not an integer: {text!r}") from None
+    return parse
+
+
+def name_list(names) -> Callable[[str], list[str]]:
+    """argparse type: comma-separated names, each one of ``names`` (a benchmark's cases)."""
+    names = list(names)
+
+    def parse(text: str) -> list[str]:
+        got = text.split(",")
+        unknown = [g for g in got if g not in names]
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown {', '.join(map(repr, unknown))}: choose from {', '.join(names)}")
+        return got
+    return parse
 
 
 def cuda_peak(fn: Callable[[], Any]) -> tuple[Any, int]:

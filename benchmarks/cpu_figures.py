@@ -24,6 +24,7 @@ threads whatever the machine: CPU attention allocates per-thread buffers, so the
 """
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import platform
@@ -143,6 +144,7 @@ def _table(title: str, header: tuple[str, ...], rows: list[tuple]) -> None:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     start = time.perf_counter()
     torch.set_num_threads(THREADS)
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)   # its fp32-to-fp16 cast note, logged every call

@@ -8,6 +8,7 @@ that compiles them on CUDA should have met each graph shape the catalogue knows 
 """
 from __future__ import annotations
 
+import argparse
 import logging
 import sys
 import time
@@ -36,7 +37,9 @@ def _outputs(module, args, kwargs, **options):
 def main() -> int:
     warnings.filterwarnings("ignore")
     logging.getLogger("streamplan").setLevel(logging.WARNING)
-    only = {s for s in sys.argv[1].split(",")} if len(sys.argv) > 1 else None
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("cases", nargs="?", default="", help="catalogue cases, comma-separated (default: every case)")
+    only = {s for s in p.parse_args().cases.split(",") if s} or None
     rows = []
     for lib, _, cases in table._libraries():
         for name, case in cases.items():

@@ -9,6 +9,7 @@ runs (both phases), what each node adds. On a GPU the same host time is spent pe
 """
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import subprocess
@@ -28,6 +29,7 @@ LEAST_OF = 15   # timed calls per figure, the least taken
 
 
 def main() -> int:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     from diffusers.models.transformers.transformer_wan import WanTransformerBlock
     torch.set_num_threads(1)
     torch.manual_seed(0)

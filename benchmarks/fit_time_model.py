@@ -32,6 +32,7 @@ from streamplan.execute.chunk_replay import staged_row_bytes
 from streamplan.graph.work import block_work
 from streamplan.plan.planner import META_MULTIPROCESSORS, Waves, wave_waste
 from streamplan.plan.time_model import H200, Rates, Streamed, stock_seconds, streamed_seconds
+from streamplan.execute.donation import donate
 from streamplan.tools.families import FAMILIES, on_meta
 
 
@@ -222,7 +223,7 @@ def _planned(row: dict, stock: dict) -> dict:
     kw["replay"] = bool(p.get("replay"))
     module, inputs = on_meta(FAMILIES[row["case"]], n, torch.bfloat16)
     handle = streamplan.apply(module, capture="prefer", **kw)
-    with torch.inference_mode():
+    with torch.inference_mode(), donate(*(inputs[:1] if row.get("input_donated") else ())):
         module(*inputs)
     plan = handle.plans[""][-1]
     handle.remove()

@@ -12,7 +12,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import streamplan
-from common import cuda_peak, cuda_time, device_info, rel_diff, write_results
+from common import cuda_peak, cuda_time, device_info, rel_diff, script_parser, write_results
 from streamplan.meter import profiler_peak
 
 
@@ -84,6 +84,7 @@ def wan_attention(tokens: int, chunks: list[int]) -> list[dict]:
 
 
 def main() -> int:
+    script_parser(__doc__).parse_args()   # no arguments: --help only
     info = device_info()
     print(info, flush=True)
     payload = {**info, "meter": meter_check(), "wan_attention": wan_attention(65536, [4096, 16384])}

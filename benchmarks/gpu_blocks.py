@@ -13,7 +13,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import streamplan
-from common import cuda_peak, cuda_time, device_info, rel_diff, write_results
+from common import cuda_peak, cuda_time, device_info, rel_diff, script_parser, write_results
 from streamplan.execute.donation import donate
 
 
@@ -107,9 +107,11 @@ def flux_single(tokens: int, chunks: list[int]) -> list[dict]:
 
 
 def main() -> int:
+    p = script_parser(__doc__)
+    p.add_argument("tokens", nargs="?", type=int, default=131072, help="sequence length (default: %(default)s)")
+    tokens = p.parse_args().tokens
     info = device_info()
     print(info, flush=True)
-    tokens = int(sys.argv[1]) if len(sys.argv) > 1 else 131072
     payload = {**info, "rows": wan(tokens, [4096, 16384]) + flux_single(tokens, [4096, 16384])}
     print(write_results(f"gpu_blocks_{tokens}", payload))
     return 0

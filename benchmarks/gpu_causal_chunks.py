@@ -27,7 +27,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from common import cuda_time, device_info, rel_diff, write_results
+from common import cuda_time, device_info, int_list, rel_diff, script_parser, write_results
 from streamplan.attention import lse_merge
 from streamplan.attention import sdpa as S
 
@@ -53,8 +53,13 @@ def _single_calls(kind: str):
 
 
 def main(argv: list[str]) -> int:
-    n = int(argv[1]) if len(argv) > 1 else 131072
-    sizes = [int(s) for s in (argv[2] if len(argv) > 2 else "3584,4224").split(",")]
+    p = script_parser(__doc__)
+    p.add_argument("tokens", nargs="?", type=int, default=131072,
+                   help="N, the keys and query rows (default: %(default)s)")
+    p.add_argument("chunks", nargs="?", type=int_list, default="3584,4224",
+                   help="C, comma-separated query chunk sizes, one row of results each (default: %(default)s)")
+    a = p.parse_args(argv[1:])
+    n, sizes = a.tokens, a.chunks
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(1, H, n, D, device="cuda", dtype=torch.bfloat16, generator=g)
     k = torch.randn(1, HKV, n, D, device="cuda", dtype=torch.bfloat16, generator=g)

@@ -18,13 +18,14 @@ Results: ``$OUT/gpu_gemma2_<tokens>_<layers>l.json``, written after every row.
 """
 from __future__ import annotations
 
+import argparse
 import gc
 import sys
 
 import torch
 
 import streamplan
-from common import cuda_time, device_info, stage_peaks, timed_peak, write_results
+from common import bare_options, cuda_time, device_info, int_or, script_parser, stage_peaks, timed_peak, write_results
 from streamplan.verify import compare_outputs
 
 REAL = dict(hidden_size=3584, intermediate_size=14336, num_attention_heads=16, num_key_value_heads=8, head_dim=256,
@@ -42,13 +43,41 @@ def build(widths: dict, layers: int, device: str, dtype: torch.dtype):
         return Gemma2ForCausalLM(cfg).to(dtype).eval()
 
 
+def _modes(text: str) -> list[str]:
+    """argparse type: comma-separated modes, each ``stock``, ``chunk=C`` or ``held``."""
+    modes = text.split(",")
+    for mode in modes:
+        try:
+            if mode.startswith("chunk="):
+                int(mode[6:])
+            elif mode not in ("stock", "held"):
+                raise ValueError
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"unknown mode {mode!r}: stock, chunk=C or held") from None
+    return modes
+
+
 def main(argv: list[str]) -> int:
-    dry = len(argv) > 1 and argv[1] == "dry"
+    p = script_parser(__doc__)
+    p.add_argument("tokens", type=int_or("dry"), metavar="{TOKENS,dry}",
+                   help="prompt length; dry: CPU, tiny widths, 512 tokens, modes stock,chunk=128,held")
+    p.add_argument("modes", nargs="?", type=_modes,
+                   help="comma-separated: stock, chunk=C (C-row chunks), held (the planner given HOLD floors); "
+                        "required unless dry (which ignores it)")
+    p.add_argument("--layers", type=int, default=2, help="decoder layers; also written layers=N (default: %(default)s)")
+    p.add_argument("--hold", type=float, default=1.15,
+                   help="held's budget in floors, above the inputs; also written hold=F (default: %(default)s)")
+    p.add_argument("--stages", action="store_true",
+                   help="also CUDA peaks per stage (embedding, rope, each layer) of each streamed mode; also written "
+                        "stages")
+    a = p.parse_intermixed_args(bare_options(argv[1:], keys=("layers", "hold"), flags=("stages",)))
+    dry = a.tokens == "dry"
+    if not dry and a.modes is None:
+        p.error("the following arguments are required: modes (unless dry)")
     device, dtype = ("cpu", torch.float32) if dry else ("cuda", torch.bfloat16)
-    n = 512 if dry else int(argv[1])
-    modes = ["stock", "chunk=128", "held"] if dry else argv[2].split(",")
-    layers = next((int(a[7:]) for a in argv if a.startswith("layers=")), 2)
-    hold = next((float(a[5:]) for a in argv if a.startswith("hold=")), 1.15)
+    n = 512 if dry else a.tokens
+    modes = ["stock", "chunk=128", "held"] if dry else a.modes
+    layers, hold = a.layers, a.hold
     widths = TINY if dry else REAL
     floor = (widths["hidden_size"] + 2 * widths["num_key_value_heads"] * widths["head_dim"]) * dtype.itemsize
     model = build(widths, layers, device, dtype)
@@ -95,7 +124,7 @@ def main(argv: list[str]) -> int:
                                ran_stock={k: sorted({x for x in e.runtime_notes if "stock" in x})
                                           for k, e in handle.installed.items()
                                           if any("ran stock" in x for x in e.runtime_notes)})
-                if "stages" in argv and device == "cuda" and mode != "stock":   # where the peak is, stage by stage
+                if a.stages and device == "cuda" and mode != "stock":   # where the peak is, stage by stage
                     with stage_peaks(modules=[("embed_tokens", model.model.embed_tokens)]) as probe:
                         call()
                     row["stages"] = probe.rows

@@ -28,7 +28,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import streamplan
-from common import cuda_peak, cuda_time, device_info, write_results
+from common import cuda_peak, cuda_time, device_info, name_list, script_parser, write_results
 from streamplan.execute.donation import donate
 from streamplan.verify import compare_outputs
 
@@ -400,12 +400,25 @@ def run_model(n: int, text: int = 512, audio: int = 2000) -> list[dict]:
 
 
 def main() -> int:
+    p = script_parser(__doc__)
+    p.add_argument("what", nargs="?", default="smoke", choices=("smoke", "blocks", "model", "held", "sweep"),
+                   help="smoke: each case at one 2048-row chunk, then the MiniMax-H3 model; blocks: each case at "
+                        "16384-row chunks and held to 1.15x the floor; held: each case held to HOLD floors; sweep: "
+                        "the first case, the planner's plan and VARIANTS timed alike; model: the MiniMax-H3 2-layer "
+                        "model (default: %(default)s)")
+    p.add_argument("tokens", nargs="?", type=int, default=8192, help="sequence length (default: %(default)s)")
+    p.add_argument("cases", nargs="?", type=name_list(BLOCKS), default=",".join(BLOCKS),
+                   help="comma-separated blocks (sweep: the first; model: unused); default: all of them")
+    p.add_argument("hold", nargs="?", type=float, default=1.15,
+                   help="held, sweep: the planner's budget, this many floors (default: %(default)s)")
+    p.add_argument("variants", nargs="?",
+                   help="sweep: comma-separated forced plans, chunk/MLP slice[/pN][/f][/nj][/nf] or planner[/...] "
+                        "(default: none)")
+    p.add_argument("rounds", nargs="?", type=int, default=7, help="sweep: timed rounds (default: %(default)s)")
+    a = p.parse_args()
+    what, n, cases, hold = a.what, a.tokens, a.cases, a.hold   # hold: the planner's budget, this many floors
     info = device_info()
     print(info, flush=True)
-    what = sys.argv[1] if len(sys.argv) > 1 else "smoke"
-    n = int(sys.argv[2]) if len(sys.argv) > 2 else 8192
-    cases = sys.argv[3].split(",") if len(sys.argv) > 3 else list(BLOCKS)
-    hold = float(sys.argv[4]) if len(sys.argv) > 4 else 1.15   # the planner's budget: this many floors
     rows: list[dict] = []
     if what == "smoke":
         for case in cases:
@@ -420,8 +433,7 @@ def main() -> int:
             rows += run_block(case, n, [], held=True, hold=hold)
             write_results(f"gpu_generic_{what}_{n}", {**info, "rows": rows})
     elif what == "sweep":
-        rows += run_sweep(cases[0], n, hold, sys.argv[5].split(",") if len(sys.argv) > 5 else [],
-                          int(sys.argv[6]) if len(sys.argv) > 6 else 7)
+        rows += run_sweep(cases[0], n, hold, a.variants.split(",") if a.variants is not None else [], a.rounds)
     elif what == "model":
         rows += run_model(n)
     suffix = f"_{hold:.2f}" if what in ("held", "sweep") else ""

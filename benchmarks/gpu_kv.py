@@ -22,6 +22,7 @@ head groups against the exact tier's output. Each prints the first non-finite po
 """
 from __future__ import annotations
 
+import argparse
 import math
 import sys
 import time
@@ -32,7 +33,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 import streamplan
-from common import device_info, write_results
+from common import device_info, int_or, name_list, script_parser, write_results
 from streamplan.verify import compare_outputs
 
 BF16 = torch.bfloat16
@@ -333,19 +334,32 @@ def self_check_block(n: int, device: str, dry: bool) -> list[dict]:
 
 
 def main(argv: list[str]) -> int:
-    what = argv[1] if len(argv) > 1 else "smoke"
+    p = script_parser(__doc__)
+    p.add_argument("what", nargs="?", type=int_or("smoke", "selfcheck", "dry"), default="smoke",
+                   metavar="{TOKENS,smoke,selfcheck,dry}",
+                   help="TOKENS: the self-check (without CASES), then the blocks at that length; smoke: 8192 tokens "
+                        "on the GPU; selfcheck: the self-check alone; dry: CPU, tiny widths, no GPU needed "
+                        "(default: %(default)s)")
+    p.add_argument("more", nargs="?", metavar="CASES|TOKENS",
+                   help=f"comma-separated blocks, {', '.join(BLOCKS)}: those alone, no self-check (default: both); "
+                        "after selfcheck: its tokens (default: 217088)")
+    a = p.parse_args(argv[1:])
+    what = a.what
     dry = what == "dry"
     device = "cpu" if dry else "cuda"
     check_only = what == "selfcheck"
-    if check_only:
-        what = argv[2] if len(argv) > 2 else "217088"
+    try:
+        if check_only:
+            what = int_or()(a.more) if a.more is not None else "217088"
+        cases = name_list(BLOCKS)(a.more) if a.more is not None and not check_only else list(BLOCKS)
+    except argparse.ArgumentTypeError as exc:
+        p.error(f"argument CASES|TOKENS: {exc}")
     n = 1024 if dry else 8192 if what == "smoke" else int(what)
     chunk = 256 if dry else 2048 if what == "smoke" else 16384
-    cases = argv[2].split(",") if len(argv) > 2 and not check_only else list(BLOCKS)
     info = {"device": "cpu (dry run, tiny widths)"} if dry else device_info()
     print(info, flush=True)
     rows: list[dict] = []
-    if check_only or len(argv) <= 2:
+    if check_only or a.more is None:
         rows += self_check_store(n, device, dry)
         rows += self_check_block(n, device, dry)
         if not dry:

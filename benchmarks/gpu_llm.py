@@ -48,6 +48,7 @@ cuDNN builds a plan per length is what this tells apart. Results:
 """
 from __future__ import annotations
 
+import argparse
 import collections
 import gc
 import sys
@@ -57,7 +58,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import streamplan
-from common import cuda_time, device_info, timed_peak, write_results
+from common import bare_options, cuda_time, device_info, script_parser, timed_peak, write_results
 from streamplan.verify import compare_outputs
 
 BF16 = torch.bfloat16
@@ -334,12 +335,52 @@ def generate(n: int, layers: int, name: str, new_tokens: int = 16) -> list[dict]
     return rows
 
 
+def _modes(text: str) -> list[str]:
+    """argparse type: comma-separated prefill modes, each ``stock`` or what ``_apply`` takes."""
+    modes = text.split(",")
+    for mode in modes:
+        try:
+            if mode.startswith("chunk="):
+                c, _, sl = mode[6:].partition("/")
+                int(c)
+                if sl:
+                    int(sl)
+            elif mode.startswith("held/p"):
+                int(mode[6:])
+            elif mode not in PREFILL_MODES:
+                raise ValueError
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"unknown mode {mode!r}: one of {', '.join(PREFILL_MODES)}, held/pN, chunk=C, chunk=C/S") from None
+    return modes
+
+
 def main() -> int:
-    sdp = next((a[4:] for a in sys.argv[1:] if a.startswith("sdp=")), None)
-    if sdp is None:
-        return run()
-    with sdpa_kernel(SDP_BACKENDS[sdp]):   # stock's calls and streamplan's alike
-        return run()
+    p = script_parser(__doc__)
+    p.add_argument("what", nargs="?", default="smoke", choices=("smoke", "prefill", "generate"),
+                   help="smoke: 2 layers, every prefill mode, padded, then generate; prefill; generate: greedy with "
+                        "the offloaded cache (default: smoke)")
+    p.add_argument("tokens", nargs="?", type=int,
+                   help="prompt length (default: 8192 for smoke, 131072 for prefill, 262144 for generate)")
+    p.add_argument("modes", nargs="?", type=_modes,
+                   help="prefill: comma-separated stock, chunk (16384-row chunks), chunk=C, chunk=C/S (the MLP in "
+                        "S-feature slices), held (1.15x the floor), held/pN (row-local chains in N pieces); named "
+                        "in the results' name when given (default: stock,chunk,held)")
+    p.add_argument("--layers", type=int, default=32, help="layer count; also written layers=N (default: %(default)s)")
+    p.add_argument("--stock-layers", type=int, metavar="K",
+                   help="prefill: stock first on its own model of K layers (its own JSON); also written "
+                        "stock_layers=K")
+    p.add_argument("--padded", type=int, default=0, metavar="P",
+                   help="prefill: a batch of 2, the second with P tokens of left padding; also written padded=P "
+                        "(default: %(default)s: batch 1)")
+    p.add_argument("--sdp", choices=tuple(SDP_BACKENDS),
+                   help="run everything under sdpa_kernel with these backends, stock and streamplan alike; also "
+                        "written sdp=NAME (default: PyTorch's choice)")
+    a = p.parse_intermixed_args(bare_options(sys.argv[1:], keys=("layers", "padded", "stock_layers", "sdp")))
+    if a.sdp is None:
+        return run(a)
+    with sdpa_kernel(SDP_BACKENDS[a.sdp]):   # stock's calls and streamplan's alike
+        return run(a)
 
 
 SDP_BACKENDS = {"flash": [SDPBackend.FLASH_ATTENTION],
@@ -347,35 +388,29 @@ SDP_BACKENDS = {"flash": [SDPBackend.FLASH_ATTENTION],
                 "efficient": [SDPBackend.EFFICIENT_ATTENTION]}
 
 
-def run() -> int:
-    args = [a for a in sys.argv[1:] if not a.startswith(("layers=", "padded=", "stock_layers=", "sdp="))]
-    layers = next((int(a[7:]) for a in sys.argv[1:] if a.startswith("layers=")), 32)
-    stock_layers = next((int(a[13:]) for a in sys.argv[1:] if a.startswith("stock_layers=")), None)
-    padded = next((int(a[7:]) for a in sys.argv[1:] if a.startswith("padded=")), 0)
+def run(a: argparse.Namespace) -> int:
+    layers, stock_layers, padded = a.layers, a.stock_layers, a.padded
     print(device_info(), flush=True)
-    what = args[0] if args else "smoke"
+    what = a.what
     if what == "smoke":
-        n = int(args[1]) if len(args) > 1 else 8192
+        n = a.tokens if a.tokens is not None else 8192
         prefill(n, min(layers, 2), list(PREFILL_MODES), f"gpu_llm_smoke_{n}")
         prefill(n, min(layers, 2), ["stock", "held"], f"gpu_llm_smoke_{n}_padded{n // 8}", padded=n // 8)
         generate(n, min(layers, 2), f"gpu_llm_smoke_generate_{n}", new_tokens=4)
     elif what == "prefill":
-        n = int(args[1]) if len(args) > 1 else 131072
-        modes = args[2].split(",") if len(args) > 2 else list(PREFILL_MODES)
+        n = a.tokens if a.tokens is not None else 131072
+        modes = a.modes if a.modes is not None else list(PREFILL_MODES)
         tail = f"_padded{padded}" if padded else ""
         if stock_layers is not None and "stock" in modes:   # stock on its own model, first
             prefill(n, stock_layers, ["stock"], f"gpu_llm_prefill_{n}_stock{stock_layers}l{tail}", padded)
             modes = [m for m in modes if m != "stock"]
-        suffix = "" if len(args) <= 2 else "_" + "_".join(m.replace("=", "").replace("/", "s") for m in modes)
+        suffix = "" if a.modes is None else "_" + "_".join(m.replace("=", "").replace("/", "s") for m in modes)
         if modes:
             prefill(n, layers, modes, f"gpu_llm_prefill_{n}{suffix}" + ("" if layers == 32 else f"_{layers}l") + tail,
                     padded)
-    elif what == "generate":
-        n = int(args[1]) if len(args) > 1 else 262144
+    else:   # generate
+        n = a.tokens if a.tokens is not None else 262144
         generate(n, layers, f"gpu_llm_generate_{n}" + ("" if layers == 32 else f"_{layers}l"))
-    else:
-        print(__doc__)
-        return 2
     return 0
 
 

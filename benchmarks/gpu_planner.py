@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import streamplan
-from common import cuda_peak, cuda_time, device_info, rel_diff, write_results
+from common import cuda_peak, cuda_time, device_info, rel_diff, script_parser, write_results
 
 GiB = 2**30
 
@@ -74,6 +74,7 @@ def wan_block(tokens: int, budgets_over_floor: list[float]) -> list[dict]:
 
 
 def main() -> int:
+    script_parser(__doc__).parse_args()   # no arguments: --help only
     info = device_info()
     print(info, flush=True)
     payload = {**info, "gemm": gemm_floor(),

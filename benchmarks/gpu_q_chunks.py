@@ -16,7 +16,7 @@ import sys
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from common import device_info, write_results
+from common import device_info, int_list, script_parser, write_results
 
 BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}
 
@@ -42,11 +42,17 @@ def chunked(q, k, v, chunk: int, backend, gemm=None) -> float:
 
 
 def main() -> int:
+    p = script_parser(__doc__)
+    p.add_argument("tokens", nargs="?", type=int, default=65536, help="sequence length (default: %(default)s)")
+    p.add_argument("chunks", nargs="?", type=int_list, default="4224,8448,12672,16896,33792",
+                   help="comma-separated Q chunk sizes, each timed beside Q whole (default: %(default)s)")
+    p.add_argument("gemm", nargs="?", choices=("gemm",),
+                   help="gemm: cuDNN in the block's layout only, each chunk's GEMMs run before its attention call")
+    a = p.parse_args()
     info = device_info()
-    n = int(sys.argv[1]) if len(sys.argv) > 1 else 65536
-    chunks = [int(c) for c in (sys.argv[2] if len(sys.argv) > 2 else "4224,8448,12672,16896,33792").split(",")]
+    n, chunks = a.tokens, a.chunks
     heads, dim, rounds = 56, 128, 9
-    between = len(sys.argv) > 3 and sys.argv[3] == "gemm"
+    between = a.gemm == "gemm"
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(1, n, heads, dim, device="cuda", dtype=torch.bfloat16, generator=g).transpose(1, 2)
                for _ in range(3))

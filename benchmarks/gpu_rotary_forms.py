@@ -11,7 +11,7 @@ import sys
 
 import torch
 
-from common import device_info, write_results
+from common import device_info, script_parser, write_results
 
 BF16 = torch.bfloat16
 
@@ -86,7 +86,9 @@ def timed(fn, make, reps=20):
 
 
 def main() -> int:
-    n = int(sys.argv[1]) if len(sys.argv) > 1 else 16384
+    p = script_parser(__doc__)
+    p.add_argument("rows", nargs="?", type=int, default=16384, help="one chunk's rows (default: %(default)s)")
+    n = p.parse_args().rows
     g = torch.Generator(device="cuda").manual_seed(0)
     base = torch.randn(n, 56, 128, device="cuda", dtype=BF16, generator=g)
     pos = torch.randn(n, 96, device="cuda", generator=g)

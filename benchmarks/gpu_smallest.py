@@ -14,7 +14,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import streamplan
-from common import cuda_peak, cuda_time, device_info, write_results
+from common import cuda_peak, cuda_time, device_info, name_list, script_parser, write_results
 from gpu_generic import BF16, BLOCKS, _diff, _first
 
 ROUNDS = 8
@@ -68,8 +68,12 @@ def run_case(case: str, n: int) -> dict:
 
 
 def main() -> int:
-    n = int(sys.argv[1]) if len(sys.argv) > 1 else 217088
-    cases = sys.argv[2].split(",") if len(sys.argv) > 2 else ["wan-14b-block", "h3-block", "llama3-8b-layer"]
+    p = script_parser(__doc__)
+    p.add_argument("tokens", nargs="?", type=int, default=217088, help="sequence length (default: %(default)s)")
+    p.add_argument("cases", nargs="?", type=name_list(BLOCKS), default="wan-14b-block,h3-block,llama3-8b-layer",
+                   help=f"comma-separated blocks of gpu_generic.py: {', '.join(BLOCKS)} (default: %(default)s)")
+    a = p.parse_args()
+    n, cases = a.tokens, a.cases
     info = device_info()
     rows = []
     for case in cases:

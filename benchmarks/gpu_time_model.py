@@ -13,6 +13,8 @@ planner's plan, its predicted time ratio beside the measured one; each hold agai
 
     python benchmarks/gpu_time_model.py sweep --cases wan-14b-block,h3-block --tokens 32768,75600 --seconds 500
     python benchmarks/gpu_time_model.py held --cases wan-14b-block --tokens 32768,75600 --holds 1.15,0.5
+    python benchmarks/gpu_time_model.py held --cases qwen3-moe-layer --tokens 131072 --holds 1.15 --donate
+        # the block's input donated, as its model forward hands it (a fresh copy before each call, untimed)
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import torch
 
 import streamplan
 from common import device_info, rel_diff, write_results
+from streamplan.execute.donation import donate
 from streamplan.tools.families import FAMILIES
 
 BF16 = torch.bfloat16
@@ -34,15 +37,17 @@ def _first(out):
     return out[0] if isinstance(out, (tuple, list)) else out
 
 
-def _timed(fn, repeats: int) -> tuple[float, int, list[float]]:
-    """(median seconds, peak bytes above what was allocated before, every time) over ``repeats`` calls."""
+def _timed(fn, repeats: int, prepare=lambda: None) -> tuple[float, int, list[float]]:
+    """(median seconds, peak bytes above what was allocated before, every time) over ``repeats`` calls; ``prepare``
+    runs before each, untimed (a donated input's fresh copy)."""
     times, peak = [], 0
     for _ in range(repeats):
+        arg = prepare()
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
-        out = fn()
+        out = fn(arg)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
         peak = max(peak, torch.cuda.max_memory_allocated() - base)
@@ -78,7 +83,7 @@ def _ffn(block) -> int:
 
 
 def run_case(name: str, n: int, repeats: int, holds: list[float], deadline: float, only_holds: bool,
-             only: set[str] = frozenset()) -> list[dict]:
+             only: set[str] = frozenset(), donated: bool = False) -> list[dict]:
     fam = FAMILIES[name]
     torch.manual_seed(0)
     with torch.device("cuda"):
@@ -87,11 +92,18 @@ def run_case(name: str, n: int, repeats: int, holds: list[float], deadline: floa
     live = sum(t.numel() * t.element_size() for t in torch.utils._pytree.tree_leaves(inputs)
                if isinstance(t, torch.Tensor))
     floor = int(fam.floor_bytes_per_token(BF16) * n)
-    base = {"case": name, "tokens": n, "floor_bytes": floor, "live_bytes": live}
+    base = {"case": name, "tokens": n, "floor_bytes": floor, "live_bytes": live, "input_donated": donated}
     rows = []
+    # donated: the block's input handed over as its model forward hands it (``donate``: the block may write its
+    # output over it), a fresh copy of it before each call, made outside the timing; stock runs on the same copies
+    fresh = (lambda: inputs[0].clone()) if donated else (lambda: inputs[0])
+
+    def call(first):
+        with donate(*((first,) if donated else ())):
+            return block(first, *inputs[1:])
     with torch.inference_mode():
         ref = _first(block(*inputs)).clone()
-        stock_s, stock_peak, stock_times = _timed(lambda: block(*inputs), repeats)
+        stock_s, stock_peak, stock_times = _timed(call, repeats, fresh)
         rows.append({**base, "variant": "stock", "time_s": stock_s, "times_s": stock_times, "peak_bytes": stock_peak,
                      "time_ratio": 1.0})
         print(rows[-1], flush=True)
@@ -107,11 +119,11 @@ def run_case(name: str, n: int, repeats: int, holds: list[float], deadline: floa
             handle = streamplan.apply(block, capture="prefer", **kw)
             try:
                 t0 = time.perf_counter()
-                first = _first(block(*inputs))
+                first = _first(call(fresh()))
                 first_s = time.perf_counter() - t0
                 diff = rel_diff(first, ref)
                 del first
-                secs, peak, times = _timed(lambda: block(*inputs), repeats)
+                secs, peak, times = _timed(call, repeats, fresh)
             except streamplan.BudgetError as exc:
                 rows.append({**base, "variant": label, "kw": kw, "refused": str(exc)[:400],
                              "smallest_bytes": exc.smallest_bytes})
@@ -147,10 +159,13 @@ def main() -> int:
     p.add_argument("--seconds", type=float, default=520.0, help="stop starting variants after this long")
     p.add_argument("--tag", default="")
     p.add_argument("--variants", default="", help="sweep only these variants (e.g. c8192,c16384)")
+    p.add_argument("--donate", action="store_true", help="hand each call a fresh copy of the block's input, donated "
+                   "as a model forward hands its blocks theirs (the output may be written over it); default: the "
+                   "input copied, as a user applies streamplan to one block")
     a = p.parse_args()
     deadline = time.monotonic() + a.seconds
     holds = [float(h) for h in a.holds.split(",")]
-    payload = {**device_info(), "mode": a.mode, "repeats": a.repeats, "rows": []}
+    payload = {**device_info(), "mode": a.mode, "repeats": a.repeats, "input_donated": a.donate, "rows": []}
     name = f"gpu_time_model_{a.mode}" + (f"_{a.tag}" if a.tag else "")
     for n in (int(t) for t in a.tokens.split(",")):
         for case in a.cases.split(","):
@@ -158,7 +173,7 @@ def main() -> int:
                 payload["rows"].append({"case": case, "tokens": n, "skipped": "out of time"})
                 continue
             payload["rows"] += run_case(case, n, a.repeats, holds, deadline, a.mode == "held",
-                                        {v for v in a.variants.split(",") if v})
+                                        {v for v in a.variants.split(",") if v}, a.donate)
             write_results(name, payload)
     print(write_results(name, payload))
     return 0

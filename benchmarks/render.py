@@ -1,6 +1,7 @@
 """Turn results/latest/suite_*.json into the tables of RESULTS.md (printed) and results/latest/suite.png."""
 from __future__ import annotations
 
+import argparse
 import glob
 import json
 import os
@@ -12,6 +13,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def main() -> int:
+    argparse.ArgumentParser(description=__doc__).parse_args()
     rows, heads = [], set()
     for path in sorted(glob.glob(os.path.join(HERE, "results", "latest", "suite_*.json"))):
         if path.endswith("suite_smoke.json"):
