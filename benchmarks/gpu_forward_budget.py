@@ -48,6 +48,7 @@ DEV = "cuda"
 BF16 = torch.bfloat16
 GIB = 1 << 30
 HIDDEN = "auto"         # apply(hidden=...): where the forward keeps its hidden state (--hidden)
+TRUTH = None            # --stock-fp32: the same stock forward in fp32, each output's error measured against it
 LATENTS = {32768: (8, 64, 256), 75600: (21, 90, 160), 217088: (53, 128, 128),   # frames, height, width (1x2x2 patches)
            434176: (106, 128, 128)}
 
@@ -221,6 +222,29 @@ def _h3_out(out):
     return out.sample, out.audio_sample
 
 
+def _in_fp32(model, call):
+    """``call``'s output with the model and every floating tensor its call reads (closure cells, their dicts and
+    tuples) in fp32, then each put back in its own dtype (exactly: bf16 -> fp32 -> bf16 loses nothing); the output
+    stays fp32."""
+    cells = [c for c in (call.__closure__ or ()) if not isinstance(c.cell_contents, torch.nn.Module)]
+    held = [c.cell_contents for c in cells]
+    cast = lambda t: t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t  # noqa: E731
+    tensors = [*model.parameters(), *model.buffers()]
+    dtypes = [t.dtype for t in tensors]
+    try:
+        model.float()
+        for c in cells:
+            c.cell_contents = torch.utils._pytree.tree_map(cast, c.cell_contents)
+        with torch.inference_mode():
+            out = call()
+    finally:
+        for c, v in zip(cells, held):
+            c.cell_contents = v
+        for t, dt in zip(tensors, dtypes):   # each back in its own dtype (H3 keeps its projections in fp32)
+            t.data = t.data.to(dt)
+    return out
+
+
 def _rel(a, b) -> float:
     if isinstance(a, tuple):
         return max(_rel(x, y) for x, y in zip(a, b))
@@ -272,6 +296,7 @@ def accepted(model, call, budget: int, ref, stock_s: float, repeat: int = 1, war
         row.update(first_call_s=first_s, rehearsal_s=rehearsal_s, times_s=times, time_s=t, time_vs_stock=t / stock_s,
                    peak_bytes=peak, peak_GiB=peak / GIB, held=peak <= budget, predicted_bytes=plan.predicted_total,
                    rel_diff_vs_stock=_rel(out, ref), tier=str(plan.tier), note=plan.note[:600],
+                   **({} if TRUTH is None else {"rel_diff_vs_fp32": _rel(out, TRUTH)}),
                    host_bytes=plan.host_bytes,
                    blocks={k: [p.describe() for p in v] for k, v in handle.plans.items()
                            if k.startswith(("blocks.", "transformer_blocks.", "model.layers."))
@@ -291,7 +316,7 @@ def accepted(model, call, budget: int, ref, stock_s: float, repeat: int = 1, war
 
 
 def main() -> int:
-    global DEV, HIDDEN
+    global DEV, HIDDEN, TRUTH
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="wan", choices=("wan", "llama", "h3", "ltx2"),
                    help="wan: Wan2.1-14B; llama: Llama-3-8B width, a prefill; h3: MiniMax-H3 (--tokens: packed rows); "
@@ -309,6 +334,10 @@ def main() -> int:
                    "on each decoder layer")
     p.add_argument("--stock-noise", action="store_true", help="stock again under SDPA's memory-efficient kernel: "
                    "its difference from the reference is stock's own noise, beside streamplan's")
+    p.add_argument("--stock-fp32", action="store_true", help="stock again with the model and its inputs in fp32 "
+                   "(weights cast there and back: bf16 -> fp32 -> bf16 is exact): stock's and each budget's error "
+                   "against it, so streamed rounding is set beside stock's own bf16 rounding (twice stock's memory: "
+                   "LTX-2 2 layers fit an 80 GB card at 75,600 rows)")
     p.add_argument("--stock-save", default="", help="run stock alone and save its output, time and peak to this "
                    "file (under $OUT when relative), then stop: a reference too long to share one device call with "
                    "the budgets (Llama at 1M tokens, 32 layers)")
@@ -416,6 +445,10 @@ def main() -> int:
             except RuntimeError as exc:
                 payload["stock_efficient_vs_default_rel_diff"] = f"not run: {str(exc)[:200]}"
             print(f"stock's own noise: {payload['stock_efficient_vs_default_rel_diff']}", flush=True)
+        if a.stock_fp32:
+            TRUTH = _in_fp32(model, call)
+            payload["stock_vs_fp32_rel_diff"] = _rel(ref, TRUTH)
+            print(f"stock bf16 against stock fp32: {payload['stock_vs_fp32_rel_diff']}", flush=True)
         print(f"stock: peak {stock_peak / GIB:.2f} GiB above the weights, {stock_s:.1f} s", flush=True)
         scale = GIB if DEV == "cuda" else stock_peak / 8   # the dry run's budgets: eighths of stock's peak
         for budget in [int(float(b) * scale) for b in a.card_budgets_gib.split(",") if b]:

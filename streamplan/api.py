@@ -462,11 +462,11 @@ class BlockStreamer:
     The block goes through its captured graph; what cannot stream runs the block's stock forward, reported."""
 
     def __init__(self, module: nn.Module, budget: int | str | None = "auto", chunk_tokens: int | None = None, *,
-                 reserve: int | str = DEFAULT_RESERVE, self_check: bool = False, name: str = ""):
+                 reserve: int | str = DEFAULT_RESERVE, self_check: bool = False, kv: str = "device", name: str = ""):
         if not isinstance(module, nn.Module):
             raise ValueError(f"module must be a torch.nn.Module, got {type(module).__name__}")
         from .recognize.generic import recognize_generic
-        options = StreamOptions(budget, chunk_tokens, reserve=reserve, self_check=self_check)
+        options = StreamOptions(budget, chunk_tokens, reserve=reserve, self_check=self_check, kv=kv)
         spec = recognize_generic(name, module)
         self.handle = StreamHandle(module, options, [spec] if isinstance(spec, Skip) else [])
         self.entry = None

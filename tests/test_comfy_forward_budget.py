@@ -164,3 +164,44 @@ def test_a_forward_with_quantized_blocks_is_not_planned_ahead(name, blocks, monk
     index = len(getattr(base.model.diffusion_model, blocks)) - 1
     assert f"{blocks}[{index}] holds quantized weights (ff.0, ...)" in text, text
     assert "the whole forward planned ahead" not in text and _state(patched).forward.planned == {}, text
+
+
+@pytest.mark.parametrize("name", ["wan", "h3"])
+def test_k_and_v_in_host_memory_run_a_comfy_forward_below_their_floor_on_the_card(name):
+    """Where ComfyUI attends with PyTorch SDPA, a streamed block's K and V can be staged to the host (L4; forced here
+    with ``kv="host"``: on CUDA the planner takes it on its own below the floor): the smallest budget falls below
+    the one with K and V whole on the card, and it holds, exact against ComfyUI's own forward."""
+    import streamplan.integrations.comfy as sc
+    base, x, cond, run, _, blocks = _family(name)
+    peaks = _metered(base)
+    stock = sample_call(run(base), x, cond)
+    (stock_peak,) = peaks
+    on_card = _refused(run(sc.patch(base, budget=stock_peak // 50, min_tokens=0)), x, cond).smallest_bytes
+    staged = _refused(run(sc.patch(base, budget=stock_peak // 50, min_tokens=0, kv="host")), x, cond).smallest_bytes
+    assert staged < on_card, (staged, on_card)
+    patched = run(sc.patch(base, budget=staged, min_tokens=0, kv="host"))
+    out = sample_call(patched, x, cond)
+    text = sc.report(patched)
+    assert rel_err(out, stock) <= 1e-5, text
+    assert peaks[-1] <= staged, (peaks[-1], staged, on_card, text)
+    assert text.count("tiers: L4 K/V staged in host memory (exact)") == blocks, text
+    assert "kv host" in text and "K/V store blocks by PyTorch SDPA" in text, text
+    print(f"{name}: smallest {staged} with K/V on the host against {on_card} on the card; peak {peaks[-1]}")
+
+
+def test_a_store_is_refused_where_comfyui_attends_with_another_function(monkeypatch):
+    """A store merges K/V blocks by their log-sum-exp, which ComfyUI's attention functions do not return: only where
+    ComfyUI attends with PyTorch SDPA are the blocks attended by its kernels; with another function (here the basic
+    one) K and V stay whole on the card, said in the report, and the output is still ComfyUI's."""
+    import comfy.ldm.modules.attention as attention
+
+    import streamplan.integrations.comfy as sc
+    base, x, cond, run, _, _ = _family("h3")
+    stock = sample_call(run(base), x, cond)
+    monkeypatch.setattr(attention, "optimized_attention", attention.attention_basic)
+    patched = run(sc.patch(base, budget=None, chunk_tokens=512, min_tokens=0, kv="host"))
+    out = sample_call(patched, x, cond)
+    text = sc.report(patched)
+    assert rel_err(out, stock) <= 1e-5, text
+    assert "kv=host not used: attention backend comfyui does not attend K/V in blocks with a log-sum-exp" in text, text
+    assert "tiers: L4" not in text, text

@@ -6,6 +6,11 @@ PyTorch, ...) with the call's ``transformer_options``, so an ``optimized_attenti
 ``ModelPatcher.set_model_optimized_attention`` installed for a registered attention function still serves it. Those
 functions attend each query row on its own, so a bounded Q chunk against the whole K and V is exact.
 
+Where ComfyUI attends with PyTorch's SDPA (``attention_pytorch``, its choice on NVIDIA without Sage, flash-attn or
+xformers, or set as the override), a K/V store's blocks (L4/L5, below the floor of K and V on the card) are attended
+by PyTorch's fused kernels with their log-sum-exp (``attend_lse``: the same kernels, each block's partial output merged
+exactly); with another function ComfyUI selected, K and V stay whole on the card, as the report says.
+
 Any other override is opaque (it may need every query row at once, or count calls). One that opts in to the streamed
 contract (``supports_streamed_h3_qkv = True`` and ``consume(q_chunk=, global_k=, global_v=, q_start=, q_total=,
 layer_index=, transformer_options=)`` returning ``q_chunk``'s shape; tensors ``[batch, heads, rows, head_dim]``) gets
@@ -49,6 +54,13 @@ def _opaque(override: Any) -> Any:
     return None if _opted_in(override) or _registered_function(override) is not None else override
 
 
+def _attends_with_sdpa(override: Any) -> bool:
+    """Whether ComfyUI's chunks go to its PyTorch SDPA function (selected, or the registered override's function)."""
+    import comfy.ldm.modules.attention as attention
+    fn = attention.optimized_attention if override is None else _registered_function(override)
+    return fn is not None and fn is attention.attention_pytorch
+
+
 def _opted_in(override: Any) -> bool:
     return getattr(override, CONTRACT_FLAG, False) is True and callable(getattr(override, "consume", None))
 
@@ -88,7 +100,8 @@ class ComfyAttention:
         # block's stock call (which passes none) take none
         plain = self.contract is None and self.whole_call is None
         self.caps = dataclasses.replace(caps, masks=caps.masks | MASKS if plain else frozenset(),
-                                        bounded_q=self.whole_call is None)
+                                        bounded_q=self.whole_call is None,
+                                        kv_blocks_lse=plain and _attends_with_sdpa(override))
 
     @property
     def phrase(self) -> str:
@@ -105,8 +118,19 @@ class ComfyAttention:
             return f"{type(self.contract).__qualname__}.consume (streamed contract)"
         override = self.options.get(OVERRIDE_KEY)
         fn = _registered_function(override) if override is not None else None
-        return f"ComfyUI optimized_attention (override: {fn.__name__})" if fn is not None else (
+        said = f"ComfyUI optimized_attention (override: {fn.__name__})" if fn is not None else (
             "ComfyUI optimized_attention")
+        return said + ("; K/V store blocks by PyTorch SDPA with their log-sum-exp" if self.caps.kv_blocks_lse else "")
+
+    def attend_lse(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
+                   mask: torch.Tensor | None, scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One K/V block of a store, with its log-sum-exp: PyTorch SDPA's, as ComfyUI's ``attention_pytorch`` would
+        attend it (only where ``caps.kv_blocks_lse`` says ComfyUI attends with that function)."""
+        if not self.caps.kv_blocks_lse:   # the planner offers no store without it: a bug upstream
+            raise ValueError("ComfyUI's attention consumer attends K/V blocks only where ComfyUI attends with PyTorch "
+                             "SDPA")
+        from ...attention import SDPA
+        return SDPA.attend_lse(q, k, v, causal=causal, mask=mask, scale=scale)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_offset: int, causal: bool,
                mask: torch.Tensor | None, scale: float | None) -> torch.Tensor:

@@ -63,6 +63,7 @@ class Options:
     min_tokens: int = 4096
     reserve: Any = None
     self_check: bool = False
+    kv: str = "device"
 
 
 @dataclass(eq=False)
@@ -184,7 +185,7 @@ class _StreamedCall:
             self.block.streamed = self.calls.streamed(self.module)
             self.block.streamer = BlockStreamer(
                 self.block.streamed, None if o.budget is None else 1, o.chunk_tokens, self_check=o.self_check,
-                name=_key_name(self.block.key))
+                kv=o.kv, name=_key_name(self.block.key))
             self.block.module_id = id(self.module)
         x = next((a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)), None)
         direct = self.calls.direct_weights
@@ -317,7 +318,7 @@ def block_keys(diffusion_model: nn.Module) -> list[tuple[tuple, str, nn.Module]]
 
 
 def patch(model_patcher, budget: int | str | None = "auto", chunk_tokens: int | None = None, *,
-          min_tokens: int = 4096, reserve: int | str | None = None, self_check: bool = False):
+          min_tokens: int = 4096, reserve: int | str | None = None, self_check: bool = False, kv: str = "device"):
     """A ``model_patcher.clone()`` whose diffusion-model blocks stream through ``BlockStreamer``.
 
     One "dit" block replacement per block index (``clone.set_model_patch_replace``): a call with at least ``min_tokens``
@@ -334,7 +335,10 @@ def patch(model_patcher, budget: int | str | None = "auto", chunk_tokens: int | 
     bytes (for the forwards streamplan runs, without ``chunk_tokens``, what the whole model call may add, planned
     before it runs, ``forward_budget``; otherwise activation room above what a block call holds at entry; cast weights
     paid from it; ``BudgetError`` below the smallest) or None (``memory``); ``chunk_tokens`` and
-    ``self_check`` are ``BlockStreamer``'s. The input patcher and the shared modules are not changed.
+    ``self_check`` are ``BlockStreamer``'s; ``kv``: where a streamed block's K and V live between its phases, as
+    ``streamplan.apply``'s (``"device"``: on the card, or below that floor staged to the host where ComfyUI attends
+    with PyTorch SDPA; ``"host"`` forces that; ``"int8"``/``"fp8"`` compress them, approximate, named in the report).
+    The input patcher and the shared modules are not changed.
     ``report(patched)`` says what happened.
     """
     if not hasattr(model_patcher, "clone") or not hasattr(model_patcher, "set_model_patch_replace"):
@@ -343,11 +347,11 @@ def patch(model_patcher, budget: int | str | None = "auto", chunk_tokens: int | 
         raise ValueError(f"min_tokens must be an int >= 0, got {min_tokens!r}")
     budget = parse_budget(budget) if isinstance(budget, str) and budget != "auto" else budget
     # the streamer checks the rest of the arguments: build one (on no module call) so bad values fail here
-    BlockStreamer(nn.Identity(), budget, chunk_tokens, self_check=self_check,
-                             **({} if reserve is None else {"reserve": reserve}))
+    BlockStreamer(nn.Identity(), budget, chunk_tokens, self_check=self_check, kv=kv,
+                  **({} if reserve is None else {"reserve": reserve}))
     dm = _diffusion_model(model_patcher)
-    state = PatchState(Options(budget, chunk_tokens, min_tokens, reserve, self_check), type(dm).__name__, dm)
-    state.plan_options = StreamOptions(budget)
+    state = PatchState(Options(budget, chunk_tokens, min_tokens, reserve, self_check, kv), type(dm).__name__, dm)
+    state.plan_options = StreamOptions(budget, kv=kv)
     clone = model_patcher.clone()
     existing = (clone.model_options.get("transformer_options", {}).get("patches_replace", {}).get("dit", {}))
     for key, where, module in block_keys(dm):
@@ -410,7 +414,7 @@ def report(patched) -> str:
         lines.append(f"streamplan.integrations.comfy report for {st.model_class}: {len(st.blocks)} block(s) patched, "
                      f"{len(st.left)} {LEFT_TO_EXISTING}")
         lines.append(f"  budget {o.budget!r}, chunk_tokens {o.chunk_tokens}, min_tokens {o.min_tokens}, "
-                     f"reserve {o.reserve!r}, self_check {o.self_check}")
+                     f"reserve {o.reserve!r}, self_check {o.self_check}, kv {o.kv}")
         if st.replaced_own:
             lines.append(f"  re-planned {st.replaced_own} block(s) an earlier streamplan patch held")
         lines.append(_forward_line(st))
