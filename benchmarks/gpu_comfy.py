@@ -267,6 +267,15 @@ def build_h3(comfy, dev, dtype, smoke: bool, n: int, text: int, audio: int, mode
     with torch.no_grad():
         inv = model.rope.inv_freq                  # a buffer, left uninitialised like the weights
         inv.copy_(1.0 / 10000.0 ** (torch.arange(inv.numel(), device=inv.device, dtype=torch.float32) / inv.numel()))
+    x, cond, grid, shapes = h3_call(comfy, base, dev, dtype, n, text, audio, dims.get("text_dim", 5120))
+    widths = (dims["hidden_size"], dims["num_attention_heads"], dims["attention_head_dim"], dims["ffn_hidden_size"])
+    return base, x, cond, grid, widths, shapes
+
+
+def h3_call(comfy, base, dev, dtype, n: int, text: int, audio: int, text_dim: int):
+    """A MiniMax-H3 call's packed latent (video then audio) and its conditioning (a function: run it after the load)
+    at ``n`` packed rows, with its video grid and the two latents' shapes."""
+    model = base.diffusion_model
     if audio % 2:
         raise SystemExit(f"--audio {audio}: stereo audio packs 2 rows per latent frame, give an even count")
     f, h, w = latent_grid(max(1, n - text - audio))
@@ -274,13 +283,11 @@ def build_h3(comfy, dev, dtype, smoke: bool, n: int, text: int, audio: int, mode
     video = torch.randn(1, model.latents_dim, f, 2 * h, 2 * w, device=dev, generator=g)
     sound = torch.randn(1, model.audio_latents_dim, 2, audio // 2, device=dev, generator=g)
     x, shapes = comfy.utils.pack_latents([video, sound])
-    text_dim = dims.get("text_dim", 5120)
     context = torch.randn(1, text, text_dim, device=dev, dtype=dtype, generator=g)
     # after the load (``held_as``): extra_conds runs the token refiner, whose weights the load puts in place
     cond = lambda: {k: v.cond for k, v in  # noqa: E731
                     base.extra_conds(device=dev, cross_attn=context, latent_shapes=shapes).items()}
-    widths = (dims["hidden_size"], dims["num_attention_heads"], dims["attention_head_dim"], dims["ffn_hidden_size"])
-    return base, x, cond, (f, h, w), widths, (list(video.shape), list(sound.shape))
+    return x, cond, (f, h, w), (list(video.shape), list(sound.shape))
 
 
 def sample_call(patcher, x, cond):

@@ -152,10 +152,15 @@ def main() -> int:
     p.add_argument("--budgets-gib", default="8", help="comma list of budgets in GiB (smoke: eighths of stock's peak)")
     p.add_argument("--refuse-gib", type=float, default=0.25, help="a budget expected to be refused (0: none)")
     p.add_argument("--run-smallest", action="store_true", help="also run at the refusal's smallest budget")
+    p.add_argument("--warm-tokens", type=int, default=0, help="h3: the first (untimed) call, in which DynamicVRAM "
+                   "faults its weights in and lowvram sets its casts up, at this many packed rows rather than the "
+                   "measured length (0: the measured call itself; 50 layers at 217k rows take minutes a call)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes on CPU")
     a = p.parse_args()
     if a.weights == "dynamic" and a.smoke:
         p.error("--weights dynamic needs a GPU (comfy-aimdo's VBAR is CUDA memory): drop --smoke")
+    if a.warm_tokens and a.model != "h3":
+        p.error("--warm-tokens is for --model h3")
     if a.layers < 1:
         p.error(f"--layers {a.layers}: give at least 1")
     try:   # read before the model is built: a wrong value says so at once, not after minutes of stock
@@ -194,7 +199,14 @@ def main() -> int:
         print({k: v for k, v in row.items() if k != "report"}, flush=True)
         write_results(name, payload)
 
-    call(stock)   # the first call: DynamicVRAM faults its weights in, lowvram sets its casts up
+    if a.warm_tokens:   # the first call: DynamicVRAM faults its weights in, lowvram sets its casts up
+        wx, wcond, _, _ = gpu_comfy.h3_call(comfy, base, dev, dtype, a.warm_tokens, text, audio,
+                                            gpu_comfy.H3_SMOKE_DIMS.get("text_dim", 5120) if a.smoke
+                                            else gpu_comfy.H3_DIMS.get("text_dim", 5120))
+        gpu_comfy.sample_call(stock, wx, wcond())
+        del wx
+    else:
+        call(stock)
     stock_peaks = metered(stock, cuda)
     ref, stock_s, stock_call_peak = timed_call(call, stock, cuda)
     stock_peak = stock_peaks[-1]
