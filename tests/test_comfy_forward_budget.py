@@ -166,7 +166,7 @@ def test_a_forward_with_quantized_blocks_is_not_planned_ahead(name, blocks, monk
     assert "the whole forward planned ahead" not in text and _state(patched).forward.planned == {}, text
 
 
-@pytest.mark.parametrize("name", ["wan", "h3"])
+@pytest.mark.parametrize("name", ["wan", "h3", "ltxav", "ltxv", "flux", "hunyuan_video"])
 def test_k_and_v_in_host_memory_run_a_comfy_forward_below_their_floor_on_the_card(name):
     """Where ComfyUI attends with PyTorch SDPA, a streamed block's K and V can be staged to the host (L4; forced here
     with ``kv="host"``: on CUDA the planner takes it on its own below the floor): the smallest budget falls below
