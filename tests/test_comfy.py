@@ -524,13 +524,18 @@ def test_node_schema_and_execute(fresh_captures):
     node, report_node = nodes.node_classes()
     schema = node.GET_SCHEMA()
     assert schema.node_id == nodes.NODE_ID
-    assert [i.id for i in schema.inputs] == ["model", "budget", "chunk_tokens", "min_tokens", "reserve", "self_check"]
+    assert [i.id for i in schema.inputs] == ["model", "budget", "chunk_tokens", "min_tokens", "reserve", "self_check",
+                                             "kv"]
+    assert [i.optional for i in schema.inputs][-1], "kv is optional: workflows saved without it still validate"
     assert [o.io_type for o in schema.outputs] == ["MODEL", "STRING"]
     base, x, cond = wan_patcher()
-    out = node.execute(model=base, budget="none", chunk_tokens=64, min_tokens=0, reserve="", self_check=False)
+    out = node.execute(model=base, budget="none", chunk_tokens=64, min_tokens=0, reserve="", self_check=False,
+                       kv="host")
     patched, text = out.result
     assert "2 block(s) patched" in text
     assert rel_err(sample_call(patched, x, cond), sample_call(base, x, cond)) <= 1e-5
+    after = nodes.report(patched)
+    assert "kv host" in after and "tiers: L4 K/V staged in host memory" in after, after
     schema = report_node.GET_SCHEMA()
     assert schema.node_id == nodes.REPORT_NODE_ID and [i.id for i in schema.inputs] == ["model", "samples"]
     latent = {"samples": x}

@@ -42,6 +42,12 @@ BUDGET_TOOLTIP = (
     '"none": no planning, every long enough call at chunk_tokens (or the default chunk).')
 
 
+KV_CHOICES = ("device", "host", "int8", "fp8")
+KV_TOOLTIP = ('where a streamed block keeps its K and V between its phases: "device" (exact; below that floor on a '
+              'GPU the planner stages them to the host where ComfyUI attends with PyTorch attention), "host" (exact, '
+              'always staged to pinned host memory), "int8"/"fp8" (compressed: approximate, the error in the report)')
+
+
 def _budget(text: str):
     text = (text or "").strip()
     if text.lower() in ("", "auto"):
@@ -52,13 +58,13 @@ def _budget(text: str):
 
 
 def stream_blocks(model, budget: str = "auto", chunk_tokens: int = 0, min_tokens: int = 4096, reserve: str = "",
-                  self_check: bool = False):
+                  self_check: bool = False, kv: str = "device"):
     """(patched clone, report text). ``budget``: "auto", "none" (stream every long enough call at the default
     chunk) or a size ("12GiB"); ``chunk_tokens`` 0 lets the planner choose; ``reserve`` "" keeps the library
-    default."""
+    default; ``kv``: ``patch``'s."""
     patched = patch(model, _budget(budget), chunk_tokens or None, min_tokens=min_tokens,
                     reserve=(reserve.strip() or None) if isinstance(reserve, str) else reserve,
-                    self_check=self_check)
+                    self_check=self_check, kv=kv)
     return patched, report(patched)
 
 
@@ -93,14 +99,17 @@ def node_classes():
                                             'empty: 512MiB'),
                     io.Boolean.Input("self_check", default=False,
                                      tooltip="run the first streamed call stock too and report the difference"),
+                    io.Combo.Input("kv", options=list(KV_CHOICES), default="device", optional=True,
+                                   tooltip=KV_TOOLTIP),
                 ],
                 outputs=[io.Model.Output(display_name="model"),
                          io.String.Output(display_name="report", tooltip=REPORT_TOOLTIP)],
             )
 
         @classmethod
-        def execute(cls, model, budget="auto", chunk_tokens=0, min_tokens=4096, reserve="", self_check=False):
-            patched, text = stream_blocks(model, budget, chunk_tokens, min_tokens, reserve, self_check)
+        def execute(cls, model, budget="auto", chunk_tokens=0, min_tokens=4096, reserve="", self_check=False,
+                    kv="device"):
+            patched, text = stream_blocks(model, budget, chunk_tokens, min_tokens, reserve, self_check, kv)
             return io.NodeOutput(patched, text)
 
     class StreamReport(io.ComfyNode):
