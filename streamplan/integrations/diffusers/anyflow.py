@@ -23,8 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...attention.flex import FlexMask
-from ...recognize.checks import call_args
-from .followed import followed_spec, unfollowed
+from .followed import followed_spec, processor_call, unfollowed
 from ...specs import AttentionCall, AttentionSpec, KVFrame, Segment, Skip
 
 _MODULE = "diffusers.models.transformers.transformer_anyflow_far"
@@ -79,14 +78,12 @@ def _tables(rotary, batch: int, heads: int, head_dim: int, rows: int, cached: in
 
 
 def _bind_anyflow_far(attn, mod, args: tuple, kwargs: dict) -> AttentionCall | str:
-    call = call_args(_ARGS, args, kwargs)
-    if isinstance(call, str):
-        return call
     proc = attn.processor
     if proc._attention_backend not in mod.AnyFlowCausalAttnProcessor._SUPPORTED_BACKENDS:
         return f"its processor's backend is {proc._attention_backend!r}, not flex (the processor refuses it)"
-    if getattr(proc, "_parallel_config", None) is not None:
-        return "under diffusers' context parallelism"
+    call = processor_call(_ARGS, proc, args, kwargs)
+    if isinstance(call, str):
+        return call
     if call.get("encoder_hidden_states") is not None:
         return "keys from encoder_hidden_states (the binder follows the self-attention)"
     if call.get("attention_mask") is not None:

@@ -32,7 +32,7 @@ from torch import nn
 
 from ...attention.flex import FlexMask, block_mask_problem, Q_BLOCK
 from ...recognize.checks import call_args, source_fingerprint
-from .followed import FOLLOWED_VERSION, followed_spec, unfollowed
+from .followed import FOLLOWED_VERSION, followed_spec, processor_call, unfollowed
 from ...registries import register_backend_probe, register_call_describer, register_capture_context
 from ...specs import AttentionCall, AttentionSpec, KVFrame, RowMask, Segment, Skip
 
@@ -135,11 +135,9 @@ def _generation_step(call: dict) -> tuple[torch.Tensor, object, _Layout] | str:
 
 
 def _bind_wan_animate2(attn, mod, args: tuple, kwargs: dict) -> AttentionCall | str:
-    call = call_args(_ARGS, args, kwargs)
+    call = processor_call(_ARGS, attn.processor, args, kwargs)
     if isinstance(call, str):
         return call
-    if getattr(attn.processor, "_parallel_config", None) is not None:
-        return "under diffusers' context parallelism"
     step = _generation_step(call)
     if isinstance(step, str):
         return step

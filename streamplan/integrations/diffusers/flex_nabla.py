@@ -20,9 +20,9 @@ import torch
 from torch import nn
 
 from ...attention.flex import FlexMask, Q_BLOCK, block_mask_problem, full_block_tables
-from ...recognize.checks import call_args, source_fingerprint
+from ...recognize.checks import source_fingerprint
 from ...registries import register_backend_probe, register_capture_context, register_row_contraction_op
-from .followed import followed_spec, unfollowed
+from .followed import followed_spec, processor_call, unfollowed
 from ...specs import AttentionCall, AttentionSpec, KVFrame, Segment, Skip
 
 _MODULE = "diffusers.models.transformers.transformer_kandinsky6_sr"
@@ -41,11 +41,9 @@ def _sources(mod) -> dict:
 
 
 def _bind_nabla(attn, mod, args: tuple, kwargs: dict) -> AttentionCall | str:
-    call = call_args(_ARGS, args, kwargs)
+    call = processor_call(_ARGS, attn.processor, args, kwargs)
     if isinstance(call, str):
         return call
-    if getattr(attn.processor, "_parallel_config", None) is not None:
-        return "under diffusers' context parallelism"
     x, rope, sparse = call.get("hidden_states"), call.get("rotary_emb"), call.get("sparse_params")
     if not isinstance(x, torch.Tensor) or x.dim() != 3:
         return "hidden_states is not [batch, tokens, dim]"

@@ -7,10 +7,19 @@ from typing import Callable
 
 from torch import nn
 
-from ...recognize.checks import source_fingerprint, stock_problem
+from ...recognize.checks import call_args, source_fingerprint, stock_problem
 from ...specs import AttentionSpec
 
 FOLLOWED_VERSION = "0.42.1"
+
+
+def processor_call(names: tuple[str, ...], processor, args: tuple, kwargs: dict) -> dict | str:
+    """A followed processor's call by argument name, or why the binder cannot take it: arguments it does not know,
+    or the processor under diffusers' context parallelism (its attention exchanges rows across ranks)."""
+    call = call_args(names, args, kwargs)
+    if isinstance(call, str):
+        return call
+    return "under diffusers' context parallelism" if getattr(processor, "_parallel_config", None) is not None else call
 
 
 def unfollowed(module: nn.Module, forward: Callable, sources: dict[str, Callable],

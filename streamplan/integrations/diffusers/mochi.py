@@ -19,8 +19,7 @@ import sys
 import torch
 from torch import nn
 
-from ...recognize.checks import call_args
-from .followed import followed_spec, unfollowed
+from .followed import followed_spec, processor_call, unfollowed
 from ...specs import AttentionCall, AttentionSpec, Segment, Skip
 
 _MODULE = "diffusers.models.attention_processor"
@@ -62,11 +61,9 @@ def _valid_tokens(mask, batch: int, tokens: int) -> list[torch.Tensor] | str:
 
 
 def _bind_mochi(attn, args: tuple, kwargs: dict) -> AttentionCall | str:
-    call = call_args(_ARGS, args, kwargs)
+    call = processor_call(_ARGS, attn.processor, args, kwargs)
     if isinstance(call, str):
         return call
-    if getattr(attn.processor, "_parallel_config", None) is not None:
-        return "under diffusers' context parallelism"
     x, enc = call.get("hidden_states"), call.get("encoder_hidden_states")
     if not isinstance(x, torch.Tensor) or x.dim() != 3:
         return "hidden_states is not [batch, tokens, dim]"
