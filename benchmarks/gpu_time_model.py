@@ -26,11 +26,19 @@ import time
 import torch
 
 import streamplan
-from common import device_info, rel_diff, write_results
+from common import device_info, int_list, rel_diff, write_results
 from streamplan.execute.donation import donate
 from streamplan.tools.families import FAMILIES
 
 BF16 = torch.bfloat16
+
+
+def _floats(text: str) -> list[float]:
+    """argparse type: comma-separated numbers."""
+    try:
+        return [float(h) for h in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of numbers: {text!r}") from None
 
 
 def _first(out):
@@ -153,8 +161,9 @@ def main() -> int:
     p.add_argument("mode", choices=("sweep", "held"))
     p.add_argument("--cases", default="wan-14b-block,h3-block,flux2-single-block,ltx-video-block,llama3-8b-layer,"
                                       "hunyuan-double-block,flux2-double-block")
-    p.add_argument("--tokens", default="32768,75600")
-    p.add_argument("--holds", default="1.15,0.5")
+    p.add_argument("--tokens", type=int_list, default="32768,75600", help="rows, comma-separated")
+    p.add_argument("--holds", type=_floats, default="1.15,0.5", help="budgets as multiples of the floor above the "
+                   "inputs, comma-separated")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seconds", type=float, default=520.0, help="stop starting variants after this long")
     p.add_argument("--tag", default="")
@@ -164,10 +173,10 @@ def main() -> int:
                    "input copied, as a user applies streamplan to one block")
     a = p.parse_args()
     deadline = time.monotonic() + a.seconds
-    holds = [float(h) for h in a.holds.split(",")]
+    holds = a.holds
     payload = {**device_info(), "mode": a.mode, "repeats": a.repeats, "input_donated": a.donate, "rows": []}
     name = f"gpu_time_model_{a.mode}" + (f"_{a.tag}" if a.tag else "")
-    for n in (int(t) for t in a.tokens.split(",")):
+    for n in a.tokens:
         for case in a.cases.split(","):
             if time.monotonic() > deadline:
                 payload["rows"].append({"case": case, "tokens": n, "skipped": "out of time"})
