@@ -7,6 +7,9 @@ at 1.15x and 0.5x the floor (residual + K + V) above the inputs. Every variant r
 (installed, timed, removed), median of ``repeats`` calls after one untimed call. The fit
 (``streamplan.plan.time_model``) reads the rows back with each plan re-made on meta tensors.
 
+``--variants store``: the K/V store's variants alone (chunks of 512-8192 rows, Q spans of 4-8 chunks), for its
+constants' fit.
+
 ``held``: the issue's table: each block at each length under ``inputs + x * floor`` for the holds given, the
 planner's plan, its predicted time ratio beside the measured one; each hold again with chunk replay off
 (``/noreplay``). Forced chunks run with replay off, and again replayed (``c512/r``...).
@@ -77,6 +80,15 @@ def variants(n: int, ffn: int, live: int, floor: int, holds: list[float]) -> lis
     out += [(f"c{c}/r", {"chunk_tokens": c, "replay": True}) for c in (512, 1024, 2048, 4096) if c <= n // 8]
     for label, kw in out:
         kw.setdefault("replay", False)
+    # K/V in host memory read back in blocks of a pass's rows (a chunk's, up to 8,192; or a span's): the store's
+    # copies, merges and block calls at block sizes from 512 to 8,192 rows and 1 to ~150 passes
+    out += [(f"c{c}/host", {"chunk_tokens": c, "kv": "host", "replay": False})
+            for c in (512, 1024, 2048, 4096) if c <= n // 8 and c * 64 >= n]
+    out += [(f"c{c}/host/q{c * m}", {"chunk_tokens": c, "kv": "host", "q_span": c * m, "replay": False})
+            for c, m in ((1024, 4), (2048, 4), (4096, 4), (2048, 8)) if c * m <= n // 2]
+    # the same passes in shorter blocks: a block step's cost apart from a pass's
+    out += [(f"c4096/host/b{b}", {"chunk_tokens": 4096, "kv": "host", "kv_block": b, "replay": False})
+            for b in (1024, 2048)]
     # the planner's own plan (replay its choice), and the same hold with replay off
     for h in holds:
         out += [(f"hold{h}", {"budget": int(live + h * floor)}),
@@ -118,7 +130,9 @@ def run_case(name: str, n: int, repeats: int, holds: list[float], deadline: floa
         chosen = variants(n, _ffn(block), live, floor, holds)
         if only_holds:
             chosen = [v for v in chosen if v[0].startswith("hold")]
-        if only:
+        if only == {"store"}:
+            chosen = [v for v in chosen if v[1].get("kv") == "host"]
+        elif only:
             chosen = [v for v in chosen if v[0] in only]
         for label, kw in chosen:
             if time.monotonic() > deadline:
@@ -167,7 +181,8 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seconds", type=float, default=520.0, help="stop starting variants after this long")
     p.add_argument("--tag", default="")
-    p.add_argument("--variants", default="", help="sweep only these variants (e.g. c8192,c16384)")
+    p.add_argument("--variants", default="", help="sweep only these variants (e.g. c8192,c16384; "
+                   "\"store\": every K/V store variant)")
     p.add_argument("--donate", action="store_true", help="hand each call a fresh copy of the block's input, donated "
                    "as a model forward hands its blocks theirs (the output may be written over it); default: the "
                    "input copied, as a user applies streamplan to one block")

@@ -488,7 +488,7 @@ def apply(module: nn.Module, budget: int | str | None = "auto", chunk_tokens: in
           ffn_slice: int | None = None, head_groups: int | None = None, reserve: int | str = DEFAULT_RESERVE,
           self_check: bool = False, capture: str = "fallback", kv: str = "device",
           row_pieces: int | None = None, q_span: int | None = None, fuse: bool | None = None,
-          hidden: str = "auto", replay: bool | None = None,
+          hidden: str = "auto", replay: bool | None = None, kv_block: int | None = None,
           options: StreamOptions | None = None) -> "StreamHandle | PipelineHandle":
     """Stream every recognised structure inside ``module`` in place; returns a handle to report and undo.
 
@@ -504,7 +504,7 @@ def apply(module: nn.Module, budget: int | str | None = "auto", chunk_tokens: in
         raise ValueError(f"module must be a torch.nn.Module or a diffusers pipeline, got {type(module).__name__}")
     if options is None:
         options = StreamOptions(budget, chunk_tokens, ffn_slice, head_groups, reserve, self_check, capture, kv,
-                                row_pieces, q_span, fuse, hidden=hidden, replay=replay)
+                                row_pieces, q_span, fuse, hidden=hidden, replay=replay, kv_block=kv_block)
     else:
         given = _keywords_besides_options(locals())
         if given:

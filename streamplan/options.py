@@ -46,6 +46,8 @@ class StreamOptions:
             the planner chooses, under a budget).
         q_span: with K/V in a store and ``chunk_tokens``: query rows built and attended in one pass over the store
             (a span of chunks), so the store is read once per span (under a budget the planner picks the span).
+        kv_block: with K/V in a store and ``chunk_tokens``: K/V rows per block read back from the store in phase Q
+            (default: a pass's query rows, up to 8,192 a head group; under a budget the planner picks the block).
         fuse: a captured block's chains of element-wise ops compiled by Inductor into one kernel each that rounds
             as eager does, checked bit for bit on a first chunk (a chain that differs runs eager, reported).
             ``None`` (default): where the device is CUDA with Triton; ``True``: wherever Inductor runs; ``False``:
@@ -87,6 +89,7 @@ class StreamOptions:
     smallest_when_short: bool = False
     hidden: str = "auto"
     replay: bool | None = None
+    kv_block: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.hidden, str) or self.hidden.strip().lower() not in HIDDEN_PLACES:
@@ -108,6 +111,11 @@ class StreamOptions:
             raise ValueError(f"q_span={self.q_span} sets the query rows of a pass over a K/V store: it needs "
                              f"kv='host', 'int8' or 'fp8' (with kv='device' the planner picks any span itself when "
                              f"it stages K/V)")
+        self.kv_block = positive_int(self.kv_block, "kv_block")
+        if self.kv_block is not None and self.kv == "device":
+            raise ValueError(f"kv_block={self.kv_block} sets the K/V rows read back per block from a K/V store: it "
+                             f"needs kv='host', 'int8' or 'fp8' (with kv='device' the planner picks any block itself "
+                             f"when it stages K/V)")
         if self.fuse is not None and not isinstance(self.fuse, bool):
             raise ValueError(f"fuse must be True, False or None (None: fuse where the device is CUDA with Triton), "
                              f"got {self.fuse!r}")
@@ -123,7 +131,8 @@ class StreamOptions:
 _INT_MEANING = {"chunk_tokens": "rows per chunk", "ffn_slice": "MLP hidden features per slice",
                 "head_groups": "groups the K/V heads are split into",
                 "row_pieces": "pieces of a chunk's rows its row-local chains run in",
-                "q_span": "query rows attended per pass over a K/V store"}
+                "q_span": "query rows attended per pass over a K/V store",
+                "kv_block": "K/V rows read back per block from a K/V store"}
 
 
 def positive_int(value: Any, arg: str) -> int | None:

@@ -305,6 +305,9 @@ def _note_unused_options(ctx: CallContext, call: GraphCall) -> None:
     elif o.q_span and o.chunk_tokens is None and o.budget is not None:
         ctx.note(f"q_span={o.q_span} not used: it sets a fixed chunk's span (with chunk_tokens); under a budget the "
                  f"planner picks the span itself")
+    if o.kv_block and o.chunk_tokens is None and o.budget is not None:
+        ctx.note(f"kv_block={o.kv_block} not used: it sets a fixed chunk's K/V blocks (with chunk_tokens); under a "
+                 f"budget the planner picks the block itself")
     align = query_alignment(call)
     if o.chunk_tokens and o.chunk_tokens % align:
         ctx.note(f"chunk_tokens={o.chunk_tokens} rounded to {aligned_chunk(o.chunk_tokens, align)}: chunks start on "
@@ -558,7 +561,8 @@ def plan_for_budget(call: GraphCall, o, budget: int | None, keep: tuple = ()) ->
                       ffn=max((r.ffn for r in regions), default=0), ffn_slice=o.ffn_slice,
                       kv=mem.kv_bytes - mem.build_inputs, attn_out=costs.attn_out, groups=call.groups,
                       head_groups=o.head_groups,
-                      transient_kv=transient_kv, whole_q=q_whole, q_span=o.q_span, row_pieces=given, pieces=pieces,
+                      transient_kv=transient_kv, whole_q=q_whole, q_span=o.q_span, kv_block=o.kv_block,
+                      row_pieces=given, pieces=pieces,
                       priced=priced, fill=fill, fill_host=fill_host, align=query_alignment(call),
                       replay_row=replay_row(call, o), replay_held=replay_held_bytes(call.device),
                       replay=o.replay, **kv_args)

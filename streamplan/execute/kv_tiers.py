@@ -163,7 +163,8 @@ def kv_options(found, rows: int, device: torch.device, kinds: tuple[str, ...], s
         tier = Tier.L4 if sk.exact else Tier.L5
         groups = head_groups(an) if adapted is None else (1,)
         opts.append(KVOption(kind, tier, resident, block_row, merge_row, host, groups, merge_io, whole_row,
-                             q_row, out_row, cache_bytes(adapted, whole, stored=True)[0]))
+                             q_row, out_row, cache_bytes(adapted, whole, stored=True)[0],
+                             causal=all(att.causal for att in an.attentions)))
     return tuple(opts)
 
 

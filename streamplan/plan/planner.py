@@ -7,7 +7,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 from enum import Enum
 
 from .budget import fmt_bytes
-from .time_model import Rates, Streamed, time_ratio
+from .time_model import H200, Rates, StoreTraffic, Streamed, store_seconds, time_ratio
 from ..specs import MLPSpec
 from .weight_formats import can_slice_in, can_slice_out, slice_align
 
@@ -441,21 +441,11 @@ def plan_rows(rows: int, row_bytes: int, transient_per_elem: int, *, chunk_token
 # query row's output is its kernel's own, as on the device)
 KV_BLOCKS = (1 << 40, 65536, 32768, 16384, 8192, 4096, 2048, 1024, 512, 256)
 DEFAULT_KV_BLOCK = 8192
-# Below the floor the planner weighs L3 against L4 by estimated extra time (seconds, from the shapes), with rates
-# calibrated on the benchmark device (docs/budgets-and-tiers.md, Calibration):
-HOST_BANDWIDTH = 54e9        # bytes/s each way of pinned host-device copies (L4's K/V out and back)
-ATTENTION_RATE = {"cuda": 5.5e14, "meta": 5.5e14}   # FLOP/s of bf16 fused attention, where its time is not known
-# the log-sum-exp merge is elementwise over the fp32 accumulator once per block: device memory bandwidth it reaches
-# (a share of the peak, an estimate), and the fixed cost of one block's attention call and merge (launches, a short
-# block's tail)
-MERGE_BANDWIDTH = {"cuda": 3.0e12, "meta": 3.0e12}
-BLOCK_STEP_S = 1.5e-4
-# copies back hide under the attention up to this share of its time (they share the memory bandwidth with it, so
-# not all of it); an estimate calibrated on the benchmark device (docs/budgets-and-tiers.md, Calibration)
-HIDDEN_UNDER_ATTENTION = 0.75
-# ... yet this share of them shows whatever the attention's length, also where the attention outlasts the copies;
-# calibrated on the benchmark device (docs/budgets-and-tiers.md, Calibration)
-UNHIDDEN_SHARE = 0.3
+# Below the floor the planner weighs L3 against L4 by estimated extra time (seconds, from the shapes): a store's
+# copies, merges and block calls by the device's fitted rates (``time_model.store_seconds``); the attention's
+# seconds, where its time is not known, at this rate (FLOP/s of bf16 fused attention, docs/budgets-and-tiers.md,
+# Calibration)
+ATTENTION_RATE = {"cuda": 5.5e14, "meta": 5.5e14}
 # what one more row chunk costs beside the copies (its ~100 kernels' launches and tails, GEMMs on fewer rows): an
 # estimate calibrated on the benchmark device from where a block's time went (docs/budgets-and-tiers.md,
 # Calibration); it keeps Q spans from buying small chunks
@@ -494,6 +484,7 @@ class KVOption:
     # device bytes the call's cache adds when it is filled after phase Q from this store (a cache that takes the
     # store's host rows as they are: an offloading cache's prefetch of another layer)
     fill: int = 0
+    causal: bool = False  # every attention causal: a pass reads the blocks up to its last query row alone
 
 
 @dataclass(frozen=True)
@@ -507,26 +498,37 @@ class Costs:
     rates: Rates | None = None  # None: no rates fitted for the device (plans chosen by memory, no predicted time)
 
 
+def _read_share(option: KVOption, passes: int) -> float:
+    """The share of the store's blocks a pass reads on average: all of them; causal, those up to its last query row
+    (half of them and half a pass's more)."""
+    return (passes + 1) / (2 * passes) if option.causal else 1.0
+
+
 def host_traffic(option: KVOption, rows: int, chunk: int) -> int:
-    """K/V out to the host once in phase KV and back once per pass over Q (an upper bound for causal attention,
-    whose early chunks read fewer blocks); ``chunk``: the query rows of one pass (a chunk, or a plan's Q span)."""
+    """K/V out to the host once in phase KV and back once per pass over Q (causal: the blocks up to each pass's last
+    query row); ``chunk``: the query rows of one pass (a chunk, or a plan's Q span)."""
     if not option.host_bytes:
         return 0
-    return option.host_bytes * (1 + -(-rows // max(1, chunk)))
+    passes = -(-rows // max(1, chunk))
+    return option.host_bytes + int(option.host_bytes * passes * _read_share(option, passes))
+
+
+def store_traffic(option: KVOption, rows: int, chunk: int, costs: Costs, block: int = DEFAULT_KV_BLOCK,
+                  groups: int = 1) -> StoreTraffic:
+    """What a store plan moves and does: its copies out and back, the merge's passes over the accumulator (one per
+    block: longer blocks, fewer passes) and its block calls (one per pass, block and head group). ``chunk``: the
+    query rows of one pass over the store (a chunk, or a plan's Q span)."""
+    passes, blocks = -(-rows // max(1, chunk)), -(-rows // max(1, block))
+    steps = passes * blocks * _read_share(option, passes)
+    return StoreTraffic(option.host_bytes, host_traffic(option, rows, chunk) - option.host_bytes,
+                        steps * min(chunk, rows) * option.merge_io_row, steps, groups, costs.attention_s)
 
 
 def l4_extra_seconds(option: KVOption, rows: int, chunk: int, costs: Costs, block: int = DEFAULT_KV_BLOCK,
                      groups: int = 1) -> float:
-    """Copies out (a side stream, counted whole), what of the copies back attention does not hide, the merge's passes
-    over the accumulator (one per block: longer blocks, fewer passes) and a fixed cost per block and head group.
-    ``chunk``: the query rows of one pass over the store (a chunk, or a plan's Q span)."""
-    out = option.host_bytes / HOST_BANDWIDTH
-    back = host_traffic(option, rows, chunk) / HOST_BANDWIDTH - out
-    passes, blocks = -(-rows // max(1, chunk)), -(-rows // max(1, block))
-    rate = MERGE_BANDWIDTH.get(costs.device, 0.0)
-    merge = passes * blocks * min(chunk, rows) * option.merge_io_row / rate if rate else 0.0
-    unhidden = max(back - HIDDEN_UNDER_ATTENTION * costs.attention_s, UNHIDDEN_SHARE * back)
-    return out + unhidden + merge + passes * blocks * groups * BLOCK_STEP_S
+    """A store plan's seconds over the device tier's (``store_traffic`` at the device's rates; the benchmark
+    device's where none are fitted)."""
+    return store_seconds(store_traffic(option, rows, chunk, costs, block, groups), costs.rates or H200)
 
 
 # chunks of one size a replayed plan needs (``execute.chunk_replay``): the first two run eager, and recording pays
@@ -566,6 +568,7 @@ class GraphPlanRequest:
     transient_kv: Callable[[int, int, int], int] | None = None
     whole_q: int = 0
     q_span: int | None = None
+    kv_block: int | None = None   # K/V rows per block of a store the user fixed (with a chunk, or no budget)
     align: int = 1   # every chunk in whole units of this many rows (the attention consumer's ``q_align``)
     row_pieces: int = 1   # the row pieces ``transient`` is priced with (the user's, or a candidate's): its plans'
     pieces: tuple[int, ...] = ()   # other piece counts the planner may try (none: no row-local runs, or forced)
@@ -719,12 +722,10 @@ class GraphPlanRequest:
         if not self.timed:
             return None
         store = 0.0
-        if plan.kv != "device":   # the copies and merges in the share of them that shows; every block's call whole
+        if plan.kv != "device":   # the copies that show, the merges, every block's call
             opt = next(o for o in self.kv_options if o.kind == plan.kv)
-            q_rows = plan.q_span or plan.chunk
-            steps = -(-self.rows // q_rows) * -(-self.rows // max(1, plan.kv_block)) * plan.head_groups * BLOCK_STEP_S
-            store = (self.staged_seconds(opt, q_rows, plan.kv_block, plan.head_groups) - steps) \
-                * self.costs.rates.store_share + steps
+            store = l4_extra_seconds(opt, self.rows, plan.q_span or plan.chunk, self.costs, plan.kv_block,
+                                     plan.head_groups)
         slices = -(-self.ffn // plan.ffn_slice) if self.ffn and plan.ffn_slice and plan.ffn_slice < self.ffn else 1
         # each attention call takes the query rows of one pass: a chunk's, or a store's Q span (a chunk of 4,096 rows
         # over one of 40 head groups fills a quarter of a wave; the 32,768-row span it runs in fills two)
@@ -733,13 +734,13 @@ class GraphPlanRequest:
         # a store's head groups read its K/V back a group at a time (priced in ``store``); phase KV runs once
         groups = plan.head_groups if plan.kv == "device" else 1
         staged = 2 * self.rows * (self.replay_row or 0) if plan.replay else 0   # copied in and out of the staging
-        ratio = time_ratio(self.costs.work, self.costs.rates,
-                           Streamed(plan.chunk, slices, groups, waste, store, plan.row_pieces, plan.replay, staged))
-        return ratio * self.costs.rates.grouped_store if plan.kv != "device" and plan.head_groups > 1 else ratio
+        return time_ratio(self.costs.work, self.costs.rates,
+                          Streamed(plan.chunk, slices, groups, waste, store, plan.row_pieces, plan.replay, staged))
 
     def staged_seconds(self, opt: KVOption, q_rows: int, blk: int, g: int) -> float:
         """A store's extra time (``l4_extra_seconds``) with the waves its passes leave part empty: each pass's calls
-        over ``q_rows`` query rows and a ``g``-th of the heads fill fewer waves than stock's one call."""
+        over ``q_rows`` query rows and a ``g``-th of the heads fill fewer waves than stock's one call (how the store
+        searches rank their candidates where the time model cannot)."""
         waste = max(0.0, wave_waste(self.waves, q_rows, g) - wave_waste(self.waves, self.rows))
         return l4_extra_seconds(opt, self.rows, q_rows, self.costs, blk, g) + waste * self.costs.attention_s
 
@@ -750,7 +751,8 @@ def plan_graph(rows: int, fixed: int, transient, stock: int, *, chunk_tokens: in
                groups: tuple[int, ...] = (), head_groups: int | None = None, kv_options: tuple[KVOption, ...] = (),
                kv_store: str = "device", costs: Costs = Costs(),
                transient_kv: Callable[[int, int, int], int] | None = None, whole_q: int = 0,
-               q_span: int | None = None, row_pieces: int = 1, pieces: tuple[int, ...] = (),
+               q_span: int | None = None, kv_block: int | None = None, row_pieces: int = 1,
+               pieces: tuple[int, ...] = (),
                priced: Callable[[int], tuple[Callable, Callable | None]] | None = None, fill: int = 0,
                fill_host: int = 0, align: int = 1, replay_row: int | None = None, replay_held: int = 0,
                replay: bool | None = None) -> Plan:
@@ -766,7 +768,8 @@ def plan_graph(rows: int, fixed: int, transient, stock: int, *, chunk_tokens: in
     every query row in one call: the whole Q and the whole attention output are held beside K, V and one chunk's
     transient (which ``transient`` prices with the whole call's workspace), on L1/L2 plans alone (head groups and K/V
     stores would split that call). ``q_span``: a forced store at a fixed chunk attends this many query rows per pass
-    (where its option allows spans: ``KVOption.q_row``). ``row_pieces``: the row pieces ``transient`` is priced with;
+    (where its option allows spans: ``KVOption.q_row``), reading ``kv_block`` K/V rows per block where given.
+    ``row_pieces``: the row pieces ``transient`` is priced with;
     ``pieces``: other counts the planner may cut the block's row-local runs in, each priced by ``priced(count)``
     (its ``transient`` and ``transient_kv``): a lower peak per row buys larger chunks for more launches. ``fill``:
     device bytes a cache the call fills adds after phase Q, beside K/V still whole on the device (``fill_host``: the
@@ -779,7 +782,7 @@ def plan_graph(rows: int, fixed: int, transient, stock: int, *, chunk_tokens: in
         rows, fixed, transient, stock, chunk_tokens=chunk_tokens, budget=budget, min_chunk=min_chunk, waves=waves,
         ffn=ffn, ffn_slice=ffn_slice, kv=kv, attn_out=attn_out, groups=groups, head_groups=head_groups,
         kv_options=kv_options, kv_store=kv_store, costs=costs, transient_kv=transient_kv, whole_q=whole_q,
-        q_span=q_span, row_pieces=row_pieces, pieces=pieces if priced is not None else (),
+        q_span=q_span, kv_block=kv_block, row_pieces=row_pieces, pieces=pieces if priced is not None else (),
         priced=priced, fill=fill, fill_host=fill_host, align=align, replay_row=replay_row, replay_held=replay_held,
         replay=replay).normalised()
     plan = _chosen(request)
@@ -842,7 +845,7 @@ def _store_plan(request: GraphPlanRequest) -> Plan:
         g = request.head_groups if request.head_groups in forced.groups else 1
         return request.make(forced.tier, request.chunk_tokens or DEFAULT_CHUNK_TOKENS,
                             min(ffn_slice, ffn) if ffn_slice is not None and ffn else 0, g, opt=forced,
-                            span=(request.q_span or 0) if forced.q_row else 0)
+                            blk=request.kv_block or 0, span=(request.q_span or 0) if forced.q_row else 0)
     for floor in request.floors:
         plan = _fit_store(request, forced, floor)
         if plan is not None:

@@ -5,9 +5,10 @@ Streaming changes a block's time in a few ways, each priced here from the graph:
 the rate of GEMMs on every row (an efficiency curve in the rows); every chunk runs its ops again (launches and
 dispatch that do not hide under short kernels); static rows (text beside image rows) are recomputed per chunk; ops
 both phases run (a fused projection feeding K/V and Q) run twice per row; head groups (L3) run phase KV once per
-group; attention calls over fewer rows or heads leave waves part empty; a K/V store (L4) adds its copies and merges
-(priced by the planner, ``l4_extra_seconds``). The constants are fitted to a GPU sweep of forced plans
-(``benchmarks/gpu_time_model.py``, docs/budgets-and-tiers.md "The time model")."""
+group; attention calls over fewer rows or heads leave waves part empty; a K/V store (L4) adds its copies out and
+back (the share of them the attention does not hide), its log-sum-exp merges and a fixed cost per block call
+(``store_seconds``). The constants are fitted to a GPU sweep of forced plans (``benchmarks/gpu_time_model.py``,
+docs/budgets-and-tiers.md "The time model")."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -23,9 +24,18 @@ class Rates:
     bandwidth: float       # bytes/s the element-wise ops reach
     op_s: float            # seconds an op adds per chunk beyond its kernel (launch, dispatch, a short kernel's tail)
     group_rerun: float     # share of phase KV's work each extra head group adds (its chain rerun, narrower GEMMs)
-    store_share: float = 1.0  # share of the store model's seconds (``planner.l4_extra_seconds``) that shows
-    grouped_store: float = 1.0  # a store read back a head group at a time runs this much longer than priced (its
-    # passes' per-group calls and copies that hide under less attention: the model's parts miss it)
+    # a K/V store (``store_seconds``): its copies at ``host_bandwidth`` each way, those back hidden under up to
+    # ``store_hidden`` of the attention's time yet at least ``store_unhidden`` of them showing, ``store_share`` of
+    # the copies' seconds showing in all; the merges' bytes at ``merge_bandwidth``; ``block_step_s`` per block step
+    # of all heads and ``group_step_s`` more per head group beyond the first (a step read back a group at a time:
+    # that many calls and copies)
+    host_bandwidth: float = 54e9
+    store_hidden: float = 0.75
+    store_unhidden: float = 0.3
+    store_share: float = 1.0
+    merge_bandwidth: float = 3.0e12
+    block_step_s: float = 1.5e-4
+    group_step_s: float = 1.5e-4
     # chunk replay (``execute.chunk_replay``): the share of ``op_s`` an op costs in a replayed chunk, and the chunks'
     # worth of ``op_s`` a phase's recording costs (its eager warm-up and capture). None: not fitted on this device,
     # so the planner does not weigh replay on its own there (``replay=True`` still replays, priced as eager chunks)
@@ -34,9 +44,11 @@ class Rates:
 
 
 # fitted on the benchmark device's sweep (docs/budgets-and-tiers.md, "The time model"); "meta" plans as for that
-# device, so `streamplan plan` shows what the benchmarks ran
+# device, so `streamplan plan` shows what the benchmarks ran. The store's constants: fitted on a store sweep (an H100,
+# whose compute matches the H200's within 4% on these blocks) with the H200's store plans
 H200 = Rates(gemm=1.035e15, gemm_half_rows=0.0, attention=5.63e14, bandwidth=1.32e12, op_s=1.02e-5, group_rerun=2.38,
-             store_share=0.29, grouped_store=1.3)
+             store_hidden=1.0, store_unhidden=0.5, store_share=0.454, merge_bandwidth=float("inf"),
+             block_step_s=3.12e-4, group_step_s=2.95e-4)
 RATES = {"cuda": H200, "meta": H200}
 
 
@@ -99,6 +111,31 @@ def pieces_seconds(w, r: Rates, pieces: int, chunks: int) -> float:
         return 0.0
     ops = chunks * ((pieces - 1) * w.ops_runs + pieces * w.ops_piece) * r.op_s
     return ops + w.runs_bytes_row * w.rows / r.bandwidth
+
+
+@dataclass(frozen=True)
+class StoreTraffic:
+    """What a K/V store moves and does in one call (from the planner's store model, ``planner.store_traffic``)."""
+
+    out_bytes: int        # K/V copied out to the host once, in phase KV
+    back_bytes: int       # K/V copied back over every pass of phase Q
+    merge_bytes: float    # the log-sum-exp merges' reads and writes of their fp32 accumulators
+    calls: float          # block steps: passes x blocks read (each of them ``groups`` calls, one per head group)
+    groups: int           # head groups the store is read back in
+    attention_s: float    # the attention's seconds the copies back may hide under
+
+
+def store_copies(t: StoreTraffic, r: Rates) -> float:
+    """The copies' seconds that show before ``store_share``: all of those out (phase KV's side stream shares the
+    bandwidth with its projections), of those back what the attention does not hide, at least ``store_unhidden``."""
+    back = t.back_bytes / r.host_bandwidth
+    return t.out_bytes / r.host_bandwidth + max(back - r.store_hidden * t.attention_s, r.store_unhidden * back)
+
+
+def store_seconds(t: StoreTraffic, r: Rates) -> float:
+    """A store's seconds on top of the streamed call's compute: its copies, merges and block calls."""
+    return (r.store_share * store_copies(t, r) + t.merge_bytes / r.merge_bandwidth
+            + t.calls * (r.block_step_s + (t.groups - 1) * r.group_step_s))
 
 
 def time_ratio(w, r: Rates, s: Streamed) -> float:
