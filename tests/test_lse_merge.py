@@ -49,6 +49,56 @@ def test_fused_merge_kernel_matches_the_pytorch_merge():
     assert done.returncode == 0, done.stdout + done.stderr
 
 
+ACCUMULATE = textwrap.dedent("""
+    import torch
+    from streamplan.attention import lse_merge
+    run = lse_merge.build_accumulate()
+    g = torch.Generator().manual_seed(0)
+    worst = 0.0
+    for dtype in (torch.float32, torch.bfloat16):
+        for shape in ((1, 4, 9, 16), (2, 3, 5, 24), (1, 8, 33, 128)):
+            for masked in (False, True):
+                acc = torch.randn(shape, generator=g)
+                old = torch.randn(shape[:3], generator=g) * 6
+                old[..., 0] = float("-inf")                  # a row that has seen no key yet
+                o = torch.randn(shape, generator=g).to(dtype)
+                lse = torch.randn(shape[:3], generator=g) * 6
+                if masked:                                   # rows that see no key of this block, NaN output
+                    lse[..., 1:3] = float("-inf")
+                    o[..., 1:3, :] = float("nan")
+                lse[..., 0] = float("-inf")                  # no key in either: stays -inf, takes nothing
+                ref_acc, ref_old = acc.clone(), old.clone()
+                lse_merge.accumulate_torch(ref_acc, ref_old, o, lse, masked)
+                # the block output in cuDNN's layout ([B, c, H, D] transposed) and the accumulator at a row offset
+                ot = o.transpose(1, 2).contiguous().transpose(1, 2)
+                big, big_old = torch.zeros(shape[0], shape[1], shape[2] + 3, shape[3]), torch.zeros(shape[:3] + (3,))
+                big_old = torch.full((shape[0], shape[1], shape[2] + 3), 7.0)
+                big[:, :, 3:] = acc
+                big_old[:, :, 3:] = old
+                for a, l_old, blk in ((acc.clone(), old.clone(), o), (big[:, :, 3:], big_old[:, :, 3:], ot)):
+                    got = run(a, l_old, blk, lse, masked)
+                    assert got.data_ptr() == a.data_ptr()
+                    assert torch.equal(torch.isnan(a), torch.isnan(ref_acc)), masked
+                    ok = ~torch.isnan(ref_acc)
+                    err = ((a[ok] - ref_acc[ok]).abs().max() / ref_acc[ok].abs().max()).item()
+                    lerr = (l_old - ref_old).abs()[torch.isfinite(ref_old)].max().item()
+                    assert torch.equal(torch.isinf(l_old), torch.isinf(ref_old))
+                    worst = max(worst, err, lerr)
+                assert (big[:, :, :3] == 0).all() and (big_old[:, :, :3] == 7).all()   # rows before the offset
+    print(worst)
+    assert worst <= 1e-5, worst
+""")
+
+
+def test_fused_accumulator_kernel_matches_the_pytorch_accumulator():
+    """``LseAccumulator.add``'s one CUDA kernel (a K/V store's blocks: ten launches a block before) against its
+    PyTorch ops: rows that saw no key yet, masked rows whose block output is NaN, strided outputs, a row offset."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", ACCUMULATE], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
 @pytest.mark.parametrize("kv_heads", [4, 1])
 @torch.no_grad()
 def test_causal_chunks_merged_match_whole_attention(kv_heads):

@@ -6,7 +6,9 @@
 PyTorch that is a broadcast multiply and an ``addcmul`` per head group: broadcasting keeps them off PyTorch's vectorised
 kernels, which makes the merge a visible share of a causal layer's attention time. On CUDA, where Triton is importable,
 one kernel does it reading each element once and writing it once (6 bytes an element in bf16, against 14). Everywhere
-else, and for layouts the kernel does not take, the PyTorch path runs. Both compute the same formula in fp32; they can
+else, and for layouts the kernel does not take, the PyTorch path runs. ``LseAccumulator.add`` likewise: one kernel a
+block on CUDA where about ten PyTorch ops were (a K/V store's short blocks are bound by their launches). Both compute
+the same formula in fp32; they can
 differ by fp32 rounding before the one cast (a bf16 step at a rare tie), which is below any kernel-to-kernel difference
 of the attention itself.
 """
@@ -59,14 +61,12 @@ class LseAccumulator:
         """Block output ``o`` of rows ``r0``.. with log-sum-exp ``lse``. ``masked``: rows may see no key of the block
         (-inf); they take nothing from it even where a kernel wrote NaN (decided without reading the device)."""
         acc, old = self.acc[:, :, r0:], self.lse[:, :, r0:]
-        lse = lse.float()
-        new = torch.logaddexp(old, lse)
-        safe = torch.where(torch.isinf(new), 0.0, new)
-        a = torch.exp(old - safe).unsqueeze(-1)
-        w = torch.exp(lse - safe).unsqueeze(-1)
-        acc.mul_(a)
-        acc.addcmul_(torch.where(w > 0, o, 0.0) if masked else o, w)
-        old.copy_(new)
+        kernel = accumulate_kernel(acc.device.type)
+        if kernel is not None and _accumulator_takes(acc, old, o, lse):
+            if not is_fake(acc):   # a rehearsal: the kernel writes in place and allocates nothing
+                kernel(acc, old, o, lse, masked)
+            return
+        accumulate_torch(acc, old, o, lse, masked)
 
     def result(self, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
         """The merged output in ``dtype`` (into ``out`` when given)."""
@@ -75,6 +75,97 @@ class LseAccumulator:
         if dtype == torch.float32:
             return self.acc
         return self.acc.to(dtype)   # a block's output is not kept for this: it would sit beside the next block's
+
+
+def accumulate_torch(acc: torch.Tensor, old: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, masked: bool) -> None:
+    """``LseAccumulator.add`` in PyTorch ops: ``acc`` [B, H, c, D] and ``old`` [B, H, c] (fp32) updated in place."""
+    lse = lse.float()
+    new = torch.logaddexp(old, lse)
+    safe = torch.where(torch.isinf(new), 0.0, new)
+    a = torch.exp(old - safe).unsqueeze(-1)
+    w = torch.exp(lse - safe).unsqueeze(-1)
+    acc.mul_(a)
+    acc.addcmul_(torch.where(w > 0, o, 0.0) if masked else o, w)
+    old.copy_(new)
+
+
+def _accumulator_takes(acc, old, o, lse) -> bool:
+    """Any strides over batch, heads and rows; the head dim contiguous; fp32 accumulator and log-sum-exps."""
+    return (o.dim() == 4 and o.shape == acc.shape and acc.dtype == torch.float32 and old.dtype == torch.float32
+            and lse.dtype == torch.float32 and o.stride(-1) == acc.stride(-1) == 1
+            and lse.shape == old.shape == acc.shape[:3] and acc.shape[-1] <= 512)
+
+
+def accumulate_kernel(device_type: str | None):
+    """The fused accumulator update for tensors on this device type, or None: CUDA with a Triton that builds."""
+    return _cuda_accumulate() if device_type == "cuda" else None
+
+
+@functools.lru_cache(maxsize=1)
+def _cuda_accumulate():
+    run = build_accumulate()
+    if run is None:
+        return None
+    try:   # compile once on a tiny problem: a Triton that cannot build here leaves the PyTorch path
+        acc = torch.zeros(1, 1, 2, 8, device="cuda")
+        lse = torch.zeros(1, 1, 2, device="cuda")
+        run(acc, lse.clone(), acc.clone(), lse, False)
+    except Exception as exc:   # noqa: BLE001 - any failure to build means: the PyTorch path
+        logger.info("streamplan: the fused log-sum-exp accumulator is unavailable (%s); PyTorch ops accumulate", exc)
+        return None
+    return run
+
+
+def build_accumulate():
+    """``LseAccumulator.add`` as one kernel (Triton's; on CPU tensors under ``TRITON_INTERPRET=1``, which is how the
+    tests run it), or None where Triton is not installed: the same formula as ``accumulate_torch`` in fp32."""
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    @triton.jit
+    def _accumulate(acc_ptr, old_ptr, o_ptr, l_ptr, rows, H, C,
+                    sab, sah, sac, tab, tah, tac, sob, soh, soc, tlb, tlh, tlc,
+                    MASKED: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+        r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+        rmask = r < rows
+        b, h, i = r // (H * C), (r // C) % H, r % C
+        pold = old_ptr + b * tab + h * tah + i * tac
+        old = tl.load(pold, mask=rmask, other=float("-inf"))
+        lse = tl.load(l_ptr + b * tlb + h * tlh + i * tlc, mask=rmask, other=float("-inf"))
+        hi = tl.maximum(old, lse)
+        empty = hi == float("-inf")        # no key seen yet in either: nothing to take, the total stays -inf
+        safe = tl.where(empty, 0.0, hi)
+        new = safe + tl.log(tl.exp(old - safe) + tl.exp(lse - safe))
+        new = tl.where(empty, float("-inf"), new)
+        base = tl.where(empty, 0.0, new)
+        a = tl.exp(old - base)
+        w = tl.exp(lse - base)
+        d = tl.arange(0, BLOCK_D)
+        mask = rmask[:, None] & (d[None, :] < D)
+        pa = acc_ptr + (b * sab + h * sah + i * sac)[:, None] + d[None, :]
+        po = o_ptr + (b * sob + h * soh + i * soc)[:, None] + d[None, :]
+        x = tl.load(pa, mask=mask, other=0.0)
+        y = tl.load(po, mask=mask, other=0.0).to(tl.float32)
+        if MASKED:
+            y = tl.where(w[:, None] > 0, y, 0.0)
+        tl.store(pa, x * a[:, None] + y * w[:, None], mask=mask)
+        tl.store(pold, new, mask=rmask)
+
+    def run(acc, old, o, lse, masked):
+        B, H, C, d = acc.shape
+        rows = B * H * C
+        block_d = triton.next_power_of_2(d)
+        block_r = max(1, 4096 // block_d)
+        with torch.cuda.device(acc.device) if acc.device.type == "cuda" else contextlib.nullcontext():
+            _accumulate[(triton.cdiv(rows, block_r),)](acc, old, o, lse, rows, H, C, *acc.stride()[:3],
+                                                       *old.stride(), *o.stride()[:3], *lse.stride(),
+                                                       MASKED=bool(masked), D=d, BLOCK_R=block_r, BLOCK_D=block_d)
+        return acc
+
+    return run
 
 
 def merge_bytes_per_row(heads: int, head_dim: int, device_type: str | None) -> int:
