@@ -306,10 +306,11 @@ def test_l4_cost_counts_merge_passes_and_block_steps():
     from streamplan.plan.planner import l4_extra_seconds
     opt = KVOption("host", Tier.L4, 0, 8, 16, host_bytes=6 * 2**30, merge_io_row=18 * 7168)
     costs = Costs(attention_s=2.4)
-    # at 217,088 rows: 512-row blocks cost seconds of merging (the H200's 3.1x plan), 64k-row blocks little
+    # at 217,088 rows: 512-row blocks cost ~3,000 block steps and as many merges over 33,792 query rows (the H200's
+    # 3.1x plan), 64k-row blocks in 8 head groups a few dozen calls
     small = l4_extra_seconds(opt, 217088, 33792, costs, 512, 1)
     large = l4_extra_seconds(opt, 217088, 33792, costs, 65536, 8)
-    assert small > 1.0 > 0.5 > large
+    assert small > 0.3 and small > 5 * large, (small, large)
 
 
 def test_l4_cost_prices_every_pass_back_even_under_a_long_attention():

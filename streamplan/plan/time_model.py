@@ -44,11 +44,12 @@ class Rates:
 
 
 # fitted on the benchmark device's sweep (docs/budgets-and-tiers.md, "The time model"); "meta" plans as for that
-# device, so `streamplan plan` shows what the benchmarks ran. The store's constants: fitted on a store sweep (an H100,
-# whose compute matches the H200's within 4% on these blocks) with the H200's store plans
+# device, so `streamplan plan` shows what the benchmarks ran. The store's constants: fitted on a store sweep on an
+# H100 (whose compute matches the H200's within 4% on these blocks); a head group's call costs a block step (the
+# H200's grouped store plans fitted 295 us against 312 before the fused accumulator; the sweep has no groups)
 H200 = Rates(gemm=1.035e15, gemm_half_rows=0.0, attention=5.63e14, bandwidth=1.32e12, op_s=1.02e-5, group_rerun=2.38,
-             store_hidden=1.0, store_unhidden=0.5, store_share=0.454, merge_bandwidth=float("inf"),
-             block_step_s=3.12e-4, group_step_s=2.95e-4)
+             store_hidden=1.0, store_unhidden=0.0, store_share=0.598, merge_bandwidth=7.51e13,
+             block_step_s=9.9e-5, group_step_s=9.9e-5)
 RATES = {"cuda": H200, "meta": H200}
 
 
