@@ -263,9 +263,9 @@ def fit(rows: list[dict], sources: list[str], fixed_rates: bool = False, tag: st
 
 def _fit_store(stored: list[dict], works: dict, rates: Rates, coef: np.ndarray, half: float) -> tuple[Rates, dict]:
     """The store's constants from its rows, the compute's as fitted: what each row took beyond its compute's parts
-    is ``store_share`` x its copies + merge bytes / ``merge_bandwidth`` + block steps x (``block_step_s`` + extra
-    head groups x ``group_step_s``), a non-negative least-squares fit in relative error, with ``store_hidden`` and
-    ``store_unhidden`` searched on a grid."""
+    is ``store_share`` x its copies + merge bytes / ``merge_bandwidth`` + block steps x ``block_step_s`` + passes x
+    extra head groups x ``group_step_s``, a non-negative least-squares fit in relative error, with ``store_hidden``
+    and ``store_unhidden`` searched on a grid."""
     best = None
     for hidden in (0.0, 0.25, 0.5, 0.75, 1.0):
         for unhidden in (0.0, 0.1, 0.2, 0.3, 0.5, 0.7, 1.0):
@@ -274,7 +274,7 @@ def _fit_store(stored: list[dict], works: dict, rates: Rates, coef: np.ndarray, 
             for r in stored:
                 work = works[(r["case"], r["tokens"])]
                 tr = _traffic(r, work)
-                a.append([store_copies(tr, trial), tr.merge_bytes, tr.calls, tr.calls * (tr.groups - 1)])
+                a.append([store_copies(tr, trial), tr.merge_bytes, tr.calls, tr.passes * (tr.groups - 1)])
                 y.append(r["time_s"] - _parts(work[0], _shape(r, work[1]), half) @ coef)
                 t.append(r["time_s"])
             a, y, t = np.array(a), np.array(y), np.array(t)
@@ -289,7 +289,7 @@ def _fit_store(stored: list[dict], works: dict, rates: Rates, coef: np.ndarray, 
                      group_step_s=float(group_step))
     print(f"store fit over {len(stored)} rows: rms relative error {score:.3f}; hidden {hidden}, unhidden "
           f"{unhidden}, share {share:.3f}, merge {fitted.merge_bandwidth:.3g} B/s, block step {step * 1e6:.0f} us, "
-          f"each extra head group {group_step * 1e6:.0f} us")
+          f"each pass's extra head group {group_step * 1e6:.0f} us")
     return fitted, {"rows": len(stored), "rms_relative_error": score}
 
 

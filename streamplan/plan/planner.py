@@ -521,7 +521,7 @@ def store_traffic(option: KVOption, rows: int, chunk: int, costs: Costs, block: 
     passes, blocks = -(-rows // max(1, chunk)), -(-rows // max(1, block))
     steps = passes * blocks * _read_share(option, passes)
     return StoreTraffic(option.host_bytes, host_traffic(option, rows, chunk) - option.host_bytes,
-                        steps * min(chunk, rows) * option.merge_io_row, steps, groups, costs.attention_s)
+                        steps * min(chunk, rows) * option.merge_io_row, steps, groups, passes, costs.attention_s)
 
 
 def l4_extra_seconds(option: KVOption, rows: int, chunk: int, costs: Costs, block: int = DEFAULT_KV_BLOCK,

@@ -27,8 +27,8 @@ class Rates:
     # a K/V store (``store_seconds``): its copies at ``host_bandwidth`` each way, those back hidden under up to
     # ``store_hidden`` of the attention's time yet at least ``store_unhidden`` of them showing, ``store_share`` of
     # the copies' seconds showing in all; the merges' bytes at ``merge_bandwidth``; ``block_step_s`` per block step
-    # of all heads and ``group_step_s`` more per head group beyond the first (a step read back a group at a time:
-    # that many calls and copies)
+    # and ``group_step_s`` per pass and head group beyond the first (a pass read back a group at a time: its Q
+    # sliced, its accumulator, output and phase KV's write pieces per group)
     host_bandwidth: float = 54e9
     store_hidden: float = 0.75
     store_unhidden: float = 0.3
@@ -44,12 +44,11 @@ class Rates:
 
 
 # fitted on the benchmark device's sweep (docs/budgets-and-tiers.md, "The time model"); "meta" plans as for that
-# device, so `streamplan plan` shows what the benchmarks ran. The store's constants: fitted on a store sweep on an
-# H100 (whose compute matches the H200's within 4% on these blocks); a head group's call costs a block step (the
-# H200's grouped store plans fitted 295 us against 312 before the fused accumulator; the sweep has no groups)
+# device, so `streamplan plan` shows what the benchmarks ran. The store's constants: fitted on an H100 (whose compute
+# matches the H200's within 4% on these blocks), its store sweep and the planner's own store plans
 H200 = Rates(gemm=1.035e15, gemm_half_rows=0.0, attention=5.63e14, bandwidth=1.32e12, op_s=1.02e-5, group_rerun=2.38,
-             store_hidden=1.0, store_unhidden=0.0, store_share=0.598, merge_bandwidth=7.51e13,
-             block_step_s=9.9e-5, group_step_s=9.9e-5)
+             store_hidden=1.0, store_unhidden=0.0, store_share=0.598, merge_bandwidth=float("inf"),
+             block_step_s=1.04e-4, group_step_s=1.448e-3)
 RATES = {"cuda": H200, "meta": H200}
 
 
@@ -123,6 +122,7 @@ class StoreTraffic:
     merge_bytes: float    # the log-sum-exp merges' reads and writes of their fp32 accumulators
     calls: float          # block steps: passes x blocks read (each of them ``groups`` calls, one per head group)
     groups: int           # head groups the store is read back in
+    passes: int           # passes over the store (Q spans or chunks)
     attention_s: float    # the attention's seconds the copies back may hide under
 
 
@@ -135,8 +135,8 @@ def store_copies(t: StoreTraffic, r: Rates) -> float:
 
 def store_seconds(t: StoreTraffic, r: Rates) -> float:
     """A store's seconds on top of the streamed call's compute: its copies, merges and block calls."""
-    return (r.store_share * store_copies(t, r) + t.merge_bytes / r.merge_bandwidth
-            + t.calls * (r.block_step_s + (t.groups - 1) * r.group_step_s))
+    return (r.store_share * store_copies(t, r) + t.merge_bytes / r.merge_bandwidth + t.calls * r.block_step_s
+            + t.passes * (t.groups - 1) * r.group_step_s)
 
 
 def time_ratio(w, r: Rates, s: Streamed) -> float:
