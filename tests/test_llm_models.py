@@ -454,14 +454,17 @@ def test_feature_sliced_mlps_in_the_whole_model_are_exact(name):
 
 
 @torch.no_grad()
-def test_llama3_8b_width_layer_plans_large_sliced_chunks_at_1_15x_the_floor():
+def test_llama3_8b_width_layer_plans_large_sliced_chunks_at_1_15x_the_floor(monkeypatch):
     """The planner's memory model at the H200 case of benchmarks/gpu_llm.py (one Llama-3-8B-width layer inside the
     streamed model: residual donated, 131,072 tokens, bf16, the model's budget 1.15x the floor), on meta tensors:
     row chunks alone fit 1,280 rows (the MLP's [chunk, 14336] hidden, gate, up and product); slicing the hidden
-    (L2) fits more than twice that, above the GEMM utilisation floor."""
+    (L2) fits more than twice that, above the GEMM utilisation floor. Plans chosen by memory alone (no rates: the
+    time model may prefer a causal host store at this length, which reads half its blocks a pass)."""
     from streamplan.execute.donation import donate
     from streamplan.tools.families import FAMILIES, on_meta
+    from streamplan.plan import time_model
     from streamplan.plan.planner import UTILISATION_FLOOR
+    monkeypatch.delitem(time_model.RATES, "meta")
     n = 131072
     floor = (4096 + 2 * 8 * 128) * 2
     layer, inputs = on_meta(FAMILIES["llama3-8b-layer"], n, torch.bfloat16)
