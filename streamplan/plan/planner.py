@@ -531,6 +531,11 @@ def l4_extra_seconds(option: KVOption, rows: int, chunk: int, costs: Costs, bloc
     return store_seconds(store_traffic(option, rows, chunk, costs, block, groups), costs.rates or H200)
 
 
+# a plan staging K/V in host memory is taken over one keeping them on the card only where the time model prices it
+# this much faster: it pins the K/V's bytes of host memory, and a smaller gain is within the model's own error
+# (its fit: rms 16% over the store plans measured; docs/budgets-and-tiers.md, the time model). A choice
+STORE_MARGIN = 0.03
+
 # chunks of one size a replayed plan needs (``execute.chunk_replay``): the first two run eager, and recording pays
 # for itself over the rest
 REPLAY_MIN_CHUNKS = 4
@@ -826,7 +831,7 @@ def _chosen_plan(request: GraphPlanRequest) -> Plan:
             variants = variants + [v.with_replay() for v in variants]
         legal = [p for v in variants for floor in request.floors for p in _candidates(v, floor)]
         if legal:
-            return min(legal, key=request.time_ratio)
+            return min(legal, key=lambda p: request.time_ratio(p) * (1 + STORE_MARGIN if p.kv != "device" else 1))
     for floor in request.floors:
         plan = _fastest_under_budget(request, floor, variants[1:])
         if plan is not None:
