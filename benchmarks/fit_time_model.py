@@ -6,9 +6,9 @@ of parts each linear in one constant (1 / GEMM rate, 1 / attention rate, 1 / ban
 groups' rerun share), so the constants are a non-negative least-squares fit of the measured seconds, each row weighed
 by 1 / its time (relative error), with the GEMM efficiency's half-rate rows searched on a grid. Rows with K/V in a
 store (L4) then fit the store's constants (``time_model.store_seconds``) on what each took beyond the fitted compute:
-the share of its copies that shows, the merge's bandwidth and the cost of a block call, with the share of the
-attention copies back hide under and the share that shows whatever it are searched on a grid; a store in head groups
-fits ``grouped_store`` (the median of measured over priced). Row pieces are reported. Replayed rows (``c512/r``...)
+the share of its copies that shows, the merge's bandwidth, the cost of a block step and of each pass's head group
+beyond one, with the share of the attention copies back hide under and the share that shows whatever it searched on
+a grid. Row pieces are reported. Replayed rows (``c512/r``...)
 fit ``replay_op`` and ``replay_setup`` once the rest is fitted. ``--fixed-rates``: a sweep of one block's chunk sizes
 alone (too few rows for every constant) keeps the shipped rates and fits the host time per op (``op_s``) and the
 replay's terms on top of them. Several files: their rows together (``held`` runs' plans too), each file's rows
@@ -151,9 +151,7 @@ def _fit_all(fit_rows: list[dict], works: dict) -> tuple:
     parts matrix, measured seconds)."""
     best = None
     for half in (0, 50, 100, 130, 200, 300, 400, 600):
-        a = np.array([_parts(works[(r["case"], r["tokens"])][0], _shape(r, works[(r["case"], r["tokens"])][1]), half)
-                      for r in fit_rows])
-        t = np.array([r["time_s"] for r in fit_rows])
+        a, t = _matrix(fit_rows, works, half)
         coef, _ = nnls(a / t[:, None], np.ones(len(t)))
         err = a @ coef / t - 1
         score = float(np.sqrt(np.mean(err ** 2)))
@@ -162,13 +160,23 @@ def _fit_all(fit_rows: list[dict], works: dict) -> tuple:
     return best
 
 
+def _matrix(fit_rows: list[dict], works: dict, half: float) -> tuple[np.ndarray, np.ndarray]:
+    """The rows' parts (``_parts``) and their measured seconds."""
+    a = np.array([_parts(works[(r["case"], r["tokens"])][0], _shape(r, works[(r["case"], r["tokens"])][1]), half)
+                  for r in fit_rows])
+    return a, np.array([r["time_s"] for r in fit_rows])
+
+
+def _shipped_coef() -> np.ndarray:
+    """The shipped rates as ``_parts``' coefficients."""
+    return np.array([1 / H200.gemm, 1 / H200.attention, 1 / H200.bandwidth, H200.op_s, H200.group_rerun])
+
+
 def _shipped(fit_rows: list[dict], works: dict) -> tuple:
     """The shipped compute rates as they are (``--store-only``), scored on the rows without a store."""
     half = H200.gemm_half_rows
-    a = np.array([_parts(works[(r["case"], r["tokens"])][0], _shape(r, works[(r["case"], r["tokens"])][1]), half)
-                  for r in fit_rows])
-    t = np.array([r["time_s"] for r in fit_rows])
-    coef = np.array([1 / H200.gemm, 1 / H200.attention, 1 / H200.bandwidth, H200.op_s, H200.group_rerun])
+    a, t = _matrix(fit_rows, works, half)
+    coef = _shipped_coef()
     err = a @ coef / t - 1
     return float(np.sqrt(np.mean(err ** 2))), half, coef, a, t
 
@@ -176,10 +184,9 @@ def _shipped(fit_rows: list[dict], works: dict) -> tuple:
 def _fit_op_s(fit_rows: list[dict], works: dict) -> tuple:
     """``op_s`` alone, the shipped rates kept for the rest: what each row took beyond their parts."""
     half = H200.gemm_half_rows
-    a = np.array([_parts(works[(r["case"], r["tokens"])][0], _shape(r, works[(r["case"], r["tokens"])][1]), half)
-                  for r in fit_rows])
-    t = np.array([r["time_s"] for r in fit_rows])
-    coef = np.array([1 / H200.gemm, 1 / H200.attention, 1 / H200.bandwidth, 0.0, H200.group_rerun])
+    a, t = _matrix(fit_rows, works, half)
+    coef = _shipped_coef()
+    coef[3] = 0.0
     (op_s,), _ = nnls((a[:, 3] / t)[:, None], (t - a @ coef) / t)
     coef[3] = op_s
     err = a @ coef / t - 1
