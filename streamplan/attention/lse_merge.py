@@ -103,17 +103,10 @@ def accumulate_kernel(device_type: str | None):
 
 @functools.lru_cache(maxsize=1)
 def _cuda_accumulate():
-    run = build_accumulate()
-    if run is None:
-        return None
-    try:   # compile once on a tiny problem: a Triton that cannot build here leaves the PyTorch path
-        acc = torch.zeros(1, 1, 2, 8, device="cuda")
-        lse = torch.zeros(1, 1, 2, device="cuda")
+    def probe(run):
+        acc, lse = torch.zeros(1, 1, 2, 8, device="cuda"), torch.zeros(1, 1, 2, device="cuda")
         run(acc, lse.clone(), acc.clone(), lse, False)
-    except Exception as exc:   # noqa: BLE001 - any failure to build means: the PyTorch path
-        logger.info("streamplan: the fused log-sum-exp accumulator is unavailable (%s); PyTorch ops accumulate", exc)
-        return None
-    return run
+    return _built_on_cuda(build_accumulate, probe, "accumulator")
 
 
 def build_accumulate():
@@ -155,14 +148,8 @@ def build_accumulate():
         tl.store(pold, new, mask=rmask)
 
     def run(acc, old, o, lse, masked):
-        B, H, C, d = acc.shape
-        rows = B * H * C
-        block_d = triton.next_power_of_2(d)
-        block_r = max(1, 4096 // block_d)
-        with torch.cuda.device(acc.device) if acc.device.type == "cuda" else contextlib.nullcontext():
-            _accumulate[(triton.cdiv(rows, block_r),)](acc, old, o, lse, rows, H, C, *acc.stride()[:3],
-                                                       *old.stride(), *o.stride()[:3], *lse.stride(),
-                                                       MASKED=bool(masked), D=d, BLOCK_R=block_r, BLOCK_D=block_d)
+        _launch(_accumulate, acc, acc, old, o, lse, MASKED=bool(masked),
+                strides=(*acc.stride()[:3], *old.stride(), *o.stride()[:3], *lse.stride()))
         return acc
 
     return run
@@ -190,17 +177,36 @@ def fused_kernel(device_type: str | None):
 
 @functools.lru_cache(maxsize=1)
 def _cuda_kernel():
-    run = build_kernel()
+    def probe(run):
+        x, lse = torch.zeros(1, 1, 2, 8, device="cuda", dtype=torch.bfloat16), torch.zeros(1, 1, 2, device="cuda")
+        run(x, lse, x.clone(), lse)
+    return _built_on_cuda(build_kernel, probe, "merge")
+
+
+def _built_on_cuda(build, probe, what: str):
+    """A Triton kernel (``build``'s) compiled once on a tiny problem (``probe``): None where Triton is not
+    installed or cannot build here, so that the PyTorch path serves."""
+    run = build()
     if run is None:
         return None
-    try:   # compile once on a tiny problem: a Triton that cannot build here leaves the PyTorch path
-        x = torch.zeros(1, 1, 2, 8, device="cuda", dtype=torch.bfloat16)
-        lse = torch.zeros(1, 1, 2, device="cuda")
-        run(x, lse, x.clone(), lse)
+    try:
+        probe(run)
     except Exception as exc:   # noqa: BLE001 - any failure to build means: the PyTorch path
-        logger.info("streamplan: the fused log-sum-exp merge is unavailable (%s); PyTorch ops merge", exc)
+        logger.info("streamplan: the fused log-sum-exp %s is unavailable (%s); PyTorch ops serve", what, exc)
         return None
     return run
+
+
+def _launch(kernel, like: torch.Tensor, *args, **meta) -> None:
+    """``kernel`` over the B x H x C rows of ``like`` [B, H, C, D], a block of rows by the whole head dim per program,
+    on ``like``'s own GPU (Triton launches on the current one); the interpreter's CPU tensors as they are."""
+    B, H, C, d = like.shape
+    rows = B * H * C
+    block_d = 1 << max(0, d - 1).bit_length()
+    block_r = max(1, 4096 // block_d)
+    with torch.cuda.device(like.device) if like.device.type == "cuda" else contextlib.nullcontext():
+        kernel[(-(-rows // block_r),)](*args, rows, H, C, *meta.pop("strides"), **meta, D=d, BLOCK_R=block_r,
+                                       BLOCK_D=block_d)
 
 
 def build_kernel():
@@ -234,15 +240,8 @@ def build_kernel():
         tl.store(p2, (x * w1[:, None] + y * w2[:, None]).to(o2_ptr.dtype.element_ty), mask=mask)
 
     def run(o1, lse1, o2, lse2):
-        B, H, C, d = o2.shape
-        rows = B * H * C
-        block_d = triton.next_power_of_2(d)
-        block_r = max(1, 4096 // block_d)
-        # on the tensors' own GPU (Triton launches on the current one); the interpreter's CPU tensors as they are
-        with torch.cuda.device(o2.device) if o2.device.type == "cuda" else contextlib.nullcontext():
-            _merge[(triton.cdiv(rows, block_r),)](o1, o2, lse1, lse2, rows, H, C, *o1.stride()[:3], *o2.stride()[:3],
-                                                  *lse1.stride(), *lse2.stride(), D=d, BLOCK_R=block_r,
-                                                  BLOCK_D=block_d)
+        _launch(_merge, o2, o1, o2, lse1, lse2, strides=(*o1.stride()[:3], *o2.stride()[:3], *lse1.stride(),
+                                                          *lse2.stride()))
         return o2
 
     return run
