@@ -5,11 +5,15 @@ what the GPU waits on.
 
     python benchmarks/gpu_profile.py h3-block:65536:held1.10 ltx-block:217088:16384 llama3-8b-layer:131072:2816/1024
     python benchmarks/gpu_profile.py --memory --tag moe qwen3-moe-layer:131072:held1.15
+    python benchmarks/gpu_profile.py --memory --donate --tag moe_donated qwen3-moe-layer:131072:held0.5
+    python benchmarks/gpu_profile.py --tag grouped_store hunyuan-double-block:32768:4096/host/g12
 (case from ``streamplan.tools.families`` (applied with ``capture="prefer"``, as ``gpu_time_model.py`` applies them) or
-gpu_generic.BLOCKS : tokens : a fixed chunk C or C/S (the MLP in S-feature slices), or heldF = the planner held to F x
-the floor; a trailing /pN: row-local chains in N pieces of a chunk). ``--memory``: the allocations alive at the
-streamed call's peak (CUDA allocator history), by the innermost streamplan / library frame that made them, beside the
-plan's predicted peak: where a memory model's miss comes from.
+gpu_generic.BLOCKS : tokens : mode. The mode is heldF (the planner held to F x the floor) or a fixed chunk C, then
+/-fields: S (the MLP in S-feature slices), pN (row pieces), gN (head groups), host (K/V in host memory), qN (its Q
+span), bN (its K/V blocks). ``--memory``: the allocations alive at the streamed call's peak (CUDA allocator history),
+by the innermost streamplan / library frame that made them, beside the plan's predicted peak: where a memory model's
+miss comes from. ``--donate``: each call gets a fresh copy of the block's input, donated, as ``gpu_time_model.py
+--donate`` and a model forward hand it.
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import streamplan
+from streamplan.execute.donation import donate
 from common import device_info, write_results
 from gpu_generic import BF16, BLOCKS
 from streamplan.tools.families import FAMILIES
@@ -107,12 +112,14 @@ def _site(frames: list[dict]) -> str:
     return f"{frames[0].get('filename', '?')}:{frames[0].get('line')}" if frames else "?"
 
 
-def peak_allocations(fn, rows: int = 25) -> dict:
-    """The allocations alive at ``fn``'s allocator peak (bytes above what was allocated before it), by site."""
+def peak_allocations(fn, prepare, rows: int = 25) -> dict:
+    """The allocations alive at ``fn(prepare())``'s allocator peak, by site: bytes above what was allocated before
+    ``fn`` ran (what ``prepare`` made, a donated input's fresh copy, not counted, as the timed runs do not count it)."""
+    arg = prepare()
     torch.cuda.synchronize()
     torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
     try:
-        fn()
+        fn(arg)
         torch.cuda.synchronize()
         snap = torch.cuda.memory._snapshot()
     finally:
@@ -145,35 +152,64 @@ def peak_allocations(fn, rows: int = 25) -> dict:
     return {"peak_bytes": best, "allocations": len(live), "by_site_bytes_count": dict(top)}
 
 
-def profile_case(spec: str, memory: bool = False) -> dict:
+MODE_FIELDS = {"p": "row_pieces", "g": "head_groups", "q": "q_span", "b": "kv_block"}
+
+
+def _mode_options(mode: str, live: int, floor: int) -> dict:
+    """apply's options from a spec's mode: ``heldF``, or ``C`` then ``/``-separated fields: a number S (the MLP in
+    S-feature slices), pN (row pieces), gN (head groups), host (K/V in host memory), qN (a host store's Q span), bN
+    (its K/V block rows)."""
+    first, *rest = mode.split("/")
+    if first.startswith("held"):
+        return {"budget": int(live + float(first[4:]) * floor)}
+    opts = {"chunk_tokens": int(first)}
+    for field in rest:
+        if field == "host":
+            opts["kv"] = "host"
+        elif field.isdigit():
+            opts["ffn_slice"] = int(field)
+        elif field[:1] in MODE_FIELDS and field[1:].isdigit():
+            opts[MODE_FIELDS[field[:1]]] = int(field[1:])
+        else:
+            raise SystemExit(f"gpu_profile.py: {field!r} in mode {mode!r} is not S, pN, gN, host, qN or bN")
+    return opts
+
+
+def profile_case(spec: str, memory: bool = False, donated: bool = False) -> dict:
     case, n, mode = spec.split(":")
     n = int(n)
     torch.manual_seed(0)
     name, block, args, floor, apply_opts = _case(case, n)
     live = sum(a.numel() * a.element_size() for a in torch.utils._pytree.tree_leaves(args)
                if isinstance(a, torch.Tensor))
-    fields = mode.split("/")   # C, C/S or C/S/pN: C-row chunks, the MLP in S-feature slices, N row pieces
-    pieces = int(fields.pop()[1:]) if len(fields) > 1 and fields[-1].startswith("p") else None
-    opts = (dict(budget=int(live + float(fields[0][4:]) * floor)) if mode.startswith("held")
-            else dict(chunk_tokens=int(fields[0]), ffn_slice=int(fields[1]) if len(fields) > 1 else None))
-    opts["row_pieces"] = pieces
-    opts.update(apply_opts)
+    opts = {**_mode_options(mode, live, floor), **apply_opts}
+
+    # donated: a fresh copy of the input (made outside the memory trace; its copy kernel shows in the kernel tables)
+    fresh = (lambda: args[0].clone()) if donated else (lambda: args[0])
+
+    def donated_call(first):
+        with donate(*((first,) if donated else ())):
+            return block(first, *args[1:])
+
+    def call():
+        return donated_call(fresh())
     with torch.inference_mode():
-        stock, stock_ops = kernel_table(lambda: block(*args), f"{spec} stock")
-        stock_wall = wall(lambda: block(*args))
+        stock, stock_ops = kernel_table(call, f"{spec} stock")
+        stock_wall = wall(call)
         handle = streamplan.apply(block, **opts)
-        streamed, streamed_ops = kernel_table(lambda: block(*args), f"{spec} streamed")
-        streamed_wall = wall(lambda: block(*args))
-        streamed_enqueue = wall(lambda: block(*args), 3, wait=False)
+        streamed, streamed_ops = kernel_table(call, f"{spec} streamed")
+        streamed_wall = wall(call)
+        streamed_enqueue = wall(call, 3, wait=False)
         plan = handle.plans[""][-1]
         print(handle.report(), flush=True)
-        at_peak = peak_allocations(lambda: block(*args)) if memory else None
+        at_peak = peak_allocations(donated_call, fresh) if memory else None
         handle.remove()
     diffs = sorted(set(stock) | set(streamed), key=lambda k: -abs(streamed.get(k, 0) - stock.get(k, 0)))[:12]
     print("--- largest differences (streamed - stock), ms", flush=True)
     for k in diffs:
         print(f"{streamed.get(k, 0) - stock.get(k, 0):+9.2f}  {k}", flush=True)
-    row = {"spec": spec, "block": name, "tier": str(plan.tier), "chunk": plan.chunk, "ffn_slice": plan.ffn_slice,
+    row = {"spec": spec, "block": name, "input_donated": donated, "tier": str(plan.tier), "chunk": plan.chunk,
+           "ffn_slice": plan.ffn_slice,
            "stock_wall_s": stock_wall, "streamed_wall_s": streamed_wall, "time_ratio": streamed_wall / stock_wall,
            "stock_kernel_ms": sum(stock.values()), "streamed_kernel_ms": sum(streamed.values()),
            "streamed_enqueue_s": streamed_enqueue, "predicted_time_ratio": plan.predicted_time_ratio,
@@ -198,11 +234,12 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("specs", nargs="*", default=["h3-block:65536:held1.10"], help="case:tokens:mode")
     p.add_argument("--memory", action="store_true", help="also the allocations alive at the streamed call's peak")
+    p.add_argument("--donate", action="store_true", help="hand each call a fresh copy of the block's input, donated")
     p.add_argument("--tag", default="", help="written as gpu_profile_<tag>.json")
     a = p.parse_args()
     info = device_info()
     print(info, flush=True)
-    rows = [profile_case(s, a.memory) for s in a.specs]
+    rows = [profile_case(s, a.memory, a.donate) for s in a.specs]
     print(write_results("gpu_profile" + (f"_{a.tag}" if a.tag else ""), {**info, "rows": rows}))
     return 0
 
