@@ -13,11 +13,13 @@ gpu_generic.BLOCKS : tokens : mode. The mode is heldF (the planner held to F x t
 span), bN (its K/V blocks). ``--memory``: the allocations alive at the streamed call's peak (CUDA allocator history),
 by the innermost streamplan / library frame that made them, beside the plan's predicted peak: where a memory model's
 miss comes from. ``--donate``: each call gets a fresh copy of the block's input, donated, as ``gpu_time_model.py
---donate`` and a model forward hand it.
+--donate`` and a model forward hand it. ``--host``: a cProfile of one streamed call, by Python function.
 """
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import statistics
 import sys
 import time
@@ -175,7 +177,30 @@ def _mode_options(mode: str, live: int, floor: int) -> dict:
     return opts
 
 
-def profile_case(spec: str, memory: bool = False, donated: bool = False) -> dict:
+def host_profile(fn, rows: int = 30) -> list[list]:
+    """Where the host's time goes in one call, by Python function (cProfile, the GPU waited for at the end): what the
+    enqueue time is spent on when the host is what the GPU waits on. Rows: [function, calls, own s, cumulative s]."""
+    fn()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    fn()
+    torch.cuda.synchronize()
+    prof.disable()
+    stats = pstats.Stats(prof).stats
+    out = []
+    for (path, line, func), (_, calls, own, cum, _) in stats.items():
+        out.append([f"{path.split('site-packages/')[-1].split('/main/')[-1]}:{line} {func}", calls, own, cum])
+    by_own = sorted(out, key=lambda r: -r[2])[:rows]
+    by_cum = sorted((r for r in out if "streamplan/" in r[0]), key=lambda r: -r[3])[:rows]
+    for title, table in (("own time", by_own), ("streamplan's, by cumulative time", by_cum)):
+        print(f"--- host, one call: {sum(r[2] for r in out):.3f} s of Python; {title}", flush=True)
+        for name, calls, own, cum in table:
+            print(f"{own * 1000:9.2f} ms own {cum * 1000:9.2f} ms cum  x{calls:<6d} {name}", flush=True)
+    return by_own + [r for r in by_cum if r not in by_own]
+
+
+def profile_case(spec: str, memory: bool = False, donated: bool = False, host: bool = False) -> dict:
     case, n, mode = spec.split(":")
     n = int(n)
     torch.manual_seed(0)
@@ -203,6 +228,7 @@ def profile_case(spec: str, memory: bool = False, donated: bool = False) -> dict
         plan = handle.plans[""][-1]
         print(handle.report(), flush=True)
         at_peak = peak_allocations(donated_call, fresh) if memory else None
+        host_rows = host_profile(call) if host else None
         handle.remove()
     diffs = sorted(set(stock) | set(streamed), key=lambda k: -abs(streamed.get(k, 0) - stock.get(k, 0)))[:12]
     print("--- largest differences (streamed - stock), ms", flush=True)
@@ -214,7 +240,7 @@ def profile_case(spec: str, memory: bool = False, donated: bool = False) -> dict
            "stock_kernel_ms": sum(stock.values()), "streamed_kernel_ms": sum(streamed.values()),
            "streamed_enqueue_s": streamed_enqueue, "predicted_time_ratio": plan.predicted_time_ratio,
            "predicted_peak_bytes": plan.predicted_peak, "live_bytes": live, "floor_bytes": floor,
-           "at_peak": at_peak,
+           "at_peak": at_peak, "host_profile_fn_calls_own_s_cum_s": host_rows,
            "stock_kernel_ms_by_kind": by_kind(stock), "streamed_kernel_ms_by_kind": by_kind(streamed),
            "largest_differences_ms": {k: streamed.get(k, 0) - stock.get(k, 0) for k in diffs}}
     none = [0, 0.0, 0.0]
@@ -235,11 +261,12 @@ def main() -> int:
     p.add_argument("specs", nargs="*", default=["h3-block:65536:held1.10"], help="case:tokens:mode")
     p.add_argument("--memory", action="store_true", help="also the allocations alive at the streamed call's peak")
     p.add_argument("--donate", action="store_true", help="hand each call a fresh copy of the block's input, donated")
+    p.add_argument("--host", action="store_true", help="also where the host's time goes in a streamed call (cProfile)")
     p.add_argument("--tag", default="", help="written as gpu_profile_<tag>.json")
     a = p.parse_args()
     info = device_info()
     print(info, flush=True)
-    rows = [profile_case(s, a.memory, a.donate) for s in a.specs]
+    rows = [profile_case(s, a.memory, a.donate, a.host) for s in a.specs]
     print(write_results("gpu_profile" + (f"_{a.tag}" if a.tag else ""), {**info, "rows": rows}))
     return 0
 

@@ -1,6 +1,8 @@
 """Below the floor (issue 14): K/V stores (device, host, int8, fp8), attention against them block by block with a
 log-sum-exp merge, the planner's L4/L5 tiers, and ``apply(..., kv=...)`` on real diffusers and transformers blocks
 (their own forwards are the oracle)."""
+import weakref
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -91,6 +93,38 @@ def test_rows_that_see_no_key_of_a_block_stay_finite():
     st = _store("host", k, v, 64)
     out = attend_blocks(_NaNWhereEmpty(), q, st, q_offset=0, causal=False, scale=None, mask=keep)
     assert out.isfinite().all() and rel_err(out, ref) <= 1e-5
+
+
+class _Liveness:
+    """SDPA's blocks, noting how many of the partial outputs it handed out are still alive at each call."""
+
+    caps = SDPA.caps
+
+    def __init__(self):
+        self.outs: list = []
+        self.alive_at_call: list[int] = []
+
+    def attend_lse(self, q, k, v, *, causal, mask, scale):
+        self.alive_at_call.append(sum(ref() is not None for ref in self.outs))
+        o, lse = SDPA.attend_lse(q, k, v, causal=causal, mask=mask, scale=scale)
+        self.outs.append(weakref.ref(o))
+        return o, lse
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["non-causal", "causal"])
+def test_a_blocks_partial_output_is_let_go_before_the_next_call(causal):
+    # the memory model counts one block's partial output beside the accumulator; a causal chunk's diagonal block is
+    # two calls (the keys every row sees, then the diagonal): the first's output must be gone by the second (the
+    # H200's donated MoE span plan ran 48 MiB over its model when it was not)
+    n = 96
+    q, k, v = torch.randn(1, 4, n, 8), torch.randn(1, 2, n, 8), torch.randn(1, 2, n, 8)
+    st = _store("host", k, v, 48)
+    consumer = _Liveness()
+    out = attend_blocks(consumer, q[:, :, 24:72], st, q_offset=24, causal=causal, scale=None)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)[:, :, 24:72]
+    assert rel_err(out, ref) <= 1e-5
+    assert len(consumer.alive_at_call) == (3 if causal else 2)
+    assert consumer.alive_at_call == [0] * len(consumer.alive_at_call)
 
 
 @pytest.mark.parametrize("form", ["bool", "additive"])

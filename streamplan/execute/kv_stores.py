@@ -525,6 +525,7 @@ def attend_rows(consumer: Any, q: torch.Tensor, s: int, k: torch.Tensor, v: torc
         m = mask[..., s:s + cut] if mask is not None else None
         o, lse = consumer.attend_lse(q, k[:, :, :cut], v[:, :, :cut], causal=False, mask=m, scale=scale)
         merge.add(o, lse, masked=m is not None)
+        del o, lse   # merged: let go before the diagonal's call (one partial output at a time, as the model counts)
     if cut < k.shape[2]:   # keys on the chunk's diagonal: row r0 + i sees keys ds .. ds + i
         ds = s + cut
         r0 = ds - q_offset
