@@ -56,15 +56,18 @@ class LseAccumulator:
         B, H, c, D = q.shape
         self.acc = torch.zeros(B, H, c, D, dtype=torch.float32, device=q.device)
         self.lse = torch.full((B, H, c), float("-inf"), dtype=torch.float32, device=q.device)
+        # looked up once, not once a block: a store's pass adds a block at a time, and on short blocks the host's
+        # time per block is what the GPU waits on
+        self.kernel = accumulate_kernel(q.device.type)
+        self.fake = is_fake(self.acc)   # a rehearsal: the kernel writes in place and allocates nothing
 
     def add(self, o: torch.Tensor, lse: torch.Tensor, r0: int = 0, masked: bool = False) -> None:
         """Block output ``o`` of rows ``r0``.. with log-sum-exp ``lse``. ``masked``: rows may see no key of the block
         (-inf); they take nothing from it even where a kernel wrote NaN (decided without reading the device)."""
-        acc, old = self.acc[:, :, r0:], self.lse[:, :, r0:]
-        kernel = accumulate_kernel(acc.device.type)
-        if kernel is not None and _accumulator_takes(acc, old, o, lse):
-            if not is_fake(acc):   # a rehearsal: the kernel writes in place and allocates nothing
-                kernel(acc, old, o, lse, masked)
+        acc, old = (self.acc, self.lse) if r0 == 0 else (self.acc[:, :, r0:], self.lse[:, :, r0:])
+        if self.kernel is not None and _accumulator_takes(acc, old, o, lse):
+            if not self.fake:
+                self.kernel(acc, old, o, lse, masked)
             return
         accumulate_torch(acc, old, o, lse, masked)
 
@@ -204,9 +207,10 @@ def _launch(kernel, like: torch.Tensor, *args, **meta) -> None:
     rows = B * H * C
     block_d = 1 << max(0, d - 1).bit_length()
     block_r = max(1, 4096 // block_d)
-    with torch.cuda.device(like.device) if like.device.type == "cuda" else contextlib.nullcontext():
+    other = like.device.type == "cuda" and like.device.index != torch.cuda.current_device()
+    with torch.cuda.device(like.device) if other else contextlib.nullcontext():   # (a device context costs host
         kernel[(-(-rows // block_r),)](*args, rows, H, C, *meta.pop("strides"), **meta, D=d, BLOCK_R=block_r,
-                                       BLOCK_D=block_d)
+                                       BLOCK_D=block_d)                          # time: once a block, only if needed)
 
 
 def build_kernel():

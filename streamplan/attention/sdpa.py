@@ -98,8 +98,12 @@ def _flash_with_lse(q, k, v, causal: bool, scale):
     return None
 
 
+# looked up once (an op namespace's attribute lookup costs host time on every block of a store's pass)
+_CUDNN_OP = getattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention", None)
+
+
 def _cudnn_with_lse(q, k, v, causal: bool, scale):
-    cudnn = getattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention", None)
+    cudnn = _CUDNN_OP
     if cudnn is None or q.device.type != "cuda":
         return None
     try:

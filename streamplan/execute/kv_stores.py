@@ -29,6 +29,7 @@ block; a row that no key of a block may see (log-sum-exp -inf) takes nothing fro
 from __future__ import annotations
 
 import bisect
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -174,7 +175,11 @@ class HostStore(KVStore):
         if self.cuda:   # phase KV's copies out run on a stream of their own, beside the next chunk's projections
             self.writer = torch.cuda.Stream(self.device)
             self._wbufs: list[torch.Tensor] = []
-            self._wdone: list[Any] = [None, None]
+            # events recorded again for each piece (``_Staging`` says why that is safe): a buffer's copy out done,
+            # whether it has been recorded yet, and a piece laid out
+            self._wdone = [torch.cuda.Event(), torch.cuda.Event()]
+            self._wused = [False, False]
+            self._laid_out = torch.cuda.Event()
             self._wj = 1
 
     def write(self, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -197,24 +202,25 @@ class HostStore(KVStore):
             for r in rehearsed(list(range(0, n, WRITE_ROWS))):
                 m = min(WRITE_ROWS, n - r)
                 j = self._wj = 1 - self._wj
-                if self._wdone[j] is not None:
+                if self._wused[j]:
                     compute.wait_event(self._wdone[j])
                 buf = self._wbufs[j]
                 buf[0, :m].copy_(k[:, h, r:r + m].permute(2, 0, 1, 3))
                 buf[1, :m].copy_(v[:, h, r:r + m].permute(2, 0, 1, 3))
-                laid_out = compute.record_event()
-                with torch.cuda.stream(self.writer):
-                    self.writer.wait_event(laid_out)
+                self._laid_out.record(compute)
+                with on_stream(self.writer, compute):
+                    self.writer.wait_event(self._laid_out)
                     self.hk[g, start + r:start + r + m].copy_(buf[0, :m], non_blocking=True)
                     self.hv[g, start + r:start + r + m].copy_(buf[1, :m], non_blocking=True)
-                    self._wdone[j] = self.writer.record_event()
+                    self._wdone[j].record(self.writer)
+                    self._wused[j] = True
 
     def finish(self) -> None:
         if self.cuda:
             self._written = self.writer.record_event()
             for buf in self._wbufs:   # freed now, handed out again only once the copies out have read them
                 buf.record_stream(self.writer)
-            self._wbufs, self._wdone = [], [None, None]
+            self._wbufs, self._wused = [], [False, False]
 
     def block(self, a: int, b: int, g: int = 0):   # CPU: the host rows are the device rows (views, no copy)
         return _heads_first(self.hk[g, a:b]), _heads_first(self.hv[g, a:b])
@@ -250,6 +256,22 @@ class HostStore(KVStore):
         self.hk = self.hv = self.staging = None
 
 
+@contextlib.contextmanager
+def on_stream(stream: "torch.cuda.Stream", current: "torch.cuda.Stream") -> Iterator[None]:
+    """``stream`` current inside, ``current`` (the stream current now, which the caller knows) after. Cheaper in host
+    time than ``torch.cuda.stream``, whose device lookups cost more than a block's copies' enqueue: this runs once a
+    block of a store's pass. On another device than the current one, ``torch.cuda.stream`` itself."""
+    if torch.cuda.current_device() != stream.device_index:
+        with torch.cuda.stream(stream):
+            yield
+        return
+    torch.cuda.set_stream(stream)
+    try:
+        yield
+    finally:
+        torch.cuda.set_stream(current)
+
+
 class _Staging:
     """Two device block buffers, filled in turn on a side stream from a ``HostStore``'s host rows and kept for the whole
     of phase Q, so that the copy of the next block (and, at the end of a pass, the first block of the next pass: the
@@ -271,8 +293,11 @@ class _Staging:
                       torch.empty(n, B, H // store.groups, D, dtype=dt, device=dev)) for _ in range(2)]
         self.copier.wait_stream(self.compute)          # the buffers' memory: whatever the compute stream did with it
         self.copier.wait_event(store._written)
-        self.done: list[Any] = [None, None]
-        self.ready: list[Any] = [None, None]
+        # one event per buffer and side, recorded again for each block: a wait queued on an event waits for the
+        # record before it, so a later record never moves an earlier wait (and a block step makes no new events)
+        self.done = [torch.cuda.Event(), torch.cuda.Event()]
+        self.ready = [torch.cuda.Event(), torch.cuda.Event()]
+        self.used = [False, False]                     # whether a buffer's ``done`` has been recorded yet
         self.held: list[tuple[int, int, int] | None] = [None, None]   # (group, a, b) each buffer holds or will
         self.last = 1                                  # the buffer written last; the next copy goes to the other
 
@@ -283,12 +308,12 @@ class _Staging:
             return self.last
         j = self.last = 1 - self.last
         st = self.store
-        with torch.cuda.stream(self.copier):
-            if self.done[j] is not None:
+        with on_stream(self.copier, self.compute):
+            if self.used[j]:
                 self.copier.wait_event(self.done[j])
             self.bufs[j][0][:b - a].copy_(st.hk[g, a:b], non_blocking=True)
             self.bufs[j][1][:b - a].copy_(st.hv[g, a:b], non_blocking=True)
-            self.ready[j] = self.copier.record_event()
+            self.ready[j].record(self.copier)
         self.held[j] = (g, a, b)
         return j
 
@@ -307,7 +332,8 @@ class _Staging:
             try:
                 yield a, _heads_first(self.bufs[j][0][:b - a]), _heads_first(self.bufs[j][1][:b - a])
             finally:   # also when the attention stops early: its reads are queued before this event
-                self.done[j] = self.compute.record_event()
+                self.done[j].record(self.compute)
+                self.used[j] = True
             j = nxt
 
     def close(self) -> None:
