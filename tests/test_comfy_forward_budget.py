@@ -189,19 +189,23 @@ def test_k_and_v_in_host_memory_run_a_comfy_forward_below_their_floor_on_the_car
     print(f"{name}: smallest {staged} with K/V on the host against {on_card} on the card; peak {peaks[-1]}")
 
 
-def test_a_store_is_refused_where_comfyui_attends_with_another_function(monkeypatch):
-    """A store merges K/V blocks by their log-sum-exp, which ComfyUI's attention functions do not return: only where
-    ComfyUI attends with PyTorch SDPA are the blocks attended by its kernels; with another function (here the basic
-    one) K and V stay whole on the card, said in the report, and the output is still ComfyUI's."""
+def test_a_store_runs_on_pytorch_sdpa_where_comfyui_attends_with_another_function(monkeypatch):
+    """A store merges K/V blocks by their log-sum-exp, which ComfyUI's attention functions do not return: with
+    another function than its PyTorch SDPA one (here the split one, as ``--use-split-cross-attention`` selects) a
+    stored block's attention runs on PyTorch's kernels, block by block, instead of ComfyUI's function; exact, and the
+    report says so. Named (``kv="host"``) it is taken; left to the planner, only where K/V on the card do not fit
+    (``test_a_last_resort_store_only_where_nothing_on_the_card_fits``)."""
     import comfy.ldm.modules.attention as attention
 
     import streamplan.integrations.comfy as sc
-    base, x, cond, run, _, _ = _family("h3")
+    base, x, cond, run, _, blocks = _family("h3")
     stock = sample_call(run(base), x, cond)
-    monkeypatch.setattr(attention, "optimized_attention", attention.attention_basic)
+    monkeypatch.setattr(attention, "optimized_attention", attention.attention_split)
+    assert rel_err(sample_call(run(base), x, cond), stock) <= 1e-5   # ComfyUI's own forward on the split function
     patched = run(sc.patch(base, budget=None, chunk_tokens=512, min_tokens=0, kv="host"))
     out = sample_call(patched, x, cond)
     text = sc.report(patched)
     assert rel_err(out, stock) <= 1e-5, text
-    assert "kv=host not used: attention backend comfyui does not attend K/V in blocks with a log-sum-exp" in text, text
-    assert "tiers: L4" not in text, text
+    assert text.count("tiers: L4 K/V staged in host memory (exact)") == blocks, text
+    assert "only where K/V on the card do not fit, by PyTorch SDPA with their log-sum-exp" in text, text
+    assert "kv=host not used" not in text, text

@@ -2,6 +2,7 @@
 log-sum-exp merge, the planner's L4/L5 tiers, and ``apply(..., kv=...)`` on real diffusers and transformers blocks
 (their own forwards are the oracle)."""
 import weakref
+from dataclasses import replace
 
 import pytest
 import torch
@@ -308,6 +309,34 @@ def test_the_planner_buys_q_spans_when_copies_back_cost_more_than_chunks():
     forced = plan_graph(ROWS, KV + OUT, tr, 10**9, chunk_tokens=512, kv=KV, kv_options=(big,), kv_store="host",
                         q_span=2048)
     assert (forced.chunk, forced.q_span, forced.host_traffic) == (512, 2048, 8 * 10**10 * (1 + 4))
+
+
+def test_a_last_resort_store_only_where_nothing_on_the_card_fits():
+    # a consumer whose store blocks run on another kernel than its chunks (ComfyUI on Sage, flash-attn, xformers):
+    # where a plan with K/V on the card fits, it is taken even where the time model prices the store faster; below
+    # every such plan the store still runs
+    from streamplan.graph.work import BlockWork
+    from streamplan.plan.time_model import RATES
+    rows, kv, out = 65536, 2 * 65536 * 4096 * 2, 65536 * 4096 * 2
+    work = BlockWork(rows=rows, gemm_flops_row=2.0 * 12 * 4096 * 4096, gemm_flops_static=0.0, gemm_flops_const=0.0,
+                     attention_flops=4.0 * rows * rows * 4096, attention_flops_row=0.0, bytes_row=200_000.0,
+                     ops_kv=100, ops_q=150, ops_mlp=0, weight_bytes=0, kv_flops_row=2.0 * 3 * 4096 * 4096,
+                     kv_bytes_row=50_000.0, ops_runs=60, ops_piece=8, runs_bytes_row=16_384.0)
+    host = KVOption("host", Tier.L4, resident=0, block_row=4 * 4096 * 2, merge_row=4096 * 6, host_bytes=kv,
+                    groups=(1, 2, 4, 8))
+    last = replace(host, last_resort=True)
+
+    def plan(mib, opt):
+        return plan_graph(rows, kv + out, lambda c, sl: c * 100_000, 10**12, budget=out + mib * 2**20, min_chunk=256,
+                          kv=kv, groups=(2, 4, 8), costs=Costs(0.1, "meta", work=work, rates=RATES["meta"]),
+                          kv_options=(opt,))
+    faster, kept = plan(200, host), plan(200, last)
+    assert faster.kv == "host" and (kept.tier, kept.kv) == (Tier.L3, "device"), (faster.describe(), kept.describe())
+    assert kept.predicted_time_ratio > faster.predicted_time_ratio and kept.predicted_peak <= out + 200 * 2**20
+    only = plan(100, last)
+    assert only.kv == "host" and only.describe() == plan(100, host).describe()
+    with pytest.raises(streamplan.BudgetError):
+        plan(1, last)
 
 
 def test_wave_waste_prices_a_pass_over_few_heads():

@@ -25,6 +25,8 @@ class ConsumerCaps:
     masks: frozenset[str] = frozenset({"bool", "additive"})  # mask forms, given cut to the chunk's rows ("flex":
     # an ``attention.flex.FlexMask`` over the call's global indices, cut by the consumer itself)
     kv_blocks_lse: bool = False            # can attend K/V in blocks and return log-sum-exp
+    kv_blocks_last_resort: bool = False    # those blocks run on another kernel than its chunks (a store only below
+    # what K/V on the card reach: a plan that fits keeps the kernel the user chose)
     dtypes: frozenset[torch.dtype] = frozenset({torch.float32, torch.float16, torch.bfloat16})
     max_head_dim: int | None = None
     q_align: int = 1                       # chunk starts must be multiples of this

@@ -16,7 +16,7 @@ still using for the previous chunk.)"""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import torch
@@ -197,9 +197,12 @@ def options_for(found, rows: int, device: torch.device, kv: str, consumer, adapt
     if adapted is not None and kv in APPROXIMATE:
         return (), "the call's cache is filled with exact K/V: they stay on the device"
     if kv == "device":   # L4 where the host is apart from the device and its cost is known: weighed against L3
-        return (kv_options(found, rows, device, ("host",), spans, adapted) if device.type in ("cuda", "meta")
-                else ()), None
-    return kv_options(found, rows, device, (kv,), spans, adapted), None
+        opts = kv_options(found, rows, device, ("host",), spans, adapted) if device.type in ("cuda", "meta") else ()
+    else:
+        opts = kv_options(found, rows, device, (kv,), spans, adapted)
+    if getattr(consumer.caps, "kv_blocks_last_resort", False):   # its blocks on another kernel than its chunks'
+        opts = tuple(replace(o, last_resort=True) for o in opts)
+    return opts, None
 
 
 def store_factory(kind: str, device: torch.device, block_rows: int, groups: int = 1) -> Callable[[Any], Any]:

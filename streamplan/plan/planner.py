@@ -485,6 +485,9 @@ class KVOption:
     # store's host rows as they are: an offloading cache's prefetch of another layer)
     fill: int = 0
     causal: bool = False  # every attention causal: a pass reads the blocks up to its last query row alone
+    # its blocks attended on another kernel than the chunks' (``ConsumerCaps.kv_blocks_last_resort``): planned only
+    # where no plan with K/V on the card fits
+    last_resort: bool = False
 
 
 @dataclass(frozen=True)
@@ -813,9 +816,21 @@ def _replay_weighed(request: GraphPlanRequest) -> bool:
 
 
 def _chosen_plan(request: GraphPlanRequest) -> Plan:
-    """The store asked for, the plan forced, stock where it fits, else the fastest legal plan under the budget."""
+    """The store asked for, the plan forced, stock where it fits, else the fastest legal plan under the budget; a
+    store whose blocks run on another kernel than the chunks' only where nothing else fits."""
     if request.kv_store != "device":
         return _store_plan(request)
+    first = tuple(o for o in request.kv_options if not o.last_resort)
+    if len(first) < len(request.kv_options):
+        try:
+            return _plan_of(replace(request, kv_options=first))
+        except BudgetError:
+            pass
+    return _plan_of(request)
+
+
+def _plan_of(request: GraphPlanRequest) -> Plan:
+    """``_chosen_plan`` for a request on K/V on the card or any of its stores."""
     forced = _forced_plan(request)
     if forced is not None:
         replayed = _forced_plan(request.with_replay()) if _replay_weighed(request) else None

@@ -6,10 +6,13 @@ PyTorch, ...) with the call's ``transformer_options``, so an ``optimized_attenti
 ``ModelPatcher.set_model_optimized_attention`` installed for a registered attention function still serves it. Those
 functions attend each query row on its own, so a bounded Q chunk against the whole K and V is exact.
 
-Where ComfyUI attends with PyTorch's SDPA (``attention_pytorch``, its choice on NVIDIA without Sage, flash-attn or
-xformers, or set as the override), a K/V store's blocks (L4/L5, below the floor of K and V on the card) are attended
-by PyTorch's fused kernels with their log-sum-exp (``attend_lse``: the same kernels, each block's partial output merged
-exactly); with another function ComfyUI selected, K and V stay whole on the card, as the report says.
+A K/V store's blocks (L4/L5, below the floor of K and V on the card) are attended by PyTorch's fused kernels with
+their log-sum-exp (``attend_lse``: each block's partial output merged exactly), since ComfyUI's attention functions
+return none. Where ComfyUI attends with PyTorch's SDPA (``attention_pytorch``, its choice on NVIDIA without Sage,
+flash-attn or xformers, or set as the override) those are the kernels its chunks run on too. With another function
+(Sage, flash-attn, xformers, split, sub-quadratic) a store is planned only where no plan with K and V on the card
+fits the budget (``ConsumerCaps.kv_blocks_last_resort``): a budget K and V fit keeps the function the user chose, a
+smaller one still runs, on PyTorch's kernels for the store's blocks, and the report says which.
 
 Any other override is opaque (it may need every query row at once, or count calls). One that opts in to the streamed
 contract (``supports_streamed_h3_qkv = True`` and ``consume(q_chunk=, global_k=, global_v=, q_start=, q_total=,
@@ -99,9 +102,10 @@ class ComfyAttention:
         # chunk gets its rows of it, or the whole of a mask over the keys alone); the streamed contract and the
         # block's stock call (which passes none) take none
         plain = self.contract is None and self.whole_call is None
+        self.sdpa = _attends_with_sdpa(override)
         self.caps = dataclasses.replace(caps, masks=caps.masks | MASKS if plain else frozenset(),
-                                        bounded_q=self.whole_call is None,
-                                        kv_blocks_lse=plain and _attends_with_sdpa(override))
+                                        bounded_q=self.whole_call is None, kv_blocks_lse=plain,
+                                        kv_blocks_last_resort=plain and not self.sdpa)
 
     @property
     def phrase(self) -> str:
@@ -120,15 +124,20 @@ class ComfyAttention:
         fn = _registered_function(override) if override is not None else None
         said = f"ComfyUI optimized_attention (override: {fn.__name__})" if fn is not None else (
             "ComfyUI optimized_attention")
-        return said + ("; K/V store blocks by PyTorch SDPA with their log-sum-exp" if self.caps.kv_blocks_lse else "")
+        if not self.caps.kv_blocks_lse:
+            return said
+        if self.sdpa:
+            return said + "; K/V store blocks by PyTorch SDPA with their log-sum-exp"
+        return said + ("; K/V store blocks, only where K/V on the card do not fit, by PyTorch SDPA with their "
+                       "log-sum-exp (ComfyUI's selected function returns none)")
 
     def attend_lse(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
                    mask: torch.Tensor | None, scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
         """One K/V block of a store, with its log-sum-exp: PyTorch SDPA's, as ComfyUI's ``attention_pytorch`` would
-        attend it (only where ``caps.kv_blocks_lse`` says ComfyUI attends with that function)."""
+        attend it (whatever function ComfyUI selected: theirs return no log-sum-exp)."""
         if not self.caps.kv_blocks_lse:   # the planner offers no store without it: a bug upstream
-            raise ValueError("ComfyUI's attention consumer attends K/V blocks only where ComfyUI attends with PyTorch "
-                             "SDPA")
+            raise ValueError("ComfyUI's attention consumer attends K/V blocks only for Q chunks sent to ComfyUI's "
+                             "attention functions (not the streamed contract's or an opaque override's)")
         from ...attention import SDPA
         return SDPA.attend_lse(q, k, v, causal=causal, mask=mask, scale=scale)
 
