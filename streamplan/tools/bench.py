@@ -263,8 +263,24 @@ def run_case(case: Case, tokens_list: list[int], modes: list[str], repeats: int 
 
 
 def header() -> dict:
+    """The device, torch, the date, and how fast this host dispatches: a plan of many short steps is bound by the
+    host, whose speed differs between machines of one GPU kind (benchmarks/RESULTS.md), so every result carries it."""
     return {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "date": datetime.date.today().isoformat()}
+            "date": datetime.date.today().isoformat(), "host_us_per_tiny_op": host_dispatch_us()}
+
+
+def host_dispatch_us(ops: int = 5000) -> float:
+    """Microseconds the host takes to enqueue one tiny CUDA op on the current device (the GPU not waited for)."""
+    x = torch.zeros(8, device="cuda")
+    for _ in range(500):
+        x.add_(1)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(ops):
+        x.add_(1)
+    seconds = time.perf_counter() - t
+    torch.cuda.synchronize()
+    return seconds / ops * 1e6
 
 
 def to_markdown(rows: list[Row]) -> str:
