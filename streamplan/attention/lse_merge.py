@@ -207,10 +207,11 @@ def _launch(kernel, like: torch.Tensor, *args, **meta) -> None:
     rows = B * H * C
     block_d = 1 << max(0, d - 1).bit_length()
     block_r = max(1, 4096 // block_d)
+    # a device context only where ``like`` is on another GPU than the current one: it costs host time, once a block
     other = like.device.type == "cuda" and like.device.index != torch.cuda.current_device()
-    with torch.cuda.device(like.device) if other else contextlib.nullcontext():   # (a device context costs host
+    with torch.cuda.device(like.device) if other else contextlib.nullcontext():
         kernel[(-(-rows // block_r),)](*args, rows, H, C, *meta.pop("strides"), **meta, D=d, BLOCK_R=block_r,
-                                       BLOCK_D=block_d)                          # time: once a block, only if needed)
+                                       BLOCK_D=block_d)
 
 
 def build_kernel():
