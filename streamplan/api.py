@@ -312,8 +312,9 @@ class StreamHandle:
                      fmt_bytes(plan.predicted_total), fmt_bytes(live), fmt_bytes(live + plan.stock_peak))
             if (plan.predicted_time_ratio or 0) > SLOW_PLAN and available is not None:
                 log.warning("streamplan: %s: the fastest plan under this budget is predicted at %.2fx stock's time "
-                            "(%s); a larger budget runs faster", entry.name or type(entry.module).__name__,
-                            plan.predicted_time_ratio, plan.describe(figures=False))
+                            "(%s); a larger budget runs faster%s", entry.name or type(entry.module).__name__,
+                            plan.predicted_time_ratio, plan.describe(figures=False),
+                            f" ({_report.host_bound_said(plan)})" if _report.host_bound(plan) else "")
         return plan
 
     @staticmethod

@@ -101,6 +101,8 @@ def render(handle) -> str:
                          f"{fmt_bytes(plan.predicted_total):>11} "
                          f"{fmt_bytes(plan.live_bytes + plan.stock_peak):>11} {_time(plan):>6}")
             lines.append(f"      input {describe_sig(sig)}: {plan.describe(figures=False)}")
+            if host_bound(plan):
+                lines.append(f"      {host_bound_said(plan)}")
             if sig in e.kv_errors:
                 lines.append(f"      {e.kv_errors[sig].describe()}")
         for note in e.runtime_notes:
@@ -121,6 +123,22 @@ def render(handle) -> str:
         lines.append(f"  stock     {w.name}  ({type(w.module).__name__}): {STOCK_WHY}; output "
                      f"{fmt_bytes(w.largest)} for input {list(w.shape or ())} (+{fmt_bytes(w.live)} live inputs)")
     return "\n".join(lines)
+
+
+# a plan whose predicted time is at least this share the host dispatching is said to be bound by the host
+HOST_BOUND = 0.5
+
+
+def host_bound(plan) -> bool:
+    """Whether the time model has most of ``plan``'s time as the host dispatching (``Plan.predicted_host_share``)."""
+    return (plan.predicted_host_share or 0.0) >= HOST_BOUND
+
+
+def host_bound_said(plan) -> str:
+    """What a host-bound plan's time depends on, for reports and logs."""
+    return (f"host-bound: {plan.predicted_host_share:.0%} of the predicted time is the host dispatching (each "
+            f"chunk's ops, a K/V store's block steps); on a slower host CPU this plan takes longer, and a larger "
+            f"budget needs fewer of them")
 
 
 def _time(plan) -> str:

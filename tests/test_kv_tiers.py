@@ -711,6 +711,29 @@ def test_plan_cli_takes_kv_and_reports_the_store(capsys):
     assert "invalid choice: 'int4' (choose from 'device', 'host', 'int8', 'fp8')" in capsys.readouterr().err
 
 
+def test_a_plan_of_many_short_store_steps_says_it_is_bound_by_the_host(capsys):
+    # LTX-Video at 32,768 rows under half its floor: 512-row chunks reading 512-row blocks in four head groups, bound
+    # by the host's dispatch on the GPU (measured 37-51x stock's time on three H100 hosts, 11x predicted); a budget
+    # with room for long blocks and chunks is not
+    from streamplan.report import HOST_BOUND
+    from streamplan.tools.cli import main
+    import json
+
+    def plan(budget):
+        assert main(["plan", "--family", "ltx-video-block", "--tokens", "32768", "--budget", str(budget)]) == 0
+        text = capsys.readouterr().out
+        assert main(["plan", "--family", "ltx-video-block", "--tokens", "32768", "--budget", str(budget),
+                     "--json"]) == 0
+        (p,) = json.loads(capsys.readouterr().out)["streamed"][""]["plans"]
+        return p, text
+    tight, said = plan(872_964_096)
+    assert tight["kv"] == "host" and tight["predicted_host_share"] >= HOST_BOUND, tight
+    assert f"host-bound: {tight['predicted_host_share']:.0%} of the predicted time is the host dispatching" in said
+    roomy, said = plan(4_000_000_000)
+    assert roomy["predicted_host_share"] < HOST_BOUND and "host-bound" not in said, roomy
+    assert 0 < roomy["predicted_host_share"] < tight["predicted_host_share"]
+
+
 def test_plan_cli_below_the_floor_weighs_l4_by_default(capsys):
     # H3 at 217,088 tokens in bf16 (floor 8.56 GB) under 9 GB, inputs included (~2.4 GB): about 0.77x the floor,
     # which L3 (8 head groups: 8 projection reruns) and L4 both reach; on meta (the H200's rates) L4 is estimated faster

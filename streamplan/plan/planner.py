@@ -7,7 +7,8 @@ from typing import Any, Callable, NamedTuple, Sequence
 from enum import Enum
 
 from .budget import fmt_bytes
-from .time_model import H200, Rates, StoreTraffic, Streamed, store_seconds, time_ratio
+from .time_model import (H200, Rates, StoreTraffic, Streamed, host_seconds, store_seconds, store_step_seconds,
+                         streamed_seconds, time_ratio)
 from ..specs import MLPSpec
 from .weight_formats import can_slice_in, can_slice_out, slice_align
 
@@ -204,6 +205,8 @@ class Plan:
     parts: PeakParts | None = None   # what ``predicted_peak`` is made of, where the planner's model says
     predicted_time_ratio: float | None = None   # the time model's call time against stock's (None: not modelled
     # on this device or for this operation)
+    predicted_host_share: float | None = None   # of that time, the share that is the host dispatching (chunk ops, a
+    # store's block steps): what a slower host CPU stretches (``time_model.host_seconds``)
     row_pieces: int = 1  # a captured block's row-local runs (norms, rotary, modulation) in this many pieces of a
     # chunk's rows: their temporaries a piece's, not the chunk's (1: whole chunks)
     kept_outputs: bool = False   # attentions a later attention's phase KV runs: their outputs kept whole there for
@@ -729,11 +732,25 @@ class GraphPlanRequest:
             return 1.0
         if not self.timed:
             return None
-        store = 0.0
+        return time_ratio(self.costs.work, self.costs.rates, self._streamed(plan))
+
+    def host_share(self, plan: Plan) -> float | None:
+        """Of ``plan``'s predicted time, the share that is the host dispatching (``time_model.host_seconds``); None
+        where not modelled."""
+        if plan.tier == Tier.L0 or not self.timed:
+            return None
+        s = self._streamed(plan)
+        return host_seconds(self.costs.work, self.costs.rates, s) / streamed_seconds(self.costs.work,
+                                                                                      self.costs.rates, s)
+
+    def _streamed(self, plan: Plan) -> Streamed:
+        """What the time model reads of a streamed ``plan`` of this request."""
+        store = steps = 0.0
         if plan.kv != "device":   # the copies that show, the merges, every block's call
             opt = next(o for o in self.kv_options if o.kind == plan.kv)
-            store = l4_extra_seconds(opt, self.rows, plan.q_span or plan.chunk, self.costs, plan.kv_block,
-                                     plan.head_groups)
+            traffic = store_traffic(opt, self.rows, plan.q_span or plan.chunk, self.costs, plan.kv_block,
+                                    plan.head_groups)
+            store, steps = store_seconds(traffic, self.costs.rates), store_step_seconds(traffic, self.costs.rates)
         slices = -(-self.ffn // plan.ffn_slice) if self.ffn and plan.ffn_slice and plan.ffn_slice < self.ffn else 1
         # each attention call takes the query rows of one pass: a chunk's, or a store's Q span (a chunk of 4,096 rows
         # over one of 40 head groups fills a quarter of a wave; the 32,768-row span it runs in fills two)
@@ -742,8 +759,7 @@ class GraphPlanRequest:
         # a store's head groups read its K/V back a group at a time (priced in ``store``); phase KV runs once
         groups = plan.head_groups if plan.kv == "device" else 1
         staged = 2 * self.rows * (self.replay_row or 0) if plan.replay else 0   # copied in and out of the staging
-        return time_ratio(self.costs.work, self.costs.rates,
-                          Streamed(plan.chunk, slices, groups, waste, store, plan.row_pieces, plan.replay, staged))
+        return Streamed(plan.chunk, slices, groups, waste, store, plan.row_pieces, plan.replay, staged, steps)
 
     def staged_seconds(self, opt: KVOption, q_rows: int, blk: int, g: int) -> float:
         """A store's extra time (``l4_extra_seconds``) with the waves its passes leave part empty: each pass's calls
@@ -795,6 +811,7 @@ def plan_graph(rows: int, fixed: int, transient, stock: int, *, chunk_tokens: in
         replay=replay).normalised()
     plan = _chosen(request)
     plan.predicted_time_ratio = request.time_ratio(plan)
+    plan.predicted_host_share = request.host_share(plan)
     return plan
 
 

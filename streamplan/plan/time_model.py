@@ -82,6 +82,7 @@ class Streamed:
     pieces: int = 1          # row pieces of a chunk its row-local runs run in (1: whole)
     replayed: bool = False   # chunks after the first two replayed as one recording (``execute.chunk_replay``)
     staged: int = 0          # bytes the replay's staging copies (each chunk's rows in and out)
+    store_steps_s: float = 0.0  # of ``store_s``: the store's block and group steps (``store_step_seconds``)
 
 
 def streamed_seconds(w, r: Rates, s: Streamed) -> float:
@@ -95,12 +96,29 @@ def streamed_seconds(w, r: Rates, s: Streamed) -> float:
     attention = ((w.attention_flops + w.attention_rerun_flops) * (1 + s.wave_waste) + w.attention_flops_row * n) \
         / r.attention
     groups = (s.groups - 1) * r.group_rerun * (_gemm_s(w.kv_flops_row * n, c, r) + w.kv_bytes_row * n / r.bandwidth)
-    per_chunk = (w.ops_kv * s.groups + w.ops_q + (s.slices - 1) * w.ops_mlp) * r.op_s
-    ops = k * per_chunk
-    if s.replayed and k > 2 and r.replay_op is not None:   # two chunks eager, the recording, the rest replayed
-        ops = (2 + r.replay_setup + (k - 2) * r.replay_op) * per_chunk
     memory += s.staged / r.bandwidth
-    return gemm + memory + attention + groups + ops + pieces_seconds(w, r, s.pieces, k) + s.store_s
+    return gemm + memory + attention + groups + _ops_seconds(w, r, s, k) + pieces_seconds(w, r, s.pieces, k) \
+        + s.store_s
+
+
+def _ops_seconds(w, r: Rates, s: Streamed, k: int) -> float:
+    """Every chunk's ops run again: their launches and dispatch, beyond their kernels (``k`` chunks)."""
+    per_chunk = (w.ops_kv * s.groups + w.ops_q + (s.slices - 1) * w.ops_mlp) * r.op_s
+    if s.replayed and k > 2 and r.replay_op is not None:   # two chunks eager, the recording, the rest replayed
+        return (2 + r.replay_setup + (k - 2) * r.replay_op) * per_chunk
+    return k * per_chunk
+
+
+def host_seconds(w, r: Rates, s: Streamed) -> float:
+    """Of ``streamed_seconds``, what is the host dispatching (each chunk's ops, row pieces' launches, a store's block
+    and group steps): the part a slower host CPU stretches. Lent GPUs of one kind differ in it, so a plan that is
+    mostly this takes another time on another host (docs/budgets-and-tiers.md, the time model)."""
+    k = -(-w.rows // max(1, min(s.chunk, w.rows)))
+    return _ops_seconds(w, r, s, k) + _pieces_ops(w, r, s.pieces, k) + s.store_steps_s
+
+
+def _pieces_ops(w, r: Rates, pieces: int, chunks: int) -> float:
+    return chunks * ((pieces - 1) * w.ops_runs + pieces * w.ops_piece) * r.op_s if pieces > 1 else 0.0
 
 
 def pieces_seconds(w, r: Rates, pieces: int, chunks: int) -> float:
@@ -109,8 +127,7 @@ def pieces_seconds(w, r: Rates, pieces: int, chunks: int) -> float:
     has no term for fused chains (their gain is inside the fitted rates), so that loss is not priced here."""
     if pieces <= 1:
         return 0.0
-    ops = chunks * ((pieces - 1) * w.ops_runs + pieces * w.ops_piece) * r.op_s
-    return ops + w.runs_bytes_row * w.rows / r.bandwidth
+    return _pieces_ops(w, r, pieces, chunks) + w.runs_bytes_row * w.rows / r.bandwidth
 
 
 @dataclass(frozen=True)
@@ -135,8 +152,12 @@ def store_copies(t: StoreTraffic, r: Rates) -> float:
 
 def store_seconds(t: StoreTraffic, r: Rates) -> float:
     """A store's seconds on top of the streamed call's compute: its copies, merges and block calls."""
-    return (r.store_share * store_copies(t, r) + t.merge_bytes / r.merge_bandwidth + t.calls * r.block_step_s
-            + t.passes * (t.groups - 1) * r.group_step_s)
+    return r.store_share * store_copies(t, r) + t.merge_bytes / r.merge_bandwidth + store_step_seconds(t, r)
+
+
+def store_step_seconds(t: StoreTraffic, r: Rates) -> float:
+    """A store's block steps and its passes' extra head groups: host time per step, whatever the bytes."""
+    return t.calls * r.block_step_s + t.passes * (t.groups - 1) * r.group_step_s
 
 
 def time_ratio(w, r: Rates, s: Streamed) -> float:
