@@ -137,8 +137,8 @@ def host_bound(plan) -> bool:
 def host_bound_said(plan) -> str:
     """What a host-bound plan's time depends on, for reports and logs."""
     return (f"host-bound: {plan.predicted_host_share:.0%} of the predicted time is the host dispatching (each "
-            f"chunk's ops, a K/V store's block steps); on a slower host CPU this plan takes longer, and a larger "
-            f"budget needs fewer of them")
+            f"chunk's ops, a K/V store's block steps); on a slower host CPU this plan takes longer (a larger budget, "
+            f"or longer chunks, needs fewer steps)")
 
 
 def _time(plan) -> str:
