@@ -73,6 +73,84 @@ def test_head_groups_must_divide_the_heads():
         _store("host", k, k, 16, groups=4)
 
 
+class _FakeEvent:
+    """A CUDA event's ordering, on the CPU: each record bumps a version, and a stream remembers the version it last
+    waited for."""
+
+    def __init__(self, *args, **kwargs):
+        self.version, self.stream = 0, None
+
+    def record(self, stream=None):
+        self.version += 1
+        self.stream = stream or _FakeCuda.current
+
+
+class _FakeStream:
+    def __init__(self, device=None, name="side"):
+        self.device_index, self.name, self.waited = 0, name, {}
+
+    def wait_event(self, event):
+        self.waited[id(event)] = event.version
+
+    def wait_stream(self, stream):
+        pass
+
+    def record_event(self, event=None):
+        event = event or _FakeEvent()
+        event.record(self)
+        return event
+
+
+class _FakeCuda:
+    """The stream API ``kv_stores._Staging`` uses, on the CPU: which stream is current when."""
+    current = None
+
+
+def test_host_staging_orders_every_reuse_of_a_buffer_by_events(monkeypatch):
+    # the CUDA staging of a host store, its streams faked on the CPU: a buffer is overwritten (copier) only after
+    # waiting for the compute stream's latest record of being done with it, and handed out only after the compute
+    # stream waits for the latest record of its copy, across blocks, head groups and passes (its events are made
+    # once and recorded again)
+    from streamplan.execute import kv_stores
+    compute = _FakeStream(name="compute")
+    _FakeCuda.current = compute
+    monkeypatch.setattr(torch.cuda, "Stream", _FakeStream)
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _FakeCuda.current)
+    monkeypatch.setattr(torch.cuda, "set_stream", lambda stream: setattr(_FakeCuda, "current", stream))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    n, block, groups = 100, 16, 2
+    k, v = torch.randn(1, 4, n, 8), torch.randn(1, 4, n, 8)
+    st = _store("host", k, v, block, groups=groups)
+    st._written = _FakeEvent()
+    staging = kv_stores._Staging(st)
+    copies = []
+    record = _FakeEvent.record
+
+    def checked_record(event, stream=None):   # a ``ready`` record follows the block's copies, on the copier
+        if any(event is r for r in staging.ready):
+            j = next(i for i, r in enumerate(staging.ready) if r is event)
+            assert _FakeCuda.current is staging.copier, "a block copied on another stream than the copier"
+            done = staging.done[j]
+            assert not staging.used[j] or staging.copier.waited.get(id(done)) == done.version, \
+                "a buffer overwritten before the copier waited for the compute stream to be done with it"
+            copies.append(j)
+        record(event, stream)
+    monkeypatch.setattr(_FakeEvent, "record", checked_record)
+    for _ in range(3):                  # passes (Q chunks)
+        for g in range(groups):
+            for a, kb, vb in staging.blocks(n, g):
+                j = next(i for i in (0, 1) if kb.data_ptr() == staging.bufs[i][0].data_ptr())
+                ready = staging.ready[j]
+                assert _FakeCuda.current is compute
+                assert compute.waited.get(id(ready)) == ready.version, "a block handed out before its copy"
+                heads = slice(g * 2, (g + 1) * 2)
+                assert torch.equal(kb, k[:, heads, a:a + block]) and torch.equal(vb, v[:, heads, a:a + block])
+    # every block of every group in every pass copied once, and the first block of the pass after the last
+    assert len(copies) == 3 * groups * -(-n // block) + 1 and set(copies) == {0, 1}
+    staging.close()
+
+
 class _NaNWhereEmpty:
     """SDPA's blocks, but a row that sees no key of a block comes back NaN (as some fused kernels leave such rows):
     the merge must take nothing from it."""
