@@ -151,6 +151,50 @@ def test_host_staging_orders_every_reuse_of_a_buffer_by_events(monkeypatch):
     staging.close()
 
 
+def test_host_store_writes_order_every_reuse_of_a_piece_buffer_by_events(monkeypatch):
+    # phase KV's CUDA path of a host store, its streams faked on the CPU: a piece is laid out into a buffer only
+    # after the compute stream waited for that buffer's latest copy out, and copied out (writer) only after the writer
+    # waited for the latest record of its laying out; every row lands in its group's host rows
+    from streamplan.execute import kv_stores
+    compute = _FakeStream(name="compute")
+    _FakeCuda.current = compute
+    monkeypatch.setattr(torch.cuda, "Stream", _FakeStream)
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _FakeCuda.current)
+    monkeypatch.setattr(torch.cuda, "set_stream", lambda stream: setattr(_FakeCuda, "current", stream))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(kv_stores, "WRITE_ROWS", 8)
+    n, groups = 60, 2
+    k, v = torch.randn(1, 4, n, 8), torch.randn(1, 4, n, 8)
+    st = make_store("host", CPU, 16, groups)
+    st.allocate(k, n)
+    st.cuda = True
+    st._start_writer()
+    pieces = []
+    record = _FakeEvent.record
+
+    def checked_record(event, stream=None):
+        if event is st._laid_out:   # the compute stream laid a piece out into buffer ``_wj``
+            j, done = st._wj, st._wdone[st._wj]
+            assert _FakeCuda.current is compute
+            assert not st._wused[j] or compute.waited.get(id(done)) == done.version, \
+                "a piece laid out over a buffer whose copy out was not waited for"
+        elif any(event is d for d in st._wdone):   # the writer copied it out
+            assert _FakeCuda.current is st.writer, "a piece copied out on another stream than the writer"
+            assert st.writer.waited.get(id(st._laid_out)) == st._laid_out.version, \
+                "a piece copied out before the writer waited for its laying out"
+            pieces.append(st._wj)
+        record(event, stream)
+    monkeypatch.setattr(_FakeEvent, "record", checked_record)
+    for a in range(0, n, 20):   # three chunks of 20 rows: three pieces a group each
+        st.write(a, k[:, :, a:a + 20], v[:, :, a:a + 20])
+    assert len(pieces) == 3 * groups * 3 and set(pieces) == {0, 1}
+    for g in range(groups):
+        kb, vb = st.block(0, n, g)
+        assert torch.equal(kb, k[:, 2 * g:2 * g + 2]) and torch.equal(vb, v[:, 2 * g:2 * g + 2])
+    assert _FakeCuda.current is compute
+
+
 class _NaNWhereEmpty:
     """SDPA's blocks, but a row that sees no key of a block comes back NaN (as some fused kernels leave such rows):
     the merge must take nothing from it."""

@@ -172,15 +172,19 @@ class HostStore(KVStore):
             return
         self.hk = host_empty(shape, self.dtype, self.device)   # pinned on CUDA; fake host tensors in a rehearsal
         self.hv = host_empty(shape, self.dtype, self.device)
-        if self.cuda:   # phase KV's copies out run on a stream of their own, beside the next chunk's projections
-            self.writer = torch.cuda.Stream(self.device)
-            self._wbufs: list[torch.Tensor] = []
-            # events recorded again for each piece (``_Staging`` says why that is safe): a buffer's copy out done,
-            # whether it has been recorded yet, and a piece laid out
-            self._wdone = [torch.cuda.Event(), torch.cuda.Event()]
-            self._wused = [False, False]
-            self._laid_out = torch.cuda.Event()
-            self._wj = 1
+        if self.cuda:
+            self._start_writer()
+
+    def _start_writer(self) -> None:
+        """Phase KV's copies out run on a stream of their own, beside the next chunk's projections."""
+        self.writer = torch.cuda.Stream(self.device)
+        self._wbufs: list[torch.Tensor] = []
+        # events recorded again for each piece (``_Staging`` says why that is safe): a buffer's copy out done,
+        # whether it has been recorded yet, and a piece laid out
+        self._wdone = [torch.cuda.Event(), torch.cuda.Event()]
+        self._wused = [False, False]
+        self._laid_out = torch.cuda.Event()
+        self._wj = 1
 
     def write(self, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         n = k.shape[2]
