@@ -284,7 +284,9 @@ class _Staging:
     Ordering, by events: a buffer is written (copier stream) only after the compute stream has recorded that it is done
     with the block last handed out from it (``done``), whichever pass that was; a block is handed out only after the
     compute stream waits for its copy (``ready``); the copier starts after phase KV's copies out (``_written``) and
-    after the buffers' allocation on the compute stream."""
+    after the buffers' allocation on the compute stream. The compute stream is the one current when the staging is
+    made, which all of phase Q runs on: each copy is queued with the copier made current and that stream current
+    again after (``on_stream``)."""
 
     def __init__(self, store: HostStore):
         self.store = store
