@@ -41,7 +41,10 @@ def timed(fn, n: int = 200) -> tuple[float, float]:
 
 
 def main() -> int:
-    script_parser(__doc__).parse_args()
+    parser = script_parser(__doc__)
+    parser.parse_args()
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU (it times CUDA kernels and their enqueue)")
     rows = []
     info = device_info()   # with the host's speed (``host_us_per_tiny_op``)
     print(info, flush=True)

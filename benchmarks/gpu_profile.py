@@ -173,8 +173,27 @@ def _mode_options(mode: str, live: int, floor: int) -> dict:
         elif field[:1] in MODE_FIELDS and field[1:].isdigit():
             opts[MODE_FIELDS[field[:1]]] = int(field[1:])
         else:
-            raise SystemExit(f"gpu_profile.py: {field!r} in mode {mode!r} is not S, pN, gN, host, qN or bN")
+            raise ValueError(f"{field!r} in mode {mode!r} is not S, pN, gN, host, qN or bN")
     return opts
+
+
+def spec_arg(text: str) -> str:
+    """argparse type: a ``case:tokens:mode`` spec, checked before anything touches the GPU."""
+    fields = text.split(":")
+    try:
+        if len(fields) != 3:
+            raise ValueError("not case:tokens:mode")
+        case, n, mode = fields
+        if case not in FAMILIES and case not in BLOCKS:
+            raise ValueError(f"no case {case!r} (families: {', '.join(FAMILIES)}; gpu_generic: {', '.join(BLOCKS)})")
+        if not n.isdigit() or int(n) == 0:
+            raise ValueError(f"tokens must be a positive whole number, got {n!r}")
+        if mode.startswith("held"):
+            float(mode[4:])
+        _mode_options(mode, 0, 0)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: {exc}") from None
+    return text
 
 
 def host_profile(fn, rows: int = 30) -> list[list]:
@@ -258,12 +277,14 @@ def profile_case(spec: str, memory: bool = False, donated: bool = False, host: b
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("specs", nargs="*", default=["h3-block:65536:held1.10"], help="case:tokens:mode")
+    p.add_argument("specs", nargs="*", type=spec_arg, default=["h3-block:65536:held1.10"], help="case:tokens:mode")
     p.add_argument("--memory", action="store_true", help="also the allocations alive at the streamed call's peak")
     p.add_argument("--donate", action="store_true", help="hand each call a fresh copy of the block's input, donated")
     p.add_argument("--host", action="store_true", help="also where the host's time goes in a streamed call (cProfile)")
     p.add_argument("--tag", default="", help="written as gpu_profile_<tag>.json")
     a = p.parse_args()
+    if not torch.cuda.is_available():
+        p.error("needs a CUDA GPU (it profiles CUDA kernels and the CUDA allocator)")
     info = device_info()
     print(info, flush=True)
     rows = [profile_case(s, a.memory, a.donate, a.host) for s in a.specs]

@@ -106,12 +106,8 @@ class _FakeCuda:
     current = None
 
 
-def test_host_staging_orders_every_reuse_of_a_buffer_by_events(monkeypatch):
-    # the CUDA staging of a host store, its streams faked on the CPU: a buffer is overwritten (copier) only after
-    # waiting for the compute stream's latest record of being done with it, and handed out only after the compute
-    # stream waits for the latest record of its copy, across blocks, head groups and passes (its events are made
-    # once and recorded again)
-    from streamplan.execute import kv_stores
+def _fake_cuda_streams(monkeypatch) -> _FakeStream:
+    """The stream API faked for the test; the compute stream, current."""
     compute = _FakeStream(name="compute")
     _FakeCuda.current = compute
     monkeypatch.setattr(torch.cuda, "Stream", _FakeStream)
@@ -119,6 +115,16 @@ def test_host_staging_orders_every_reuse_of_a_buffer_by_events(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _FakeCuda.current)
     monkeypatch.setattr(torch.cuda, "set_stream", lambda stream: setattr(_FakeCuda, "current", stream))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    return compute
+
+
+def test_host_staging_orders_every_reuse_of_a_buffer_by_events(monkeypatch):
+    # the CUDA staging of a host store, its streams faked on the CPU: a buffer is overwritten (copier) only after
+    # waiting for the compute stream's latest record of being done with it, and handed out only after the compute
+    # stream waits for the latest record of its copy, across blocks, head groups and passes (its events are made
+    # once and recorded again)
+    from streamplan.execute import kv_stores
+    compute = _fake_cuda_streams(monkeypatch)
     n, block, groups = 100, 16, 2
     k, v = torch.randn(1, 4, n, 8), torch.randn(1, 4, n, 8)
     st = _store("host", k, v, block, groups=groups)
@@ -156,13 +162,7 @@ def test_host_store_writes_order_every_reuse_of_a_piece_buffer_by_events(monkeyp
     # after the compute stream waited for that buffer's latest copy out, and copied out (writer) only after the writer
     # waited for the latest record of its laying out; every row lands in its group's host rows
     from streamplan.execute import kv_stores
-    compute = _FakeStream(name="compute")
-    _FakeCuda.current = compute
-    monkeypatch.setattr(torch.cuda, "Stream", _FakeStream)
-    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _FakeCuda.current)
-    monkeypatch.setattr(torch.cuda, "set_stream", lambda stream: setattr(_FakeCuda, "current", stream))
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    compute = _fake_cuda_streams(monkeypatch)
     monkeypatch.setattr(kv_stores, "WRITE_ROWS", 8)
     n, groups = 60, 2
     k, v = torch.randn(1, 4, n, 8), torch.randn(1, 4, n, 8)

@@ -44,8 +44,8 @@ class Rates:
 
 
 # fitted on the benchmark device's sweep (docs/budgets-and-tiers.md, "The time model"); "meta" plans as for that
-# device, so `streamplan plan` shows what the benchmarks ran. The store's constants: fitted on an H100 (whose compute
-# matches the H200's within 4% on these blocks), its store sweep and the planner's own store plans
+# device, so `streamplan plan` shows what the benchmarks ran. The store's constants come from a store sweep and the
+# planner's own store plans on another GPU of like compute (which, and how alike: the same section of the docs)
 H200 = Rates(gemm=1.035e15, gemm_half_rows=0.0, attention=5.63e14, bandwidth=1.32e12, op_s=1.02e-5, group_rerun=2.38,
              store_hidden=1.0, store_unhidden=0.0, store_share=0.598, merge_bandwidth=float("inf"),
              block_step_s=1.04e-4, group_step_s=1.448e-3)
