@@ -13,13 +13,14 @@ import streamplan
 from conftest import rel_err
 from streamplan.attention import SDPA
 from streamplan.execute.kv_stores import attend_blocks, make_store, write_rows
+from streamplan.plan import planner
 from streamplan.plan.planner import Costs, KVOption, Tier, plan_graph
 
 CPU = torch.device("cpu")
 
 
-def _store(kind, k, v, block, write_chunk=64, groups=1):
-    st = make_store(kind, CPU, block, groups)
+def _store(kind, k, v, block, write_chunk=64, groups=1, kept=0):
+    st = make_store(kind, CPU, block, groups, kept)
     n = k.shape[2]
     for a in range(0, n, write_chunk):
         b = min(a + write_chunk, n)
@@ -28,8 +29,8 @@ def _store(kind, k, v, block, write_chunk=64, groups=1):
     return st
 
 
-def _blockwise(kind, q, k, v, *, causal, q_chunk, block, mask=None, groups=1, write_chunk=64):
-    st = _store(kind, k, v, block, write_chunk, groups)
+def _blockwise(kind, q, k, v, *, causal, q_chunk, block, mask=None, groups=1, write_chunk=64, kept=0):
+    st = _store(kind, k, v, block, write_chunk, groups, kept)
     outs = []
     for a in range(0, q.shape[2], q_chunk):
         b = min(a + q_chunk, q.shape[2])
@@ -65,6 +66,31 @@ def test_lse_merge_in_head_groups_at_the_failing_ratios(causal, heads, kv_heads,
                      write_chunk=write_chunk)
     assert out.isfinite().all()
     assert rel_err(out, ref) <= 1e-5
+
+
+# A host store keeping its first rows on the device: kept counts not a multiple of the blocks or of the writes, none,
+# all rows and more than all; causal passes that end inside the kept rows and after them; head groups.
+@pytest.mark.parametrize("causal", [False, True], ids=["non-causal", "causal"])
+@pytest.mark.parametrize("heads, kv_heads, groups", [(4, 4, 1), (8, 2, 2)], ids=["mha", "gqa-2"])
+@pytest.mark.parametrize("kept", [0, 1, 37, 128, 211, 300, 1000])
+def test_a_host_store_keeping_its_first_rows_on_the_device_is_exact(causal, heads, kv_heads, groups, kept):
+    n = 300
+    q, k, v = torch.randn(1, heads, n, 16), torch.randn(1, kv_heads, n, 16), torch.randn(1, kv_heads, n, 16)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+    out = _blockwise("host", q, k, v, causal=causal, q_chunk=70, block=64, groups=groups, write_chunk=50, kept=kept)
+    assert rel_err(out, ref) <= 1e-5
+    st = _store("host", k, v, 64, 50, groups, kept)
+    keep = min(kept, n)
+    row = 2 * kv_heads * 16 * 4   # K and V of one row, fp32
+    assert st.device_bytes() == keep * row and st.host_bytes() == (n - keep) * row
+    assert (st.host_kv() is None) == (keep > 0 or groups > 1)
+    starts = [a for a, _, _ in st.blocks(n, 0)]   # the kept rows' blocks, then the host rows' from where they begin
+    assert starts == [*range(0, keep, 64), *range(keep, n, 64)]
+
+
+def test_only_a_host_store_keeps_rows_apart():
+    with pytest.raises(ValueError, match="a int8 K/V store keeps no rows apart on the device"):
+        make_store("int8", CPU, 64, 1, kept=16)
 
 
 def test_head_groups_must_divide_the_heads():
@@ -118,43 +144,52 @@ def _fake_cuda_streams(monkeypatch) -> _FakeStream:
     return compute
 
 
-def test_host_staging_orders_every_reuse_of_a_buffer_by_events(monkeypatch):
+@pytest.mark.parametrize("kept", [0, 40], ids=["all-on-host", "first-rows-kept"])
+def test_host_staging_orders_every_reuse_of_a_buffer_by_events(monkeypatch, kept):
     # the CUDA staging of a host store, its streams faked on the CPU: a buffer is overwritten (copier) only after
     # waiting for the compute stream's latest record of being done with it, and handed out only after the compute
     # stream waits for the latest record of its copy, across blocks, head groups and passes (its events are made
-    # once and recorded again)
-    from streamplan.execute import kv_stores
+    # once and recorded again). Rows kept on the device are handed out as they are, never copied, and the first
+    # host block's copy is queued before them (it runs under their attention)
     compute = _fake_cuda_streams(monkeypatch)
     n, block, groups = 100, 16, 2
     k, v = torch.randn(1, 4, n, 8), torch.randn(1, 4, n, 8)
-    st = _store("host", k, v, block, groups=groups)
-    st._written = _FakeEvent()
-    staging = kv_stores._Staging(st)
+    st = _store("host", k, v, block, groups=groups, kept=kept)
+    st.cuda, st._written = True, _FakeEvent()
     copies = []
     record = _FakeEvent.record
 
     def checked_record(event, stream=None):   # a ``ready`` record follows the block's copies, on the copier
-        if any(event is r for r in staging.ready):
+        staging = st.staging
+        if staging is not None and any(event is r for r in staging.ready):
             j = next(i for i, r in enumerate(staging.ready) if r is event)
             assert _FakeCuda.current is staging.copier, "a block copied on another stream than the copier"
             done = staging.done[j]
             assert not staging.used[j] or staging.copier.waited.get(id(done)) == done.version, \
                 "a buffer overwritten before the copier waited for the compute stream to be done with it"
-            copies.append(j)
+            copies.append((j, staging.held[j]))
         record(event, stream)
     monkeypatch.setattr(_FakeEvent, "record", checked_record)
     for _ in range(3):                  # passes (Q chunks)
         for g in range(groups):
-            for a, kb, vb in staging.blocks(n, g):
+            for a, kb, vb in st.blocks(n, g):
+                heads = slice(g * 2, (g + 1) * 2)
+                m = kb.shape[2]   # a block, or the kept rows' or the store's last one
+                assert m == min(block, (kept if a < kept else n) - a)
+                assert torch.equal(kb, k[:, heads, a:a + m]) and torch.equal(vb, v[:, heads, a:a + m])
+                assert _FakeCuda.current is compute
+                if a < kept:   # a kept block: the device rows themselves, and the pass's first host block queued
+                    assert kb.untyped_storage().data_ptr() == st.dk.untyped_storage().data_ptr()
+                    assert copies and copies[-1][1][0] == g, "the first host block not queued before the kept ones"
+                    continue
+                staging = st.staging
                 j = next(i for i in (0, 1) if kb.data_ptr() == staging.bufs[i][0].data_ptr())
                 ready = staging.ready[j]
-                assert _FakeCuda.current is compute
                 assert compute.waited.get(id(ready)) == ready.version, "a block handed out before its copy"
-                heads = slice(g * 2, (g + 1) * 2)
-                assert torch.equal(kb, k[:, heads, a:a + block]) and torch.equal(vb, v[:, heads, a:a + block])
-    # every block of every group in every pass copied once, and the first block of the pass after the last
-    assert len(copies) == 3 * groups * -(-n // block) + 1 and set(copies) == {0, 1}
-    staging.close()
+    # every host block of every group in every pass copied once, and the first block of the pass after the last
+    assert len(copies) == 3 * groups * -(-(n - kept) // block) + 1 and {j for j, _ in copies} == {0, 1}
+    assert all(a >= 0 and b <= n - kept for _, (_, a, b) in copies)   # host rows only
+    st.release()
 
 
 def test_host_store_writes_order_every_reuse_of_a_piece_buffer_by_events(monkeypatch):
@@ -376,6 +411,41 @@ def test_l4_below_the_floor_with_its_memory_model_and_traffic():
     assert plan.host_traffic == KV * (1 + passes)
     assert "kv=host" in plan.describe() and "host traffic" in plan.describe()
     assert plan.to_dict()["kv"] == "host"
+
+
+def test_a_store_keeps_its_first_rows_on_the_device_where_the_budget_has_room():
+    row = KV // ROWS   # K/V bytes of one row
+    keeping = replace(HOST, kept_row=row, kept_max=ROWS)
+    whole = _plan(10**6, kv_options=(HOST,), kv_store="host")   # chunks and blocks of every row: nothing grows
+    assert whole.chunk == whole.kv_block == ROWS
+    budget = whole.predicted_peak + int((planner.KEPT_RESERVE + 3000 * row) / planner.KEPT_FILL)
+    plain = _plan(budget, kv_options=(HOST,), kv_store="host")
+    plan = _plan(budget, kv_options=(keeping,), kv_store="host")
+    assert plain.kv_kept == 0 and plan.kv_kept > 0, (plain.describe(), plan.describe())
+    assert (plan.chunk, plan.kv_block) == (plain.chunk, plain.kv_block)   # the same plan, the room holding rows
+    room = budget - plain.predicted_peak   # KEPT_FILL of it, less KEPT_RESERVE
+    assert plan.kv_kept == (int(planner.KEPT_FILL * room) - planner.KEPT_RESERVE) // row >= 2999
+    assert plan.predicted_peak == plain.predicted_peak + plan.kv_kept * row <= budget
+    assert plan.host_bytes == KV - plan.kv_kept * row
+    assert plan.host_traffic == 2 * plan.host_bytes < plain.host_traffic   # out once, back in one pass
+    assert f"kept={plan.kv_kept}" in plan.describe() and plan.to_dict()["kv_kept"] == plan.kv_kept
+    # no room: nothing kept; room for every row: all of them
+    assert _plan(plain.predicted_peak, kv_options=(keeping,), kv_store="host").kv_kept == 0
+    assert _plan(10**9, kv_options=(keeping,), kv_store="host").kv_kept == ROWS
+
+
+def test_a_causal_store_keeping_rows_reads_back_only_the_host_rows_each_pass_reaches():
+    from streamplan.plan.planner import host_traffic, kept_option, store_traffic
+    opt = KVOption("host", Tier.L4, 0, 8, 16, host_bytes=65536 * 10, merge_io_row=100, causal=True, kept_row=10,
+                   kept_max=65536)
+    kept = kept_option(opt, 20000)
+    assert kept.kept == 20000 and kept.resident == 200000 and kept.host_bytes == (65536 - 20000) * 10
+    # passes of 4,096 rows: those ending at or before row 20,000 read nothing back
+    read = sum(max(0, min(p * 4096, 65536) - 20000) for p in range(1, 17))
+    assert host_traffic(kept, 65536, 4096) == kept.host_bytes + read * 10
+    t = store_traffic(kept, 65536, 4096, Costs(attention_s=1.0), 8192)
+    assert t.back_bytes == read * 10 and t.out_bytes == kept.host_bytes
+    assert kept_option(opt, 10**9).kept == 65536 and kept_option(replace(opt, kept_row=0), 100).kept == 0
 
 
 def test_l5_only_when_asked_and_l4_when_forced():
@@ -734,6 +804,36 @@ def test_the_planner_stages_kv_under_a_budget_below_the_floor(name):
         assert peak <= 0.8 * floor, (peak, floor)
         for o, r in zip(_leaves(out), ref):
             assert rel_err(o, r) <= 1e-5
+    finally:
+        handle.remove()
+
+
+@pytest.mark.parametrize("name", ["wan", "llama"])
+@torch.no_grad()
+def test_a_host_store_keeps_what_rows_the_budget_has_room_for_exactly(name):
+    # below the floor with room beyond the store's smallest plan: its first rows stay on the device (the meter counts
+    # them), the rest go to the host; exact against the block's own forward (Llama's causal passes too)
+    module, args, kwargs = _case(name, 4096)
+    ref = _leaves(module(*args, **kwargs))
+    live = sum(t.numel() * t.element_size() for t in _leaves((args, kwargs)))
+    handle = streamplan.apply(module, budget=live + 10**12, capture="prefer", kv="host")
+    module(*args, **kwargs)   # room for everything: every row kept; the same plan with room for about half of them
+    (roomy,) = handle.plans[""]
+    handle.remove()
+    assert roomy.kv_kept == 4096, roomy.describe()
+    k = module.attn1.to_k if name == "wan" else module.self_attn.k_proj
+    row = 2 * k.out_features * 4   # K and V of one row, fp32
+    budget = live + roomy.predicted_peak - 2048 * row
+    handle = streamplan.apply(module, budget=budget, capture="prefer", kv="host")
+    try:
+        module(*args, **kwargs)
+        out, peak = streamplan.measure_peak(lambda: module(*args, **kwargs), device=CPU)
+        (plan,) = handle.plans[""]
+        assert plan.tier == Tier.L4 and 0 < plan.kv_kept < 4096, handle.report()
+        assert f"kept={plan.kv_kept}" in handle.report()
+        for o, r in zip(_leaves(out), ref):
+            assert rel_err(o, r) <= 1e-5, (name, rel_err(o, r))
+        assert peak + live <= budget and plan.predicted_peak >= 0.9 * peak, (peak, plan.predicted_peak, budget)
     finally:
         handle.remove()
 

@@ -95,6 +95,26 @@ def test_meta_wan_14b_chooses_the_fastest_legal_candidate(wan_meta, monkeypatch)
     assert plan.tier != Tier.L3, plan.describe()
 
 
+def test_meta_wan_14b_store_keeps_the_rows_its_budget_has_room_for(wan_meta, monkeypatch):
+    # at 32,768 rows under 1.15x the floor the fastest plan stages K/V on the host; the budget's room beyond it keeps
+    # the first rows on the card: less read back each pass, so faster by the planner's own model
+    module, inputs, budget = wan_meta
+    seen = []
+    candidates = planner._candidates
+    monkeypatch.setattr(planner, "_candidates", lambda r, f: seen.append(r) or candidates(r, f))
+    plan, report, js = _planned(module, inputs, budget=budget)
+    request = seen[0]
+    assert plan.tier == Tier.L4 and plan.kv == "host" and plan.kv_kept > 0, report
+    opt = request.option(plan)
+    assert opt.kept == plan.kv_kept and plan.host_bytes == opt.host_bytes
+    left = request.budget - plan.predicted_peak   # the room filled (its share, ``KEPT_FILL``)
+    assert 0 <= left < (1 - planner.KEPT_FILL) * (left + plan.kv_kept * opt.kept_row) + opt.kept_row \
+        + planner.KEPT_RESERVE
+    bare = replace(plan, kv_kept=0)
+    assert request.time_ratio(plan) < request.time_ratio(bare)
+    assert f"kept={plan.kv_kept}" in report and json.loads(js)["streamed"][""]["plans"][-1]["kv_kept"] == plan.kv_kept
+
+
 # -- forced plans on meta: the model's ordering ---------------------------------------------------------------------
 
 def test_meta_ratios_fall_as_chunks_grow_and_rise_with_groups_and_a_host_store(wan_meta):

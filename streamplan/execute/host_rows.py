@@ -34,6 +34,8 @@ def host_empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device)
         return t
     if device.type == "meta":   # a plan on shapes only (`streamplan plan`): nothing to hold
         return torch.empty(shape, dtype=dtype, device="meta")
+    if not nbytes:   # no rows (a store that keeps them all on the device)
+        return torch.empty(shape, dtype=dtype)
     if device.type == "cuda":
         try:
             return torch.empty(shape, dtype=dtype, pin_memory=True)

@@ -65,10 +65,11 @@ class KVStore:
     exact = True
     probe: "KVProbe | None" = None   # an approximate store's first call: exact rows attended as they are written
 
-    def __init__(self, device: torch.device, block_rows: int, groups: int = 1):
+    def __init__(self, device: torch.device, block_rows: int, groups: int = 1, kept: int = 0):
         self.device = torch.device(device)
         self.block_rows = max(1, int(block_rows))
         self.groups = max(1, int(groups))
+        self.kept = max(0, int(kept))   # a host store's first rows kept on the device (``HostStore``)
         self.rows = 0
         self.dtype: torch.dtype | None = None
         self.shape: tuple[int, int, int] = (0, 0, 0)   # B, Hkv, D
@@ -156,7 +157,11 @@ class DeviceStore(KVStore):
 
 class HostStore(KVStore):
     """K and V in host memory, laid out ``[groups, rows, B, Hkv / groups, D]`` so that a block of one head group is one
-    contiguous range (one copy each way); blocks come back through ``_Staging``'s two device buffers."""
+    contiguous range (one copy each way); blocks come back through ``_Staging``'s two device buffers.
+
+    ``kept``: the first rows of every head group stay on the device (as ``DeviceStore`` keeps them all), the rest go
+    to the host: a budget with room for part of K/V copies only the rest back each pass. The first rows, because a
+    causal pass reads up to its last query row: every pass reads them."""
 
     kind = "host"
 
@@ -165,7 +170,11 @@ class HostStore(KVStore):
         G = self.groups
         self.cuda = self.device.type == "cuda"
         self.staging: _Staging | None = None
-        shape = (G, total, B, H // G, D)
+        self.keep = min(self.kept, total)
+        shape = (G, total - self.keep, B, H // G, D)
+        kept = (G, self.keep, B, H // G, D)
+        self.dk = torch.empty(kept, dtype=self.dtype, device=self.device) if self.keep else None
+        self.dv = torch.empty(kept, dtype=self.dtype, device=self.device) if self.keep else None
         if self.device.type == "meta" and not rehearsing():   # planning a lone block on meta tensors: shapes only
             self.hk = torch.empty(shape, dtype=self.dtype, device="meta")
             self.hv = torch.empty(shape, dtype=self.dtype, device="meta")
@@ -187,6 +196,17 @@ class HostStore(KVStore):
         self._wj = 1
 
     def write(self, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        n = k.shape[2]
+        cut = min(max(self.keep - start, 0), n)   # of these rows, those kept on the device
+        if cut:
+            for t, dev in ((k, self.dk), (v, self.dv)):
+                for g in range(self.groups):
+                    dev[g, start:start + cut].copy_(t[:, self.heads(g), :cut].permute(2, 0, 1, 3))
+        if cut < n:
+            self._write_host(start + cut - self.keep, k[:, :, cut:], v[:, :, cut:])
+
+    def _write_host(self, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Rows [start, start + n) of the host rows."""
         n = k.shape[2]
         if not self.cuda:
             for t, host in ((k, self.hk), (v, self.hv)):
@@ -227,24 +247,44 @@ class HostStore(KVStore):
             self._wbufs, self._wused = [], [False, False]
 
     def block(self, a: int, b: int, g: int = 0):   # CPU: the host rows are the device rows (views, no copy)
+        if b <= self.keep:
+            return _heads_first(self.dk[g, a:b]), _heads_first(self.dv[g, a:b])
+        a, b = a - self.keep, b - self.keep
         return _heads_first(self.hk[g, a:b]), _heads_first(self.hv[g, a:b])
 
+    def _bounds(self, stop: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The blocks of rows [0, stop): those kept on the device, then those on the host (host rows, from 0)."""
+        n, keep = self.block_rows, min(self.keep, stop)
+        kept = [(a, min(a + n, keep)) for a in range(0, keep, n)]
+        return kept, [(a, min(a + n, stop - self.keep)) for a in range(0, stop - self.keep, n)]
+
     def blocks(self, stop: int, g: int = 0):
+        kept, host = (rehearsed(b) for b in self._bounds(stop))
         if not self.cuda:
-            yield from super().blocks(stop, g)
+            for a, b in [*kept, *((a + self.keep, b + self.keep) for a, b in host)]:
+                yield (a, *self.block(a, b, g))
             return
         if self.staging is None:
             self.staging = _Staging(self)
-        yield from self.staging.blocks(stop, g)
+        if kept and host:   # the first host block's copy queued before the kept blocks' attention, to run under it
+            self.staging.fetch(g, *host[0])
+        for a, b in kept:
+            yield a, _heads_first(self.dk[g, a:b]), _heads_first(self.dv[g, a:b])
+        if host:
+            for a, k, v in self.staging.blocks(host, g):
+                yield a + self.keep, k, v
+
+    def device_bytes(self) -> int:
+        return 2 * self.dk.numel() * self.dk.element_size() if self.dk is not None else 0
 
     def host_bytes(self) -> int:
         return 2 * self.hk.numel() * self.hk.element_size()
 
     def host_kv(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """In one head group, the host rows as ``[B, Hkv, rows, D]`` views (they outlive ``release`` where held;
-        on CUDA written on a side stream: ``wait_written``). None in several groups: a group's heads are not a slice
-        of one such view."""
-        if self.groups != 1 or self.hk is None or self.hk.device.type == "meta":
+        """In one head group with no rows kept on the device, the host rows as ``[B, Hkv, rows, D]`` views (they
+        outlive ``release`` where held; on CUDA written on a side stream: ``wait_written``). None otherwise: a group's
+        heads are not a slice of one such view, and kept rows are not on the host."""
+        if self.groups != 1 or self.keep or self.hk is None or self.hk.device.type == "meta":
             return None
         return _heads_first(self.hk[0]), _heads_first(self.hv[0])
 
@@ -257,7 +297,7 @@ class HostStore(KVStore):
     def release(self) -> None:
         if self.staging is not None:
             self.staging.close()
-        self.hk = self.hv = self.staging = None
+        self.hk = self.hv = self.dk = self.dv = self.staging = None
 
 
 @contextlib.contextmanager
@@ -291,7 +331,7 @@ class _Staging:
     def __init__(self, store: HostStore):
         self.store = store
         B, H, D = store.shape
-        n = min(store.block_rows, store.rows)
+        n = min(store.block_rows, store.rows - store.keep)
         dev, dt = store.device, store.dtype
         self.compute = torch.cuda.current_stream(dev)
         self.copier = torch.cuda.Stream(dev)
@@ -314,21 +354,22 @@ class _Staging:
             return self.last
         j = self.last = 1 - self.last
         st = self.store
+        self.held[j] = (g, a, b)
         with on_stream(self.copier, self.compute):
             if self.used[j]:
                 self.copier.wait_event(self.done[j])
             self.bufs[j][0][:b - a].copy_(st.hk[g, a:b], non_blocking=True)
             self.bufs[j][1][:b - a].copy_(st.hv[g, a:b], non_blocking=True)
             self.ready[j].record(self.copier)
-        self.held[j] = (g, a, b)
         return j
 
-    def blocks(self, stop: int, g: int):
+    def blocks(self, bounds: list[tuple[int, int]], g: int):
+        """Group ``g``'s host rows in ``bounds`` (host rows: a store's kept rows are not among them), each block
+        handed out once its copy has run."""
         st = self.store
-        bounds = rehearsed([(a, min(a + st.block_rows, stop)) for a in range(0, stop, st.block_rows)])
         # after this pass: the next group's first block, or (after the last group) the first group's, for the next Q
         # chunk (a causal chunk's first block has the same rows once chunks are a block long)
-        after = ((g + 1) % st.groups, 0, min(st.block_rows, st.rows))
+        after = ((g + 1) % st.groups, 0, min(st.block_rows, st.rows - st.keep))
         j = self.fetch(g, *bounds[0])
         for i, (a, b) in enumerate(bounds):
             nxt = self.fetch(g, *bounds[i + 1]) if i + 1 < len(bounds) else None
@@ -456,10 +497,11 @@ class StoreKind:
     """A registered store: how to make one, and its memory model for the planner (bytes per K/V element kept on the
     device, and whether the rows live on the host)."""
 
-    factory: Callable[..., KVStore]   # (device, block rows, head groups)
+    factory: Callable[..., KVStore]   # (device, block rows, head groups, rows kept on the device)
     exact: bool
     resident: Callable[[int, int], float]   # (elem bytes, head_dim) -> device bytes kept per K/V element
     on_host: bool = False
+    keeps_rows: bool = False   # can keep its first rows on the device (``HostStore.kept``)
 
 
 _STORES: dict[str, StoreKind] = {}
@@ -473,12 +515,15 @@ def store_kind(kind: str) -> StoreKind:
     return _STORES[kind]
 
 
-def make_store(kind: str, device: torch.device, block_rows: int, groups: int = 1) -> KVStore:
-    return _STORES[kind].factory(device, block_rows, groups)
+def make_store(kind: str, device: torch.device, block_rows: int, groups: int = 1, kept: int = 0) -> KVStore:
+    """A store of ``kind``; ``kept``: its first rows kept on the device (a kind that can: ``StoreKind.keeps_rows``)."""
+    if kept and not _STORES[kind].keeps_rows:
+        raise ValueError(f"a {kind} K/V store keeps no rows apart on the device (kept={kept})")
+    return _STORES[kind].factory(device, block_rows, groups, kept)
 
 
 register_kv_store("device", StoreKind(DeviceStore, True, lambda e, d: float(e)))
-register_kv_store("host", StoreKind(HostStore, True, lambda e, d: 0.0, on_host=True))
+register_kv_store("host", StoreKind(HostStore, True, lambda e, d: 0.0, on_host=True, keeps_rows=True))
 register_kv_store("int8", StoreKind(Int8Store, False, lambda e, d: 1.0 + 4.0 / d))
 register_kv_store("fp8", StoreKind(Fp8Store, False, lambda e, d: 1.0 + 8.0 / (d * FP8_TILE)))
 

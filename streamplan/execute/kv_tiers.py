@@ -120,7 +120,8 @@ def kv_options(found, rows: int, device: torch.device, kinds: tuple[str, ...], s
     opts = []
     for kind in kinds:
         sk = store_kind(kind)
-        resident = host = block_row = merge_row = merge_io = whole_row = q_row = out_row = whole = 0
+        resident = host = block_row = merge_row = merge_io = whole_row = q_row = out_row = whole = kept_row = 0
+        kept_max: int | None = None
         for att in an.attentions:
             kv_ = att.k.meta["val"]
             q = att.q.meta["val"]
@@ -131,6 +132,8 @@ def kv_options(found, rows: int, device: torch.device, kinds: tuple[str, ...], s
             e = kv_.element_size()
             total = rows + att.kv_rows.pre + att.kv_rows.post
             elems = 2 * B * Hkv * D                      # K and V, one row
+            kept_row += elems * e
+            kept_max = total if kept_max is None else min(kept_max, total)
             resident += int(total * elems * sk.resident(e, D))
             if kind == "host" and device.type != "cpu":   # phase KV's two write buffers (execute.kv_stores)
                 resident += 2 * WRITE_ROWS * elems * e
@@ -162,9 +165,12 @@ def kv_options(found, rows: int, device: torch.device, kinds: tuple[str, ...], s
                 resident += static * (qr + orow + merge + whole_row)
         tier = Tier.L4 if sk.exact else Tier.L5
         groups = head_groups(an) if adapted is None else (1,)
+        # its first rows kept on the device (a cache filled from the store takes its host rows whole: none kept)
+        keeps = sk.keeps_rows and adapted is None
         opts.append(KVOption(kind, tier, resident, block_row, merge_row, host, groups, merge_io, whole_row,
                              q_row, out_row, cache_bytes(adapted, whole, stored=True)[0],
-                             causal=all(att.causal for att in an.attentions)))
+                             causal=all(att.causal for att in an.attentions),
+                             kept_row=kept_row if keeps else 0, kept_max=(kept_max or 0) if keeps else 0))
     return tuple(opts)
 
 
@@ -205,8 +211,9 @@ def options_for(found, rows: int, device: torch.device, kv: str, consumer, adapt
     return opts, None
 
 
-def store_factory(kind: str, device: torch.device, block_rows: int, groups: int = 1) -> Callable[[Any], Any]:
-    return lambda att: make_store(kind, device, block_rows, groups)
+def store_factory(kind: str, device: torch.device, block_rows: int, groups: int = 1, kept: int = 0
+                  ) -> Callable[[Any], Any]:
+    return lambda att: make_store(kind, device, block_rows, groups, kept)
 
 
 def store_attend(consumer) -> Callable[..., torch.Tensor]:
@@ -261,7 +268,7 @@ def run_with_store(run, plan, device: torch.device, consumer, donate: dict, chec
     the store's error measured in a chunk's memory (``KVProbe``) between the phases. ``fill``: a cache that takes the
     store's host rows as they are (``AdaptedCall.host_fill``), filled after phase Q. Returns ``(output, KVError or
     None)``."""
-    make = store_factory(plan.kv, device, plan.kv_block, plan.head_groups)
+    make = store_factory(plan.kv, device, plan.kv_block, plan.head_groups, plan.kv_kept)
     probes = _probes(run, plan, consumer) if check and plan.kv in APPROXIMATE else {}
 
     def kv_store(att):

@@ -202,6 +202,8 @@ class Plan:
     q_span: int = 0      # L4/L5: query rows attended per pass over the store (several chunks' Q built into one buffer,
                          # the rest of the block run over rows of its output); 0: each chunk's Q alone
     host_bytes: int = 0  # host memory the plan needs at once (L4's K/V stores, L6's rows), pinned on CUDA
+    kv_kept: int = 0     # L4: a host store's first rows kept on the device (the budget's room beyond the plan), read
+                         # back by no pass
     parts: PeakParts | None = None   # what ``predicted_peak`` is made of, where the planner's model says
     predicted_time_ratio: float | None = None   # the time model's call time against stock's (None: not modelled
     # on this device or for this operation)
@@ -237,6 +239,7 @@ class Plan:
         kv = "  q=whole (one attention call)" if self.q == "whole" else ""
         if self.kv != "device":
             kv += f"  kv={self.kv} block={self.kv_block}"
+            kv += f" kept={self.kv_kept}" if self.kv_kept else ""
             kv += f" q_span={self.q_span}" if self.q_span > self.chunk else ""
             kv += f" host traffic~{fmt_bytes(self.host_traffic)}" if self.host_traffic else ""
             kv += " (approximate)" if self.tier == Tier.L5 else ""
@@ -458,6 +461,14 @@ CHUNK_STEP_S = 5e-4
 # 256-feature slices
 SLICE_STEP_S = 1e-4
 # Q spans tried: this many chunks' queries attended per pass over a store
+# shares of a store's rows the planner tries keeping on the device, each fit then topped up to the budget (a choice:
+# each share is one more store search)
+KEPT_SHARES = (0.5, 0.75, 0.875)
+# of a store plan's room under its budget, the share its kept rows take, less a reserve: a plan the kept rows fill to
+# the byte turns the memory model's own small errors into a budget missed (a ComfyUI HunyuanVideo forward on the CPU,
+# its single blocks' room filled: 1 KiB over, 34 bytes over with 7/8 of it). Choices
+KEPT_FILL = 0.875
+KEPT_RESERVE = 64 << 10
 SPAN_FACTORS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 # each extra head group of L3 costs about this share of the attention's time (projections rerun, smaller attention
 # calls); calibrated on the benchmark device (docs/budgets-and-tiers.md, Calibration)
@@ -491,6 +502,19 @@ class KVOption:
     # its blocks attended on another kernel than the chunks' (``ConsumerCaps.kv_blocks_last_resort``): planned only
     # where no plan with K/V on the card fits
     last_resort: bool = False
+    # a store that can keep its first rows on the device (``execute.kv_stores.HostStore``): device bytes per row kept
+    # (every attention's K and V), the most rows it can keep (0: none), and the rows this option keeps
+    kept_row: int = 0
+    kept_max: int = 0
+    kept: int = 0
+
+
+def kept_option(option: KVOption, rows: int) -> KVOption:
+    """``option`` with its first ``rows`` rows (at most ``kept_max``) kept on the device: resident there, not on the
+    host, and read back by no pass."""
+    rows = max(0, min(rows, option.kept_max)) if option.kept_row else 0
+    extra = (rows - option.kept) * option.kept_row
+    return replace(option, kept=rows, resident=option.resident + extra, host_bytes=option.host_bytes - extra)
 
 
 @dataclass(frozen=True)
@@ -516,6 +540,9 @@ def host_traffic(option: KVOption, rows: int, chunk: int) -> int:
     if not option.host_bytes:
         return 0
     passes = -(-rows // max(1, chunk))
+    if option.kept and option.causal:   # each pass reads the host rows up to its last query row
+        read = sum(max(0, min(p * chunk, rows) - option.kept) for p in range(1, passes + 1))
+        return option.host_bytes + read * option.kept_row
     return option.host_bytes + int(option.host_bytes * passes * _read_share(option, passes))
 
 
@@ -715,7 +742,8 @@ class GraphPlanRequest:
             kv = opt.resident + min(blk, rows) * opt.block_row // g
             return Plan(opt.tier, rows, chunk, sl, peak, stock, kv=opt.kind,
                         kv_block=blk, host_traffic=host_traffic(opt, rows, span or chunk), head_groups=g,
-                        q_span=span, host_bytes=opt.host_bytes, parts=peak_parts(peak, kv, self.fixed - self.kv))
+                        q_span=span, host_bytes=opt.host_bytes, kv_kept=opt.kept,
+                        parts=peak_parts(peak, kv, self.fixed - self.kv))
         peak = self.peak(chunk, sl, g)
         kv, held = (self.kv // g, self.fixed - self.kv + self.attn_out) if g > 1 else (self.kv, self.fixed - self.kv)
         return Plan(tier, rows, chunk, sl, peak, stock, head_groups=g, host_bytes=self.fill_host,
@@ -747,7 +775,7 @@ class GraphPlanRequest:
         """What the time model reads of a streamed ``plan`` of this request."""
         store = steps = 0.0
         if plan.kv != "device":   # the copies that show, the merges, every block's call
-            opt = next(o for o in self.kv_options if o.kind == plan.kv)
+            opt = self.option(plan)
             traffic = store_traffic(opt, self.rows, plan.q_span or plan.chunk, self.costs, plan.kv_block,
                                     plan.head_groups)
             store, steps = store_seconds(traffic, self.costs.rates), store_step_seconds(traffic, self.costs.rates)
@@ -760,6 +788,10 @@ class GraphPlanRequest:
         groups = plan.head_groups if plan.kv == "device" else 1
         staged = 2 * self.rows * (self.replay_row or 0) if plan.replay else 0   # copied in and out of the staging
         return Streamed(plan.chunk, slices, groups, waste, store, plan.row_pieces, plan.replay, staged, steps)
+
+    def option(self, plan: Plan) -> KVOption:
+        """The store option ``plan`` runs, with the rows it keeps on the device."""
+        return kept_option(next(o for o in self.kv_options if o.kind == plan.kv), plan.kv_kept)
 
     def staged_seconds(self, opt: KVOption, q_rows: int, blk: int, g: int) -> float:
         """A store's extra time (``l4_extra_seconds``) with the waves its passes leave part empty: each pass's calls
@@ -886,7 +918,7 @@ def _store_plan(request: GraphPlanRequest) -> Plan:
     for floor in request.floors:
         plan = _fit_store(request, forced, floor)
         if plan is not None:
-            return plan
+            return _topped_up(request, forced, plan)
     least = request.peak_kv(forced, min(request.rows, request.floors[-1]), 256 if request.ffn > 256 else 0,
                             KV_BLOCKS[-1])
     raise BudgetError(f"captured block over {request.rows} rows with kv={request.kv_store!r}: "
@@ -955,8 +987,10 @@ def _candidates(request: GraphPlanRequest, floor: int) -> list[Plan]:
         c = _largest_chunk(lambda c: r.fixed + r.transient(c, sl), r.rows, r.budget, floor)
         if c is not None:
             out.append(r.make(Tier.L2, c, sl))
-    out += [p for p in (*(_grouped_fit(r, floor, g) for g in r.groups), *(_fit_store(r, o, floor) for o in r.exact_kv))
-            if p is not None]
+    out += [p for p in (_grouped_fit(r, floor, g) for g in r.groups) if p is not None]
+    for o in r.exact_kv:   # each store's fastest fit, keeping what rows the budget has room for; then more kept
+        fit = _fit_store(r, o, floor)
+        out += ([_topped_up(r, o, fit)] if fit is not None else []) + _kept_store_plans(r, o, floor)
     return out
 
 
@@ -1078,12 +1112,34 @@ def _store_fit(request: GraphPlanRequest, opt: KVOption, floor: int, g: int, sl:
     return _StoreFit(key, chunk, sl, blk, g, span if m > 1 else 0)
 
 
+def _kept_store_plans(request: GraphPlanRequest, opt: KVOption, floor: int) -> list[Plan]:
+    """A store that keeps its first rows on the device (``KVOption.kept_row``), for each of ``KEPT_SHARES``: its
+    fastest fit in one head group (a budget with room for most of K/V has no need of groups), then topped up to the
+    budget. Between K/V whole on the card and all of them on the host: a pass copies back only the rest."""
+    if not opt.kept_row or not opt.kept_max:
+        return []
+    plans = (_fit_store(request, replace(kept_option(opt, int(share * opt.kept_max)), groups=(1,)), floor)
+             for share in KEPT_SHARES)
+    return [_topped_up(request, opt, p) for p in plans if p is not None]
+
+
+def _topped_up(request: GraphPlanRequest, opt: KVOption, plan: Plan) -> Plan:
+    """A store ``plan`` keeping as many more of its first rows on the device as ``KEPT_FILL`` of the budget's room
+    (less ``KEPT_RESERVE``) holds: the same chunks and blocks, fewer rows copied back."""
+    room = int(KEPT_FILL * ((request.budget or 0) - plan.predicted_peak)) - KEPT_RESERVE
+    if plan.kv != opt.kind or not opt.kept_row or room < opt.kept_row or plan.kv_kept >= opt.kept_max:
+        return plan
+    more = kept_option(opt, plan.kv_kept + room // opt.kept_row)
+    topped = request.make(plan.tier, plan.chunk, plan.ffn_slice, plan.head_groups, opt=more, blk=plan.kv_block,
+                          span=plan.q_span)
+    return topped if topped.predicted_peak <= request.budget else plan
+
+
 def _extra_seconds(request: GraphPlanRequest, plan: Plan) -> float:
     """What a below-the-floor plan costs over stock: L3 reruns projections per group, L4 copies K/V."""
     if plan.tier == Tier.L3:
         return (plan.head_groups - 1) * L3_GROUP_COST * request.costs.attention_s
-    opt = next(o for o in request.exact_kv if o.kind == plan.kv)
-    return request.staged_seconds(opt, plan.q_span or plan.chunk, plan.kv_block, plan.head_groups)
+    return request.staged_seconds(request.option(plan), plan.q_span or plan.chunk, plan.kv_block, plan.head_groups)
 
 
 def _refusal(variants: list[GraphPlanRequest]) -> BudgetError:
