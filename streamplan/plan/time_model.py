@@ -45,8 +45,9 @@ class Rates:
 
 # fitted on the benchmark device's sweep (docs/budgets-and-tiers.md, "The time model"); "meta" plans as for that
 # device, so `streamplan plan` shows what the benchmarks ran. The store's constants come from a store sweep and the
-# planner's own store plans on another GPU of like compute (which, and how alike: the same section of the docs)
-H200 = Rates(gemm=1.035e15, gemm_half_rows=0.0, attention=5.63e14, bandwidth=1.32e12, op_s=1.02e-5, group_rerun=2.38,
+# planner's own store plans on another GPU of like compute, and ``op_s`` from a sweep of row chunks there after the
+# host-cost cut (which, when, and how alike: the same section of the docs)
+H200 = Rates(gemm=1.035e15, gemm_half_rows=0.0, attention=5.63e14, bandwidth=1.32e12, op_s=6.43e-6, group_rerun=2.38,
              store_hidden=1.0, store_unhidden=0.0, store_share=0.598, merge_bandwidth=float("inf"),
              block_step_s=1.04e-4, group_step_s=1.448e-3)
 RATES = {"cuda": H200, "meta": H200}
