@@ -461,6 +461,7 @@ CHUNK_STEP_S = 5e-4
 # 256-feature slices
 SLICE_STEP_S = 1e-4
 # Q spans tried: this many chunks' queries attended per pass over a store
+SPAN_FACTORS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 # shares of a store's rows the planner tries keeping on the device, each fit then topped up to the budget (a choice:
 # each share is one more store search)
 KEPT_SHARES = (0.5, 0.75, 0.875)
@@ -469,7 +470,6 @@ KEPT_SHARES = (0.5, 0.75, 0.875)
 # its single blocks' room filled: 1 KiB over, 34 bytes over with 7/8 of it). Choices
 KEPT_FILL = 0.875
 KEPT_RESERVE = 64 << 10
-SPAN_FACTORS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 # each extra head group of L3 costs about this share of the attention's time (projections rerun, smaller attention
 # calls); calibrated on the benchmark device (docs/budgets-and-tiers.md, Calibration)
 L3_GROUP_COST = 0.1
