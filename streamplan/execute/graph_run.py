@@ -63,6 +63,14 @@ class PlainRun:
     run: Callable[[dict], None]
 
 
+def _compact(value: Any) -> Any:
+    """A value kept past its chunk (a static row's, ``_static_rows_once``) holding its own bytes: a view of the
+    chunk's rows would hold the whole chunk's storage, which the memory model does not count."""
+    if isinstance(value, torch.Tensor) and value.untyped_storage().nbytes() > value.numel() * value.element_size():
+        return value.clone()
+    return value
+
+
 class GraphRun:
     """One call of a captured block: its inputs bound, its constants computed, ready to run in chunks."""
 
@@ -198,6 +206,16 @@ class GraphRun:
             r = an.rows[ins[0]]
             if isinstance(dim, int) and (dim + ins[0].meta["val"].dim() if dim < 0 else dim) == r.dim:
                 self.layout.add(n)
+
+    def _later_chunk(self, a: int) -> bool:
+        """Whether the chunk from row ``a`` runs its dynamic rows alone (static rows, not a phase's first chunk). A
+        phase's first chunk computes the values without dynamic rows again: the earlier phase's are let go, so they
+        are not held through this one."""
+        if not self.static_mode:
+            return False
+        if a == 0:
+            self.cache.clear()
+        return a > 0
 
     def _dynamic(self, node: fx.Node, env: dict, rows: int) -> Any:
         """A node's value on a chunk of dynamic rows alone (``rows`` of them)."""
@@ -362,7 +380,7 @@ class GraphRun:
         else:
             env[node] = self._call(node, env)
             if self.static_mode and node in self.wanted:
-                self.cache[node] = env[node]
+                self.cache[node] = _compact(env[node])
         if watch and node in watch:
             self._made[node] = Made.of(env[node])
         self._drop(step, env, keep)
@@ -420,7 +438,7 @@ class GraphRun:
         if self.static_mode:
             for leaf in p.leaves:
                 if leaf in self.wanted:
-                    self.cache[leaf] = env[leaf]
+                    self.cache[leaf] = _compact(env[leaf])
 
     def _schedule(self, nodes: list[fx.Node], keep: set[fx.Node]) -> Schedule:
         """A phase's schedule (``graph.schedule``), worked out once per call and phase, not per chunk."""
@@ -495,7 +513,7 @@ class GraphRun:
 
             def work(a: int, b: int, att=att, nodes=nodes, bufs=bufs, store=store, keeps=keeps, kept=kept,
                      replay=replay) -> None:
-                dyn = self.static_mode and a > 0
+                dyn = self._later_chunk(a)
                 self._chunk = (a, b)   # a later phase KV that runs a kept attention reads its rows (``_attention``)
                 values = (att.k, att.v) if store is None else ()
                 wanted = {att.k, att.v, *(k.node for k in keeps)}
@@ -588,7 +606,7 @@ class GraphRun:
         held = self._held_rows(att, s0)
         q_all = None
         for a, b in chunk_bounds(s1 - s0, chunk, self.cap.min_rows):
-            dyn = self.static_mode and s0 + a > 0
+            dyn = self._later_chunk(s0 + a)
             q = self._run(q_nodes, self._inputs(s0 + a, s0 + b, dyn), s0 + a, {att.q}, b - a if dyn else None)[att.q]
             if q_all is None:
                 q_all = whole_buffer(q, held, s1 - s0)
@@ -664,7 +682,7 @@ class GraphRun:
         replay = self._replayer(chunk) if not span and not widened else None
 
         def work(a: int, b: int) -> None:
-            dyn = self.static_mode and a > 0
+            dyn = self._later_chunk(a)
             self._chunk = (a, b)
             lo, hi = max(0, a - self.an.halo[0]), min(self.rows, b + self.an.halo[1])
             if replay is not None and replay.takes(a, b):   # (with static rows: the dynamic rows, as every later chunk)
