@@ -42,6 +42,16 @@ def streamed(module, **options):
         handle.remove()
 
 
+def diffusers_case(name: str, rows: int, dtype: torch.dtype = torch.float32):
+    """The diffusers catalogue's block ``name`` (seeded) and its inputs at ``rows`` rows on the CPU: (module, args,
+    kwargs)."""
+    from streamplan.tools.catalogue.diffusers_cases import CASES
+    torch.manual_seed(0)
+    module = CASES[name].build()
+    args, kwargs = CASES[name].inputs(rows, torch.device("cpu"), dtype)
+    return module, args, kwargs
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """Max abs difference relative to the reference's max magnitude."""
     return ((out.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-30)).item()

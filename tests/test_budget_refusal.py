@@ -6,10 +6,8 @@ import pytest
 import torch
 
 import streamplan
-from conftest import rel_err
-from streamplan.tools.catalogue.diffusers_cases import CASES
+from conftest import diffusers_case, rel_err
 
-CPU = torch.device("cpu")
 ROWS = 1024
 
 
@@ -35,9 +33,7 @@ def _refused(module, call, budget):
 @pytest.mark.parametrize("name", ["wan", "minimax_h3", "flux_single"])
 @torch.no_grad()
 def test_a_captured_block_runs_under_the_smallest_budget_it_was_told(name):
-    torch.manual_seed(0)
-    block = CASES[name].build()
-    args, kwargs = CASES[name].inputs(ROWS, CPU, torch.float32)
+    block, args, kwargs = diffusers_case(name, ROWS)
     ref = _first(block(*args, **kwargs))
     err = _refused(block, lambda: block(*args, **kwargs), 2**16)
     smallest = err.smallest_bytes

@@ -11,19 +11,16 @@ pytest.importorskip("diffusers")
 
 import streamplan  # noqa: E402
 from streamplan.plan.planner import Tier  # noqa: E402
-from streamplan.tools.catalogue.diffusers_cases import CASES, TEXT  # noqa: E402
+from streamplan.tools.catalogue.diffusers_cases import TEXT  # noqa: E402
 
-from conftest import rel_err  # noqa: E402
+from conftest import diffusers_case, rel_err  # noqa: E402
 
 CPU = torch.device("cpu")
 N, CHUNK, SPAN = 400, 64, 256   # 7 chunks, 2 spans (the last one shorter)
 
 
 def _case(name, n=N):
-    torch.manual_seed(0)
-    module = CASES[name].build()
-    args, kwargs = CASES[name].inputs(n, CPU, torch.float32)
-    return module, args, kwargs
+    return diffusers_case(name, n)
 
 
 def _flux2_with_text(n: int, text: int):

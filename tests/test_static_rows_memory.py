@@ -10,9 +10,8 @@ pytest.importorskip("diffusers")
 
 import streamplan  # noqa: E402
 from streamplan.plan.planner import Tier  # noqa: E402
-from streamplan.tools.catalogue.diffusers_cases import CASES  # noqa: E402
 
-from conftest import rel_err  # noqa: E402
+from conftest import diffusers_case, rel_err, streamed  # noqa: E402
 
 CPU = torch.device("cpu")
 N, CHUNK = 2048, 256
@@ -27,12 +26,9 @@ def _leaves(x):
 @pytest.mark.parametrize("name", ["hunyuan_video_single", "flux_single", "flux2_single"])
 @torch.no_grad()
 def test_a_first_chunks_static_values_cost_what_the_model_counts(name):
-    torch.manual_seed(0)
-    module = CASES[name].build()
-    args, kwargs = CASES[name].inputs(N, CPU, torch.float32)
+    module, args, kwargs = diffusers_case(name, N)
     ref = _leaves(module(*args, **kwargs))
-    handle = streamplan.apply(module, chunk_tokens=CHUNK, capture="prefer")
-    try:
+    with streamed(module, chunk_tokens=CHUNK, capture="prefer") as handle:
         module(*args, **kwargs)
         out, peak = streamplan.measure_peak(lambda: module(*args, **kwargs), device=CPU)
         (plan,) = handle.plans[""]
@@ -42,5 +38,3 @@ def test_a_first_chunks_static_values_cost_what_the_model_counts(name):
             assert rel_err(o, r) <= 1e-5
         assert peak <= plan.predicted_peak * 1.001, (peak, plan.predicted_peak)
         assert peak >= plan.predicted_peak * 0.95, (peak, plan.predicted_peak)
-    finally:
-        handle.remove()

@@ -466,8 +466,8 @@ SPAN_FACTORS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 # each share is one more store search)
 KEPT_SHARES = (0.5, 0.75, 0.875)
 # of a store plan's room under its budget, the share its kept rows take, less a reserve: a plan the kept rows fill to
-# the byte turns the memory model's own small errors into a budget missed (a ComfyUI HunyuanVideo forward on the CPU,
-# its single blocks' room filled: 1 KiB over, 34 bytes over with 7/8 of it). Choices
+# the byte turns the memory model's own small errors into a budget missed (docs/budgets-and-tiers.md, "Rows kept on
+# the card"). Choices
 KEPT_FILL = 0.875
 KEPT_RESERVE = 64 << 10
 # each extra head group of L3 costs about this share of the attention's time (projections rerun, smaller attention
