@@ -95,10 +95,13 @@ def test_meta_wan_14b_chooses_the_fastest_legal_candidate(wan_meta, monkeypatch)
     assert plan.tier != Tier.L3, plan.describe()
 
 
-def test_meta_wan_14b_store_keeps_the_rows_its_budget_has_room_for(wan_meta, monkeypatch):
-    # at 32,768 rows under 1.15x the floor the fastest plan stages K/V on the host; the budget's room beyond it keeps
-    # the first rows on the card: less read back each pass, so faster by the planner's own model
-    module, inputs, budget = wan_meta
+def test_meta_store_keeps_the_rows_its_budget_has_room_for(monkeypatch):
+    # HunyuanVideo's double block at 32,768 rows under 1.15x the floor: the fastest plan stages K/V on the host (Wan's
+    # did until its chunks held less); the budget's room beyond it keeps the first rows on the card: less read back
+    # each pass, so faster by the planner's own model
+    fam = FAMILIES["hunyuan-double-block"]
+    module, inputs = on_meta(fam, ROWS, torch.bfloat16)
+    budget = int(_nbytes(inputs) + 1.15 * fam.floor_bytes_per_token(torch.bfloat16) * ROWS)
     seen = []
     candidates = planner._candidates
     monkeypatch.setattr(planner, "_candidates", lambda r, f: seen.append(r) or candidates(r, f))

@@ -217,8 +217,9 @@ class GraphRun:
             self.cache.clear()
         return a > 0
 
-    def _dynamic(self, node: fx.Node, env: dict, rows: int) -> Any:
-        """A node's value on a chunk of dynamic rows alone (``rows`` of them)."""
+    def _dynamic(self, node: fx.Node, env: dict, rows: int, over: fx.Node | None = None) -> Any:
+        """A node's value on a chunk of dynamic rows alone (``rows`` of them); ``over``: an operand of dynamic rows
+        alone it is written over (``phases.in_place``)."""
         if node in self.static_only:
             return self.cache.get(node)
         val = node.meta.get("val")
@@ -231,6 +232,8 @@ class GraphRun:
             if isinstance(out, list):                                     # split along the rows
                 return [env[node.args[0]] if isinstance(r, Rows) else None for r in out]
             return env[node.args[0]]                                      # slice keeping the dynamic rows
+        if over is not None:
+            return run_over(node, over, env, self._call)
         return self._call(node, env)
 
     # -- one node ---------------------------------------------------------------------------------------------
@@ -369,7 +372,7 @@ class GraphRun:
             env[node] = run_cut(self.an.fixed_cuts[node], env[node.args[0]], self.rows, a, rows is not None,
                                 self.cap.row_symbol)
         elif rows is not None:
-            env[node] = self._dynamic(node, env, rows)
+            env[node] = self._dynamic(node, env, rows, step.over)
         elif step.join is not None and (joined := run_join(step.join, node, env, built, into)) is not None:
             env[node] = joined
             del joined   # the name would hold the joined buffer to the chunk's end

@@ -26,9 +26,20 @@ def fresh_result(n: fx.Node, an: Analysis, avoid: set) -> bool:
     if not isinstance(n.target, torch._ops.OpOverload) or n.target.namespace != "aten":
         return False
     returns = n.target._schema.returns
-    if len(returns) != 1 or returns[0].alias_info is not None or op_name(n.target).endswith("_"):
+    if len(returns) != 1 or op_name(n.target).endswith("_"):
+        return False
+    if returns[0].alias_info is not None and not _converted(n):
         return False
     return dense(n) and isinstance(an.rows.get(n), Rows)
+
+
+def _converted(n: fx.Node) -> bool:
+    """A dtype conversion to another dtype (``to``, ``type_as``): its schema may return its input, but not where the
+    dtype changes, where it makes a new tensor (``is_view`` takes the same-dtype case)."""
+    if op_name(n.target) not in ("to", "type_as", "_to_copy") or not n.all_input_nodes:
+        return False
+    val, src = n.meta.get("val"), n.all_input_nodes[0].meta.get("val")
+    return isinstance(val, torch.Tensor) and isinstance(src, torch.Tensor) and val.dtype != src.dtype
 
 
 def can_write(p: fx.Node, whole: bool = True) -> bool:

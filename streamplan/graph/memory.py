@@ -119,15 +119,22 @@ class GraphMemory:
             if region is not None:   # (its slice replaces whatever else the exit would hold beside it)
                 calls.append((live_r, live_f, lambda rows, sl, r=region: int(self._region_peak(r, rows)
                                                                            * min(1.0, sl / r.ffn))))
-            else:   # what an opaque module allocates inside its call: a fixed part and a part per row
-                at_r, at_f = live_r + opaque_workspace(n, 1) - opaque_workspace(n, 0), \
-                    live_f + opaque_workspace(n, 0)
+            else:   # what an op allocates inside its call: a fixed part and a part per row
+                in_r, in_f = self._inside(n)
+                at_r, at_f = live_r + in_r, live_f + in_f
                 (attention if n in self.attention_nodes else moments).append((at_r, at_f))
             for m in frees.get(i, ()):
                 b = self._freed(owner, refs, m)
                 if b is not None:
                     live_r, live_f = live_r - self.per_row.get(b, 0), live_f - self.static.get(b, 0)
         return PhaseLines(_envelope(moments), _envelope(attention), tuple(calls), held, tuple(regions))
+
+    def _inside(self, n: fx.Node) -> tuple[int, int]:
+        """What ``n``'s call allocates inside it besides its result, (per row, fixed): an opaque module's declared
+        workspace, or a CPU RMSNorm's own float32 copies (``cpu_norm_copies``)."""
+        copies = cpu_norm_copies(n)
+        return (opaque_workspace(n, 1) - opaque_workspace(n, 0) + int(copies * self.per_row.get(n, 0)),
+                opaque_workspace(n, 0) + int(copies * self.static.get(n, 0)))
 
     def _runs(self, nodes: list[fx.Node], keep: set, reads: dict) -> list[RowRun]:
         """``find_runs`` once per capture, phase and MLP slicing: the planner prices many chunks and piece counts."""
@@ -152,8 +159,7 @@ class GraphMemory:
         the piece's rows beside them at its call."""
         key = ("pieces", id(run))
         if key not in self.compiled:
-            self.compiled[key] = (run, self._walk(run.nodes, run.dead, beside=lambda n, own: (
-                opaque_workspace(n, 1) - opaque_workspace(n, 0), opaque_workspace(n, 0))))
+            self.compiled[key] = (run, self._walk(run.nodes, run.dead, beside=lambda n, own: self._inside(n)))
         return _at(self.compiled[key][1], rows)
 
     def _region_peak(self, r, rows: int) -> int:
@@ -322,6 +328,23 @@ def graph_memory(an: Analysis, ph: Phases, rows: int, donated_outputs: set[int],
     consts = sum(static.get(n, 0) for n in _storages(ph.held_consts, allocates, set(an.const)))
     return GraphMemory(rows, per_row, static, allocates, ph, kv, out, {a.node for a in an.attentions}, an, pieces,
                        held, built, inputs, work, merging, consts)
+
+
+def cpu_norm_copies(n: fx.Node) -> float:
+    """How many of its results' bytes an RMSNorm on the CPU allocates inside its call: it computes in float32, so a
+    half-precision input is copied (1.5 results' worth at 2 bytes an element is one float32 copy and the float32
+    result) and a weight multiplies a float32 copy more (measured on torch 2.13's CPU kernel: bf16 or fp16 with a
+    weight 2.5 float32 copies beyond the result, without one 1.5; float32 with a weight 1, without none). CUDA's
+    is one fused kernel; meta tensors plan for it."""
+    if n.op != "call_function" or op_name(n.target) not in ("rms_norm", "_fused_rms_norm"):
+        return 0.0
+    val = n.meta.get("val")
+    val = val[0] if isinstance(val, (tuple, list)) else val
+    if not isinstance(val, torch.Tensor) or val.device.type != "cpu" or not val.is_floating_point():
+        return 0.0
+    weighted = len(n.args) > 2 and n.args[2] is not None or n.kwargs.get("weight") is not None
+    wide = 4 / val.element_size()   # one float32 copy, in results' worth
+    return wide * ((1.5 if val.element_size() < 4 else 0.0) + (1.0 if weighted else 0.0))
 
 
 def _storages(values, allocates: dict, const: set) -> set[fx.Node]:

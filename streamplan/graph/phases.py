@@ -7,6 +7,7 @@ from __future__ import annotations
 import operator
 from dataclasses import dataclass, field
 
+import torch
 from torch import fx
 
 from .analyze import VIEW_OPS, Analysis, Rows, op_name, written_args
@@ -15,7 +16,7 @@ from .export import Captured
 from .in_place import find_reuse
 from .joins_in_place import Join, find_joins
 from .reduced_attentions import tail_nodes
-from .row_pieces import is_view
+from .row_pieces import dynamic_rows, is_view, storage_node
 
 
 @dataclass(eq=False)
@@ -75,6 +76,61 @@ def ancestors(roots: list[fx.Node], stop: set[fx.Node], extra: dict[fx.Node, set
     return seen
 
 
+FRESH_BUFFERS = {"empty", "empty_like", "new_empty", "zeros", "zeros_like", "new_zeros"}
+
+
+def _fills_new_buffer(n: fx.Node) -> bool:
+    """``n`` writes in place into (views of) a buffer an allocation op made."""
+    if n.op != "call_function" or n.target is operator.getitem:
+        return False
+    written = written_args(n)
+    return bool(written) and all(
+        storage_node(w).op == "call_function" and isinstance(storage_node(w).target, torch._ops.OpOverload)
+        and op_name(storage_node(w).target) in FRESH_BUFFERS for w in written)
+
+
+def sunk(nodes: list[fx.Node], an: Analysis) -> list[fx.Node]:
+    """``nodes`` with each value made as late as it may be: just before its first reader, where everything it reads
+    is read there or later anyway (so nothing lives longer) and nothing between writes in place. A gated residual's
+    ``x.float() + y.float() * gate`` then converts ``x`` after the product, not beside both: one fp32 row less at its
+    worst moment. The same ops on the same values: exact."""
+    order = list(nodes)
+    for n in reversed(nodes):
+        if not _sinkable(n, an):
+            continue
+        pos = {m: i for i, m in enumerate(order)}
+        here = pos[n]
+        first = min((pos[u] for u in n.users if u in pos), default=None)
+        if first is None or first <= here + 1 or any(_writes(m) for m in order[here + 1:first]):
+            continue
+        if all(_alive_at(m, n, first, pos, an) for m in n.all_input_nodes):
+            order.insert(first - 1, order.pop(here))
+    return order
+
+
+def _sinkable(n: fx.Node, an: Analysis) -> bool:
+    """A value of its own made by a pure, deterministic op (no view: it costs nothing where it is)."""
+    if n.op != "call_function" or _writes(n) or is_view(n) or n in an.const:
+        return False
+    if any(n is a.node for a in [*an.attentions, *an.reduced]):
+        return False
+    name = op_name(n.target) if isinstance(n.target, torch._ops.OpOverload) else ""
+    return bool(name) and not any(w in name for w in ("rand", "bernoulli", "dropout", "empty"))
+
+
+def _writes(n: fx.Node) -> bool:
+    return n.op == "call_function" and n.target is not operator.getitem and (
+        bool(written_args(n)) or (isinstance(n.target, torch._ops.OpOverload) and op_name(n.target).endswith("_")))
+
+
+def _alive_at(m: fx.Node, n: fx.Node, at: int, pos: dict, an: Analysis) -> bool:
+    """``m`` is alive at position ``at`` whether or not ``n`` reads it there: held whole (a weight, a constant),
+    no tensor, or read again at ``at`` or later."""
+    if m.op == "get_attr" or m in an.const or not isinstance(m.meta.get("val"), torch.Tensor):
+        return True
+    return any(u is not n and pos.get(u, -1) >= at for u in m.users)
+
+
 def phases_of(cap: Captured, an: Analysis) -> Phases:
     order = [n for n in cap.graph.nodes if n.op == "call_function" and n not in an.ignored]
     const = [n for n in order if n in an.const]
@@ -91,12 +147,12 @@ def phases_of(cap: Captured, an: Analysis) -> Phases:
         need = ancestors([att.k, att.v, *late], stop, extra)
         # K's chain first, then what V alone needs: V's projection is not held through K's norm and rotary
         first = ancestors([att.k], stop, extra) if not late else need
-        kv.append([n for n in order if n in first] + [n for n in order if n in need and n not in first])
+        kv.append(sunk([n for n in order if n in first] + [n for n in order if n in need and n not in first], an))
     q_only = {att.node: [att.q, *(w for w in extra.get(att.node, ()) if base.get(w) == base.get(att.q, att.q))]
               for att in an.attentions}
     tail = tail_nodes(an)
     need = ancestors(q_roots(an, tail) + list(extra.get(output, ())), stop, extra, q_only)
-    q = [n for n in order if n in need]
+    q = sunk([n for n in order if n in need], an)
     values = [v for att in an.attentions for v in (att.k, att.v)] + rowed_outputs(an)
     producers = {v: p for v in values if (p := producer(v, an)) is not None}
     # a donated output's producer overwrites the input's rows: nothing after it in phase Q may read them
@@ -131,8 +187,12 @@ def in_place(nodes: list[fx.Node], an: Analysis, ph: Phases, keep: set) -> tuple
     key = (tuple(nodes), frozenset(keep))
     if key in ph.done:
         return ph.done[key]
-    if an.static_rows:   # computed once per phase, not per chunk: nothing of theirs in place
-        found: tuple[dict, dict] = ({}, {})
+    if an.static_rows:   # static rows are computed once per phase and their values kept for later chunks, and a
+        # join along the rows hands a later chunk its dynamic input itself: only values of dynamic rows alone, made
+        # per chunk, are written over, and no join is built in place
+        avoid = {a.node for a in [*an.attentions, *an.reduced]} | set(ph.producers.values()) | {
+            n for n in nodes if not dynamic_rows(an.rows.get(n))}
+        found: tuple[dict, dict] = ({}, find_reuse(nodes, an, keep, avoid))
     else:
         joins = find_joins(nodes, an)
         # a join's slots are slices of its buffer; a join itself is a buffer of its own unless it writes into one
@@ -162,11 +222,15 @@ def rowed_outputs(an: Analysis) -> list[fx.Node]:
 
 def last_uses(nodes: list[fx.Node], extra: dict | None = None) -> dict[int, list[fx.Node]]:
     """After which node each value is used for the last time; ``extra`` adds inputs a node reads off the graph's edges
-    (a feature-sliced MLP's exit reads its region's inputs)."""
+    (a feature-sliced MLP's exit reads its region's inputs). A write nothing reads the result of, into a buffer the
+    graph made for it (a rotary's halves copied into an ``empty_like``), goes after its own node: kept, its result
+    (an alias) would hold that buffer to the phase's end."""
     last: dict[fx.Node, int] = {}
     for i, n in enumerate(nodes):
         for m in [*n.all_input_nodes, *(extra or {}).get(n, ())]:
             last[m] = i
+        if not n.users and _fills_new_buffer(n):
+            last[n] = i
     frees: dict[int, list[fx.Node]] = {}
     for m, i in last.items():
         frees.setdefault(i, []).append(m)
