@@ -95,16 +95,17 @@ def sunk(nodes: list[fx.Node], an: Analysis) -> list[fx.Node]:
     ``x.float() + y.float() * gate`` then converts ``x`` after the product, not beside both: one fp32 row less at its
     worst moment. The same ops on the same values: exact."""
     order = list(nodes)
+    pos = {m: i for i, m in enumerate(order)}
     for n in reversed(nodes):
         if not _sinkable(n, an):
             continue
-        pos = {m: i for i, m in enumerate(order)}
         here = pos[n]
         first = min((pos[u] for u in n.users if u in pos), default=None)
         if first is None or first <= here + 1 or any(_writes(m) for m in order[here + 1:first]):
             continue
         if all(_alive_at(m, n, first, pos, an) for m in n.all_input_nodes):
             order.insert(first - 1, order.pop(here))
+            pos = {m: i for i, m in enumerate(order)}   # (moves are few: the positions again only after one)
     return order
 
 
