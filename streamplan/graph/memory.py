@@ -331,11 +331,10 @@ def graph_memory(an: Analysis, ph: Phases, rows: int, donated_outputs: set[int],
 
 
 def cpu_norm_copies(n: fx.Node) -> float:
-    """How many of its results' bytes an RMSNorm on the CPU allocates inside its call: it computes in float32, so a
-    half-precision input is copied (1.5 results' worth at 2 bytes an element is one float32 copy and the float32
-    result) and a weight multiplies a float32 copy more (measured on torch 2.13's CPU kernel: bf16 or fp16 with a
-    weight 2.5 float32 copies beyond the result, without one 1.5; float32 with a weight 1, without none). CUDA's
-    is one fused kernel; meta tensors plan for it."""
+    """How many of its results' bytes an RMSNorm on the CPU allocates inside its call. The CPU kernel computes in
+    float32: a half-precision input is copied to float32 and normalised there, its result converted back (1.5 float32
+    copies beyond the result), and a weight multiplies in float32 once more (one copy more). ``tests/test_made_late.py``
+    holds this against the meter for each case. CUDA's is one fused kernel, and meta tensors plan for it."""
     if n.op != "call_function" or op_name(n.target) not in ("rms_norm", "_fused_rms_norm"):
         return 0.0
     val = n.meta.get("val")
