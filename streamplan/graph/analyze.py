@@ -115,6 +115,10 @@ _SOFTMAX = {"softmax", "_softmax", "log_softmax", "_log_softmax", "cumsum", "cum
 _NORMS = {"layer_norm", "native_layer_norm", "rms_norm", "_fused_rms_norm"}
 MATMUL_OPS = {"linear", "matmul", "mm", "bmm", "addmm", "baddbmm"}
 _CREATE = {"new_zeros", "new_ones", "new_full", "new_empty", "zeros", "ones", "full", "empty"}
+# dtype conversions: a new tensor where the dtype changes, the input itself (or an alias) where it does not
+DTYPE_CONVERSIONS = ("to", "_to_copy", "type_as")
+# ops that make a fresh buffer of their own (nothing read but shapes, dtypes, a fill value)
+FRESH_BUFFERS = _CREATE | {"empty_like", "zeros_like", "ones_like", "full_like", "empty_strided"}
 SDPA_OPS = {"scaled_dot_product_attention", "eager_attention",   # the second: graph/eager_attention.py
             "flex_block_attention"}   # attention.flex: a flex mask of full blocks held as its tables
 
@@ -143,6 +147,13 @@ def written_args(node: fx.Node) -> list[fx.Node]:
             if isinstance(v, fx.Node):
                 out.append(v)
     return out
+
+
+def writes_in_place(n: fx.Node) -> bool:
+    """``n`` writes into a value it was given: an in-place op (its name ends in ``_``) or one whose schema marks an
+    argument written."""
+    return n.op == "call_function" and n.target is not operator.getitem and (
+        op_name(n.target).endswith("_") or bool(written_args(n)))
 
 
 def bind(node: fx.Node) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from .analyze import Analysis, Rows, op_name, pointwise, written_args
+from .analyze import Analysis, Rows, op_name, pointwise, written_args, writes_in_place
 from .row_pieces import storage_node, is_view
 from ..specs import address, storage_address
 
@@ -80,7 +80,7 @@ def _written(p: fx.Node) -> bool:
         if n in seen:
             continue
         seen.add(n)
-        if n.op == "call_function" and (op_name(n.target).endswith("_") or written_args(n)):
+        if writes_in_place(n):
             return True
         todo.extend(u for u in n.users if u.op == "call_function" and (
             is_view(u) or op_name(u.target).endswith("_") or n in written_args(u)))

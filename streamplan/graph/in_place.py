@@ -12,7 +12,7 @@ from torch import fx
 
 from .node_calls import call_node_out
 
-from .analyze import Analysis, Rows, op_name, pointwise
+from .analyze import DTYPE_CONVERSIONS, Analysis, Rows, op_name, pointwise
 from .direct_writes import has_out
 from .row_pieces import is_view
 
@@ -36,7 +36,7 @@ def fresh_result(n: fx.Node, an: Analysis, avoid: set) -> bool:
 def _converted(n: fx.Node) -> bool:
     """A dtype conversion to another dtype (``to``, ``type_as``): its schema may return its input, but not where the
     dtype changes, where it makes a new tensor (``is_view`` takes the same-dtype case)."""
-    if op_name(n.target) not in ("to", "type_as", "_to_copy") or not n.all_input_nodes:
+    if op_name(n.target) not in DTYPE_CONVERSIONS or not n.all_input_nodes:
         return False
     val, src = n.meta.get("val"), n.all_input_nodes[0].meta.get("val")
     return isinstance(val, torch.Tensor) and isinstance(src, torch.Tensor) and val.dtype != src.dtype

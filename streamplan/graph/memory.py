@@ -10,7 +10,7 @@ from typing import Callable
 import torch
 from torch import fx
 
-from .analyze import Analysis, Rows, op_name, numel_besides
+from .analyze import DTYPE_CONVERSIONS, Analysis, Rows, op_name, numel_besides
 from .analyze import VIEW_OPS
 from ..registries import ROW_CONTRACTION_WORKSPACE
 from .phases import Phases, in_place, last_uses
@@ -293,7 +293,7 @@ def graph_memory(an: Analysis, ph: Phases, rows: int, donated_outputs: set[int],
         same_dtype = all(isinstance(m.meta.get("val"), torch.Tensor) and isinstance(val, torch.Tensor)
                          and m.meta["val"].dtype == val.dtype for m in n.all_input_nodes[:1])
         allocates[n] = not (name in VIEW_OPS or n.target is operator.getitem or name.endswith("_")
-                            or (name in ("to", "_to_copy", "type_as") and same_dtype))
+                            or (name in DTYPE_CONVERSIONS and same_dtype))
     kv = 0
     for att in an.attentions:
         for t in (att.k, att.v):

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
-from .analyze import VIEW_OPS, Analysis, Rows, op_name, written_args
+from .analyze import FRESH_BUFFERS, VIEW_OPS, Analysis, Rows, op_name, written_args, writes_in_place
 from .direct_writes import producer
 from .export import Captured
 from .in_place import find_reuse
@@ -76,17 +76,13 @@ def ancestors(roots: list[fx.Node], stop: set[fx.Node], extra: dict[fx.Node, set
     return seen
 
 
-FRESH_BUFFERS = {"empty", "empty_like", "new_empty", "zeros", "zeros_like", "new_zeros"}
-
-
 def _fills_new_buffer(n: fx.Node) -> bool:
     """``n`` writes in place into (views of) a buffer an allocation op made."""
     if n.op != "call_function" or n.target is operator.getitem:
         return False
-    written = written_args(n)
-    return bool(written) and all(
-        storage_node(w).op == "call_function" and isinstance(storage_node(w).target, torch._ops.OpOverload)
-        and op_name(storage_node(w).target) in FRESH_BUFFERS for w in written)
+    bases = [storage_node(w) for w in written_args(n)]
+    return bool(bases) and all(b.op == "call_function" and isinstance(b.target, torch._ops.OpOverload)
+                               and op_name(b.target) in FRESH_BUFFERS for b in bases)
 
 
 def sunk(nodes: list[fx.Node], an: Analysis) -> list[fx.Node]:
@@ -96,12 +92,13 @@ def sunk(nodes: list[fx.Node], an: Analysis) -> list[fx.Node]:
     worst moment. The same ops on the same values: exact."""
     order = list(nodes)
     pos = {m: i for i, m in enumerate(order)}
+    attentions = {a.node for a in [*an.attentions, *an.reduced]}
     for n in reversed(nodes):
-        if not _sinkable(n, an):
+        if n in attentions or not _sinkable(n, an):
             continue
         here = pos[n]
         first = min((pos[u] for u in n.users if u in pos), default=None)
-        if first is None or first <= here + 1 or any(_writes(m) for m in order[here + 1:first]):
+        if first is None or first <= here + 1 or any(writes_in_place(m) for m in order[here + 1:first]):
             continue
         if all(_alive_at(m, n, first, pos, an) for m in n.all_input_nodes):
             order.insert(first - 1, order.pop(here))
@@ -110,18 +107,12 @@ def sunk(nodes: list[fx.Node], an: Analysis) -> list[fx.Node]:
 
 
 def _sinkable(n: fx.Node, an: Analysis) -> bool:
-    """A value of its own made by a pure, deterministic op (no view: it costs nothing where it is)."""
-    if n.op != "call_function" or _writes(n) or is_view(n) or n in an.const:
-        return False
-    if any(n is a.node for a in [*an.attentions, *an.reduced]):
+    """A value of its own made by a pure, deterministic op: no view (it costs nothing where it is), no fresh buffer
+    (the writes after it fill it)."""
+    if n.op != "call_function" or writes_in_place(n) or is_view(n) or n in an.const:
         return False
     name = op_name(n.target) if isinstance(n.target, torch._ops.OpOverload) else ""
-    return bool(name) and not any(w in name for w in ("rand", "bernoulli", "dropout", "empty"))
-
-
-def _writes(n: fx.Node) -> bool:
-    return n.op == "call_function" and n.target is not operator.getitem and (
-        bool(written_args(n)) or (isinstance(n.target, torch._ops.OpOverload) and op_name(n.target).endswith("_")))
+    return bool(name) and name not in FRESH_BUFFERS and not any(w in name for w in ("rand", "bernoulli", "dropout"))
 
 
 def _alive_at(m: fx.Node, n: fx.Node, at: int, pos: dict, an: Analysis) -> bool:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from .analyze import MATMUL_OPS, SDPA_OPS, VIEW_OPS, Analysis, Rows, op_name, written_args
+from .analyze import MATMUL_OPS, SDPA_OPS, VIEW_OPS, Analysis, Rows, op_name, written_args, writes_in_place
 from .opaque_layers import OPS as OPAQUE_OPS
 
 
@@ -74,8 +74,7 @@ def find_runs(nodes: list[fx.Node], an: Analysis, keep: set, extra: dict | None 
     a node reads off the graph's edges (a feature-sliced MLP's exit)."""
     if an.input_writes or an.static_rows:
         return []
-    if any(n.op == "call_function" and (op_name(n.target).endswith("_") or written_args(n)) for n in nodes
-           if n.target is not operator.getitem):
+    if any(writes_in_place(n) for n in nodes):
         return []
     attention = {a.node for a in an.attentions} | {r.node for r in an.reduced}
     segments, seg = [], []
